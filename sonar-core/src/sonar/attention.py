@@ -1,0 +1,114 @@
+"""The attention-backend interface over the paged KV cache.
+
+The model runner lays out one step's tokens sequence by sequence, **decodes first**: the first
+``num_decodes`` sequences have exactly one new token each, the rest are prefill chunks (new
+tokens appended after an already-cached context, which may come from the prefix cache or an
+earlier chunk). Each layer's KV cache is one tensor
+``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values); token ``i``
+of the step is written to flat slot ``slot_mapping[i]`` = ``block_id * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """One step's batch layout, shared by every layer."""
+
+    num_decodes: int  # sequences [0, num_decodes) have query_len == 1
+    num_decode_tokens: int  # == num_decodes
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32, device
+    seq_lens: torch.Tensor  # [num_seqs] int32, device: context + new tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32, device (padded with 0)
+    slot_mapping: torch.Tensor  # [num_tokens] int64, device
+    max_query_len: int
+    max_seq_len: int
+    query_start_loc_cpu: list[int]  # host copies, for backends that loop over prefills
+    seq_lens_cpu: list[int]
+    extra: Any = None  # backend-specific precomputed state (built by prepare_metadata)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_start_loc_cpu[-1]
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """What a model's attention layers need for one step, passed explicitly down the forward."""
+
+    attn_metadata: AttentionMetadata | None  # None: no KV cache (profiling / plain forward)
+    kv_caches: list[torch.Tensor]  # one per layer
+
+
+class AttentionBackend:
+    """Paged attention for one layer shape. A platform names its subclass in
+    ``Platform.attention_backend_cls``.
+
+    One instance serves every layer of a model with the same shape; the layer passes its own
+    KV-cache tensor in.
+    """
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+    ) -> None:
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+
+    @classmethod
+    def prepare_metadata(cls, metadata: AttentionMetadata) -> None:
+        """Precompute backend state for a step (stored in ``metadata.extra``); once per step."""
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write ``key``/``value`` into the cache at ``slot_mapping``, then attend each new token
+        causally over its sequence's cached context plus the new tokens before it."""
+        raise NotImplementedError
+
+
+def reference_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """A slow, obviously-correct paged attention in float32, for tests."""
+    k_cache, v_cache = kv_cache[0], kv_cache[1]
+    num_blocks, block_size = k_cache.shape[:2]
+    flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
+    flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
+    flat_k[metadata.slot_mapping] = key.to(flat_k.dtype)
+    flat_v[metadata.slot_mapping] = value.to(flat_v.dtype)
+    out = torch.empty_like(query)
+    num_heads, num_kv_heads = query.shape[1], key.shape[1]
+    group = num_heads // num_kv_heads
+    for i in range(metadata.num_seqs):
+        start, end = metadata.query_start_loc_cpu[i], metadata.query_start_loc_cpu[i + 1]
+        seq_len = metadata.seq_lens_cpu[i]
+        q_len = end - start
+        num_blocks_used = (seq_len + block_size - 1) // block_size
+        blocks = metadata.block_tables[i, :num_blocks_used].long()
+        slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten()[:seq_len]
+        k = flat_k[slots].float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, d]
+        v = flat_v[slots].float().repeat_interleave(group, dim=1)
+        q = query[start:end].float()
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        mask = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]
+        scores.masked_fill_(mask[None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(out.dtype)
+    return out

@@ -1,0 +1,107 @@
+"""Sonar's plugin interfaces, as pluggy hookspecs.
+
+A plugin is a module (or object) whose functions carry the ``@hookimpl`` marker and are named
+after the specs below. Sonar discovers plugin modules from the ``sonar.plugins`` entry-point
+group and registers each into one pluggy ``PluginManager`` (see ``sonar.plugins``). First-party
+packages (sonar-cpu, sonar-models, sonar-server) register exactly this way.
+
+Registration hooks take a ``register`` callback; call it once per thing you provide. An
+implementation may accept fewer arguments than its spec: specs grow, they don't break.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import pluggy
+
+PROJECT_NAME = "sonar"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+# ---------------------------------------------------------------------------------------------
+# Platforms
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def sonar_register_platforms(register: Callable[..., None]) -> None:
+    """Register hardware platforms.
+
+    Call ``register(name, detect)`` for each platform, where:
+
+    :param register: ``register(name: str, detect: Callable[[], str | None])``. ``name`` is the
+        short platform name users pass in ``SONAR_PLATFORM`` (``"cpu"``, ``"cuda"``).
+        ``detect()`` must be cheap and import nothing heavy: it returns the dotted path
+        ``"package.module:PlatformClass"`` of a ``sonar.platform.Platform`` subclass when its
+        hardware is present, or None (logging at debug level why not).
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and weights
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def sonar_register_models(register: Callable[..., None]) -> None:
+    """Register model architectures.
+
+    :param register: ``register(architecture: str, class_path: str)``. ``architecture`` is the
+        name found in a Hugging Face ``config.json`` ``architectures`` list
+        (``"LlamaForCausalLM"``); ``class_path`` is ``"package.module:ClassName"`` of a
+        ``torch.nn.Module`` following ``sonar.model_interface.CausalLM``. The class is imported
+        only when a model of that architecture is loaded.
+    """
+
+
+@hookspec
+def sonar_register_weight_formats(register: Callable[..., None]) -> None:
+    """Register checkpoint formats (how a model path becomes a config, a tokenizer and weights).
+
+    :param register: ``register(name: str, fmt: sonar.model_interface.WeightFormat)``. The
+        engine asks each format in registration order whether it ``detect``\\ s the model path;
+        ``load_format=name`` forces one (``"dummy"`` builds random weights from a config alone).
+    """
+
+
+@hookspec
+def sonar_register_quantization_methods(register: Callable[..., None]) -> None:
+    """Register quantization methods (how quantized checkpoint tensors map to runtime tensors and
+    which linear layer runs them).
+
+    :param register: ``register(name: str, class_path: str)``; ``name`` is what users pass as
+        ``quantization=`` and what checkpoints carry in ``quantization_config.quant_method``.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def sonar_register_logits_processors(register: Callable[..., None]) -> None:
+    """Register batch-level logits processors.
+
+    :param register: ``register(name: str, factory: Callable[[], sonar.sampler.LogitsProcessor])``.
+        A processor is applied in the sampler to the rows of the requests that name it in
+        ``SamplingParams.logits_processors``; a batch where nobody names it pays nothing.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Server
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def sonar_register_api_surfaces(register: Callable[..., None]) -> None:
+    """Register HTTP API surfaces for ``sonar serve``.
+
+    :param register: ``register(name: str, install: Callable[[Any, Any], None])``. The server
+        calls ``install(app, state)`` for each surface selected by ``--api`` (all by default),
+        with the FastAPI app and the server state (engine client, tokenizer, settings).
+    """

@@ -1,0 +1,74 @@
+"""What the engine expects of a model class and of a weight format.
+
+A model class (registered with ``sonar_register_models``) is a ``torch.nn.Module`` with::
+
+    def __init__(self, hf_config: PretrainedConfig, attention: AttentionFactory) -> None
+    def forward(self, input_ids: Tensor [T], positions: Tensor [T], ctx: ForwardContext) -> Tensor [T, hidden]
+    def compute_logits(self, hidden_states: Tensor [N, hidden]) -> Tensor [N, vocab] (float32)
+    def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None  # Hugging Face names
+    num_layers: int; num_kv_heads: int; head_dim: int  # for sizing the KV cache
+
+Each attention layer holds ``attention(num_heads, num_kv_heads, head_dim, scale, layer_idx)``
+and calls it as ``attn(q, k, v, ctx)``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+
+from sonar.attention import AttentionBackend, ForwardContext, reference_attention
+
+
+class PagedAttention(torch.nn.Module):
+    """One layer's attention over its slice of the paged KV cache."""
+
+    def __init__(self, backend: AttentionBackend | None, layer_idx: int, scale: float) -> None:
+        super().__init__()
+        self.backend = backend
+        self.layer_idx = layer_idx
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        kv_cache = ctx.kv_caches[self.layer_idx]
+        if self.backend is None:
+            return reference_attention(q, k, v, kv_cache, ctx.attn_metadata, self.scale)
+        return self.backend.forward(q, k, v, kv_cache, ctx.attn_metadata)
+
+
+AttentionFactory = Callable[[int, int, int, float, int], PagedAttention]
+
+
+def make_attention_factory(backend_cls: type[AttentionBackend] | None) -> AttentionFactory:
+    """A factory that shares one backend instance per distinct layer shape."""
+    backends: dict[tuple, AttentionBackend] = {}
+
+    def factory(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int) -> PagedAttention:
+        if backend_cls is None:
+            return PagedAttention(None, layer_idx, scale)
+        shape = (num_heads, num_kv_heads, head_dim, scale)
+        if shape not in backends:
+            backends[shape] = backend_cls(num_heads, num_kv_heads, head_dim, scale)
+        return PagedAttention(backends[shape], layer_idx, scale)
+
+    return factory
+
+
+class WeightFormat(Protocol):
+    """How a model path becomes a config, a tokenizer and a stream of weights."""
+
+    name: str
+
+    def detect(self, model_path: Path) -> bool:
+        """Whether this format reads ``model_path`` (a folder or a file)."""
+
+    def load_hf_config(self, model_path: Path) -> Any:
+        """A ``transformers.PretrainedConfig`` for the model."""
+
+    def load_tokenizer(self, model_path: Path) -> Any:
+        """A Hugging Face tokenizer (with its chat template where the checkpoint has one)."""
+
+    def iter_weights(self, model_path: Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """Tensors under their Hugging Face names (``model.layers.0.self_attn.q_proj.weight``)."""

@@ -1,0 +1,127 @@
+"""The Platform interface and its selection.
+
+A platform is a class of class attributes and classmethods with safe defaults. Heavy classes
+(worker, attention backend) are named as dotted strings and imported only when used, so that
+detecting one platform never imports another's kernels.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from sonar.plugins import collect
+from sonar.registry import import_class
+
+logger = logging.getLogger(__name__)
+
+
+class Platform:
+    """Base class for hardware platforms. Subclass it and register it with
+    ``sonar_register_platforms``."""
+
+    #: Short name, as users pass it in ``SONAR_PLATFORM``.
+    name: str = "unspecified"
+    #: torch device type (``"cpu"``, ``"cuda"``).
+    device_type: str = "cpu"
+    #: ``"module:Class"`` of the worker that runs the model on one device.
+    worker_cls: str = ""
+    #: ``"module:Class"`` of the attention backend over the paged KV cache.
+    attention_backend_cls: str = ""
+    #: dtypes this platform can run, first is the default for ``dtype="auto"`` when the
+    #: checkpoint's own dtype is not supported.
+    supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+    #: torch.distributed backend for multi-device runs.
+    dist_backend: str = "gloo"
+
+    @classmethod
+    def device(cls, index: int = 0) -> torch.device:
+        """The torch device for local rank ``index``."""
+        return torch.device(cls.device_type)
+
+    @classmethod
+    def total_memory_bytes(cls) -> int:
+        """Memory of one device, used by ``gpu_memory_utilization`` to size the KV cache."""
+        raise NotImplementedError
+
+    @classmethod
+    def available_memory_bytes(cls) -> int:
+        """Memory free for the KV cache right now (after weights are loaded)."""
+        raise NotImplementedError
+
+    @classmethod
+    def describe(cls) -> str:
+        """One line for ``sonar plugins``: the device and its memory."""
+        return cls.name
+
+    @classmethod
+    def synchronize(cls) -> None:
+        """Wait for all queued device work (used by benchmarks)."""
+
+
+@dataclass(slots=True)
+class PlatformSelection:
+    platform: type[Platform] | None
+    reason: str
+    candidates: dict[str, str | None] = field(default_factory=dict)  # name -> class path or None
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+def detect_platforms() -> PlatformSelection:
+    """Run every registered detector and choose one platform, with the reason why."""
+    candidates: dict[str, str | None] = {}
+    errors: dict[str, str] = {}
+    for name, detect in collect("sonar_register_platforms"):
+        try:
+            candidates[name] = detect()
+        except Exception as exc:  # a detector must never break the others
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            candidates[name] = None
+            logger.warning("platform %r detection failed: %s", name, exc)
+    forced = os.environ.get("SONAR_PLATFORM", "").strip()
+    active = {name: path for name, path in candidates.items() if path}
+    if forced:
+        if forced not in candidates:
+            raise RuntimeError(
+                f"SONAR_PLATFORM={forced!r} but no such platform is registered; "
+                f"registered: {sorted(candidates)}"
+            )
+        if not active.get(forced):
+            raise RuntimeError(f"SONAR_PLATFORM={forced!r} but that platform's hardware was not detected")
+        return PlatformSelection(import_class(active[forced]), f"forced by SONAR_PLATFORM={forced}", candidates, errors)
+    # the CPU platform is the fallback: any accelerator wins over it
+    accelerators = {n: p for n, p in active.items() if n != "cpu"}
+    if len(accelerators) > 1:
+        raise RuntimeError(
+            f"several platforms detected their hardware: {sorted(accelerators)}; "
+            f"choose one with SONAR_PLATFORM=<name>"
+        )
+    if accelerators:
+        (name, path), = accelerators.items()
+        return PlatformSelection(import_class(path), f"{name} hardware detected", candidates, errors)
+    if "cpu" in active:
+        return PlatformSelection(import_class(active["cpu"]), "no accelerator detected; CPU fallback", candidates, errors)
+    return PlatformSelection(None, "no platform detected (is sonar-cpu installed?)", candidates, errors)
+
+
+_current: type[Platform] | None = None
+
+
+def current_platform() -> type[Platform]:
+    """The selected platform for this process (selected once, then cached)."""
+    global _current
+    if _current is None:
+        selection = detect_platforms()
+        if selection.platform is None:
+            raise RuntimeError(selection.reason)
+        logger.info("platform: %s (%s)", selection.platform.name, selection.reason)
+        _current = selection.platform
+    return _current
+
+
+def reset_platform() -> None:
+    global _current
+    _current = None

@@ -1,0 +1,51 @@
+"""Name → implementation lookups built from the registration hooks."""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from typing import Any
+
+from sonar.plugins import collect
+
+
+def import_class(path: str) -> Any:
+    module_name, _, attr = path.partition(":")
+    module = importlib.import_module(module_name)
+    return getattr(module, attr) if attr else module
+
+
+@functools.cache
+def model_architectures() -> dict[str, str]:
+    return {arch: path for arch, path in collect("sonar_register_models")}
+
+
+@functools.cache
+def weight_formats() -> dict[str, Any]:
+    return {name: fmt for name, fmt in collect("sonar_register_weight_formats")}
+
+
+@functools.cache
+def quantization_methods() -> dict[str, str]:
+    return {name: path for name, path in collect("sonar_register_quantization_methods")}
+
+
+@functools.cache
+def logits_processors() -> dict[str, Any]:
+    return {name: factory for name, factory in collect("sonar_register_logits_processors")}
+
+
+def resolve_model_class(architectures: list[str]) -> type:
+    known = model_architectures()
+    for arch in architectures:
+        if arch in known:
+            return import_class(known[arch])
+    raise ValueError(
+        f"model architectures {architectures} are not supported; "
+        f"registered architectures: {sorted(known)} (install a plugin that provides one)"
+    )
+
+
+def clear_caches() -> None:
+    for fn in (model_architectures, weight_formats, quantization_methods, logits_processors):
+        fn.cache_clear()

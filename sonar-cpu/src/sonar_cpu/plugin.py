@@ -1,0 +1,1 @@
+from sonar.hookspecs import hookimpl

@@ -1,0 +1,1 @@
+"""Sonar model architectures and weight formats."""
