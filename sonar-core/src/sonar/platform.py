@@ -52,6 +52,21 @@ class Platform:
         """Memory free for the KV cache right now (after weights are loaded)."""
         raise NotImplementedError
 
+    #: Upper bound on the KV cache when sized by ``gpu_memory_utilization`` (None: no bound).
+    #: Host-memory platforms set one so that a default run does not reserve most of the RAM.
+    max_default_kv_cache_bytes: int | None = None
+
+    @classmethod
+    def kv_cache_budget_bytes(cls, utilization: float) -> int:
+        """Bytes the KV cache may take once weights are loaded: ``utilization`` of the device's
+        memory, minus what is already in use."""
+        total = cls.total_memory_bytes()
+        in_use = total - cls.available_memory_bytes()
+        budget = max(0, int(total * utilization) - in_use)
+        if cls.max_default_kv_cache_bytes is not None:
+            budget = min(budget, cls.max_default_kv_cache_bytes)
+        return budget
+
     @classmethod
     def describe(cls) -> str:
         """One line for ``sonar plugins``: the device and its memory."""

@@ -1,1 +1,30 @@
+"""Registers sonar-models' architectures and weight formats with Sonar."""
+
+from __future__ import annotations
+
+from typing import Callable
+
 from sonar.hookspecs import hookimpl
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "sonar_models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "sonar_models.llama:MistralForCausalLM",
+    "Qwen2ForCausalLM": "sonar_models.llama:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "sonar_models.llama:Qwen3ForCausalLM",
+}
+
+
+@hookimpl
+def sonar_register_models(register: Callable[..., None]) -> None:
+    for architecture, class_path in ARCHITECTURES.items():
+        register(architecture, class_path)
+
+
+@hookimpl
+def sonar_register_weight_formats(register: Callable[..., None]) -> None:
+    from sonar_models.formats import DummyFormat, GGUFFormat, SafetensorsFormat
+
+    # order matters: the engine asks each format in turn whether it detects the path
+    register("safetensors", SafetensorsFormat())
+    register("gguf", GGUFFormat())
+    register("dummy", DummyFormat())

@@ -1,0 +1,178 @@
+"""``sonar bench throughput|latency``: measure the engine, with transformers as the peer."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+from sonar.cli.engine_args import add_engine_arguments, engine_args_from
+
+
+@dataclass(slots=True)
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def random_workload(num_prompts: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
+    # stay clear of the ids where tokenizers keep special tokens
+    low, high = min(100, vocab // 2), vocab - 1
+    prompts = [[rng.randint(low, high) for _ in range(rng.randint(*input_range))] for _ in range(num_prompts)]
+    output_lens = [rng.randint(*output_range) for _ in range(num_prompts)]
+    return Workload(prompts, output_lens)
+
+
+def _range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition(":")
+    low_value = int(low)
+    high_value = int(high) if high else low_value
+    if low_value < 1 or high_value < low_value:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return low_value, high_value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("bench", help="benchmark the engine")
+    kinds = parser.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
+
+    throughput = kinds.add_parser("throughput", help="offline throughput on a random workload")
+    add_engine_arguments(throughput)
+    throughput.add_argument("--num-prompts", type=int, default=64)
+    throughput.add_argument("--input-len", type=_range, default=(32, 512), help="N or MIN:MAX, uniform")
+    throughput.add_argument("--output-len", type=_range, default=(32, 256), help="N or MIN:MAX, uniform")
+    throughput.add_argument("--workload-seed", type=int, default=0)
+    throughput.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    throughput.add_argument("--compare-hf", action="store_true", help="also run transformers' batched generate() on the same prompts")
+    throughput.add_argument("--output-json", default=None)
+    throughput.set_defaults(func=run_throughput)
+
+    latency = kinds.add_parser("latency", help="time per output token of one batch")
+    add_engine_arguments(latency)
+    latency.add_argument("--batch-size", type=int, default=1)
+    latency.add_argument("--input-len", type=int, default=32)
+    latency.add_argument("--output-len", type=int, default=128)
+    latency.add_argument("--num-iters", type=int, default=3)
+    latency.add_argument("--output-json", default=None)
+    latency.set_defaults(func=run_latency)
+
+
+def _vocab_size(llm) -> int:
+    return llm.llm_engine.model_config.vocab_size
+
+
+def run_engine(llm, workload: Workload, ignore_eos: bool) -> tuple[float, int]:
+    from sonar.sampling_params import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=ignore_eos, detokenize=False) for n in workload.output_lens]
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
+    elapsed = time.perf_counter() - started
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def run_hf(model_path: str, dtype, workload: Workload) -> float:
+    """transformers' generate() as a user would call it: one left-padded batch, greedy,
+    until the longest requested output (min_new_tokens keeps eos from ending it early)."""
+    import torch
+    from pathlib import Path
+    from transformers import AutoModelForCausalLM
+
+    path = Path(model_path)
+    if path.suffix == ".gguf":
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.eval()
+    longest = max(len(p) for p in workload.prompts)
+    pad_id = 0
+    input_ids = torch.full((len(workload.prompts), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(workload.prompts):
+        input_ids[row, longest - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, longest - len(prompt):] = 1
+    max_new = max(workload.output_lens)
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new, min_new_tokens=max_new,
+            do_sample=False, pad_token_id=pad_id,
+        )
+    return time.perf_counter() - started
+
+
+def run_throughput(args: argparse.Namespace) -> int:
+    from sonar.entrypoints.llm import LLM
+
+    print("loading model...", file=sys.stderr, flush=True)
+    llm = LLM.from_engine_args(engine_args_from(args))
+    workload = random_workload(args.num_prompts, args.input_len, args.output_len, _vocab_size(llm), args.workload_seed)
+    elapsed, num_output = run_engine(llm, workload, args.ignore_eos)
+    total = workload.num_prompt_tokens + num_output
+    result = {
+        "engine": "sonar",
+        "num_prompts": args.num_prompts,
+        "elapsed_s": round(elapsed, 3),
+        "requests_per_s": round(args.num_prompts / elapsed, 3),
+        "output_tokens_per_s": round(num_output / elapsed, 2),
+        "total_tokens_per_s": round(total / elapsed, 2),
+        "prompt_tokens": workload.num_prompt_tokens,
+        "output_tokens": num_output,
+    }
+    print(f"sonar:        {result['requests_per_s']:.2f} requests/s, {result['output_tokens_per_s']:.1f} output tok/s, "
+          f"{result['total_tokens_per_s']:.1f} total tok/s ({elapsed:.1f} s)")
+    if args.compare_hf:
+        dtype = llm.llm_engine.model_config.dtype
+        model_path = llm.llm_engine.model_config.model
+        del llm
+        hf_elapsed = run_hf(model_path, dtype, workload)
+        hf = {
+            "elapsed_s": round(hf_elapsed, 3),
+            "requests_per_s": round(args.num_prompts / hf_elapsed, 3),
+            "output_tokens_per_s": round(workload.num_output_tokens / hf_elapsed, 2),
+            "total_tokens_per_s": round((workload.num_prompt_tokens + workload.num_output_tokens) / hf_elapsed, 2),
+        }
+        result["transformers"] = hf
+        result["speedup"] = round(hf_elapsed / elapsed, 2)
+        print(f"transformers: {hf['requests_per_s']:.2f} requests/s, {hf['output_tokens_per_s']:.1f} output tok/s, "
+              f"{hf['total_tokens_per_s']:.1f} total tok/s ({hf_elapsed:.1f} s)")
+        print(f"sonar / transformers throughput: {result['speedup']:.2f}x")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0
+
+
+def run_latency(args: argparse.Namespace) -> int:
+    from sonar.entrypoints.llm import LLM
+
+    print("loading model...", file=sys.stderr, flush=True)
+    llm = LLM.from_engine_args(engine_args_from(args))
+    workload = random_workload(args.batch_size, (args.input_len, args.input_len), (args.output_len, args.output_len), _vocab_size(llm), 0)
+    run_engine(llm, Workload(workload.prompts, [4] * args.batch_size), True)  # warm-up
+    llm.llm_engine.core.kv_cache.reset_prefix_cache()
+    times = []
+    for _ in range(args.num_iters):
+        elapsed, _ = run_engine(llm, workload, True)
+        llm.llm_engine.core.kv_cache.reset_prefix_cache()
+        times.append(elapsed)
+    best = min(times)
+    per_token_ms = 1000 * best / args.output_len
+    print(f"batch {args.batch_size}, {args.input_len} in / {args.output_len} out: {best:.3f} s, {per_token_ms:.2f} ms per output token (step)")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"batch_size": args.batch_size, "elapsed_s": times, "ms_per_token": per_token_ms}, f, indent=2)
+    return 0

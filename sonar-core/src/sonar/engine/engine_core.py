@@ -1,0 +1,136 @@
+"""The engine core: scheduler + KV-cache manager + executor, driven one step at a time."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from sonar.config import CacheConfig, ModelConfig, SchedulerConfig
+from sonar.engine.kv_cache import KVCacheManager
+from sonar.engine.request import Request, RequestStatus
+from sonar.engine.scheduler import Scheduler
+from sonar.engine.scheduler_output import RequestLogprobs
+from sonar.executor.uniproc import UniprocExecutor
+from sonar.platform import Platform
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    req_id: str
+    new_token_ids: list[int]
+    new_logprobs: RequestLogprobs | None
+    prompt_logprobs: RequestLogprobs | None
+    finish_reason: str | None
+    stop_reason: int | str | None
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_total_blocks: int
+    num_free_blocks: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+
+
+class EngineCore:
+    def __init__(
+        self,
+        platform: type[Platform],
+        model_config: ModelConfig,
+        scheduler_config: SchedulerConfig,
+        block_size: int,
+        enable_prefix_caching: bool,
+        kv_cache_memory_bytes: int | None,
+        gpu_memory_utilization: float,
+    ) -> None:
+        self.model_config = model_config
+        self.executor = UniprocExecutor(platform, model_config, block_size)
+        num_blocks = self.executor.determine_num_blocks(kv_cache_memory_bytes, gpu_memory_utilization)
+        blocks_per_seq = -(-scheduler_config.max_model_len // block_size)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks of {block_size}), "
+                f"fewer than max_model_len={scheduler_config.max_model_len}: raise kv_cache_memory_bytes "
+                f"(or gpu_memory_utilization) or lower max_model_len"
+            )
+        if kv_cache_memory_bytes is None:  # no point in more than every sequence at full length
+            num_blocks = min(num_blocks, blocks_per_seq * scheduler_config.max_num_seqs)
+        self.cache_config = CacheConfig(block_size, num_blocks, enable_prefix_caching)
+        self.executor.init_kv_cache(num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache)
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.scheduler.abort_requests(request_ids)
+
+    def finish_request(self, request_id: str, stop_reason: str) -> None:
+        request = self.scheduler.requests.get(request_id)
+        if request is not None:
+            request.stop_reason = stop_reason
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def step(self) -> list[EngineCoreOutput]:
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            if scheduled.finished_req_ids:  # let the workers drop finished state
+                self.executor.execute_model(scheduled)
+            return []
+        result = self.executor.execute_model(scheduled)
+        requests = {r.request_id: r for r in self.scheduler.running}
+        requests.update({rid: self.scheduler.requests[rid] for rid in result.req_ids if rid in self.scheduler.requests})
+        progressed = {r.request_id for r in self.scheduler.update_from_output(scheduled, result)}
+        outputs = []
+        for req_id, token_id, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
+            if req_id not in progressed:
+                continue
+            request = requests[req_id]
+            computed_after = request.num_computed_tokens
+            computed_before = computed_after - scheduled.num_scheduled_tokens[req_id]
+            self.num_prompt_tokens += max(0, min(computed_after, request.num_prompt_tokens) - computed_before)
+            if token_id is not None:
+                self.num_generation_tokens += 1
+            outputs.append(
+                EngineCoreOutput(
+                    req_id=req_id,
+                    new_token_ids=[] if token_id is None else [token_id],
+                    new_logprobs=logprobs,
+                    prompt_logprobs=result.prompt_logprobs.get(req_id),
+                    finish_reason=request.status.value if request.is_finished else None,
+                    stop_reason=request.stop_reason,
+                    num_cached_tokens=max(request.num_cached_tokens, 0),
+                )
+            )
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        kv = self.kv_cache
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_total_blocks=kv.num_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.stats.num_queries,
+            prefix_cache_hits=kv.stats.num_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            num_prompt_tokens=self.num_prompt_tokens,
+            num_generation_tokens=self.num_generation_tokens,
+        )

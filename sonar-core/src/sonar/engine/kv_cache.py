@@ -1,0 +1,161 @@
+"""Paged KV-cache manager: block tables, a free list, reference counts and prefix caching.
+
+Full blocks are identified by a hash chained over every token before them, so two requests
+with the same prefix share the same physical blocks. Freed blocks keep their hash and stay
+findable until the LRU free list hands them out again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from sonar.engine.request import Request
+
+
+@dataclass(slots=True, eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: bytes | None = None
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    num_queries: int = 0  # prompt tokens looked up
+    num_hits: int = 0  # prompt tokens found cached
+
+
+def hash_block(parent: bytes | None, token_ids: list[int]) -> bytes:
+    digest = hashlib.blake2b(parent or b"", digest_size=16)
+    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return digest.digest()
+
+
+class KVCacheManager:
+    """Interface between the scheduler and the KV-cache blocks.
+
+    Protocol: ``get_computed_blocks(req)`` once when a waiting request is first scheduled,
+    ``allocate_slots(req, n, computed)`` before each step that computes ``n`` new tokens for
+    it (False means: not enough free blocks, preempt something), ``free(req)`` when it finishes,
+    is aborted or preempted.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV cache needs at least one block")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        self.free_blocks: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)  # LRU: evict from the front
+        self.cached_blocks: dict[bytes, KVBlock] = {}
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.stats = PrefixCacheStats()
+
+    # -- queries -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - len(self.free_blocks) / self.num_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # -- prefix cache --------------------------------------------------------------------
+
+    def _update_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend the request's hash chain over its full blocks among the first num_tokens."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= num_tokens:
+            start = len(hashes) * bs
+            hashes.append(hash_block(hashes[-1] if hashes else None, request.tokens_range(start, start + bs)))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Cached blocks holding a prefix of the request, and how many tokens they cover."""
+        if not self.enable_prefix_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0
+        # at least one token must be computed to produce logits
+        max_hit_tokens = request.num_tokens - 1
+        self._update_hashes(request, max_hit_tokens)
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[: max_hit_tokens // self.block_size]:
+            block = self.cached_blocks.get(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.stats.num_queries += request.num_tokens
+        self.stats.num_hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    def reset_prefix_cache(self) -> bool:
+        if len(self.free_blocks) != self.num_blocks:
+            return False
+        self.cached_blocks.clear()
+        for block in self.blocks:
+            block.block_hash = None
+        return True
+
+    # -- allocation ----------------------------------------------------------------------
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None) -> bool:
+        """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``
+        (plus ``computed_blocks`` from the prefix cache for a newly scheduled request)."""
+        computed_blocks = computed_blocks or []
+        held = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_needed = self.num_blocks_for(total_tokens) - len(held) - len(computed_blocks)
+        # cached blocks taken from the free list also count against it
+        num_reused_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_needed + num_reused_free > len(self.free_blocks):
+            return False
+        for block in computed_blocks:
+            if block.ref_cnt == 0:
+                del self.free_blocks[block.block_id]
+            block.ref_cnt += 1
+        blocks = self.req_blocks.setdefault(request.request_id, held)
+        blocks.extend(computed_blocks)
+        for _ in range(max(num_needed, 0)):
+            blocks.append(self._pop_free_block())
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(request, blocks, total_tokens)
+        return True
+
+    def _pop_free_block(self) -> KVBlock:
+        _, block = self.free_blocks.popitem(last=False)
+        if block.block_hash is not None:
+            if self.cached_blocks.get(block.block_hash) is block:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+        block.ref_cnt = 1
+        return block
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        self._update_hashes(request, num_full * self.block_size)
+        for index in range(num_full):
+            block = blocks[index]
+            if block.block_hash is not None:
+                continue
+            block_hash = request.block_hashes[index]
+            block.block_hash = block_hash
+            self.cached_blocks.setdefault(block_hash, block)
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; the newest are evicted first."""
+        blocks = self.req_blocks.pop(request.request_id, [])
+        for block in reversed(blocks):
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_blocks[block.block_id] = block

@@ -1,0 +1,156 @@
+"""Turns engine-core token outputs into RequestOutputs: detokenization, stop strings,
+logprobs with decoded tokens, and n > 1 fan-in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sonar.engine.detokenizer import IncrementalDetokenizer
+from sonar.engine.engine_core import EngineCoreOutput
+from sonar.engine.scheduler_output import RequestLogprobs
+from sonar.outputs import CompletionOutput, Logprob, RequestOutput
+from sonar.sampling_params import SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class ChildState:
+    index: int
+    detokenizer: IncrementalDetokenizer
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass(slots=True, eq=False)
+class ParentState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: dict[str, ChildState]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.children.values())
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.parents: dict[str, ParentState] = {}
+        self.child_to_parent: dict[str, str] = {}
+
+    def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams, child_ids: list[str], child_params: list[SamplingParams]) -> None:
+        children = {}
+        for index, (child_id, cparams) in enumerate(zip(child_ids, child_params)):
+            tokenizer = self.tokenizer if cparams.detokenize else None
+            child = ChildState(index, IncrementalDetokenizer(tokenizer, prompt_token_ids, cparams))
+            if cparams.logprobs is not None:
+                child.logprobs, child.cumulative_logprob = [], 0.0
+            children[child_id] = child
+            self.child_to_parent[child_id] = request_id
+        parent = ParentState(request_id, prompt, prompt_token_ids, params, children)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = [None]
+        self.parents[request_id] = parent
+
+    def child_ids(self, request_id: str) -> list[str]:
+        parent = self.parents.get(request_id)
+        return list(parent.children) if parent else []
+
+    def has_unfinished(self) -> bool:
+        return bool(self.parents)
+
+    def _decode(self, token_id: int) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _logprob_dicts(self, lp: RequestLogprobs) -> list[dict[int, Logprob]]:
+        result = []
+        for ids, values, rank in zip(lp.token_ids, lp.logprobs, lp.ranks):
+            entry: dict[int, Logprob] = {}
+            for column, (token_id, value) in enumerate(zip(ids, values)):
+                if token_id in entry:
+                    continue
+                entry[token_id] = Logprob(value, rank if column == 0 else column, self._decode(token_id))
+            result.append(entry)
+        return result
+
+    def process(self, outputs: list[EngineCoreOutput]) -> tuple[list[RequestOutput], list[tuple[str, str]]]:
+        """Returns the updated RequestOutputs and (child_id, stop_string) pairs the core must stop."""
+        touched: dict[str, ParentState] = {}
+        to_stop: list[tuple[str, str]] = []
+        for out in outputs:
+            parent_id = self.child_to_parent.get(out.req_id)
+            if parent_id is None:
+                continue
+            parent = self.parents[parent_id]
+            child = parent.children[out.req_id]
+            if child.finish_reason is not None:
+                continue
+            parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.prompt_logprobs is not None and parent.prompt_logprobs is not None and child.index == 0:
+                parent.prompt_logprobs.extend(self._logprob_dicts(out.prompt_logprobs))
+            if out.new_token_ids:
+                child.token_ids.extend(out.new_token_ids)
+                if child.logprobs is not None and out.new_logprobs is not None:
+                    entries = self._logprob_dicts(out.new_logprobs)
+                    child.logprobs.extend(entries)
+                    child.cumulative_logprob += sum(out.new_logprobs.logprobs[i][0] for i in range(len(entries)))
+                stop = child.detokenizer.append(out.new_token_ids)
+                if stop is not None and out.finish_reason is None:
+                    child.finish_reason, child.stop_reason = "stop", stop
+                    to_stop.append((out.req_id, stop))
+            if out.finish_reason is not None and child.finish_reason is None:
+                child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
+            touched[parent_id] = parent
+        results = [self._request_output(p) for p in touched.values()]
+        for parent in touched.values():
+            if parent.finished:
+                self._forget(parent)
+        return results, to_stop
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children.values():
+            if child.finish_reason is None:
+                child.finish_reason = "abort"
+        output = self._request_output(parent)
+        self._forget(parent)
+        return output
+
+    def _forget(self, parent: ParentState) -> None:
+        self.parents.pop(parent.request_id, None)
+        for child_id in parent.children:
+            self.child_to_parent.pop(child_id, None)
+
+    def _request_output(self, parent: ParentState) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=child.index,
+                text=child.detokenizer.output_text,
+                token_ids=list(child.token_ids),
+                cumulative_logprob=child.cumulative_logprob,
+                logprobs=list(child.logprobs) if child.logprobs is not None else None,
+                finish_reason=child.finish_reason,
+                stop_reason=child.stop_reason,
+            )
+            for child in parent.children.values()
+        ]
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
+            outputs=completions,
+            finished=parent.finished,
+            num_cached_tokens=parent.num_cached_tokens,
+        )

@@ -1,0 +1,90 @@
+"""A request's lifecycle inside the engine core."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from sonar.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    max_tokens: int  # resolved against the context
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit of the first schedule; -1 until scheduled
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+    block_hashes: list[int] = field(default_factory=list)  # hash chain of full blocks
+    first_token_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
+
+    def tokens_range(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def check_stop(self) -> bool:
+        """Stop on eos / stop token ids / length after a new token; sets status."""
+        params = self.sampling_params
+        if self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if self.num_output_tokens < params.min_tokens:
+            return False
+        last = self.output_token_ids[-1]
+        if not params.ignore_eos and last in self.eos_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if last in params.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+            self.stop_reason = last
+            return True
+        return False

@@ -1,0 +1,164 @@
+"""Continuous batching under a token budget, chunked prefill mixed with decodes, preemption
+by recompute when KV blocks run out."""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from sonar.config import SchedulerConfig
+from sonar.engine.kv_cache import KVCacheManager
+from sonar.engine.request import Request, RequestStatus
+from sonar.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """First come, first served. Running requests are served first, oldest first; when a
+    running request needs a block and none is free, the newest running request is preempted
+    (its blocks freed, to be recomputed later, mostly from the prefix cache)."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+        self.config = config
+        self.kv_cache = kv_cache
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished_req_ids: set[str] = set()
+        self.num_preemptions = 0
+        self._sent_blocks: dict[str, int] = {}  # block ids already sent to the workers
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        aborted = []
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is None or request.is_finished:
+                continue
+            request.status = RequestStatus.FINISHED_ABORTED
+            self._finish(request)
+            aborted.append(request)
+        return aborted
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """Finish a request from outside the step (a stop string found by the detokenizer)."""
+        if not request.is_finished:
+            request.status = status
+            self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request)
+        self._sent_blocks.pop(request.request_id, None)
+        self.requests.pop(request.request_id, None)
+        self.finished_req_ids.add(request.request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
+        self.finished_req_ids = set()
+        budget = self.config.max_num_batched_tokens
+        scheduled_running: list[Request] = []
+
+        # running: decodes and unfinished prefill chunks
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv_cache.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                out.finished_req_ids.add(victim.request_id)
+                out.preempted_req_ids.add(victim.request_id)
+                if victim is request:
+                    break
+            else:
+                scheduled_running.append(request)
+                out.cached_reqs.append(
+                    CachedRequestData(request.request_id, self._new_block_ids(request), request.num_computed_tokens)
+                )
+                out.num_scheduled_tokens[request.request_id] = num_new
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request preempted itself: nothing more fits
+
+        # waiting: new and preempted requests, in arrival order
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_blocks, num_cached = ([], 0)
+            if request.num_computed_tokens == 0:
+                computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+                break
+            self.waiting.popleft()
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.new_reqs.append(
+                NewRequestData(
+                    req_id=request.request_id,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=list(request.output_token_ids),
+                    sampling_params=request.sampling_params,
+                    eos_token_ids=request.eos_token_ids,
+                    block_ids=self.kv_cache.block_ids(request.request_id),
+                    num_computed_tokens=num_cached,
+                )
+            )
+            self._sent_blocks[request.request_id] = len(out.new_reqs[-1].block_ids)
+            out.num_scheduled_tokens[request.request_id] = num_new
+            budget -= num_new
+        return out
+
+    def _new_block_ids(self, request: Request) -> list[int]:
+        ids = self.kv_cache.block_ids(request.request_id)
+        sent = self._sent_blocks.get(request.request_id, 0)
+        self._sent_blocks[request.request_id] = len(ids)
+        return ids[sent:]
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request)
+        self._sent_blocks.pop(request.request_id, None)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
+
+    # -- results -------------------------------------------------------------------------
+
+    def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
+        """Advance the scheduled requests; return those that got a new token or finished."""
+        progressed: list[Request] = []
+        for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += scheduled.num_scheduled_tokens[req_id]
+            if token_id is None:
+                progressed.append(request)  # a prefill chunk (prompt logprobs may be ready)
+                continue
+            request.output_token_ids.append(token_id)
+            if request.check_stop():
+                self._finish(request)
+            progressed.append(request)
+        return progressed

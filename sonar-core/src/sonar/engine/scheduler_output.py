@@ -1,0 +1,63 @@
+"""What the scheduler tells the workers each step: plain data only, so it can cross processes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sonar.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class NewRequestData:
+    """A request the workers have not seen (or see again after preemption)."""
+
+    req_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class CachedRequestData:
+    """A request the workers already hold: its new blocks and progress."""
+
+    req_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    new_reqs: list[NewRequestData] = field(default_factory=list)
+    cached_reqs: list[CachedRequestData] = field(default_factory=list)
+    num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
+    finished_req_ids: set[str] = field(default_factory=set)  # drop their worker state
+    preempted_req_ids: set[str] = field(default_factory=set)  # subset of finished: they come back
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.num_scheduled_tokens
+
+
+@dataclass(slots=True)
+class RequestLogprobs:
+    """Per position: column 0 is the chosen (or target) token, then the top-k."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+
+@dataclass(slots=True)
+class ModelRunnerOutput:
+    req_ids: list[str]
+    sampled_token_ids: list[int | None]  # None: a prefill chunk that produced no token yet
+    logprobs: list[RequestLogprobs | None]
+    prompt_logprobs: dict[str, RequestLogprobs] = field(default_factory=dict)  # this step's chunk

@@ -1,0 +1,108 @@
+"""The offline API: ``LLM(model=...).generate(prompts, sampling_params)``."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence
+
+from sonar.config import EngineArgs
+from sonar.engine.llm_engine import LLMEngine, PromptType
+from sonar.outputs import RequestOutput
+from sonar.sampling_params import SamplingParams
+
+Message = dict[str, Any]
+
+
+class LLM:
+    """Generate from a model in this process, batching every prompt of a call together.
+
+    ``LLM()`` with no model loads the embedded SmolLM2-135M-Instruct. Keyword arguments are
+    those of ``EngineArgs`` (vLLM's names: ``dtype``, ``max_model_len``,
+    ``kv_cache_memory_bytes``, ``enable_prefix_caching``, ``load_format``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine.from_engine_args(args)
+        llm._ids = itertools.count()
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        engine = self.llm_engine
+        request_ids = [str(next(self._ids)) for _ in prompts]
+        try:
+            for request_id, prompt, params in zip(request_ids, prompts, params_list):
+                engine.add_request(request_id, prompt, params)
+            return self._run(request_ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(request_ids)
+            raise
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.llm_engine
+        finished: dict[str, RequestOutput] = {}
+        progress = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(request_ids), desc="generating", unit="req")
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finished[output.request_id] = output
+                    if progress is not None:
+                        progress.update(1)
+        if progress is not None:
+            progress.close()
+        return [finished[request_id] for request_id in request_ids]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **chat_template_kwargs: Any,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [
+            {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt, **chat_template_kwargs)}
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(
+        self, messages: list[Message], chat_template: str | None = None, add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer (the engine was started with skip_tokenizer_init)")
+        text = tokenizer.apply_chat_template(
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+        )
+        return tokenizer.encode(text, add_special_tokens=False)

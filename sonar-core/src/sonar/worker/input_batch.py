@@ -1,0 +1,109 @@
+"""The worker's view of the running requests and one step's flat token batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from sonar.attention import AttentionMetadata
+from sonar.sampler.metadata import RequestSamplingState
+
+
+@dataclass(slots=True, eq=False)
+class CachedRequestState:
+    req_id: str
+    prompt_token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: RequestSamplingState  # holds params, generator and output_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.sampling.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.sampling.output_token_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        prompt = self.prompt_token_ids
+        n = len(prompt)
+        if end <= n:
+            return prompt[start:end]
+        output = self.sampling.output_token_ids
+        if start >= n:
+            return output[start - n : end - n]
+        return prompt[start:] + output[: end - n]
+
+
+@dataclass(slots=True)
+class StepBatch:
+    states: list[CachedRequestState]  # decodes first
+    num_scheduled: list[int]
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    attn_metadata: AttentionMetadata
+    sample_rows: list[int]  # indices into states of requests that produce a token this step
+    logits_indices: torch.Tensor  # [len(sample_rows)] token index of each sampling request's last token
+
+
+def build_step_batch(
+    states: list[CachedRequestState], num_scheduled: list[int], block_size: int, device: torch.device
+) -> StepBatch:
+    # decode first
+    order = sorted(range(len(states)), key=lambda i: num_scheduled[i] != 1)
+    states = [states[i] for i in order]
+    num_scheduled = [num_scheduled[i] for i in order]
+    num_decodes = sum(1 for n in num_scheduled if n == 1)
+
+    token_ids: list[int] = []
+    query_start_loc = [0]
+    seq_lens: list[int] = []
+    sample_rows: list[int] = []
+    max_blocks = 0
+    for row, (state, n) in enumerate(zip(states, num_scheduled)):
+        start = state.num_computed_tokens
+        token_ids.extend(state.token_ids(start, start + n))
+        query_start_loc.append(query_start_loc[-1] + n)
+        seq_lens.append(start + n)
+        if start + n == state.num_tokens:
+            sample_rows.append(row)
+        max_blocks = max(max_blocks, len(state.block_ids))
+
+    num_tokens = query_start_loc[-1]
+    qsl = np.asarray(query_start_loc, dtype=np.int64)
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    q_lens = np.diff(qsl)
+    # positions: context_len .. seq_len-1 per sequence
+    seq_of_token = np.repeat(np.arange(len(states)), q_lens)
+    positions = np.arange(num_tokens) - qsl[:-1][seq_of_token] + (lens - q_lens)[seq_of_token]
+    block_table = np.zeros((len(states), max(max_blocks, 1)), dtype=np.int32)
+    for row, state in enumerate(states):
+        block_table[row, : len(state.block_ids)] = state.block_ids
+    slot_mapping = block_table[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+    as_tensor = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+    metadata = AttentionMetadata(
+        num_decodes=num_decodes,
+        num_decode_tokens=num_decodes,
+        query_start_loc=as_tensor(qsl, torch.int32),
+        seq_lens=as_tensor(lens, torch.int32),
+        block_tables=as_tensor(block_table, torch.int32),
+        slot_mapping=as_tensor(slot_mapping, torch.int64),
+        max_query_len=int(q_lens.max()) if len(q_lens) else 0,
+        max_seq_len=int(lens.max()) if len(lens) else 0,
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
+    logits_indices = as_tensor(qsl[1:][sample_rows] - 1 if sample_rows else np.zeros(0, np.int64), torch.int64)
+    return StepBatch(
+        states=states,
+        num_scheduled=num_scheduled,
+        input_ids=torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True),
+        positions=as_tensor(positions, torch.int64),
+        attn_metadata=metadata,
+        sample_rows=sample_rows,
+        logits_indices=logits_indices,
+    )

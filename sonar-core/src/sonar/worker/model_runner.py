@@ -1,0 +1,175 @@
+"""Runs the model for one scheduler step on one device: inputs, forward, logits, sampling."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from sonar.attention import AttentionBackend, ForwardContext
+from sonar.config import ModelConfig
+from sonar.engine.scheduler_output import ModelRunnerOutput, RequestLogprobs, SchedulerOutput
+from sonar.model_interface import make_attention_factory
+from sonar.registry import import_class, resolve_model_class, weight_formats
+from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
+from sonar.sampler.sampler import LogprobsTensors, Sampler, compute_logprobs
+from sonar.worker.input_batch import CachedRequestState, StepBatch, build_step_batch
+
+logger = logging.getLogger(__name__)
+
+
+def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: int) -> RequestLogprobs:
+    return RequestLogprobs(
+        token_ids=tensors.token_ids[rows, : k + 1].tolist(),
+        logprobs=tensors.logprobs[rows, : k + 1].tolist(),
+        ranks=tensors.ranks[rows].tolist(),
+    )
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, block_size: int, device: torch.device, attention_backend_cls: str) -> None:
+        self.model_config = model_config
+        self.block_size = block_size
+        self.device = device
+        self.backend_cls: type[AttentionBackend] | None = import_class(attention_backend_cls) if attention_backend_cls else None
+        self.model: torch.nn.Module | None = None
+        self.kv_caches: list[torch.Tensor] = []
+        self.requests: dict[str, CachedRequestState] = {}
+        self.preempted_generators: dict[str, torch.Generator | None] = {}
+        self.sampler = Sampler()
+
+    # -- setup ---------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        config = self.model_config
+        fmt = weight_formats()[config.load_format]
+        model_cls = resolve_model_class(list(getattr(config.hf_config, "architectures", None) or []))
+        started = time.perf_counter()
+        previous_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.dtype)
+        try:
+            with torch.device(self.device):
+                model = model_cls(config.hf_config, make_attention_factory(self.backend_cls))
+        finally:
+            torch.set_default_dtype(previous_dtype)
+        model.load_weights(fmt.iter_weights(Path(config.model), config.hf_config))
+        self.model = model.to(self.device).eval()
+        logger.info("loaded %s in %.1f s", model_cls.__name__, time.perf_counter() - started)
+
+    def kv_bytes_per_block(self) -> int:
+        model = self.model
+        element = torch.empty(0, dtype=self.model_config.dtype).element_size()
+        return 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * element
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        model = self.model
+        shape = (2, num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [self._zeros(shape) for _ in range(model.num_layers)]
+
+    def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
+        dtype = self.model_config.dtype
+        if self.device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=self.device)
+        # host memory: calloc'd pages are zero without being touched, so a large cache costs
+        # nothing until it is used
+        num_bytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)
+
+    # -- request state -------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            state = self.requests.pop(req_id, None)
+            if req_id in so.preempted_req_ids and state is not None:
+                self.preempted_generators[req_id] = state.sampling.generator
+        for new in so.new_reqs:
+            generator = self.preempted_generators.pop(new.req_id, None)
+            params = new.sampling_params
+            if generator is None and params.seed is not None:
+                generator = torch.Generator(device=self.device)
+                generator.manual_seed(params.seed)
+            self.requests[new.req_id] = CachedRequestState(
+                req_id=new.req_id,
+                prompt_token_ids=new.prompt_token_ids,
+                block_ids=list(new.block_ids),
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=RequestSamplingState(
+                    params=params,
+                    prompt_token_ids=new.prompt_token_ids,
+                    output_token_ids=list(new.output_token_ids),
+                    generator=generator,
+                    eos_token_ids=new.eos_token_ids,
+                ),
+            )
+        for cached in so.cached_reqs:
+            state = self.requests[cached.req_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def drop_preempted(self, req_ids: set[str]) -> None:
+        for req_id in req_ids:
+            self.preempted_generators.pop(req_id, None)
+
+    # -- one step ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(so)
+        if so.is_empty:
+            return ModelRunnerOutput([], [], [])
+        req_ids = list(so.num_scheduled_tokens)
+        states = [self.requests[r] for r in req_ids]
+        batch = build_step_batch(states, [so.num_scheduled_tokens[r] for r in req_ids], self.block_size, self.device)
+        if self.backend_cls is not None:
+            self.backend_cls.prepare_metadata(batch.attn_metadata)
+        ctx = ForwardContext(batch.attn_metadata, self.kv_caches)
+        hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
+
+        prompt_logprobs = self._prompt_logprobs(batch, hidden)
+        sampled: list[int | None] = [None] * len(batch.states)
+        logprobs: list[RequestLogprobs | None] = [None] * len(batch.states)
+        if batch.sample_rows:
+            logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab]
+            sampling_states = [batch.states[row].sampling for row in batch.sample_rows]
+            meta = SamplingMetadata.build(sampling_states, logits.shape[-1], self.device)
+            result = self.sampler(logits, meta)
+            token_ids = result.sampled_token_ids.tolist()
+            for i, row in enumerate(batch.sample_rows):
+                sampled[row] = token_ids[i]
+                k = sampling_states[i].params.logprobs
+                if k is not None and result.logprobs is not None:
+                    logprobs[row] = _to_request_logprobs(result.logprobs, [i], k)
+        for row, state in enumerate(batch.states):
+            state.num_computed_tokens += batch.num_scheduled[row]
+            if sampled[row] is not None:
+                state.output_token_ids.append(sampled[row])
+        return ModelRunnerOutput(
+            req_ids=[s.req_id for s in batch.states],
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+    def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, RequestLogprobs]:
+        results: dict[str, RequestLogprobs] = {}
+        qsl = batch.attn_metadata.query_start_loc_cpu
+        for row, state in enumerate(batch.states):
+            k = state.sampling.params.prompt_logprobs
+            start = state.num_computed_tokens
+            num_prompt = len(state.prompt_token_ids)
+            if k is None or start >= num_prompt:
+                continue
+            # positions start .. end-1 predict the prompt tokens start+1 .. end
+            end = min(start + batch.num_scheduled[row], num_prompt - 1)
+            if end <= start:
+                results[state.req_id] = RequestLogprobs([], [], [])
+                continue
+            first = qsl[row]
+            logits = self.model.compute_logits(hidden[first : first + end - start])
+            targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
+            tensors = compute_logprobs(logits, targets, k)
+            results[state.req_id] = _to_request_logprobs(tensors, slice(None), k)
+        return results

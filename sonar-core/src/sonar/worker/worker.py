@@ -1,0 +1,45 @@
+"""A worker owns one device: it loads the model, holds its KV cache and runs steps."""
+
+from __future__ import annotations
+
+import torch
+
+from sonar.config import ModelConfig
+from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sonar.platform import Platform
+from sonar.worker.model_runner import ModelRunner
+
+
+class Worker:
+    """The generic torch worker. Platforms subclass it to set up their device
+    (threads, streams, graphs) and may swap in their own model runner."""
+
+    model_runner_cls = ModelRunner
+
+    def __init__(self, platform: type[Platform], model_config: ModelConfig, block_size: int, rank: int = 0) -> None:
+        self.platform = platform
+        self.model_config = model_config
+        self.rank = rank
+        self.device = platform.device(rank)
+        self.init_device()
+        self.model_runner = self.model_runner_cls(model_config, block_size, self.device, platform.attention_backend_cls)
+
+    def init_device(self) -> None:
+        """Prepare the device before the model is loaded."""
+
+    def load_model(self) -> None:
+        torch.manual_seed(0)
+        self.model_runner.load_model()
+
+    def kv_bytes_per_block(self) -> int:
+        return self.model_runner.kv_bytes_per_block()
+
+    def available_kv_cache_bytes(self, utilization: float) -> int:
+        """How much memory the KV cache may take, after the model's weights are loaded."""
+        return self.platform.kv_cache_budget_bytes(utilization)
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self.model_runner.init_kv_cache(num_blocks)
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.model_runner.execute_model(scheduler_output)

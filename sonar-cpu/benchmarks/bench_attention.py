@@ -1,0 +1,98 @@
+"""Time one decode step of CpuAttentionBackend at SmolLM2-135M's shape (not a test).
+
+    python sonar-cpu/benchmarks/bench_attention.py [--batch 64] [--context 300] [--layers 30]
+
+Prints the attention time of a whole step (all layers, metadata included) next to the time of the
+same step's linear layers, so the fraction attention takes of a decode step is visible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from cpu_paged_step import make_step  # noqa: E402
+from sonar_cpu.attention import CpuAttentionBackend  # noqa: E402
+from sonar_cpu.attention_plan import BUCKET_CALL_COST_TOKENS  # noqa: E402
+
+# SmolLM2-135M
+HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
+
+
+def time_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append((time.perf_counter() - start) * 1e3)
+    return min(samples), statistics.median(samples)
+
+
+def attention_step(context_lens: list[int], layers: int, dtype: torch.dtype, call_cost: int) -> Callable[[], object]:
+    step = make_step(context_lens, [1] * len(context_lens), num_heads=HEADS, num_kv_heads=KV_HEADS,
+                     head_dim=HEAD_DIM, block_size=16, dtype=dtype)
+    caches = [step.kv_cache.clone() for _ in range(layers)]
+    backend = CpuAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
+
+    def run() -> None:
+        import sonar_cpu.attention_plan as plan_module
+
+        plan_module.BUCKET_CALL_COST_TOKENS = call_cost
+        step.metadata.extra = None
+        CpuAttentionBackend.prepare_metadata(step.metadata)
+        for cache in caches:
+            backend.forward(step.query, step.key, step.value, cache, step.metadata)
+
+    return run
+
+
+def linear_step(batch: int, layers: int, dtype: torch.dtype) -> Callable[[], object]:
+    x = torch.randn(batch, HIDDEN, dtype=dtype)
+    qkv = torch.randn((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, dtype=dtype)
+    o = torch.randn(HIDDEN, HEADS * HEAD_DIM, dtype=dtype)
+    gate_up = torch.randn(2 * INTERMEDIATE, HIDDEN, dtype=dtype)
+    down = torch.randn(HIDDEN, INTERMEDIATE, dtype=dtype)
+
+    def run() -> None:
+        for _ in range(layers):
+            x @ qkv.T
+            x @ o.T
+            (x @ gate_up.T)[:, :INTERMEDIATE] @ down.T
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    generator = torch.Generator().manual_seed(0)
+    uniform = [args.context] * args.batch
+    mixed = torch.randint(20, 800, (args.batch,), generator=generator).tolist()
+    for dtype in (torch.float32, torch.bfloat16):
+        lin_min, lin_med = time_ms(linear_step(args.batch, args.layers, dtype), args.repeats)
+        print(f"{str(dtype):15} linear layers B={args.batch}: min {lin_min:7.1f} ms  median {lin_med:7.1f} ms")
+        cases = [(f"ctx {args.context}", uniform, BUCKET_CALL_COST_TOKENS),
+                 ("ctx 20..800", mixed, BUCKET_CALL_COST_TOKENS),
+                 ("ctx 20..800, one bucket", mixed, 10**9)]
+        for label, lens, cost in cases:
+            att_min, att_med = time_ms(attention_step(lens, args.layers, dtype, cost), args.repeats)
+            print(f"{str(dtype):15} attention {label:24}: min {att_min:7.1f} ms  median {att_med:7.1f} ms"
+                  f"  ({att_med / args.layers:.2f} ms/layer)")
+
+
+if __name__ == "__main__":
+    main()

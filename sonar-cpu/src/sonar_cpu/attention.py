@@ -1,0 +1,101 @@
+"""Paged attention on the CPU with PyTorch's scaled_dot_product_attention.
+
+Per layer and step: one ``index_copy_`` per K and V writes the new tokens into the cache; the
+decodes are attended in a few batched calls (one per length bucket, see ``attention_plan``) over
+their blocks gathered from the cache; each prefill chunk is one call. Grouped-query attention
+never repeats K/V: a decode's query heads are laid out as ``[kv_heads, group]`` so each KV head
+serves its group as a short query block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from sonar.attention import AttentionBackend, AttentionMetadata
+
+from sonar_cpu.attention_plan import CpuAttentionPlan, DecodeBucket, PrefillChunk, build_plan
+
+
+class CpuAttentionBackend(AttentionBackend):
+    """Attention over the paged KV cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
+    for float32, bfloat16 and float16 (the cache may hold another dtype than the activations)."""
+
+    @classmethod
+    def prepare_metadata(cls, metadata: AttentionMetadata) -> None:
+        """Group the decodes into length buckets and describe the prefill chunks, once per step."""
+        metadata.extra = build_plan(metadata)
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write ``key``/``value`` at ``slot_mapping``, then attend each new token causally over its
+        sequence's cached context and the new tokens up to itself."""
+        if not isinstance(metadata.extra, CpuAttentionPlan):
+            self.prepare_metadata(metadata)
+        plan: CpuAttentionPlan = metadata.extra
+        block_size = kv_cache.shape[2]
+        plan.bind_block_size(block_size, metadata.block_tables, metadata.num_decodes)
+
+        # cache write: [2, num_blocks * block_size, num_kv_heads, head_dim]
+        flat_cache = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
+        flat_cache[0].index_copy_(0, metadata.slot_mapping, key)
+        flat_cache[1].index_copy_(0, metadata.slot_mapping, value)
+
+        if not plan.prefills and len(plan.decode_buckets) == 1:
+            return self._decode(query, kv_cache, plan, plan.decode_buckets[0])
+        out = torch.empty_like(query)
+        decode_out = out[: metadata.num_decodes]
+        for bucket in plan.decode_buckets:
+            decode_out[bucket.rows] = self._decode(query[: metadata.num_decodes][bucket.rows], kv_cache, plan, bucket)
+        for chunk in plan.prefills:
+            out[chunk.start : chunk.end] = self._prefill(query, key, value, kv_cache, plan, chunk)
+        return out
+
+    def _decode(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuAttentionPlan, bucket: DecodeBucket
+    ) -> torch.Tensor:  # [n, num_heads, head_dim]
+        n = query.shape[0]
+        group = self.num_heads // self.num_kv_heads
+        # gather: [2, n, padded_len, num_kv_heads, head_dim]
+        gathered = kv_cache.index_select(1, bucket.block_ids).view(2, n, -1, self.num_kv_heads, self.head_dim)
+        gathered = gathered.to(query.dtype)
+        keys = gathered[0].transpose(1, 2)  # [n, num_kv_heads, padded_len, head_dim]
+        values = gathered[1].transpose(1, 2)
+        grouped_query = query.view(n, self.num_kv_heads, group, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            grouped_query, keys, values, attn_mask=plan.decode_mask(bucket, self.sliding_window, query.dtype), scale=self.scale
+        )
+        return out.view(n, self.num_heads, self.head_dim)
+
+    def _prefill(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: CpuAttentionPlan,
+        chunk: PrefillChunk,
+    ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+        q = query[chunk.start : chunk.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+        if chunk.context_len == 0:
+            # a first chunk attends only to itself: no gather (new k/v as stored in the cache)
+            keys = key[chunk.start : chunk.end].transpose(0, 1).to(query.dtype)
+            values = value[chunk.start : chunk.end].transpose(0, 1).to(query.dtype)
+            if self.sliding_window is None:
+                out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
+                return out.transpose(0, 1)
+        else:
+            # [2, seq_len, num_kv_heads, head_dim] from the cache, new tokens included
+            gathered = kv_cache.index_select(1, chunk.block_ids).view(2, -1, self.num_kv_heads, self.head_dim)
+            gathered = gathered[:, : chunk.seq_len].to(query.dtype)
+            keys, values = gathered[0].transpose(0, 1), gathered[1].transpose(0, 1)
+        mask = plan.prefill_mask(chunk, self.sliding_window, query.dtype, query.device)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return out.transpose(0, 1)

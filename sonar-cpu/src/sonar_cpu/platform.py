@@ -1,0 +1,78 @@
+"""The CPU platform: always present, the fallback when no accelerator is detected."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from sonar.platform import Platform
+
+MEMINFO_PATH = Path("/proc/meminfo")
+
+
+def read_meminfo(field: str, path: Path = MEMINFO_PATH) -> int | None:
+    """One field of ``/proc/meminfo`` in bytes (``"MemTotal"``, ``"MemAvailable"``), or None
+    where the file or the field is missing (not Linux)."""
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        name, _, rest = line.partition(":")
+        if name.strip() == field:
+            amount, *unit = rest.split()
+            return int(amount) * (1024 if unit and unit[0].lower() == "kb" else 1)
+    return None
+
+
+def _sysconf_bytes(pages_name: str) -> int | None:
+    try:
+        return os.sysconf(pages_name) * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def num_usable_cores() -> int:
+    """Cores this process may run on (respects CPU affinity and container cpusets)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return max(1, os.cpu_count() or 1)
+
+
+class CpuPlatform(Platform):
+    """Runs models on the host CPU with PyTorch's CPU kernels."""
+
+    name = "cpu"
+    device_type = "cpu"
+    worker_cls = "sonar_cpu.worker:CpuWorker"
+    attention_backend_cls = "sonar_cpu.attention:CpuAttentionBackend"
+    supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    dist_backend = "gloo"
+
+    @classmethod
+    def total_memory_bytes(cls) -> int:
+        """Physical memory of the host (``MemTotal``)."""
+        total = read_meminfo("MemTotal") or _sysconf_bytes("SC_PHYS_PAGES")
+        if total is None:
+            raise RuntimeError("cannot read the host's memory size; set kv_cache_memory_bytes explicitly")
+        return total
+
+    @classmethod
+    def available_memory_bytes(cls) -> int:
+        """Memory the kernel can hand out now without swapping (``MemAvailable``)."""
+        available = read_meminfo("MemAvailable") or _sysconf_bytes("SC_AVPHYS_PAGES")
+        if available is None:
+            raise RuntimeError("cannot read the host's free memory; set kv_cache_memory_bytes explicitly")
+        return available
+
+    @classmethod
+    def describe(cls) -> str:
+        """``cpu: 8 cores, 31.2 GiB memory (27.9 GiB available)``."""
+        gib = 1024**3
+        try:
+            memory = f"{cls.total_memory_bytes() / gib:.1f} GiB memory ({cls.available_memory_bytes() / gib:.1f} GiB available)"
+        except RuntimeError:
+            memory = "memory unknown"
+        return f"{cls.name}: {num_usable_cores()} cores, {memory}"

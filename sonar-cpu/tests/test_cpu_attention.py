@@ -1,0 +1,133 @@
+"""CpuAttentionBackend against sonar.attention.reference_attention on random paged steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cpu_paged_step import PagedStep, make_step
+from sonar.attention import reference_attention
+from sonar_cpu.attention import CpuAttentionBackend
+from sonar_cpu.attention_plan import split_into_buckets
+
+# (context_lens, query_lens): decodes (query_len 1) first, then prefill chunks
+LAYOUTS = {
+    "decodes_only": ([5, 17, 0, 31, 64], [1, 1, 1, 1, 1]),
+    "fresh_prefills": ([0, 0, 0], [1, 13, 40]),
+    "prefills_over_cached_prefix": ([16, 7, 33], [9, 1 + 15, 31]),
+    "mixed": ([3, 47, 15, 0, 20, 64], [1, 1, 1, 17, 5, 33]),
+    "block_boundaries": ([15, 16, 31, 32, 12], [1, 1, 1, 1, 4]),
+    "single_token_prefill": ([0, 9], [1, 1]),
+}
+
+
+def run_both(step: PagedStep, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
+    scale = head_dim**-0.5
+    ref_cache = step.kv_cache.clone()
+    expected = reference_attention(step.query, step.key, step.value, ref_cache, step.metadata, scale)
+    backend = CpuAttentionBackend(num_heads, num_kv_heads, head_dim, scale)
+    CpuAttentionBackend.prepare_metadata(step.metadata)
+    actual = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata)
+    return actual, expected, step.kv_cache, ref_cache
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("block_size", [16, 4])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2)])
+@pytest.mark.parametrize("head_dim", [64, 32])
+def test_matches_reference_fp32(layout: str, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    context_lens, query_lens = LAYOUTS[layout]
+    step = make_step(
+        context_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=block_size
+    )
+    actual, expected, cache, ref_cache = run_both(step, num_heads, num_kv_heads, head_dim)
+    assert actual.shape == expected.shape == (step.metadata.num_tokens, num_heads, head_dim)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, ref_cache)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["mixed", "prefills_over_cached_prefix"])
+def test_matches_reference_half_precision(dtype: torch.dtype, layout: str) -> None:
+    context_lens, query_lens = LAYOUTS[layout]
+    step = make_step(context_lens, query_lens, num_heads=9, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+    actual, expected, cache, ref_cache = run_both(step, 9, 3, 64)
+    assert actual.dtype == dtype
+    torch.testing.assert_close(actual.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    assert torch.equal(cache, ref_cache)
+
+
+def test_fp32_activations_over_bf16_cache() -> None:
+    step = make_step([10, 0], [1, 12], num_heads=4, num_kv_heads=2, head_dim=32, block_size=4)
+    step.kv_cache = step.kv_cache.to(torch.bfloat16)
+    actual, expected, cache, ref_cache = run_both(step, 4, 2, 32)
+    assert actual.dtype == torch.float32
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, ref_cache)
+
+
+def test_decode_buckets_of_very_different_lengths() -> None:
+    # two length clusters: the plan attends them in separate calls, in scattered row order
+    context_lens = [300, 2, 310, 5, 290, 1, 305, 3]
+    step = make_step(context_lens, [1] * 8, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16)
+    actual, expected, cache, ref_cache = run_both(step, 6, 2, 32)
+    assert len(step.metadata.extra.decode_buckets) == 2
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, ref_cache)
+
+
+def test_one_plan_serves_every_layer() -> None:
+    step = make_step([20, 0], [1, 9], num_heads=4, num_kv_heads=4, head_dim=32, block_size=4)
+    backend = CpuAttentionBackend(4, 4, 32, 32**-0.5)
+    CpuAttentionBackend.prepare_metadata(step.metadata)
+    plan = step.metadata.extra
+    for layer in range(3):
+        layer_cache = step.kv_cache.clone()
+        ref_cache = layer_cache.clone()
+        expected = reference_attention(step.query, step.key, step.value, ref_cache, step.metadata, 32**-0.5)
+        actual = backend.forward(step.query, step.key, step.value, layer_cache, step.metadata)
+        assert step.metadata.extra is plan
+        torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def reference_with_window(step: PagedStep, scale: float, window: int) -> torch.Tensor:
+    """Windowed attention, written per token: query at position p sees keys (p - window, p]."""
+    meta = step.metadata
+    cache = step.kv_cache.clone()
+    block_size = cache.shape[2]
+    flat = cache.view(2, -1, *cache.shape[3:])
+    flat[0][meta.slot_mapping] = step.key
+    flat[1][meta.slot_mapping] = step.value
+    group = step.query.shape[1] // step.key.shape[1]
+    out = torch.empty_like(step.query)
+    for i in range(meta.num_seqs):
+        start, end, seq_len = meta.query_start_loc_cpu[i], meta.query_start_loc_cpu[i + 1], meta.seq_lens_cpu[i]
+        for t in range(start, end):
+            pos = seq_len - (end - t)
+            keys_pos = range(max(0, pos - window + 1), pos + 1)
+            slots = torch.tensor([int(meta.block_tables[i, p // block_size]) * block_size + p % block_size for p in keys_pos])
+            k = flat[0][slots].repeat_interleave(group, 1)  # [n, heads, d]
+            v = flat[1][slots].repeat_interleave(group, 1)
+            weights = (torch.einsum("hd,khd->hk", step.query[t], k) * scale).softmax(-1)
+            out[t] = torch.einsum("hk,khd->hd", weights, v)
+    return out
+
+
+def test_sliding_window() -> None:
+    step = make_step([3, 40, 0, 25], [1, 1, 30, 12], num_heads=4, num_kv_heads=2, head_dim=32, block_size=4)
+    expected = reference_with_window(step, 32**-0.5, window=8)
+    backend = CpuAttentionBackend(4, 2, 32, 32**-0.5, sliding_window=8)
+    actual = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_split_into_buckets() -> None:
+    assert split_into_buckets([]) == []
+    assert split_into_buckets([300, 290, 310]) == [[0, 1, 2]]
+    # 4 long + 60 short: padding the short ones to 800 costs far more than a second call
+    lens = [800] * 4 + [50] * 60
+    assert split_into_buckets(lens) == [list(range(4, 64)), list(range(4))]
+    # every sequence in exactly one bucket
+    lens = [int(x) for x in torch.randint(1, 900, (64,), generator=torch.Generator().manual_seed(1))]
+    groups = split_into_buckets(lens)
+    assert sorted(i for g in groups for i in g) == list(range(64))

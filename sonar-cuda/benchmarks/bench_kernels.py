@@ -1,0 +1,160 @@
+"""Micro-benchmarks of the attention kernels on one GPU, against the device's copy bandwidth.
+
+    python sonar-cuda/benchmarks/bench_kernels.py [--json results.json] [--sweep]
+
+Decode attention is memory-bound: its figure of merit is the bytes it must read (every cached
+key and value once, plus queries, outputs and block tables) over its time, against a
+device-to-device copy's bandwidth (bytes read + written). Prefill attention is reported in
+TFLOP/s, beside torch's scaled_dot_product_attention on the same (unpaged) tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.testing
+
+from sonar_cuda.kernels.decode_attention import decode_attention
+from sonar_cuda.kernels.prefill_attention import prefill_attention
+
+
+@dataclass(slots=True)
+class DecodeResult:
+    name: str
+    batch: int
+    context: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    config: str
+    time_us: float
+    gbps: float
+    fraction_of_copy: float
+
+
+def copy_bandwidth_gbps() -> float:
+    """Device-to-device copy of 4 GiB, counting bytes read and written."""
+    src = torch.empty(2**31, dtype=torch.float16, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300)
+    del src, dst
+    return 2 * 2**32 / (ms * 1e-3) / 1e9
+
+
+def paged_cache(batch: int, context: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype):
+    pages_per_seq = math.ceil(context / page_size)
+    num_blocks = batch * pages_per_seq
+    k_cache = torch.randn(num_blocks, page_size, num_kv_heads, head_dim, dtype=dtype, device="cuda")
+    v_cache = torch.randn_like(k_cache)
+    # shuffled pages, as after many requests came and went
+    block_tables = torch.randperm(num_blocks, device="cuda").to(torch.int32).view(batch, pages_per_seq)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return k_cache, v_cache, block_tables, seq_lens
+
+
+def bench_decode(
+    name: str, batch: int, context: int, num_heads: int, num_kv_heads: int, head_dim: int, copy_gbps: float,
+    page_size: int = 16, dtype: torch.dtype = torch.bfloat16, **config: int,
+) -> DecodeResult:
+    k_cache, v_cache, block_tables, seq_lens = paged_cache(batch, context, num_kv_heads, head_dim, page_size, dtype)
+    query = torch.randn(batch, num_heads, head_dim, dtype=dtype, device="cuda")
+    out = torch.empty_like(query)
+    scale = head_dim**-0.5
+
+    def run() -> None:
+        decode_attention(query, k_cache, v_cache, block_tables, seq_lens, scale, out=out, max_seq_len=context, **config)
+
+    run()
+    ms = triton.testing.do_bench_cudagraph(run, rep=200)
+    itemsize = k_cache.element_size()
+    moved = (
+        2 * batch * context * num_kv_heads * head_dim * itemsize  # keys and values
+        + 2 * query.numel() * itemsize  # queries and outputs
+        + block_tables.numel() * 4
+    )
+    gbps = moved / (ms * 1e-3) / 1e9
+    label = ",".join(f"{k}={v}" for k, v in config.items()) or "default"
+    return DecodeResult(name, batch, context, num_heads, num_kv_heads, head_dim, label, ms * 1e3, gbps, gbps / copy_gbps)
+
+
+def bench_prefill(name: str, num_seqs: int, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+    dtype, page_size = torch.bfloat16, 16
+    k_cache, v_cache, block_tables, seq_lens = paged_cache(num_seqs, seq_len, num_kv_heads, head_dim, page_size, dtype)
+    query = torch.randn(num_seqs * seq_len, num_heads, head_dim, dtype=dtype, device="cuda")
+    starts = torch.arange(0, num_seqs * seq_len + 1, seq_len, dtype=torch.int32, device="cuda")
+    out = torch.empty_like(query)
+    scale = head_dim**-0.5
+    ms = triton.testing.do_bench(
+        lambda: prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, starts, seq_len, scale, out=out), rep=200
+    )
+    # causal: half of the full score matrix, two matrix products of 2*d flops per entry
+    flops = num_seqs * num_heads * seq_len * seq_len / 2 * 4 * head_dim
+    q = query.view(num_seqs, seq_len, num_heads, head_dim).transpose(1, 2)
+    k = torch.randn(num_seqs, num_kv_heads, seq_len, head_dim, dtype=dtype, device="cuda")
+    v = torch.randn_like(k)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    sdpa_ms = triton.testing.do_bench(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), rep=200)
+    return {
+        "name": name, "num_seqs": num_seqs, "seq_len": seq_len, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim, "time_us": ms * 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
+        "torch_sdpa_time_us": sdpa_ms * 1e3, "torch_sdpa_tflops": flops / (sdpa_ms * 1e-3) / 1e12,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the results to this file")
+    parser.add_argument("--sweep", action="store_true", help="try tile sizes, warps and stages for the main decode shape")
+    args = parser.parse_args()
+
+    copy_gbps = copy_bandwidth_gbps()
+    print(f"{torch.cuda.get_device_name()}: device copy {copy_gbps:.0f} GB/s (read + write)")
+    decode: list[DecodeResult] = [
+        bench_decode("qwen3-0.6b", 256, 1024, 16, 8, 128, copy_gbps),
+        bench_decode("qwen3-0.6b", 64, 1024, 16, 8, 128, copy_gbps),
+        bench_decode("qwen3-0.6b", 1, 1024, 16, 8, 128, copy_gbps),
+        bench_decode("llama-3.1-8b", 256, 1152, 32, 8, 128, copy_gbps),
+        bench_decode("llama-3.1-8b", 500, 2176, 32, 8, 128, copy_gbps),
+        bench_decode("llama-3.1-8b", 1, 32768, 32, 8, 128, copy_gbps),
+        bench_decode("llama-3.1-8b", 8, 32768, 32, 8, 128, copy_gbps),
+    ]
+    if args.sweep:
+        for block_n in (32, 64, 128):
+            for num_warps in (4, 8):
+                for num_stages in (2, 3, 4):
+                    try:
+                        decode.append(
+                            bench_decode(
+                                "qwen3-0.6b", 256, 1024, 16, 8, 128, copy_gbps,
+                                block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                            )
+                        )
+                    except Exception as exc:  # a config that does not fit (shared memory)
+                        print(f"skip block_n={block_n} warps={num_warps} stages={num_stages}: {type(exc).__name__}")
+    print(f"{'decode shape':<14}{'batch':>6}{'ctx':>7}{'heads':>7}  {'config':<36}{'us':>9}{'GB/s':>8}{'of copy':>9}")
+    for r in decode:
+        heads = f"{r.num_heads}/{r.num_kv_heads}"
+        print(f"{r.name:<14}{r.batch:>6}{r.context:>7}{heads:>7}  {r.config:<36}{r.time_us:>9.1f}{r.gbps:>8.0f}{r.fraction_of_copy:>9.1%}")
+
+    prefill = [
+        bench_prefill("qwen3-0.6b", 8, 1024, 16, 8, 128),
+        bench_prefill("llama-3.1-8b", 4, 2048, 32, 8, 128),
+        bench_prefill("llama-3.1-8b", 16, 512, 32, 8, 128),
+    ]
+    for r in prefill:
+        print(
+            f"prefill {r['name']:<13} {r['num_seqs']}x{r['seq_len']:<5} {r['time_us']:>8.1f} us {r['tflops']:>6.1f} TFLOP/s"
+            f"   (torch sdpa, unpaged: {r['torch_sdpa_time_us']:.1f} us, {r['torch_sdpa_tflops']:.1f} TFLOP/s)"
+        )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_gbps": copy_gbps, "decode": [asdict(r) for r in decode], "prefill": prefill}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The Triton attention backend over the paged KV cache."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sonar.attention import AttentionBackend, AttentionMetadata
+from sonar_cuda.kernels.decode_attention import decode_attention
+from sonar_cuda.kernels.kv_cache import reshape_and_cache
+from sonar_cuda.kernels.prefill_attention import prefill_attention
+
+
+@dataclass(slots=True)
+class TritonStepState:
+    """Per-step views and sizes shared by every layer (``AttentionMetadata.extra``)."""
+
+    num_decodes: int
+    decode_max_seq_len: int
+    # prefill part: [num_prefills(+1)] views of the step's tensors
+    prefill_query_start_loc: torch.Tensor
+    prefill_seq_lens: torch.Tensor
+    prefill_block_tables: torch.Tensor
+    prefill_max_query_len: int
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Writes each step's keys and values into the paged cache, then runs the decode kernel over
+    the leading one-token sequences and the prefill kernel over the rest, in two launches."""
+
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+    ) -> None:
+        if sliding_window is not None:
+            raise NotImplementedError("the Triton attention backend does not support sliding-window attention yet")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+
+    @classmethod
+    def prepare_metadata(cls, metadata: AttentionMetadata) -> None:
+        """Slice the step's tensors into the decode and prefill parts, once for all layers."""
+        nd = metadata.num_decodes
+        starts = metadata.query_start_loc_cpu
+        prefill_query_lens = [starts[i + 1] - starts[i] for i in range(nd, metadata.num_seqs)]
+        metadata.extra = TritonStepState(
+            num_decodes=nd,
+            decode_max_seq_len=max(metadata.seq_lens_cpu[:nd], default=0),
+            prefill_query_start_loc=metadata.query_start_loc[nd:],
+            prefill_seq_lens=metadata.seq_lens[nd:],
+            prefill_block_tables=metadata.block_tables[nd:],
+            prefill_max_query_len=max(prefill_query_lens, default=0),
+        )
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write ``key``/``value`` at ``slot_mapping``, then attend causally over the paged cache."""
+        if not isinstance(metadata.extra, TritonStepState):
+            self.prepare_metadata(metadata)
+        state: TritonStepState = metadata.extra
+        k_cache, v_cache = kv_cache[0], kv_cache[1]
+        reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        nd = state.num_decodes
+        # decode
+        if nd:
+            decode_attention(
+                query[:nd], k_cache, v_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], self.scale,
+                out=out[:nd], max_seq_len=state.decode_max_seq_len,
+            )
+        # prefill and chunked prefill
+        if state.prefill_max_query_len:
+            prefill_attention(
+                query, k_cache, v_cache, state.prefill_block_tables, state.prefill_seq_lens,
+                state.prefill_query_start_loc, state.prefill_max_query_len, self.scale, out=out,
+            )
+        return out

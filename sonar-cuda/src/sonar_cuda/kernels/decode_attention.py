@@ -1,0 +1,257 @@
+"""Paged attention for decode: one new token per sequence.
+
+One program handles every query head of one KV head (GQA-aware: each K/V tile is read once for
+the whole group) over one split of the sequence's context. With several splits, each writes a
+partial output and its log-sum-exp, and a second kernel combines them; long contexts at small
+batch sizes so still fill the GPU.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+MIN_TOKENS_PER_SPLIT = 256
+MAX_SPLITS = 32
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    out_ptr,  # [num_seqs, num_heads, head_dim] when not SPLIT
+    part_out_ptr,  # [num_seqs, num_heads, num_splits, BLOCK_D] float32 when SPLIT
+    part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32 when SPLIT (log2 units)
+    scale_log2,
+    stride_q_token,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt_seq,
+    stride_out_token,
+    stride_out_head,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
+
+    # this split's token range, in whole BLOCK_N tiles
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, seq_len)
+
+    # q: [GROUP_PAD, BLOCK_D], the group's heads as rows
+    rows = tl.arange(0, GROUP_PAD)
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q_offsets = seq.to(tl.int64) * stride_q_token + heads[:, None] * stride_q_head + dims[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+
+    m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    for tile_start in range(start, end, BLOCK_N):
+        # gather BLOCK_N tokens through the block table: [BLOCK_N, BLOCK_D]
+        tokens = tile_start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < end
+        pages = tl.load(block_table + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
+        kv_offsets = pages * stride_cache_block + (tokens % PAGE_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+
+        # online softmax in base 2: [GROUP_PAD, BLOCK_N]
+        scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has_tokens = l_i > 0.0
+    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    if SPLIT:
+        part = (seq * GROUP * tl.num_programs(1) + heads).to(tl.int64) * num_splits + split
+        tl.store(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :], out, mask=row_mask[:, None])
+        lse = tl.where(has_tokens, m_i + tl.log2(tl.where(has_tokens, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_mask)
+    else:
+        out_offsets = seq.to(tl.int64) * stride_out_token + heads[:, None] * stride_out_head + dims[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    out_ptr,
+    stride_out_token,
+    stride_out_head,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    row = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
+    splits = tl.arange(0, SPLITS_PAD)
+    split_mask = splits < NUM_SPLITS
+    dims = tl.arange(0, BLOCK_D)
+    # weights of each split: [SPLITS_PAD]
+    lse = tl.load(part_lse_ptr + row + splits, mask=split_mask, other=float("-inf"))
+    lse_max = tl.max(lse, 0)
+    weights = tl.exp2(lse - lse_max)
+    weights = weights / tl.sum(weights, 0)
+    # [SPLITS_PAD, BLOCK_D]
+    parts = tl.load(part_out_ptr + (row + splits)[:, None] * BLOCK_D + dims[None, :], mask=split_mask[:, None], other=0.0)
+    out = tl.sum(parts * weights[:, None], 0)
+    out_offsets = seq.to(tl.int64) * stride_out_token + head * stride_out_head + dims
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Enough splits that the grid covers about two waves of the GPU, never a split shorter than
+    ``MIN_TOKENS_PER_SPLIT`` tokens."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = math.ceil(2 * num_sms / programs)
+    return max(1, min(wanted, math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32, including the new token
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """Attend each sequence's single new query token over its whole paged context.
+
+    The new token's key and value must already be in the cache. ``num_splits`` (the split-KV
+    factor) defaults to a choice from the batch size and ``max_seq_len``; pass it explicitly to
+    keep the launch shape fixed (CUDA graphs). Returns ``out``.
+    """
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    page_size = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    assert num_heads == group * num_kv_heads, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
+    assert query.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        if max_seq_len is None:
+            max_seq_len = int(seq_lens.max())
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
+    block_d = triton.next_power_of_2(head_dim)
+    split = num_splits > 1
+    if split:
+        part_out = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
+        part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    else:
+        part_out = part_lse = out  # unused
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        PAGE_SIZE=page_size,
+        GROUP=group,
+        GROUP_PAD=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        SPLIT=split,
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if split:
+        _decode_reduce_kernel[(num_seqs, num_heads)](
+            part_out,
+            part_lse,
+            out,
+            out.stride(0),
+            out.stride(1),
+            NUM_SPLITS=num_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            num_warps=4 if block_d >= 128 else 2,
+        )
+    return out
+
+
+def reference_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain float32 torch version of :func:`decode_attention` (returns float32)."""
+    num_seqs, num_heads, _ = query.shape
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(query.shape, dtype=torch.float32, device=query.device)
+    for i in range(num_seqs):
+        seq_len = int(seq_lens[i])
+        positions = torch.arange(seq_len, device=query.device)
+        pages = block_tables[i].long()[positions // page_size]
+        k = k_cache[pages, positions % page_size].float().repeat_interleave(group, dim=1)  # [seq_len, H, D]
+        v = v_cache[pages, positions % page_size].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", query[i].float(), k) * scale
+        out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
+    return out

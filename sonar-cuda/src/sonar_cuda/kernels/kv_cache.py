@@ -1,0 +1,92 @@
+"""KV-cache write: each new token's key and value go to its flat slot in the paged cache."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _reshape_and_cache_kernel(
+    key_ptr,
+    value_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    stride_key_token,
+    stride_key_head,
+    stride_value_token,
+    stride_value_head,
+    stride_cache_slot,
+    stride_cache_head,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:  # padding token (e.g. a CUDA-graph batch larger than the real one)
+        return
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+    # [BLOCK_H, BLOCK_D]
+    src_key = key_ptr + token * stride_key_token + heads[:, None] * stride_key_head + dims[None, :]
+    src_value = value_ptr + token * stride_value_token + heads[:, None] * stride_value_head + dims[None, :]
+    dst = slot * stride_cache_slot + heads[:, None] * stride_cache_head + dims[None, :]
+    k = tl.load(src_key, mask=mask)
+    v = tl.load(src_value, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def reshape_and_cache(
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping: torch.Tensor,  # [num_tokens] int64; negative slots are skipped
+) -> None:
+    """Write token ``i``'s key and value to flat slot ``slot_mapping[i]`` of the caches, in place.
+
+    ``key``/``value`` may be strided views (of a fused qkv projection) as long as the last
+    dimension is contiguous; the caches must be contiguous per slot.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert key.stride(-1) == 1 and value.stride(-1) == 1, "key/value need a contiguous last dimension"
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert k_cache.stride(0) == k_cache.shape[1] * k_cache.stride(1), "cache blocks must be contiguous"
+    _reshape_and_cache_kernel[(num_tokens,)](
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
+    )
+
+
+def reference_reshape_and_cache(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Plain torch version of :func:`reshape_and_cache`."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k[slots] = key[keep].to(k_cache.dtype)
+    flat_v[slots] = value[keep].to(v_cache.dtype)

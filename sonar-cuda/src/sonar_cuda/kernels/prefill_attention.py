@@ -1,0 +1,232 @@
+"""Paged attention for prefill and chunked prefill, many sequences of any length in one launch.
+
+Each sequence's new tokens sit after a cached context (from the prefix cache or an earlier
+chunk); their keys and values are already written to the paged cache, so every key is read from
+the cache. One program computes ``BLOCK_M`` query tokens of one head of one sequence, flash-style:
+tiles of keys wholly before the first query token need no causal mask, the rest are masked.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    m_i,
+    l_i,
+    acc,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_table,
+    kv_head_offset,
+    tile_start,
+    kv_end,
+    q_positions,
+    dims,
+    dim_mask,
+    scale_log2,
+    stride_cache_block,
+    stride_cache_slot,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # gather BLOCK_N keys and values through the block table: [BLOCK_N, BLOCK_D]
+    tokens = tile_start + tl.arange(0, BLOCK_N)
+    token_mask = tokens < kv_end
+    pages = tl.load(block_table + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
+    kv_offsets = pages * stride_cache_block + (tokens % PAGE_SIZE) * stride_cache_slot + kv_head_offset
+    kv_mask = token_mask[:, None] & dim_mask[None, :]
+    k = tl.load(k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+
+    # online softmax in base 2: [BLOCK_M, BLOCK_N]
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if CAUSAL:
+        visible = (tokens[None, :] <= q_positions[:, None]) & token_mask[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(scores - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    query_start_loc_ptr,
+    out_ptr,
+    scale_log2,
+    stride_q_token,
+    stride_q_head,
+    stride_cache_block,
+    stride_cache_slot,
+    stride_cache_head,
+    stride_bt_seq,
+    stride_out_token,
+    stride_out_head,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    q_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if q_block * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context_len = seq_len - q_len
+
+    # q: [BLOCK_M, BLOCK_D]; row r is query token context_len + q_block * BLOCK_M + r
+    rows = q_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    q_positions = context_len + rows
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    q_tokens = (q_start + rows).to(tl.int64)
+    io_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(q_ptr + q_tokens[:, None] * stride_q_token + head * stride_q_head + dims[None, :], mask=io_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
+    kv_head_offset = kv_head * stride_cache_head
+
+    # keys every query row sees: no mask
+    unmasked_end = (context_len + q_block * BLOCK_M) // BLOCK_N * BLOCK_N
+    for tile_start in range(0, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, seq_len,
+            q_positions, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
+            PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
+        )
+    # the diagonal: causal mask
+    kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_M)
+    for tile_start in range(unmasked_end, kv_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_end,
+            q_positions, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
+            PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )
+
+    out = acc / l_i[:, None]
+    out_offsets = q_tokens[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
+
+
+def prefill_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
+    seq_lens: torch.Tensor,  # [num_seqs] int32: cached context + new tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32: row of each sequence's first new token
+    max_query_len: int,
+    scale: float,
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its cached context and themselves.
+
+    ``query_start_loc`` holds absolute rows of ``query``/``out``, so the prefill part of a mixed
+    batch passes slices (``query_start_loc[num_decodes:]``) with the whole ``query``. The new
+    tokens' keys and values must already be in the cache. Returns ``out``.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    assert num_heads == group * num_kv_heads, f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads"
+    assert query.stride(-1) == 1 and k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    num_seqs = seq_lens.shape[0]
+    if num_seqs == 0 or max_query_len == 0:
+        return out
+    block_d = triton.next_power_of_2(head_dim)
+    fp32 = query.dtype == torch.float32
+    # tiles sized for the registers: fp32 and wide heads take smaller ones
+    if block_m is None:
+        block_m = 32 if fp32 else 64
+    if block_n is None:
+        block_n = 32 if fp32 or block_d > 128 else 64
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        out,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        PAGE_SIZE=page_size,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION="ieee" if fp32 else "tf32",
+        num_warps=4,
+        num_stages=2,
+    )
+    return out
+
+
+def reference_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Plain float32 torch version of :func:`prefill_attention`; rows outside every sequence are 0."""
+    num_heads = query.shape[1]
+    page_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros(query.shape, dtype=torch.float32, device=query.device)
+    for i in range(seq_lens.shape[0]):
+        start, end, seq_len = int(query_start_loc[i]), int(query_start_loc[i + 1]), int(seq_lens[i])
+        q_len = end - start
+        positions = torch.arange(seq_len, device=query.device)
+        pages = block_tables[i].long()[positions // page_size]
+        k = k_cache[pages, positions % page_size].float().repeat_interleave(group, dim=1)  # [seq_len, H, D]
+        v = v_cache[pages, positions % page_size].float().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), k) * scale
+        q_positions = torch.arange(seq_len - q_len, seq_len, device=query.device)
+        hidden = positions[None, :] > q_positions[:, None]
+        scores.masked_fill_(hidden[None], float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out

@@ -1,0 +1,45 @@
+"""The NVIDIA CUDA platform."""
+
+from __future__ import annotations
+
+import torch
+
+from sonar.platform import Platform
+
+
+class CudaPlatform(Platform):
+    """NVIDIA GPUs through CUDA: Triton attention kernels, NCCL for multi-GPU runs."""
+
+    name = "cuda"
+    device_type = "cuda"
+    worker_cls = "sonar_cuda.worker:CudaWorker"
+    attention_backend_cls = "sonar_cuda.attention:TritonAttentionBackend"
+    supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    dist_backend = "nccl"
+
+    @classmethod
+    def device(cls, index: int = 0) -> torch.device:
+        """The CUDA device for local rank ``index``."""
+        return torch.device("cuda", index)
+
+    @classmethod
+    def total_memory_bytes(cls) -> int:
+        """Memory of the current device, as the driver reports it."""
+        return torch.cuda.mem_get_info()[1]
+
+    @classmethod
+    def available_memory_bytes(cls) -> int:
+        """Free memory of the current device right now (other processes' use counted too)."""
+        return torch.cuda.mem_get_info()[0]
+
+    @classmethod
+    def describe(cls) -> str:
+        """``cuda: NVIDIA H200 (sm_90), 139.8 GiB`` for ``sonar plugins``."""
+        major, minor = torch.cuda.get_device_capability()
+        total_gib = cls.total_memory_bytes() / 2**30
+        return f"cuda: {torch.cuda.get_device_name()} (sm_{major}{minor}), {total_gib:.1f} GiB"
+
+    @classmethod
+    def synchronize(cls) -> None:
+        """Wait for all work queued on the current device."""
+        torch.cuda.synchronize()

@@ -1,0 +1,84 @@
+"""The Triton backend on a mixed step (decodes first, then prefill chunks) against sonar's
+reference paged attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_batch import assert_close, dtypes_for
+
+from sonar.attention import AttentionMetadata, reference_attention
+from sonar_cuda.attention import TritonAttentionBackend
+
+
+def make_step(
+    decode_lens: list[int], chunks: list[tuple[int, int]], page_size: int, device: torch.device, gen: torch.Generator
+) -> tuple[AttentionMetadata, int]:
+    """Metadata for decodes of ``decode_lens`` (context + 1) then ``(context, new)`` prefill chunks."""
+    seq_lens = decode_lens + [context + new for context, new in chunks]
+    query_lens = [1] * len(decode_lens) + [new for _, new in chunks]
+    pages_per_seq = [(n + page_size - 1) // page_size for n in seq_lens]
+    num_blocks = sum(pages_per_seq) + 2
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    block_tables = torch.zeros(len(seq_lens), max(pages_per_seq), dtype=torch.int32)
+    slot_mapping: list[int] = []
+    for i, (seq_len, q_len, num_pages) in enumerate(zip(seq_lens, query_lens, pages_per_seq)):
+        pages, free = free[:num_pages], free[num_pages:]
+        block_tables[i, :num_pages] = torch.tensor(pages, dtype=torch.int32)
+        slot_mapping += [pages[p // page_size] * page_size + p % page_size for p in range(seq_len - q_len, seq_len)]
+    starts = [0]
+    for q_len in query_lens:
+        starts.append(starts[-1] + q_len)
+    metadata = AttentionMetadata(
+        num_decodes=len(decode_lens),
+        num_decode_tokens=len(decode_lens),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+        block_tables=block_tables.to(device),
+        slot_mapping=torch.tensor(slot_mapping, dtype=torch.int64, device=device),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        query_start_loc_cpu=starts,
+        seq_lens_cpu=seq_lens,
+    )
+    return metadata, num_blocks
+
+
+def check(decode_lens: list[int], chunks: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+    gen = torch.Generator().manual_seed(sum(decode_lens) + head_dim)
+    page_size = 16
+    metadata, num_blocks = make_step(decode_lens, chunks, page_size, device, gen)
+    kv_cache = torch.randn(2, num_blocks, page_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    # q, k, v as views of one fused projection, as models produce them
+    qkv = torch.randn(metadata.num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    query, key, value = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
+    scale = head_dim**-0.5
+    expected_cache = kv_cache.clone()
+    expected = reference_attention(query.float(), key, value, expected_cache, metadata, scale)
+
+    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale)
+    TritonAttentionBackend.prepare_metadata(metadata)
+    out = backend.forward(query, key, value, kv_cache, metadata)
+    assert out.shape == query.shape and out.dtype == dtype
+    assert torch.equal(kv_cache, expected_cache), "keys and values must land in their slots"
+    assert_close(out, expected, dtype)
+
+
+def test_mixed_step_small(device: torch.device) -> None:
+    for dtype in dtypes_for(device):
+        check([1, 17], [(0, 5), (16, 3)], 4, 2, 64, dtype, device)  # decodes + prefills
+        check([], [(3, 20)], 8, 1, 128, dtype, device)  # prefill only
+        check([30, 2, 16], [], 8, 8, 64, dtype, device)  # decode only
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mixed_step_large(dtype: torch.dtype, device: torch.device) -> None:
+    check([1, 16, 17, 1025, 300] * 10, [(0, 512), (1000, 77), (16, 1), (33, 1024)], 16, 8, 128, dtype, device)
+    check([4000, 5], [(0, 2048)], 32, 8, 128, dtype, device)
+    check([63] * 64, [(0, 100), (10, 90)], 32, 4, 64, dtype, device)
+
+
+def test_sliding_window_is_refused() -> None:
+    with pytest.raises(NotImplementedError, match="sliding-window"):
+        TritonAttentionBackend(4, 2, 64, 0.125, sliding_window=128)

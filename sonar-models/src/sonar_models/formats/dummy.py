@@ -1,0 +1,67 @@
+"""Random weights from a config alone (``load_format="dummy"``), for benchmarks and tests.
+
+``iter_weights`` builds the Hugging Face model for the config on the ``meta`` device (no memory)
+to learn every parameter's name and shape, then yields a freshly drawn tensor for each, one at
+a time: norm weights 1, biases 0, everything else normal(0, 0.02) from a fixed seed. The model
+loads them through its ordinary ``load_weights``, so fused projections and tied embeddings
+are handled exactly as for a real checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from sonar_models.formats.gguf_file import GGUFFormat
+from sonar_models.formats.tokenizer_files import load_folder_tokenizer
+
+INIT_STD = 0.02
+SEED = 0
+
+
+class DummyFormat:
+    """Never auto-detected; forced by ``load_format="dummy"``. Reads the config (and tokenizer,
+    where present) of a folder or a ``.gguf`` file and ignores any weights there."""
+
+    name = "dummy"
+
+    def detect(self, model_path: Path) -> bool:
+        """Always False: random weights are only ever asked for explicitly."""
+        return False
+
+    def load_hf_config(self, model_path: Path) -> Any:
+        """``config.json`` of a folder (or the metadata of a ``.gguf`` file)."""
+        model_path = Path(model_path)
+        if GGUFFormat().detect(model_path):
+            return GGUFFormat().load_hf_config(model_path)
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_path)
+
+    def load_tokenizer(self, model_path: Path) -> Any | None:
+        """The tokenizer next to the config, or None where there is none."""
+        model_path = Path(model_path)
+        if GGUFFormat().detect(model_path):
+            return GGUFFormat().load_tokenizer(model_path)
+        return load_folder_tokenizer(model_path)
+
+    def iter_weights(self, model_path: Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        """A random float32 tensor for every parameter of the config's Hugging Face model."""
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(hf_config)
+        generator = torch.Generator().manual_seed(SEED)
+        for name, param in skeleton.named_parameters():  # tied lm_head appears once, as the embedding
+            yield name, random_init(name, tuple(param.shape), generator)
+
+
+def random_init(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
+    """Norm weights 1, biases 0, other tensors normal(0, ``INIT_STD``)."""
+    if name.endswith("bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1 and "norm" in name:
+        return torch.ones(shape)
+    return torch.empty(shape).normal_(0.0, INIT_STD, generator=generator)

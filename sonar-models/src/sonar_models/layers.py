@@ -1,0 +1,45 @@
+"""Small building blocks shared by the decoder models."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 and cast back (as Hugging Face does)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+
+class MergedLinear(nn.Linear):
+    """A Linear whose output rows are several checkpoint projections stacked in order
+    (``{"q": 576, "k": 192, "v": 192}``); the weight loader fills each part separately."""
+
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
+        super().__init__(in_features, sum(parts.values()), bias=bias)
+        self.parts = dict(parts)
+
+    def part_rows(self, part: str) -> slice:
+        """The output rows that hold ``part``."""
+        start = 0
+        for name, size in self.parts.items():
+            if name == part:
+                return slice(start, start + size)
+            start += size
+        raise KeyError(f"{part!r} is not one of this layer's parts {list(self.parts)}")
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` over a fused ``[..., 2 * intermediate]`` input."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return nn.functional.silu(gate) * up

@@ -1,0 +1,191 @@
+"""Llama-family decoders: Llama (1-3, SmolLM2), Mistral, Qwen2 and Qwen3.
+
+One plain-PyTorch implementation; the four differ only in where projections carry biases and
+whether queries and keys are RMS-normed per head (Qwen3). Tokens arrive as one flat batch
+(sequences concatenated, no batch dimension); attention over the paged KV cache is done by the
+layer the engine's ``AttentionFactory`` builds.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from sonar.attention import ForwardContext
+from sonar.model_interface import AttentionFactory
+from sonar_models.layers import MergedLinear, RMSNorm, silu_and_mul
+from sonar_models.rope import RotaryEmbedding, apply_rotary, rope_spec_from_config
+from sonar_models.weight_loading import FusedProjection, load_hf_weights
+
+FUSED_PROJECTIONS = (
+    FusedProjection("q_proj", "qkv_proj", "q"),
+    FusedProjection("k_proj", "qkv_proj", "k"),
+    FusedProjection("v_proj", "qkv_proj", "v"),
+    FusedProjection("gate_proj", "gate_up_proj", "gate"),
+    FusedProjection("up_proj", "gate_up_proj", "up"),
+)
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def head_dim_of(config: Any) -> int:
+    """The per-head size: explicit ``head_dim`` where the config has one (Qwen3), else
+    ``hidden_size // num_attention_heads``."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(
+        self, config: Any, attention: AttentionFactory, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        self.qk_norm = qk_norm
+        self.attn = attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(list(self.qkv_proj.parts.values()), dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.attn(q, k, v, ctx)  # [T, H, D]
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, config: Any, bias: bool) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
+        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, attn: DecoderAttention, mlp: GatedMLP, config: Any) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # attention block
+        residual = hidden
+        hidden = residual + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)
+        # mlp block
+        residual = hidden
+        return residual + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, layers: list[DecoderLayer], config: Any, head_dim: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(rope_spec_from_config(config, head_dim))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, rotary_dim]
+        for layer in self.layers:
+            hidden = layer(hidden, cos, sin, ctx)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-style causal LM following ``sonar.model_interface``.
+
+    :param hf_config: the model's ``transformers`` config (``LlamaConfig`` or a sibling).
+    :param attention: builds each layer's paged attention,
+        ``attention(num_heads, num_kv_heads, head_dim, scale, layer_idx)``.
+
+    ``forward(input_ids [T], positions [T], ctx)`` returns final hidden states ``[T, hidden]``;
+    ``compute_logits`` turns (selected) hidden states into float32 logits. Weights are loaded
+    with ``load_weights`` from Hugging Face names; q/k/v and gate/up go into fused projections.
+    """
+
+    qkv_bias: bool | None = None  # None: follow config.attention_bias
+    o_bias: bool | None = None  # None: follow config.attention_bias
+    qk_norm: bool = False
+
+    def __init__(self, hf_config: Any, attention: AttentionFactory) -> None:
+        super().__init__()
+        config = hf_config
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.vocab_size = config.vocab_size
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = attention_bias if self.o_bias is None else self.o_bias
+        mlp_bias = bool(getattr(config, "mlp_bias", False))
+        layers = [
+            DecoderLayer(
+                DecoderAttention(config, attention, i, qkv_bias, o_bias, self.qk_norm),
+                GatedMLP(config, mlp_bias),
+                config,
+            )
+            for i in range(self.num_layers)
+        ]
+        self.model = DecoderModel(layers, config, self.head_dim)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Final hidden states ``[T, hidden]`` for a flat batch of tokens at absolute ``positions``."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
+        return self.lm_head(hidden_states).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in (``model.layers.0.self_attn.q_proj.weight``, ...).
+
+        Raises ``ValueError`` on an unknown name, a shape mismatch or a parameter left unfilled.
+        """
+        skipped = frozenset({"lm_head.weight"}) if self.tie_word_embeddings else frozenset()
+        load_hf_weights(self, weights, FUSED_PROJECTIONS, IGNORED_SUFFIXES, skipped)
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama's layout without biases. Sliding-window attention is not applied (the
+    attention factory has no window yet); sequences within the window are exact."""
+
+    qkv_bias = False
+    o_bias = False
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    """Qwen2: biases on q/k/v (never on o_proj)."""
+
+    qkv_bias = True
+    o_bias = False
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    """Qwen3: per-head RMSNorm on queries and keys before rotary, explicit ``head_dim``."""
+
+    qk_norm = True

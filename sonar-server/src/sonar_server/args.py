@@ -1,0 +1,77 @@
+"""``sonar serve`` arguments: the engine's (shared with every model-loading subcommand) plus
+the server's. ``docs/server-arguments.md`` is generated from this parser."""
+
+from __future__ import annotations
+
+import argparse
+
+from sonar.cli.engine_args import add_engine_arguments
+from sonar_server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, ServerSettings
+
+
+def _byte_size(text: str) -> int:
+    """``8388608``, ``8MiB``, ``8M``, ``512KiB``, ``1GB``."""
+    units = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+    value = text.strip().lower()
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = value[len(number):].strip()
+    if unit not in units or not number:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size (examples: 8388608, 8MiB, 512KiB)")
+    return int(float(number) * units[unit])
+
+
+def _api_list(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add every ``sonar serve`` argument to ``parser``."""
+    add_engine_arguments(parser)
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    group.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    group.add_argument(
+        "--served-model-name", nargs="+", default=None, metavar="NAME",
+        help="model name(s) clients send in 'model'; the first is reported (default: the model path)",
+    )
+    group.add_argument(
+        "--api-key", action="append", default=[], metavar="KEY",
+        help="require this key (repeat for several); also read from SONAR_API_KEY",
+    )
+    group.add_argument(
+        "--api", type=_api_list, default=None, metavar="NAMES",
+        help="comma-separated API surfaces to serve: openai, anthropic, kobold, ops, or a plugin's (default: all)",
+    )
+    group.add_argument(
+        "--max-waiting-requests", type=int, default=1024,
+        help="requests that may wait for a slot beyond --max-num-seqs; more get 503 with Retry-After",
+    )
+    group.add_argument(
+        "--max-request-body-bytes", type=_byte_size, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
+        help="largest request body accepted (413 above it); accepts 8MiB-style sizes",
+    )
+    group.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to let running requests finish after SIGTERM before aborting them")
+    group.add_argument("--retry-after", type=int, default=1, help="seconds clients are told to wait (Retry-After) when the server is full")
+    group.add_argument("--kobold-max-length", type=int, default=100, help="KoboldAI max_length when a request leaves it out")
+    group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
+    group.add_argument("--access-log", action="store_true", help="also log uvicorn's line per HTTP request")
+
+
+def settings_from(args: argparse.Namespace, default_model_name: str) -> ServerSettings:
+    """The ``ServerSettings`` of parsed arguments."""
+    import os
+
+    api_keys = list(args.api_key)
+    if not api_keys and os.environ.get("SONAR_API_KEY"):
+        api_keys = [os.environ["SONAR_API_KEY"]]
+    return ServerSettings(
+        served_model_names=list(args.served_model_name or [default_model_name]),
+        api_keys=api_keys,
+        apis=args.api,
+        max_n=args.max_num_seqs,
+        max_waiting_requests=args.max_waiting_requests,
+        max_request_body_bytes=args.max_request_body_bytes,
+        shutdown_timeout=args.shutdown_timeout,
+        retry_after_s=args.retry_after,
+        kobold_default_max_length=args.kobold_max_length,
+    )

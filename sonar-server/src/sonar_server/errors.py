@@ -1,0 +1,85 @@
+"""One error type for every API surface; each surface renders it in its own format."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+
+from sonar.engine.async_client import EngineClosedError, EngineDeadError, QueueFull
+
+# error kinds, named as OpenAI and Anthropic name them
+INVALID_REQUEST = "invalid_request_error"
+AUTHENTICATION = "authentication_error"
+NOT_FOUND = "not_found_error"
+TOO_LARGE = "request_too_large"
+OVERLOADED = "overloaded_error"
+INTERNAL = "api_error"
+
+_KIND_BY_STATUS = {401: AUTHENTICATION, 404: NOT_FOUND, 413: TOO_LARGE, 503: OVERLOADED}
+
+
+class ApiError(Exception):
+    """An HTTP error with a message for the client.
+
+    :param status: HTTP status code.
+    :param message: what was wrong and what to do.
+    :param kind: one of the kinds above; defaults from the status.
+    :param param: the request field at fault, when there is one.
+    :param headers: extra response headers (``Retry-After``).
+    """
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        kind: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind or _KIND_BY_STATUS.get(status, INVALID_REQUEST if status < 500 else INTERNAL)
+        self.param = param
+        self.headers = headers or {}
+
+
+def to_api_error(exc: BaseException, retry_after_s: int = 1) -> ApiError:
+    """Map any exception raised while serving a request onto an ApiError."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, RequestValidationError):
+        return ApiError(400, validation_message(exc.errors()), param=_first_param(exc.errors()))
+    if isinstance(exc, HTTPException):
+        return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+    if isinstance(exc, QueueFull):
+        return ApiError(503, f"the server is busy: {exc}", headers={"Retry-After": str(retry_after_s)})
+    if isinstance(exc, EngineDeadError):
+        return ApiError(503, str(exc))
+    if isinstance(exc, EngineClosedError):
+        return ApiError(503, "the server is shutting down", headers={"Retry-After": str(retry_after_s)})
+    if isinstance(exc, ValueError):
+        return ApiError(400, str(exc))
+    return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def validation_message(errors: Any) -> str:
+    parts = []
+    for error in list(errors)[:5]:
+        location = ".".join(str(x) for x in error.get("loc", ()) if x != "body")
+        message = error.get("msg", "invalid")
+        if error.get("type") == "json_invalid":
+            message = f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'decode error')})"
+            location = ""
+        parts.append(f"{location}: {message}" if location else message)
+    return "; ".join(parts) or "invalid request"
+
+
+def _first_param(errors: Any) -> str | None:
+    for error in errors:
+        location = [str(x) for x in error.get("loc", ()) if x != "body"]
+        if location and error.get("type") != "json_invalid":
+            return ".".join(location)
+    return None

@@ -1,0 +1,56 @@
+"""Tokenization and chat templates, off the event loop and the engine thread, done the way the
+offline ``LLM`` does them so the same prompt gives the same tokens."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from sonar_server.errors import ApiError
+from sonar_server.state import ServerState
+
+
+async def encode_prompt(state: ServerState, text: str) -> list[int]:
+    """Token ids of a completion prompt, as ``LLM.generate`` would tokenize it."""
+    state.require_tokenizer()
+    return await asyncio.to_thread(state.client.encode, text)
+
+
+async def render_chat(
+    state: ServerState,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[str, list[int]]:
+    """The chat template applied to ``messages``: the prompt text and its token ids, as
+    ``LLM.chat`` builds them."""
+    tokenizer = state.require_tokenizer()
+    if not messages:
+        raise ApiError(400, "messages must not be empty", param="messages")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ApiError(400, "this model has no chat template; use the completions API instead")
+
+    def render() -> tuple[str, list[int]]:
+        try:
+            text = tokenizer.apply_chat_template(
+                messages,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt and not continue_final_message,
+                continue_final_message=continue_final_message,
+                **(template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja raises its own error types for bad conversations
+            raise ApiError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
+        return text, tokenizer.encode(text, add_special_tokens=False)
+
+    return await asyncio.to_thread(render)
+
+
+async def decode_tokens(state: ServerState, token_ids: list[int]) -> str:
+    tokenizer = state.require_tokenizer()
+    vocab = len(tokenizer)
+    for token_id in token_ids:
+        if not isinstance(token_id, int) or not 0 <= token_id < vocab:
+            raise ApiError(400, f"token id {token_id!r} is outside the vocabulary of {vocab}", param="tokens")
+    return await asyncio.to_thread(tokenizer.decode, token_ids)

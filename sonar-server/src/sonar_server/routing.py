@@ -1,0 +1,93 @@
+"""The route class every API surface uses: API key, drain and body-size checks before the
+handler, and every error rendered in the surface's own format."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import APIRouter
+from fastapi.routing import APIRoute
+from starlette.requests import Request
+from starlette.responses import Response
+
+from sonar_server.auth import check_api_key
+from sonar_server.errors import ApiError, to_api_error
+
+logger = logging.getLogger(__name__)
+
+ErrorRenderer = Callable[[ApiError], Response]
+
+_BODY_METHODS = {"POST", "PUT", "PATCH"}
+_DRAIN_FACTOR = 8  # bodies up to 8x the limit are read and dropped, so the client sees the 413
+_LENIENT_CONTENT_TYPES = ("", "application/x-www-form-urlencoded", "text/plain")
+
+
+def surface_router(render_error: ErrorRenderer, guarded: bool = True, tags: list[str] | None = None) -> APIRouter:
+    """A router whose routes check the API key (when ``guarded``), refuse work while draining,
+    cap the body size and render errors with ``render_error``."""
+    return APIRouter(route_class=_route_class(render_error, guarded), tags=list(tags or []))
+
+
+def _route_class(render_error: ErrorRenderer, guarded: bool) -> type[APIRoute]:
+    class SurfaceRoute(APIRoute):
+        def get_route_handler(self) -> Callable[[Request], Any]:
+            handler = super().get_route_handler()
+
+            async def handle(request: Request) -> Response:
+                state = request.app.state.sonar
+                try:
+                    if guarded:
+                        check_api_key(request, state.settings.api_keys)
+                        if state.draining:
+                            raise ApiError(503, "the server is shutting down", headers={"Retry-After": str(state.settings.retry_after_s)})
+                    if request.method in _BODY_METHODS:
+                        await read_body(request, state.settings.max_request_body_bytes)
+                    return await handler(request)
+                except Exception as exc:
+                    error = to_api_error(exc, state.settings.retry_after_s)
+                    if error.status >= 500 and error.status != 503:
+                        logger.exception("%s %s failed", request.method, request.url.path)
+                    response = render_error(error)
+                    response.headers.update(error.headers)
+                    return response
+
+            return handle
+
+    return SurfaceRoute
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """Read the body under a size cap, check it is UTF-8, and treat it as JSON when the client
+    did not say what it is (``curl -d``)."""
+    too_large = f"more than this server's limit of {limit} bytes (--max-request-body-bytes)"
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        if int(declared) <= _DRAIN_FACTOR * limit:
+            async for _ in request.stream():
+                pass
+        raise ApiError(413, f"the request body is {declared} bytes, {too_large}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > _DRAIN_FACTOR * limit:
+            break
+    if size > limit:
+        raise ApiError(413, f"the request body is {too_large}")
+    body = b"".join(chunks)
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ApiError(400, f"the request body is not valid UTF-8 (bad byte at offset {exc.start})") from exc
+    request._body = body  # FastAPI's body parsing reads it from here
+    content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if body and content_type in _LENIENT_CONTENT_TYPES:
+        headers = [(k, v) for k, v in request.scope["headers"] if k != b"content-type"]
+        request.scope["headers"] = headers + [(b"content-type", b"application/json")]
+        if hasattr(request, "_headers"):
+            del request._headers
+    return body

@@ -1,0 +1,37 @@
+"""Server settings (the HTTP side; the engine's are ``sonar.config.EngineArgs``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_PORT = 2242
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+
+
+@dataclass(slots=True)
+class ServerSettings:
+    """What ``sonar serve`` was told about HTTP, limits and the API surfaces."""
+
+    served_model_names: list[str]
+    api_keys: list[str] = field(default_factory=list)
+    apis: list[str] | None = None  # None: every registered surface
+    max_n: int = 256
+    max_waiting_requests: int = 1024
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    shutdown_timeout: float = 30.0
+    retry_after_s: int = 1
+    kobold_default_max_length: int = 100
+
+    def __post_init__(self) -> None:
+        if not self.served_model_names:
+            raise ValueError("served_model_names must name at least one model")
+        if self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.max_request_body_bytes < 1024:
+            raise ValueError(f"max_request_body_bytes must be at least 1024, got {self.max_request_body_bytes}")
+        if any(not key for key in self.api_keys):
+            raise ValueError("an API key must not be empty")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]

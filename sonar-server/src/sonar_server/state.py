@@ -1,0 +1,55 @@
+"""What every route handler reaches through ``request.app.state.sonar``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from sonar.engine.async_client import AsyncLLM
+from sonar_server.errors import ApiError
+from sonar_server.metrics import ServerMetrics
+from sonar_server.settings import ServerSettings
+
+
+class ServerState:
+    """The engine client, the settings, the metrics and the drain flag of one server.
+
+    :param client: the running engine client.
+    :param settings: the server's settings.
+    """
+
+    def __init__(self, client: AsyncLLM, settings: ServerSettings) -> None:
+        self.client = client
+        self.settings = settings
+        self.tokenizer = client.tokenizer
+        self.max_model_len: int = client.model_config.max_model_len
+        self.model_path: str = client.model_config.model
+        self.started_at = int(time.time())
+        self.draining = False
+        self.metrics = ServerMetrics(client.get_stats, lambda: client.num_in_flight, settings.model_name)
+        self.surface_data: dict[str, Any] = {}  # per-surface state, keyed by surface name
+        self.enabled_apis: list[str] = []
+
+    @property
+    def model_name(self) -> str:
+        return self.settings.model_name
+
+    def check_model(self, name: str | None) -> None:
+        """Reject a request for a model this server does not serve (None: the default one)."""
+        if name is not None and name not in self.settings.served_model_names:
+            served = ", ".join(repr(n) for n in self.settings.served_model_names)
+            raise ApiError(404, f"model {name!r} is not served here; this server serves {served}", param="model")
+
+    def require_tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise ApiError(400, "this server was started with --skip-tokenizer-init: send token ids, not text")
+        return self.tokenizer
+
+    def check_n(self, n: int) -> None:
+        if isinstance(n, int) and n > self.settings.max_n:
+            raise ApiError(400, f"n={n} exceeds this server's limit of {self.settings.max_n} (--max-num-seqs)", param="n")
+
+    @staticmethod
+    def new_request_id(prefix: str) -> str:
+        return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,113 @@
+"""Server-sent events that notice a client going away, merging of several generations, and
+non-streaming work that stops when its client disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+T = TypeVar("T")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def sse_data(payload: Any) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+def sse_event(event: str, payload: Any) -> str:
+    return f"event: {event}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class EventStreamResponse(StreamingResponse):
+    """A ``text/event-stream`` response whose body generator is cancelled as soon as the
+    client disconnects, whatever ASGI version the server speaks; the generator's ``finally``
+    then aborts the engine request."""
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        stream_task = asyncio.ensure_future(self.stream_response(send))
+        disconnect_task = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream_task, disconnect_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream_task, disconnect_task):
+                task.cancel()
+            await asyncio.gather(stream_task, disconnect_task, return_exceptions=True)
+            if hasattr(self.body_iterator, "aclose"):
+                await self.body_iterator.aclose()
+        if stream_task.done() and not stream_task.cancelled() and stream_task.exception() is not None:
+            raise stream_task.exception()  # type: ignore[misc]
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Await ``work`` but cancel it (aborting its engine request) if the client disconnects."""
+    work_task = asyncio.ensure_future(work)
+    watch_task = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watch_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch_task.cancel()
+        if not work_task.done():
+            work_task.cancel()
+            await asyncio.gather(work_task, return_exceptions=True)
+            raise ClientDisconnected("the client disconnected")
+    return work_task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def merge(iterators: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Items of several async iterators as they come, tagged with the iterator's position."""
+    if len(iterators) == 1:
+        try:
+            async for item in iterators[0]:
+                yield 0, item
+        finally:
+            if hasattr(iterators[0], "aclose"):
+                await iterators[0].aclose()  # type: ignore[attr-defined]
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+    done = object()
+
+    async def pump(position: int, iterator: AsyncIterator[T]) -> None:
+        try:
+            async for item in iterator:
+                await queue.put((position, item))
+        except Exception as exc:
+            await queue.put((position, exc))
+            return
+        await queue.put((position, done))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            position, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield position, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

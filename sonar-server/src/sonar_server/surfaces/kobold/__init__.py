@@ -1,0 +1,153 @@
+"""The KoboldAI API surface, as KoboldCpp serves it and SillyTavern calls it."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from sonar_server import __version__
+from sonar_server.errors import ApiError, to_api_error
+from sonar_server.generation import Generation, start_generation
+from sonar_server.prompts import encode_prompt
+from sonar_server.routing import surface_router
+from sonar_server.state import ServerState
+from sonar_server.streaming import EventStreamResponse, sse_event, unless_disconnected
+from sonar_server.surfaces.kobold.protocol import GenerateRequest, GenkeyRequest, TokenCountRequest
+from sonar_server.surfaces.kobold.sampling import kobold_sampling_params
+
+API = "kobold.generate"
+KOBOLD_API_VERSION = "1.2.5"
+KOBOLDCPP_COMPAT_VERSION = "1.80"
+
+
+def render_error(error: ApiError) -> JSONResponse:
+    """KoboldAI's format: ``{"detail": {"msg": ..., "type": ...}}``."""
+    return JSONResponse({"detail": {"msg": error.message, "type": error.kind}}, status_code=error.status)
+
+
+def _jobs(state: ServerState) -> dict[str, Generation]:
+    return state.surface_data.setdefault("kobold", {})
+
+
+async def _start(body: GenerateRequest, state: ServerState) -> tuple[str, Generation]:
+    arrival = time.monotonic()
+    max_length = body.max_length if body.max_length is not None else state.settings.kobold_default_max_length
+    params = kobold_sampling_params(body, max_length)
+    prompt_ids = await encode_prompt(state, body.prompt)
+    genkey = body.genkey or f"KCPP{uuid.uuid4().hex[:8]}"
+    jobs = _jobs(state)
+    if genkey in jobs:
+        raise ApiError(400, f"genkey {genkey!r} is already generating")
+    generation = await start_generation(state, API, state.new_request_id("kobold"), prompt_ids, params, arrival, body.prompt)
+    jobs[genkey] = generation
+    return genkey, generation
+
+
+async def generate(body: GenerateRequest, request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.sonar
+    genkey, generation = await _start(body, state)
+    try:
+        await unless_disconnected(request, generation.collect())
+    finally:
+        _jobs(state).pop(genkey, None)
+    return {"results": [{"text": c.text, "finish_reason": c.finish_reason} for c in generation.choices]}
+
+
+async def generate_stream(body: GenerateRequest, request: Request) -> Response:
+    state: ServerState = request.app.state.sonar
+    genkey, generation = await _start(body, state)
+    return EventStreamResponse(_stream(state, genkey, generation))
+
+
+async def _stream(state: ServerState, genkey: str, generation: Generation) -> AsyncIterator[str]:
+    deltas = generation.deltas()
+    try:
+        async for changed in deltas:
+            for delta in changed:
+                if delta.index != 0:
+                    continue
+                if delta.text:
+                    yield sse_event("message", {"token": delta.text})
+                if delta.finish_reason is not None:
+                    yield sse_event("message", {"token": "", "finish_reason": delta.finish_reason})
+    except Exception as exc:
+        error = to_api_error(exc)
+        yield sse_event("error", {"detail": {"msg": error.message, "type": error.kind}})
+    finally:
+        await deltas.aclose()
+        await generation.close()
+        _jobs(state).pop(genkey, None)
+
+
+async def check(request: Request, body: GenkeyRequest | None = None) -> dict[str, Any]:
+    state: ServerState = request.app.state.sonar
+    generation = _jobs(state).get(body.genkey if body and body.genkey else "")
+    if generation is None and not (body and body.genkey) and len(_jobs(state)) == 1:
+        generation = next(iter(_jobs(state).values()))
+    text = generation.choices[0].text if generation is not None else ""
+    return {"results": [{"text": text}]}
+
+
+async def abort(request: Request, body: GenkeyRequest | None = None) -> dict[str, Any]:
+    state: ServerState = request.app.state.sonar
+    jobs = _jobs(state)
+    if body and body.genkey:
+        targets = [jobs[body.genkey]] if body.genkey in jobs else []
+    else:
+        targets = list(jobs.values())
+    for generation in targets:
+        state.client.abort(generation.request_id)
+    return {"success": "true" if targets else "false", "done": "true"}
+
+
+async def token_count(body: TokenCountRequest, request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.sonar
+    token_ids = await encode_prompt(state, body.prompt)
+    return {"value": len(token_ids), "ids": token_ids}
+
+
+async def model(request: Request) -> dict[str, str]:
+    state: ServerState = request.app.state.sonar
+    return {"result": f"koboldcpp/{state.model_name}"}
+
+
+async def max_context_length(request: Request) -> dict[str, int]:
+    return {"value": request.app.state.sonar.max_model_len}
+
+
+async def max_length(request: Request) -> dict[str, int]:
+    return {"value": request.app.state.sonar.settings.kobold_default_max_length}
+
+
+async def api_version() -> dict[str, str]:
+    return {"result": KOBOLD_API_VERSION}
+
+
+async def extra_version(request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.sonar
+    return {"result": "KoboldCpp", "version": KOBOLDCPP_COMPAT_VERSION, "server": f"sonar {__version__}", "protected": bool(state.settings.api_keys)}
+
+
+def install(app: FastAPI, state: ServerState) -> None:
+    """Add the KoboldAI routes to ``app``; the version routes stay open so clients can probe."""
+    work = surface_router(render_error, guarded=True, tags=["KoboldAI"])
+    work.add_api_route("/api/v1/generate", generate, methods=["POST"], summary="Generate (blocks until done)")
+    work.add_api_route("/api/extra/generate/stream", generate_stream, methods=["POST"], summary="Generate, streamed as SSE `message` events")
+    work.add_api_route("/api/extra/generate/check", check, methods=["GET", "POST"], summary="Text generated so far for a genkey")
+    work.add_api_route("/api/extra/abort", abort, methods=["POST"], summary="Abort a generation by genkey")
+    work.add_api_route("/api/extra/tokencount", token_count, methods=["POST"], summary="Count a prompt's tokens")
+    work.add_api_route("/api/v1/model", model, methods=["GET"], summary="The served model")
+    work.add_api_route("/api/v1/config/max_context_length", max_context_length, methods=["GET"], summary="The context length")
+    work.add_api_route("/api/v1/config/max_length", max_length, methods=["GET"], summary="The default generation length")
+    work.add_api_route("/api/extra/true_max_context_length", max_context_length, methods=["GET"], summary="The context length")
+    app.include_router(work)
+    open_routes = surface_router(render_error, guarded=False, tags=["KoboldAI"])
+    open_routes.add_api_route("/api/v1/info/version", api_version, methods=["GET"], summary="KoboldAI API version")
+    open_routes.add_api_route("/api/extra/version", extra_version, methods=["GET"], summary="Server identity and version")
+    app.include_router(open_routes)

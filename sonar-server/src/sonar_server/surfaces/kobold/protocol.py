@@ -1,0 +1,46 @@
+"""KoboldAI generate bodies, as KoboldCpp accepts them and SillyTavern sends them."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict
+
+
+class GenerateRequest(BaseModel):
+    """``POST /api/v1/generate`` and ``/api/extra/generate/stream``. Kobold's sampler names
+    are mapped onto the engine's; any ``SamplingParams`` field may be sent by its own name."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str
+    max_length: int | None = None
+    max_context_length: int | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    rep_pen: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    sampler_seed: int | None = None
+    stop_sequence: list[str] | None = None
+    ban_eos_token: bool = False
+    bypass_eos: bool = False
+    trim_stop: bool = True
+    genkey: str | None = None
+
+
+class GenkeyRequest(BaseModel):
+    """``/api/extra/generate/check`` and ``/api/extra/abort``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    genkey: str | None = None
+
+
+class TokenCountRequest(BaseModel):
+    """``POST /api/extra/tokencount``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    prompt: str

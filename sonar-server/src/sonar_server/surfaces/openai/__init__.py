@@ -1,0 +1,67 @@
+"""The OpenAI API surface: models, completions, chat completions, tokenize, detokenize."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import FastAPI
+from starlette.requests import Request
+
+from sonar_server.errors import ApiError
+from sonar_server.prompts import decode_tokens, encode_prompt, render_chat
+from sonar_server.routing import surface_router
+from sonar_server.state import ServerState
+from sonar_server.surfaces.openai.chat import create_chat_completion, message_dicts
+from sonar_server.surfaces.openai.completions import create_completion
+from sonar_server.surfaces.openai.errors import render_error
+from sonar_server.surfaces.openai.protocol import DetokenizeRequest, TokenizeRequest
+
+
+async def list_models(request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.sonar
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": state.started_at,
+                "owned_by": "sonar",
+                "root": state.model_path,
+                "max_model_len": state.max_model_len,
+            }
+            for name in state.settings.served_model_names
+        ],
+    }
+
+
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.sonar
+    state.check_model(body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise ApiError(400, "send exactly one of prompt or messages")
+    if body.messages is not None:
+        _, token_ids = await render_chat(state, message_dicts(body.messages), body.add_generation_prompt)
+    elif body.add_special_tokens:
+        token_ids = await encode_prompt(state, body.prompt or "")
+    else:
+        token_ids = state.require_tokenizer().encode(body.prompt or "", add_special_tokens=False)
+    return {"count": len(token_ids), "max_model_len": state.max_model_len, "tokens": token_ids}
+
+
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    state: ServerState = request.app.state.sonar
+    state.check_model(body.model)
+    return {"prompt": await decode_tokens(state, body.tokens)}
+
+
+def install(app: FastAPI, state: ServerState) -> None:
+    """Add the OpenAI routes to ``app``."""
+    router = surface_router(render_error, guarded=True, tags=["OpenAI"])
+    router.add_api_route("/v1/models", list_models, methods=["GET"], summary="List the served models")
+    router.add_api_route("/v1/completions", create_completion, methods=["POST"], summary="Text completion (SSE with stream=true)")
+    router.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], summary="Chat completion (SSE with stream=true)")
+    router.add_api_route("/tokenize", tokenize, methods=["POST"], summary="Token ids of a prompt or of chat messages")
+    router.add_api_route("/detokenize", detokenize, methods=["POST"], summary="Text of token ids")
+    app.include_router(router)

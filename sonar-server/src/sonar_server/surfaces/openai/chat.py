@@ -1,0 +1,145 @@
+"""``POST /v1/chat/completions``: chat template, streaming with usage, logprobs, n."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from sonar_server.errors import ApiError, to_api_error
+from sonar_server.generation import Generation, start_generation
+from sonar_server.prompts import render_chat
+from sonar_server.sampling import build_sampling_params
+from sonar_server.state import ServerState
+from sonar_server.streaming import EventStreamResponse, sse_data, unless_disconnected
+from sonar_server.surfaces.openai.errors import error_body
+from sonar_server.surfaces.openai.logprobs import chat_logprobs
+from sonar_server.surfaces.openai.protocol import ChatCompletionRequest, ChatMessage
+
+API = "openai.chat"
+
+
+def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as chat templates take them: text content only, ``developer`` as ``system``."""
+    result = []
+    for number, message in enumerate(messages):
+        content = message.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise ApiError(400, f"messages[{number}]: content parts of type {part.type!r} are not supported; send text", param="messages")
+                texts.append(part.text)
+            content = "".join(texts)
+        entry = message.model_dump(exclude_none=True)
+        entry["role"] = "system" if message.role == "developer" else message.role
+        entry["content"] = content or ""
+        result.append(entry)
+    return result
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    state: ServerState = request.app.state.sonar
+    state.check_model(body.model)
+    if body.tools and body.tool_choice != "none":
+        raise ApiError(400, "tool calling is not supported yet; leave out tools or set tool_choice to 'none'", param="tools")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise ApiError(400, "structured output (response_format) is not supported yet", param="response_format")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    prompt_text, prompt_ids = await render_chat(
+        state, message_dicts(body.messages), body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+    )
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(state.max_model_len - len(prompt_ids), 1)
+    params = build_sampling_params(
+        body,
+        {
+            "n": body.n,
+            "max_tokens": max_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "stop": body.stop,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "seed": body.seed,
+            "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
+            "logit_bias": body.logit_bias,
+        },
+    )
+    request_id = state.new_request_id("chatcmpl")
+    generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStreamResponse(_stream(state, body, generation, include_usage))
+    await unless_disconnected(request, generation.collect())
+    return JSONResponse(_response(state, body, generation))
+
+
+def _usage(generation: Generation) -> dict[str, int]:
+    prompt_tokens = len(generation.prompt_token_ids)
+    completion_tokens = generation.num_generated_tokens
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _response(state: ServerState, body: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:
+    choices = []
+    for choice in generation.choices:
+        logprobs = None
+        if body.logprobs:
+            logprobs = chat_logprobs(state, choice.token_ids, list(choice.logprobs or []), body.top_logprobs or 0)
+        choices.append(
+            {
+                "index": choice.index,
+                "message": {"role": "assistant", "content": choice.text},
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+            }
+        )
+    return {
+        "id": generation.request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.model or state.model_name,
+        "choices": choices,
+        "usage": _usage(generation),
+    }
+
+
+async def _stream(state: ServerState, body: ChatCompletionRequest, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+    created = int(time.time())
+    model = body.model or state.model_name
+
+    def chunk(choices: list[dict[str, Any]], usage: dict[str, int] | None = None) -> str:
+        payload: dict[str, Any] = {"id": generation.request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
+        if include_usage:
+            payload["usage"] = usage
+        return sse_data(payload)
+
+    deltas = generation.deltas()
+    try:
+        for index in range(body.n):
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+        async for changed in deltas:
+            for delta in changed:
+                logprobs = None
+                if body.logprobs and delta.logprobs is not None:
+                    logprobs = chat_logprobs(state, delta.token_ids, list(delta.logprobs), body.top_logprobs or 0)
+                if delta.text or logprobs:
+                    yield chunk([{"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": None}])
+                if delta.finish_reason is not None:
+                    yield chunk([{"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}])
+        if include_usage:
+            yield chunk([], _usage(generation))
+    except Exception as exc:
+        yield sse_data(error_body(to_api_error(exc)))
+    finally:
+        await deltas.aclose()
+        await generation.close()
+    yield "data: [DONE]\n\n"

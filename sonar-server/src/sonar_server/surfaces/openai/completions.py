@@ -1,0 +1,172 @@
+"""``POST /v1/completions``: string, list and token-id prompts, streaming, echo, logprobs, n."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from sonar_server.errors import ApiError, to_api_error
+from sonar_server.generation import Generation, start_generation
+from sonar_server.prompts import decode_tokens, encode_prompt
+from sonar_server.sampling import build_sampling_params
+from sonar_server.state import ServerState
+from sonar_server.streaming import EventStreamResponse, merge, sse_data, unless_disconnected
+from sonar_server.surfaces.openai.errors import error_body
+from sonar_server.surfaces.openai.logprobs import completion_logprobs
+from sonar_server.surfaces.openai.protocol import CompletionRequest
+
+API = "openai.completions"
+
+
+async def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
+    """``(text, token ids)`` per prompt; text is None for token-id prompts."""
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    elif prompt and isinstance(prompt[0], int):
+        prompt = [prompt]
+    if not prompt:
+        raise ApiError(400, "prompt must not be empty", param="prompt")
+    result = []
+    for item in prompt:
+        if isinstance(item, str):
+            result.append((item, await encode_prompt(state, item)))
+        else:
+            result.append((None, list(item)))
+    return result
+
+
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    arrival = time.monotonic()
+    state: ServerState = request.app.state.sonar
+    state.check_model(body.model)
+    if body.suffix:
+        raise ApiError(400, "suffix is not supported", param="suffix")
+    prompts = await _prompts(state, body.prompt)
+    echo_logprobs = body.echo and body.logprobs is not None
+    params = build_sampling_params(
+        body,
+        {
+            "n": body.n,
+            "max_tokens": body.max_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "stop": body.stop,
+            "presence_penalty": body.presence_penalty,
+            "frequency_penalty": body.frequency_penalty,
+            "seed": body.seed,
+            "logprobs": body.logprobs,
+            "prompt_logprobs": body.logprobs if echo_logprobs else None,
+            "logit_bias": body.logit_bias,
+        },
+    )
+    state.check_n(params.n * len(prompts))
+    request_id = state.new_request_id("cmpl")
+    generations: list[Generation] = []
+    try:
+        for i, (text, token_ids) in enumerate(prompts):
+            generations.append(await start_generation(state, API, f"{request_id}-{i}", token_ids, params, arrival, text))
+    except BaseException:
+        for generation in generations:
+            await generation.close()
+        raise
+    echo_texts = [await _echo_text(state, text, ids) if body.echo else "" for text, ids in prompts]
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return EventStreamResponse(_stream(state, body, request_id, generations, echo_texts, include_usage))
+    await unless_disconnected(request, asyncio.gather(*(g.collect() for g in generations)))
+    return JSONResponse(_response(state, body, request_id, generations, echo_texts))
+
+
+async def _echo_text(state: ServerState, text: str | None, token_ids: list[int]) -> str:
+    return text if text is not None else await decode_tokens(state, token_ids)
+
+
+def _usage(generations: list[Generation]) -> dict[str, int]:
+    prompt_tokens = sum(len(g.prompt_token_ids) for g in generations)
+    completion_tokens = sum(g.num_generated_tokens for g in generations)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _response(
+    state: ServerState, body: CompletionRequest, request_id: str, generations: list[Generation], echo_texts: list[str]
+) -> dict[str, Any]:
+    choices = []
+    for position, generation in enumerate(generations):
+        echo = echo_texts[position]
+        for choice in generation.choices:
+            logprobs = None
+            if body.logprobs is not None:
+                token_ids, entries = list(choice.token_ids), list(choice.logprobs or [])
+                if body.echo:
+                    prompt_entries = list(generation.prompt_logprobs or [])
+                    prompt_entries += [None] * (len(generation.prompt_token_ids) - len(prompt_entries))
+                    token_ids = generation.prompt_token_ids + token_ids
+                    entries = prompt_entries + entries
+                logprobs = completion_logprobs(state, token_ids, entries, body.logprobs, 0)
+            choices.append(
+                {
+                    "index": position * body.n + choice.index,
+                    "text": echo + choice.text,
+                    "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason,
+                    "stop_reason": choice.stop_reason,
+                }
+            )
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model or state.model_name,
+        "choices": choices,
+        "usage": _usage(generations),
+    }
+
+
+async def _stream(
+    state: ServerState,
+    body: CompletionRequest,
+    request_id: str,
+    generations: list[Generation],
+    echo_texts: list[str],
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    created = int(time.time())
+    model = body.model or state.model_name
+    text_offsets: dict[int, int] = {}
+
+    def chunk(index: int, text: str, logprobs: Any = None, finish_reason: str | None = None, stop_reason: Any = None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        payload: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
+        if include_usage:
+            payload["usage"] = None
+        return sse_data(payload)
+
+    merged = merge([g.deltas() for g in generations])
+    try:
+        for position, echo in enumerate(echo_texts):
+            for j in range(body.n):
+                if echo:
+                    text_offsets[position * body.n + j] = len(echo)
+                    yield chunk(position * body.n + j, echo)
+        async for position, deltas in merged:
+            for delta in deltas:
+                index = position * body.n + delta.index
+                logprobs = None
+                if body.logprobs is not None and delta.logprobs is not None:
+                    logprobs = completion_logprobs(state, delta.token_ids, list(delta.logprobs), body.logprobs, text_offsets.get(index, 0))
+                text_offsets[index] = text_offsets.get(index, 0) + len(delta.text)
+                yield chunk(index, delta.text, logprobs, delta.finish_reason, delta.stop_reason)
+        if include_usage:
+            yield sse_data({"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": _usage(generations)})
+    except Exception as exc:
+        yield sse_data(error_body(to_api_error(exc)))
+    finally:
+        await merged.aclose()
+        for generation in generations:
+            await generation.close()
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,59 @@
+"""OpenAI's two logprob formats, from the engine's ``{token_id: Logprob}`` per position."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sonar.outputs import Logprob
+from sonar_server.generation import decoded_token
+from sonar_server.state import ServerState
+
+
+def _finite(value: float) -> float:
+    return max(value, -9999.0)  # JSON has no -inf
+
+
+def _chosen(state: ServerState, token_id: int, entry: dict[int, Logprob] | None) -> tuple[str, float | None]:
+    logprob = entry.get(token_id) if entry else None
+    return decoded_token(state, token_id, logprob), (_finite(logprob.logprob) if logprob is not None else None)
+
+
+def completion_logprobs(
+    state: ServerState,
+    token_ids: list[int],
+    entries: list[dict[int, Logprob] | None],
+    num_top: int,
+    text_offset: int,
+) -> dict[str, Any]:
+    """The legacy completions format: parallel lists of tokens, logprobs, top alternatives
+    and text offsets."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for token_id, entry in zip(token_ids, entries):
+        text, value = _chosen(state, token_id, entry)
+        tokens.append(text)
+        token_logprobs.append(value)
+        offsets.append(text_offset)
+        text_offset += len(text)
+        if entry is None:
+            top_logprobs.append(None)
+            continue
+        ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[: max(num_top, 1)]
+        top_logprobs.append({decoded_token(state, t, lp): _finite(lp.logprob) for t, lp in ranked} if num_top > 0 else {text: value or 0.0})
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
+
+
+def chat_logprobs(state: ServerState, token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> dict[str, Any]:
+    """The chat format: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``."""
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        text, value = _chosen(state, token_id, entry)
+        ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top] if num_top else []
+        top = []
+        for alt_id, alt in ranked:
+            alt_text = decoded_token(state, alt_id, alt)
+            top.append({"token": alt_text, "logprob": _finite(alt.logprob), "bytes": list(alt_text.encode("utf-8"))})
+        content.append({"token": text, "logprob": value, "bytes": list(text.encode("utf-8")), "top_logprobs": top})
+    return {"content": content}

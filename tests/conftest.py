@@ -1,0 +1,60 @@
+"""Shared fixtures for cross-package tests: tiny random models and the transformers oracle."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("SONAR_PLATFORM", "cpu")
+
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
+    from sonar_models.testing import build_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny-models")
+    built: dict[str, Path] = {}
+
+    def get(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = build_tiny_model(arch, root / arch)
+        return built[arch]
+
+    return get
+
+
+def random_prompts(count: int, seed: int, min_len: int = 1, max_len: int = 90, vocab: int = 49152) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(100, vocab - 1) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+
+
+class HFOracle:
+    """transformers on the same folder: greedy continuation and per-step log-probabilities."""
+
+    def __init__(self, path: Path | str, gguf_file: str | None = None) -> None:
+        from transformers import AutoModelForCausalLM
+
+        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs).eval()
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+        """Token ids and the log-softmax row of each step, eos never stopping it."""
+        ids = torch.tensor([prompt])
+        out = self.model(input_ids=ids, use_cache=True)
+        past, logits = out.past_key_values, out.logits[0, -1]
+        tokens, logprob_rows = [], []
+        for _ in range(num_tokens):
+            logprobs = torch.log_softmax(logits.float(), -1)
+            token = int(torch.argmax(logprobs))
+            tokens.append(token)
+            logprob_rows.append(logprobs)
+            out = self.model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1]
+        return tokens, logprob_rows
