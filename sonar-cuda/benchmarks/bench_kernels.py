@@ -13,6 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import asdict, dataclass
 
 import torch
@@ -82,7 +85,9 @@ def bench_decode(
     return DecodeResult(name, batch, context, num_heads, num_kv_heads, head_dim, label, ms * 1e3, gbps, gbps / copy_gbps)
 
 
-def bench_prefill(name: str, num_seqs: int, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int) -> dict:
+def bench_prefill(
+    name: str, num_seqs: int, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, **config: int
+) -> dict:
     dtype, page_size = torch.bfloat16, 16
     k_cache, v_cache, block_tables, seq_lens = paged_cache(num_seqs, seq_len, num_kv_heads, head_dim, page_size, dtype)
     query = torch.randn(num_seqs * seq_len, num_heads, head_dim, dtype=dtype, device="cuda")
@@ -90,7 +95,8 @@ def bench_prefill(name: str, num_seqs: int, seq_len: int, num_heads: int, num_kv
     out = torch.empty_like(query)
     scale = head_dim**-0.5
     ms = triton.testing.do_bench(
-        lambda: prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, starts, seq_len, scale, out=out), rep=200
+        lambda: prefill_attention(query, k_cache, v_cache, block_tables, seq_lens, starts, seq_len, scale, out=out, **config),
+        rep=200,
     )
     # causal: half of the full score matrix, two matrix products of 2*d flops per entry
     flops = num_seqs * num_heads * seq_len * seq_len / 2 * 4 * head_dim
@@ -101,20 +107,77 @@ def bench_prefill(name: str, num_seqs: int, seq_len: int, num_heads: int, num_kv
     sdpa_ms = triton.testing.do_bench(lambda: sdpa(q, k, v, is_causal=True, enable_gqa=True), rep=200)
     return {
         "name": name, "num_seqs": num_seqs, "seq_len": seq_len, "num_heads": num_heads, "num_kv_heads": num_kv_heads,
-        "head_dim": head_dim, "time_us": ms * 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
+        "head_dim": head_dim, "config": ",".join(f"{k}={v}" for k, v in config.items()) or "default",
+        "time_us": ms * 1e3, "tflops": flops / (ms * 1e-3) / 1e12,
         "torch_sdpa_time_us": sdpa_ms * 1e3, "torch_sdpa_tflops": flops / (sdpa_ms * 1e-3) / 1e12,
     }
+
+
+def print_decode(results: list[DecodeResult]) -> None:
+    print(f"{'decode shape':<14}{'batch':>6}{'ctx':>7}{'heads':>7}  {'config':<40}{'us':>9}{'GB/s':>8}{'of copy':>9}")
+    for r in results:
+        heads = f"{r.num_heads}/{r.num_kv_heads}"
+        print(f"{r.name:<14}{r.batch:>6}{r.context:>7}{heads:>7}  {r.config:<40}{r.time_us:>9.1f}{r.gbps:>8.0f}{r.fraction_of_copy:>9.1%}")
+
+
+def print_prefill(results: list[dict]) -> None:
+    for r in results:
+        print(
+            f"prefill {r['name']:<13} {r['num_seqs']}x{r['seq_len']:<5} {r['config']:<44} {r['time_us']:>8.1f} us"
+            f" {r['tflops']:>6.1f} TFLOP/s   (torch sdpa, unpaged: {r['torch_sdpa_tflops']:.1f} TFLOP/s)"
+        )
+
+
+def run_isolated(kind: str, config: dict[str, int]) -> dict | None:
+    """One sweep point in its own process, so a config that faults cannot poison the others."""
+    spec = ",".join(f"{k}={v}" for k, v in config.items())
+    result = subprocess.run(
+        [sys.executable, __file__, "--one", kind, spec], capture_output=True, text=True, timeout=120
+    )
+    if result.returncode != 0:
+        print(f"{kind} {spec}: FAILED: {(result.stderr.strip().splitlines() or ['?'])[-1][:160]}")
+        return None
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def one(kind: str, spec: str, copy_gbps: float) -> dict:
+    config = {k: int(v) for k, v in (item.split("=") for item in spec.split(","))}
+    if kind == "decode":
+        return asdict(bench_decode("qwen3-0.6b", 256, 1024, 16, 8, 128, copy_gbps, **config))
+    if kind == "decode1":
+        return asdict(bench_decode("llama-3.1-8b", 1, 32768, 32, 8, 128, copy_gbps, **config))
+    if kind == "decode1short":
+        return asdict(bench_decode("qwen3-0.6b", 1, 1024, 16, 8, 128, copy_gbps, **config))
+    return bench_prefill("llama-3.1-8b", 4, 2048, 32, 8, 128, **config)
+
+
+SWEEPS: dict[str, list[dict[str, int]]] = {
+    "decode": [
+        {"block_n": n, "num_warps": w, "num_stages": s} for n in (32, 64, 128) for w in (4, 8) for s in (2, 3)
+    ],
+    "decode1": [{"num_splits": k} for k in (8, 16, 32, 64, 128)],
+    "decode1short": [{"num_splits": k} for k in (1, 2, 4, 8, 16)],
+    "prefill": [
+        {"block_m": m, "block_n": n, "num_warps": w, "num_stages": s}
+        for m, n in ((64, 64), (128, 64), (128, 32)) for w in (4, 8) for s in (2, 3)
+    ],
+}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the results to this file")
-    parser.add_argument("--sweep", action="store_true", help="try tile sizes, warps and stages for the main decode shape")
+    parser.add_argument("--sweep", action="store_true", help="also try tile sizes, warps, stages and splits, each in its own process")
+    parser.add_argument("--one", nargs=2, metavar=("KIND", "CONFIG"), help=argparse.SUPPRESS)
     args = parser.parse_args()
 
+    if args.one:
+        print(json.dumps(one(*args.one, copy_gbps=float(os.environ.get("SONAR_BENCH_COPY_GBPS", "4270")))))
+        return
     copy_gbps = copy_bandwidth_gbps()
+    os.environ["SONAR_BENCH_COPY_GBPS"] = str(copy_gbps)
     print(f"{torch.cuda.get_device_name()}: device copy {copy_gbps:.0f} GB/s (read + write)")
-    decode: list[DecodeResult] = [
+    decode = [
         bench_decode("qwen3-0.6b", 256, 1024, 16, 8, 128, copy_gbps),
         bench_decode("qwen3-0.6b", 64, 1024, 16, 8, 128, copy_gbps),
         bench_decode("qwen3-0.6b", 1, 1024, 16, 8, 128, copy_gbps),
@@ -123,37 +186,24 @@ def main() -> None:
         bench_decode("llama-3.1-8b", 1, 32768, 32, 8, 128, copy_gbps),
         bench_decode("llama-3.1-8b", 8, 32768, 32, 8, 128, copy_gbps),
     ]
-    if args.sweep:
-        for block_n in (32, 64, 128):
-            for num_warps in (4, 8):
-                for num_stages in (2, 3, 4):
-                    try:
-                        decode.append(
-                            bench_decode(
-                                "qwen3-0.6b", 256, 1024, 16, 8, 128, copy_gbps,
-                                block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                            )
-                        )
-                    except Exception as exc:  # a config that does not fit (shared memory)
-                        print(f"skip block_n={block_n} warps={num_warps} stages={num_stages}: {type(exc).__name__}")
-    print(f"{'decode shape':<14}{'batch':>6}{'ctx':>7}{'heads':>7}  {'config':<36}{'us':>9}{'GB/s':>8}{'of copy':>9}")
-    for r in decode:
-        heads = f"{r.num_heads}/{r.num_kv_heads}"
-        print(f"{r.name:<14}{r.batch:>6}{r.context:>7}{heads:>7}  {r.config:<36}{r.time_us:>9.1f}{r.gbps:>8.0f}{r.fraction_of_copy:>9.1%}")
-
+    print_decode(decode)
     prefill = [
         bench_prefill("qwen3-0.6b", 8, 1024, 16, 8, 128),
         bench_prefill("llama-3.1-8b", 4, 2048, 32, 8, 128),
         bench_prefill("llama-3.1-8b", 16, 512, 32, 8, 128),
     ]
-    for r in prefill:
-        print(
-            f"prefill {r['name']:<13} {r['num_seqs']}x{r['seq_len']:<5} {r['time_us']:>8.1f} us {r['tflops']:>6.1f} TFLOP/s"
-            f"   (torch sdpa, unpaged: {r['torch_sdpa_time_us']:.1f} us, {r['torch_sdpa_tflops']:.1f} TFLOP/s)"
-        )
+    print_prefill(prefill)
+    sweep: dict[str, list[dict]] = {}
+    if args.sweep:
+        for kind, configs in SWEEPS.items():
+            sweep[kind] = [r for r in (run_isolated(kind, c) for c in configs) if r is not None]
+            if kind == "prefill":
+                print_prefill(sweep[kind])
+            else:
+                print_decode([DecodeResult(**r) for r in sweep[kind]])
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"copy_gbps": copy_gbps, "decode": [asdict(r) for r in decode], "prefill": prefill}, f, indent=1)
+            json.dump({"copy_gbps": copy_gbps, "decode": [asdict(r) for r in decode], "prefill": prefill, "sweep": sweep}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,8 @@ def test_config_from_metadata(gguf_model) -> None:
 def test_tokenizer_has_chat_template_and_eos(gguf_model) -> None:
     _, tokenizer, _ = gguf_model
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.eos_token_id == 2
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False, add_generation_prompt=True)
+    messages = [{"role": "user", "content": "Hi"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
 
 
@@ -70,3 +71,34 @@ def test_unpermute_inverts_the_interleaving_of_rotary_pairs() -> None:
     halves = weight.view(heads, 2, head_dim // 2, cols)
     interleaved = halves.transpose(1, 2).reshape(heads * head_dim, cols)
     assert torch.equal(unpermute_rotary_rows(interleaved, heads), weight)
+
+
+def test_llama3_rope_factors_become_rope_parameters() -> None:
+    import math
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from sonar_models.formats.gguf_metadata import _llama3_scaling_from_factors
+
+    # the per-frequency divisors llama.cpp's converter stores for Llama 3.1 (factor 8)
+    head_dim, theta, factor, old_context = 128, 500000.0, 8.0, 8192
+    factors = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * theta ** (i / head_dim)
+        if wavelen < old_context / 4.0:
+            factors.append(1.0)
+        elif wavelen > old_context / 1.0:
+            factors.append(factor)
+        else:
+            smooth = (old_context / wavelen - 1.0) / (4.0 - 1.0)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    tensor = SimpleNamespace(name="rope_freqs.weight", data=np.array(factors, dtype=np.float32))
+    scaling = _llama3_scaling_from_factors(SimpleNamespace(tensors=[tensor]), head_dim, theta)
+    assert scaling == {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }

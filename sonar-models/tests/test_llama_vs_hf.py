@@ -82,3 +82,12 @@ def test_bfloat16_model_keeps_rotary_in_float32(tiny_model_dirs: dict[str, Path]
     reference = hf_logits(hf, PROMPT_A)
     assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.9
     torch.testing.assert_close(logits, reference, atol=0.1, rtol=0)
+
+
+def test_linear_rope_scaling_matches_hf(tmp_path: Path) -> None:
+    from sonar_models.testing import build_tiny_model
+
+    path = build_tiny_model("llama", tmp_path, rope_scaling={"rope_type": "linear", "factor": 4.0})
+    ours, hf = load_sonar_model(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    logits = ours.compute_logits(PagedCacheDriver(ours).step(ours, [(0, PROMPT_B)]))
+    torch.testing.assert_close(logits, hf_logits(hf, PROMPT_B), atol=ATOL, rtol=0)

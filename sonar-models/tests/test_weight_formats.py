@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from sonar.model_interface import make_attention_factory
-from sonar.registry import weight_formats
+from sonar.registry import model_architectures, weight_formats
 from sonar_models.formats import DummyFormat, GGUFFormat, SafetensorsFormat
 from sonar_models.llama import LlamaForCausalLM
 from sonar_models.testing import PagedCacheDriver, load_sonar_model, smollm2_gguf_path
@@ -22,7 +22,9 @@ def logits_of(model: torch.nn.Module, token_ids: list[int] = PROMPT) -> torch.Te
     return model.compute_logits(PagedCacheDriver(model).step(model, [(0, token_ids)]))
 
 
-def test_formats_are_registered_in_detection_order() -> None:
+def test_architectures_and_formats_are_registered() -> None:
+    ours = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"}
+    assert ours <= set(model_architectures())
     names = list(weight_formats())
     assert [n for n in names if n in ("safetensors", "gguf", "dummy")] == ["safetensors", "gguf", "dummy"]
 
@@ -41,7 +43,8 @@ def test_sharded_folder_gives_the_same_logits(tiny_model_dirs: dict[str, Path], 
     AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).save_pretrained(tmp_path, max_shard_size="1MB")
     assert (tmp_path / "model.safetensors.index.json").is_file()
     assert len(list(tmp_path.glob("*.safetensors"))) > 2
-    torch.testing.assert_close(logits_of(load_sonar_model(tmp_path)), logits_of(load_sonar_model(source)), atol=0, rtol=0)
+    sharded, single = logits_of(load_sonar_model(tmp_path)), logits_of(load_sonar_model(source))
+    torch.testing.assert_close(sharded, single, atol=0, rtol=0)
 
 
 def test_dummy_weights_from_a_config_only_folder(tiny_model_dirs: dict[str, Path], tmp_path: Path) -> None:
@@ -65,7 +68,8 @@ def test_dummy_reads_a_tokenizer_where_there_is_one(tiny_model_dirs: dict[str, P
 def tiny_llama(tiny_model_dirs: dict[str, Path]) -> tuple[LlamaForCausalLM, dict[str, torch.Tensor]]:
     fmt = SafetensorsFormat()
     config = fmt.load_hf_config(tiny_model_dirs["llama"])
-    return LlamaForCausalLM(config, make_attention_factory(None)), dict(fmt.iter_weights(tiny_model_dirs["llama"], config))
+    weights = dict(fmt.iter_weights(tiny_model_dirs["llama"], config))
+    return LlamaForCausalLM(config, make_attention_factory(None)), weights
 
 
 def test_unknown_tensor_name_is_an_error(tiny_model_dirs: dict[str, Path]) -> None:

@@ -50,6 +50,9 @@ class CpuPlatform(Platform):
     attention_backend_cls = "sonar_cpu.attention:CpuAttentionBackend"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     dist_backend = "gloo"
+    #: ``gpu_memory_utilization`` sizes the cache from host RAM; without a bound a default run
+    #: would reserve most of it. ``kv_cache_memory_bytes`` sets any size exactly.
+    max_default_kv_cache_bytes = 4 * 1024**3
 
     @classmethod
     def total_memory_bytes(cls) -> int:

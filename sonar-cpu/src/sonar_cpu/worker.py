@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from sonar.worker.worker import Worker
 
 from sonar_cpu.threads import configure_threads
@@ -13,10 +11,12 @@ class CpuWorker(Worker):
     """Runs the model on the host CPU.
 
     Everything but thread setup is the generic ``sonar.worker.worker.Worker``: the CPU needs no
-    device initialisation, graphs or streams. Threads are set (``SONAR_CPU_THREADS``, else every
-    usable core) before the parent builds anything, so weight loading already uses them.
+    streams or graphs. Threads are set (``SONAR_CPU_THREADS``, else every usable core) in
+    ``init_device``, before the model is built, so weight loading already uses them.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    num_threads: int = 0
+
+    def init_device(self) -> None:
+        """Set torch's intra-op thread count for this process."""
         self.num_threads = configure_threads()
-        super().__init__(*args, **kwargs)

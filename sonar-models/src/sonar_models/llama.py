@@ -166,6 +166,8 @@ class LlamaForCausalLM(nn.Module):
 
         Raises ``ValueError`` on an unknown name, a shape mismatch or a parameter left unfilled.
         """
+        if self.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # re-tie after e.g. to_empty()
         skipped = frozenset({"lm_head.weight"}) if self.tie_word_embeddings else frozenset()
         load_hf_weights(self, weights, FUSED_PROJECTIONS, IGNORED_SUFFIXES, skipped)
 

@@ -40,7 +40,8 @@ def rope_spec_from_config(config: Any, head_dim: int) -> RopeSpec:
 
 def inverse_frequencies(spec: RopeSpec) -> torch.Tensor:
     """``[rotary_dim // 2]`` float32 inverse frequencies, scaled by the spec's rope type."""
-    exponents = torch.arange(0, spec.rotary_dim, 2, dtype=torch.int64).to(torch.float32) / spec.rotary_dim
+    # on the CPU in float32 whatever the default device/dtype (models may be built on "meta")
+    exponents = torch.arange(0, spec.rotary_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / spec.rotary_dim
     inv_freq = 1.0 / (spec.theta**exponents)
     if spec.rope_type == "default":
         return inv_freq

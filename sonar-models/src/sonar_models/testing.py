@@ -138,7 +138,9 @@ class PagedCacheDriver:
     hidden states ``[T, hidden]`` of the flat batch.
     """
 
-    def __init__(self, model: Any, num_blocks: int = 64, block_size: int = 16, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, model: Any, num_blocks: int = 64, block_size: int = 16, dtype: torch.dtype = torch.float32
+    ) -> None:
         shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=dtype) for _ in range(model.num_layers)]
         self.block_size = block_size
@@ -171,7 +173,8 @@ class PagedCacheDriver:
                 break
             num_decodes += 1
         max_blocks = max(len(self.block_tables[seq_id]) for seq_id, _ in chunks)
-        tables = [self.block_tables[seq_id] + [0] * (max_blocks - len(self.block_tables[seq_id])) for seq_id, _ in chunks]
+        tables = [self.block_tables[seq_id] for seq_id, _ in chunks]
+        tables = [table + [0] * (max_blocks - len(table)) for table in tables]  # padded with 0
         metadata = AttentionMetadata(
             num_decodes=num_decodes,
             num_decode_tokens=num_decodes,

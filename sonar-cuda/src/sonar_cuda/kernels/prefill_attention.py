@@ -148,6 +148,8 @@ def prefill_attention(
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context and themselves.
 
@@ -197,8 +199,8 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         DOT_PRECISION="ieee" if fp32 else "tf32",
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

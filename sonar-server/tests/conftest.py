@@ -1,0 +1,113 @@
+"""A real ``sonar serve`` subprocess on a free port with a tiny random model, and the offline
+``LLM`` on the same model as the oracle."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+KV_CACHE_BYTES = str(16 * 1024 * 1024)
+STARTUP_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def sonar_command() -> list[str]:
+    executable = shutil.which("sonar", path=str(Path(sys.executable).parent)) or shutil.which("sonar")
+    return [executable] if executable else [sys.executable, "-m", "sonar.cli.main"]
+
+
+class ServerProcess:
+    """``sonar serve <args>`` in a subprocess; ``url`` once it answers /health."""
+
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(tempfile.mkstemp(prefix="sonar-serve-", suffix=".log")[1])
+        self._log = self.log_path.open("w")
+        command = [*sonar_command(), "serve", *args, "--port", str(self.port)]
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"sonar serve exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"sonar serve did not become healthy in {STARTUP_TIMEOUT_S}s:\n{self.log()}")
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text()
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+        return self.process.returncode
+
+
+def metrics(url: str) -> dict[str, float]:
+    """``/metrics`` as ``{"name{labels}": value}`` and, summed over labels, ``{"name": value}``."""
+    values: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        key, _, value = line.rpartition(" ")
+        values[key] = float(value)
+        name = key.split("{")[0]
+        values[name] = values.get(name, 0.0) + float(value) if name != key else float(value)
+    return values
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Iterator[str]:
+    from sonar_models.testing import build_tiny_model
+
+    folder = Path(tempfile.mkdtemp(prefix="sonar-server-tiny-"))
+    build_tiny_model("llama", folder)
+    yield str(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model: str) -> Iterator[ServerProcess]:
+    """The shared server: every API, no key, tiny model under the name ``tiny``."""
+    process = ServerProcess([tiny_model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512"])
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def oracle(tiny_model: str):
+    """The offline LLM on the same model: what the server's greedy outputs must equal."""
+    from sonar import LLM
+
+    return LLM(tiny_model, kv_cache_memory_bytes=int(KV_CACHE_BYTES), max_model_len=512)

@@ -1,0 +1,127 @@
+"""Bad requests get a 4xx in their API's error format, and the next good request succeeds."""
+
+from __future__ import annotations
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+LONG_PROMPT = "word " * 2000  # far more than the 512-token context
+TEN_MB = b'{"prompt": "' + b"a" * (10 * 1024 * 1024) + b'"}'
+
+
+def openai_error(response: httpx.Response) -> str:
+    error = response.json()["error"]
+    assert set(error) >= {"message", "type", "param", "code"}
+    assert error["code"] == response.status_code
+    return error["message"]
+
+
+def anthropic_error(response: httpx.Response) -> str:
+    body = response.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"].endswith("_error") or body["error"]["type"] == "request_too_large"
+    return body["error"]["message"]
+
+
+def kobold_error(response: httpx.Response) -> str:
+    detail = response.json()["detail"]
+    assert set(detail) == {"msg", "type"}
+    return detail["msg"]
+
+
+COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
+CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+MESSAGES = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 2}
+KOBOLD = {"prompt": "Hello", "max_length": 2}
+
+# (path, good body, error parser, [(case, body or raw bytes, expected status)])
+CASES = [
+    ("/v1/completions", COMPLETION, openai_error, [
+        ("wrong type", {**COMPLETION, "max_tokens": "many"}, 400),
+        ("prompt type", {**COMPLETION, "prompt": {"text": 1}}, 400),
+        ("negative max_tokens", {**COMPLETION, "max_tokens": -5}, 400),
+        ("huge max_tokens", {**COMPLETION, "max_tokens": 10**9}, 400),
+        ("huge n", {**COMPLETION, "n": 10**6}, 400),
+        ("unknown model", {**COMPLETION, "model": "gpt-17"}, 404),
+        ("empty prompt list", {**COMPLETION, "prompt": []}, 400),
+        ("prompt longer than the context", {**COMPLETION, "prompt": LONG_PROMPT}, 400),
+        ("out-of-vocabulary token id", {**COMPLETION, "prompt": [10**9]}, 400),
+        ("bad sampling field", {**COMPLETION, "top_p": 7}, 400),
+        ("malformed JSON", b'{"prompt": "Hel', 400),
+        ("invalid UTF-8", b'{"prompt": "\xff\xfe\xfd"}', 400),
+        ("10 MB body", TEN_MB, 413),
+    ]),
+    ("/v1/chat/completions", CHAT, openai_error, [
+        ("empty messages", {**CHAT, "messages": []}, 400),
+        ("wrong role", {**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, 400),
+        ("huge n", {**CHAT, "n": 10**6}, 400),
+        ("unknown model", {**CHAT, "model": "gpt-17"}, 404),
+        ("prompt longer than the context", {**CHAT, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400),
+        ("huge max_tokens", {**CHAT, "max_completion_tokens": 10**9}, 400),
+        ("malformed JSON", b"[[[", 400),
+    ]),
+    ("/v1/messages", MESSAGES, anthropic_error, [
+        ("missing max_tokens", {k: v for k, v in MESSAGES.items() if k != "max_tokens"}, 400),
+        ("negative max_tokens", {**MESSAGES, "max_tokens": -1}, 400),
+        ("huge max_tokens", {**MESSAGES, "max_tokens": 10**9}, 400),
+        ("empty messages", {**MESSAGES, "messages": []}, 400),
+        ("unknown model", {**MESSAGES, "model": "claude-99"}, 404),
+        ("image block", {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400),
+        ("prompt longer than the context", {**MESSAGES, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400),
+        ("malformed JSON", b'{"model":', 400),
+        ("invalid UTF-8", b'{"model": "\xc3\x28"}', 400),
+        ("10 MB body", TEN_MB, 413),
+    ]),
+    ("/api/v1/generate", KOBOLD, kobold_error, [
+        ("wrong type", {**KOBOLD, "max_length": [1]}, 400),
+        ("negative max_length", {**KOBOLD, "max_length": -3}, 400),
+        ("huge max_length", {**KOBOLD, "max_length": 10**9}, 400),
+        ("huge n", {**KOBOLD, "n": 10**6}, 400),
+        ("prompt longer than the context", {**KOBOLD, "prompt": LONG_PROMPT}, 400),
+        ("malformed JSON", b"{prompt: Hello}", 400),
+        ("10 MB body", TEN_MB, 413),
+    ]),
+]
+
+
+@pytest.mark.parametrize("path, good, parse_error, cases", CASES, ids=[c[0] for c in CASES])
+def test_bad_requests_get_4xx_in_the_api_format(server, path, good, parse_error, cases):
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for case, body, status in cases:
+            if isinstance(body, bytes):
+                response = http.post(path, content=body, headers={"content-type": "application/json"})
+            else:
+                response = http.post(path, json=body)
+            assert response.status_code == status, f"{case}: {response.status_code} {response.text[:300]}"
+            assert parse_error(response), f"{case}: empty error message"
+            assert http.post(path, json=good).status_code == 200, f"a good request after {case!r} failed"
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_error_messages_say_what_was_wrong(server):
+    response = httpx.post(f"{server.url}/v1/completions", json={**COMPLETION, "max_tokens": 10**9})
+    message = openai_error(response)
+    assert "max_tokens=1000000000" in message and "512" in message
+    response = httpx.post(f"{server.url}/v1/completions", json={**COMPLETION, "n": 10**6})
+    assert "n=1000000" in openai_error(response)
+    response = httpx.post(f"{server.url}/v1/completions", json={**COMPLETION, "model": "gpt-17"})
+    assert "'tiny'" in openai_error(response)
+
+
+def test_sdks_raise_their_own_error_types(server):
+    openai_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.completions.create(model="gpt-17", prompt="x", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        openai_client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}], max_tokens=10**9)
+    anthropic_client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+    with pytest.raises(anthropic.BadRequestError):
+        anthropic_client.messages.create(model="tiny", messages=[], max_tokens=1)
+
+
+def test_curl_style_body_without_json_content_type_is_accepted(server):
+    response = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 2}',
+                          headers={"content-type": "application/x-www-form-urlencoded"})
+    assert response.status_code == 200, response.text

@@ -1,0 +1,88 @@
+"""The KoboldAI surface over plain HTTP, as SillyTavern calls it."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from sonar import SamplingParams
+
+PROMPT = "You are in a dark cave. You"
+
+
+def greedy(oracle, max_tokens: int, **kwargs) -> str:
+    return oracle.generate(PROMPT, SamplingParams(max_tokens=max_tokens, temperature=0.0, **kwargs))[0].outputs[0].text
+
+
+def sse_messages(response: httpx.Response) -> list[dict]:
+    events, current = [], None
+    for line in response.iter_lines():
+        if line.startswith("event: "):
+            current = line[len("event: "):]
+        elif line.startswith("data: "):
+            events.append({"event": current, **json.loads(line[len("data: "):])})
+    return events
+
+
+def test_generate_greedy_equals_offline_llm(server, oracle):
+    body = {"prompt": PROMPT, "max_length": 12, "temperature": 0, "rep_pen": 1.0, "top_p": 1, "top_k": 0,
+            "typical": 1, "tfs": 1, "top_a": 0, "sampler_order": [6, 0, 1, 3, 4, 2, 5], "sampler_seed": -1}
+    response = httpx.post(f"{server.url}/api/v1/generate", json=body)
+    assert response.status_code == 200
+    result = response.json()["results"][0]
+    assert result["text"] == greedy(oracle, 12)
+    assert result["finish_reason"] == "length"
+
+
+def test_kobold_names_map_onto_the_engine(server, oracle):
+    body = {"prompt": PROMPT, "max_length": 8, "temperature": 0, "rep_pen": 1.3, "stop_sequence": []}
+    text = httpx.post(f"{server.url}/api/v1/generate", json=body).json()["results"][0]["text"]
+    assert text == greedy(oracle, 8, repetition_penalty=1.3)
+
+
+def test_stream_sends_message_events(server, oracle):
+    with httpx.stream("POST", f"{server.url}/api/extra/generate/stream", json={"prompt": PROMPT, "max_length": 12, "temperature": 0}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = sse_messages(response)
+    assert all(e["event"] == "message" for e in events)
+    assert "".join(e["token"] for e in events) == greedy(oracle, 12)
+    assert events[-1]["finish_reason"] == "length"
+
+
+def test_abort_by_genkey_returns_partial_text(server):
+    body = {"prompt": PROMPT, "max_length": 400, "temperature": 0, "genkey": "KCPP-test-abort", "ban_eos_token": True}
+    result = {}
+
+    def run() -> None:
+        result["response"] = httpx.post(f"{server.url}/api/v1/generate", json=body, timeout=60)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    checked = ""
+    deadline = time.monotonic() + 20
+    while not checked and time.monotonic() < deadline:
+        time.sleep(0.05)
+        checked = httpx.post(f"{server.url}/api/extra/generate/check", json={"genkey": "KCPP-test-abort"}).json()["results"][0]["text"]
+    assert checked, "the generation never showed progress"
+    aborted = httpx.post(f"{server.url}/api/extra/abort", json={"genkey": "KCPP-test-abort"}).json()
+    assert aborted["success"] == "true"
+    worker.join(30)
+    final = result["response"].json()["results"][0]
+    assert final["finish_reason"] == "abort"
+    assert final["text"].startswith(checked)
+
+
+def test_token_count_and_info_routes(server, oracle):
+    count = httpx.post(f"{server.url}/api/extra/tokencount", json={"prompt": PROMPT}).json()
+    assert count["value"] == len(oracle.get_tokenizer().encode(PROMPT)) == len(count["ids"])
+    get = lambda path: httpx.get(f"{server.url}{path}").json()  # noqa: E731
+    assert get("/api/v1/model") == {"result": "koboldcpp/tiny"}
+    assert get("/api/v1/config/max_context_length") == {"value": 512}
+    assert get("/api/extra/true_max_context_length") == {"value": 512}
+    assert get("/api/v1/config/max_length")["value"] == 100
+    assert get("/api/v1/info/version")["result"].count(".") == 2
+    assert get("/api/extra/version")["result"] == "KoboldCpp"

@@ -1,0 +1,1 @@
+"""A fake accelerator platform for Sonar's plugin-discovery tests."""

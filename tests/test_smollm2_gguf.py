@@ -1,0 +1,44 @@
+"""The real SmolLM2-135M-Instruct GGUF: chat works, and greedy output equals transformers'."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import HFOracle
+from sonar import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Here is a short poem about the sea:",
+    "def fibonacci(n):",
+    "The three primary colors are",
+    "Once upon a time, in a small village,",
+    "Water boils at a temperature of",
+    "The best way to learn a new language is",
+    "1, 2, 3, 4, 5,",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> LLM:
+    return LLM(dtype="float32", max_model_len=1024)
+
+
+def test_chat_answers_paris(smollm2: LLM) -> None:
+    output = smollm2.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=32))[0]
+    assert "Paris" in output.outputs[0].text
+    assert output.outputs[0].finish_reason == "stop"
+
+
+def test_greedy_equals_transformers_on_the_same_gguf(smollm2: LLM) -> None:
+    from sonar_models.testing import smollm2_gguf_path
+
+    tokenizer = smollm2.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    outputs = smollm2.generate([{"prompt_token_ids": p} for p in prompts], params)
+    gguf = smollm2_gguf_path()
+    oracle = HFOracle(gguf.parent, gguf_file=gguf.name)
+    for prompt, output in zip(prompts, outputs):
+        expected, _ = oracle.greedy(prompt, 48)
+        assert output.outputs[0].token_ids == expected
