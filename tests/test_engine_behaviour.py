@@ -113,3 +113,18 @@ def test_abort_frees_blocks_at_once(llama_dir) -> None:
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
     assert not engine.has_unfinished_requests()
+
+
+def test_streamed_text_never_shows_part_of_a_stop_string(llama_dir) -> None:
+    llm = LLM(str(llama_dir), dtype="float32", max_model_len=512, kv_cache_memory_bytes=16 << 20)
+    prompt = {"prompt_token_ids": random_prompts(1, seed=8)[0]}
+    full = llm.generate(prompt, GREEDY)[0].outputs[0].text
+    stop = full[10:16]
+    engine = llm.llm_engine
+    engine.add_request("s", prompt, GREEDY.clone(stop=[stop]))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts.extend(o.outputs[0].text for o in engine.step())
+    final = texts[-1]
+    assert final == full[: full.index(stop)]
+    assert all(final.startswith(t) for t in texts)

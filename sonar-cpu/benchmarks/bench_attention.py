@@ -1,9 +1,10 @@
-"""Time one decode step of CpuAttentionBackend at SmolLM2-135M's shape (not a test).
+"""Time CpuAttentionBackend over a whole step at SmolLM2-135M's shape (not a test).
 
-    python sonar-cpu/benchmarks/bench_attention.py [--batch 64] [--context 300] [--layers 30]
+    python sonar-cpu/benchmarks/bench_attention.py [--batch 64] [--context 300] [--layers 30] [--threads N]
 
-Prints the attention time of a whole step (all layers, metadata included) next to the time of the
-same step's linear layers, so the fraction attention takes of a decode step is visible.
+Prints the attention time of a decode step (all layers, metadata included) next to the time of
+the same step's linear layers, so the fraction attention takes of a step is visible; then a
+prefill step of a few prompts. Minimums are the numbers to compare on a busy machine.
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ def time_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
     return min(samples), statistics.median(samples)
 
 
-def attention_step(context_lens: list[int], layers: int, dtype: torch.dtype, call_cost: int) -> Callable[[], object]:
-    step = make_step(context_lens, [1] * len(context_lens), num_heads=HEADS, num_kv_heads=KV_HEADS,
+def attention_step(
+    context_lens: list[int], layers: int, dtype: torch.dtype, call_cost: int, query_lens: list[int] | None = None
+) -> Callable[[], object]:
+    query_lens = query_lens or [1] * len(context_lens)
+    step = make_step(context_lens, query_lens, num_heads=HEADS, num_kv_heads=KV_HEADS,
                      head_dim=HEAD_DIM, block_size=16, dtype=dtype)
     caches = [step.kv_cache.clone() for _ in range(layers)]
     backend = CpuAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
@@ -77,7 +81,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     generator = torch.Generator().manual_seed(0)
     uniform = [args.context] * args.batch
@@ -91,7 +98,12 @@ def main() -> None:
         for label, lens, cost in cases:
             att_min, att_med = time_ms(attention_step(lens, args.layers, dtype, cost), args.repeats)
             print(f"{str(dtype):15} attention {label:24}: min {att_min:7.1f} ms  median {att_med:7.1f} ms"
-                  f"  ({att_med / args.layers:.2f} ms/layer)")
+                  f"  ({att_min / args.layers:.2f} ms/layer at best)")
+        # prefill: 4 fresh prompts of 256 tokens, and 4 chunks of 256 over 512 cached tokens
+        for label, context_lens in (("prefill 4x256", [0] * 4), ("prefill 4x256 after 512", [512] * 4)):
+            step_fn = attention_step(context_lens, args.layers, dtype, BUCKET_CALL_COST_TOKENS, [256] * 4)
+            att_min, att_med = time_ms(step_fn, max(3, args.repeats // 3))
+            print(f"{str(dtype):15} attention {label:24}: min {att_min:7.1f} ms  median {att_med:7.1f} ms")
 
 
 if __name__ == "__main__":

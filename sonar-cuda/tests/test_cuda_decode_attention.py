@@ -51,5 +51,6 @@ def test_decode_attention_large(case: tuple, dtype: torch.dtype, device: torch.d
 
 def test_num_splits_fill_the_gpu_but_keep_splits_long() -> None:
     assert choose_num_splits(num_seqs=256, num_kv_heads=8, max_seq_len=1024, num_sms=132) == 1
-    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=100_000, num_sms=132) == 32
-    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=600, num_sms=132) == 3
+    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=100_000, num_sms=132) == 64
+    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=600, num_sms=132) == 10
+    assert choose_num_splits(num_seqs=8, num_kv_heads=8, max_seq_len=32_768, num_sms=132) == 9

@@ -7,6 +7,7 @@ import json
 import time
 
 import httpx
+import pytest
 
 from conftest import metrics
 
@@ -77,3 +78,19 @@ def test_disconnecting_clients_are_aborted_and_free_their_blocks(server):
     # the leavers were cut short: far fewer tokens than 8 x 400 were generated
     generated = after["sonar:generation_tokens_total"] - before.get("sonar:generation_tokens_total", 0)
     assert generated < 24 * 24 + 8 * 200
+
+
+def test_non_streaming_client_that_gives_up_is_aborted(server):
+    before = metrics(server.url)
+    body = {"prompt": "A very long tale:", "max_length": 450, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/api/v1/generate", json=body, timeout=0.3)
+    deadline = time.monotonic() + 2.0
+    while time.monotonic() < deadline:
+        after = metrics(server.url)
+        if after["sonar:num_requests_in_flight"] == 0 and after["sonar:num_kv_blocks_free"] == after["sonar:num_kv_blocks_total"]:
+            break
+        time.sleep(0.05)
+    assert after["sonar:num_requests_in_flight"] == 0
+    assert after["sonar:num_kv_blocks_free"] == after["sonar:num_kv_blocks_total"]
+    assert after["sonar:generation_tokens_total"] - before["sonar:generation_tokens_total"] < 450

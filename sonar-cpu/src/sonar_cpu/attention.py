@@ -16,6 +16,11 @@ from sonar.attention import AttentionBackend, AttentionMetadata
 
 from sonar_cpu.attention_plan import CpuAttentionPlan, DecodeBucket, PrefillChunk, build_plan
 
+#: Without AMX, PyTorch's half-precision flash kernel converts to float32 block by block and runs
+#: compute-bound prefills at about half the float32 speed; decodes are memory-bound and stay in
+#: the cache's dtype.
+UPCAST_HALF_PREFILL = "AMX" not in torch.backends.cpu.get_cpu_capability()
+
 
 class CpuAttentionBackend(AttentionBackend):
     """Attention over the paged KV cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
@@ -83,19 +88,20 @@ class CpuAttentionBackend(AttentionBackend):
         plan: CpuAttentionPlan,
         chunk: PrefillChunk,
     ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
-        q = query[chunk.start : chunk.end].transpose(0, 1)  # [num_heads, q_len, head_dim]
+        compute_dtype = torch.float32 if UPCAST_HALF_PREFILL and query.element_size() == 2 else query.dtype
+        q = query[chunk.start : chunk.end].transpose(0, 1).to(compute_dtype)  # [num_heads, q_len, head_dim]
         if chunk.context_len == 0:
             # a first chunk attends only to itself: no gather (new k/v as stored in the cache)
-            keys = key[chunk.start : chunk.end].transpose(0, 1).to(query.dtype)
-            values = value[chunk.start : chunk.end].transpose(0, 1).to(query.dtype)
+            keys = key[chunk.start : chunk.end].transpose(0, 1).to(compute_dtype)
+            values = value[chunk.start : chunk.end].transpose(0, 1).to(compute_dtype)
             if self.sliding_window is None:
                 out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
                 return out.transpose(0, 1)
         else:
             # [2, seq_len, num_kv_heads, head_dim] from the cache, new tokens included
             gathered = kv_cache.index_select(1, chunk.block_ids).view(2, -1, self.num_kv_heads, self.head_dim)
-            gathered = gathered[:, : chunk.seq_len].to(query.dtype)
+            gathered = gathered[:, : chunk.seq_len].to(compute_dtype)
             keys, values = gathered[0].transpose(0, 1), gathered[1].transpose(0, 1)
-        mask = plan.prefill_mask(chunk, self.sliding_window, query.dtype, query.device)
+        mask = plan.prefill_mask(chunk, self.sliding_window, compute_dtype, query.device)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
         return out.transpose(0, 1)

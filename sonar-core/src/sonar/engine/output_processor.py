@@ -132,11 +132,21 @@ class OutputProcessor:
         for child_id in parent.children:
             self.child_to_parent.pop(child_id, None)
 
+    @staticmethod
+    def _visible_text(child: ChildState) -> str:
+        """The text so far, less a tail that could still turn out to begin a stop string
+        (streamed text is never taken back)."""
+        detokenizer = child.detokenizer
+        text = detokenizer.output_text
+        if child.finish_reason is None and detokenizer.max_stop_len > 1:
+            return text[: max(0, len(text) - detokenizer.max_stop_len + 1)]
+        return text
+
     def _request_output(self, parent: ParentState) -> RequestOutput:
         completions = [
             CompletionOutput(
                 index=child.index,
-                text=child.detokenizer.output_text,
+                text=self._visible_text(child),
                 token_ids=list(child.token_ids),
                 cumulative_logprob=child.cumulative_logprob,
                 logprobs=list(child.logprobs) if child.logprobs is not None else None,

@@ -47,7 +47,8 @@ def install(app: FastAPI, state: ServerState) -> None:
     """Add the operations routes to ``app``."""
     router = surface_router(render_error, guarded=False, tags=["Operations"])
     router.add_api_route("/health", health, methods=["GET"], summary="Liveness: 503 when the engine is dead or draining")
-    router.add_api_route("/ping", ping, methods=["GET", "POST"], summary="Same as /health")
+    router.add_api_route("/ping", ping, methods=["GET"], summary="Same as /health")
+    router.add_api_route("/ping", ping, methods=["POST"], name="ping_post", summary="Same as /health")
     router.add_api_route("/version", version, methods=["GET"], summary="Sonar's version")
     router.add_api_route("/metrics", metrics, methods=["GET"], summary="Prometheus metrics")
     app.include_router(router)
