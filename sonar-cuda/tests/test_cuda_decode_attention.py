@@ -51,6 +51,8 @@ def test_decode_attention_large(case: tuple, dtype: torch.dtype, device: torch.d
 
 def test_num_splits_fill_the_gpu_but_keep_splits_long() -> None:
     assert choose_num_splits(num_seqs=256, num_kv_heads=8, max_seq_len=1024, num_sms=132) == 1
-    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=100_000, num_sms=132) == 64
-    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=600, num_sms=132) == 10
-    assert choose_num_splits(num_seqs=8, num_kv_heads=8, max_seq_len=32_768, num_sms=132) == 9
+    assert choose_num_splits(num_seqs=64, num_kv_heads=8, max_seq_len=1024, num_sms=132) == 1
+    assert choose_num_splits(num_seqs=8, num_kv_heads=8, max_seq_len=32_768, num_sms=132) == 4
+    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=32_768, num_sms=132) == 33
+    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=1024, num_sms=132) == 16
+    assert choose_num_splits(num_seqs=1, num_kv_heads=8, max_seq_len=100, num_sms=132) == 2

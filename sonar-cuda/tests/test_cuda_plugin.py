@@ -65,3 +65,10 @@ def test_platform_reports_device_memory() -> None:
     total, free = CudaPlatform.total_memory_bytes(), CudaPlatform.available_memory_bytes()
     assert 0 < free <= total
     assert CudaPlatform.describe().startswith("cuda: ")
+
+
+def test_worker_is_the_core_worker_on_a_gpu() -> None:
+    from sonar.worker.worker import Worker
+    from sonar_cuda.worker import CudaWorker
+
+    assert issubclass(CudaWorker, Worker)

@@ -7,7 +7,6 @@ import threading
 import time
 
 import httpx
-import pytest
 
 from sonar import SamplingParams
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -204,6 +204,16 @@ async def start_generation(
         prompt["prompt"] = prompt_text
     stream = await state.client.add_request(request_id, prompt, params)
     return Generation(state, api, stream, params, prompt_token_ids, arrival)
+
+
+def closer(generations: list[Generation]) -> Callable[[], Awaitable[None]]:
+    """An ``on_close`` callback closing every generation of a response."""
+
+    async def close() -> None:
+        for generation in generations:
+            await generation.close()
+
+    return close
 
 
 def decoded_token(state: ServerState, token_id: int, logprob: Logprob | None) -> str:

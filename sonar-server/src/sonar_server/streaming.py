@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -28,10 +28,15 @@ def sse_event(event: str, payload: Any) -> str:
 class EventStreamResponse(StreamingResponse):
     """A ``text/event-stream`` response whose body generator is cancelled as soon as the
     client disconnects, whatever ASGI version the server speaks; the generator's ``finally``
-    then aborts the engine request."""
+    then aborts the engine request.
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    :param on_close: awaited once the response is over, however it ended (even when the body
+        was never started): closes the generations, aborting any that did not finish.
+    """
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], Awaitable[None]] | None = None) -> None:
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         stream_task = asyncio.ensure_future(self.stream_response(send))
@@ -44,6 +49,8 @@ class EventStreamResponse(StreamingResponse):
             await asyncio.gather(stream_task, disconnect_task, return_exceptions=True)
             if hasattr(self.body_iterator, "aclose"):
                 await self.body_iterator.aclose()
+            if self.on_close is not None:
+                await self.on_close()
         if stream_task.done() and not stream_task.cancelled() and stream_task.exception() is not None:
             raise stream_task.exception()  # type: ignore[misc]
 

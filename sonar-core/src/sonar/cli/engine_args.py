@@ -23,8 +23,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prefixes")
     group.add_argument("--load-format", default=defaults.load_format, help="auto, safetensors, gguf or dummy (random weights)")
     group.add_argument("--skip-tokenizer-init", action="store_true", help="serve token ids only")
-    group.add_argument("--seed", type=int, default=defaults.seed)
-    group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs)
+    group.add_argument("--seed", type=int, default=defaults.seed, help="seed for random weights (load_format=dummy) and engine-level randomness")
+    group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs, help="largest logprobs / prompt_logprobs a request may ask for")
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:

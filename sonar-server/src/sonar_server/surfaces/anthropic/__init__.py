@@ -12,7 +12,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from sonar_server.errors import ApiError, to_api_error
-from sonar_server.generation import Generation, start_generation
+from sonar_server.generation import Generation, closer, start_generation
 from sonar_server.prompts import render_chat
 from sonar_server.routing import surface_router
 from sonar_server.sampling import build_sampling_params
@@ -86,7 +86,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     message_id = state.new_request_id("msg")
     generation = await start_generation(state, API, message_id, prompt_ids, params, arrival, prompt_text)
     if body.stream:
-        return EventStreamResponse(_stream(state, body, generation, stop_sequences))
+        return EventStreamResponse(_stream(state, body, generation, stop_sequences), closer([generation]))
     await unless_disconnected(request, generation.collect())
     choice = generation.choices[0]
     stop_reason, stop_sequence = _stop_reason(choice.finish_reason, choice.stop_reason, stop_sequences)

@@ -62,7 +62,12 @@ async def generate(body: GenerateRequest, request: Request) -> dict[str, Any]:
 async def generate_stream(body: GenerateRequest, request: Request) -> Response:
     state: ServerState = request.app.state.sonar
     genkey, generation = await _start(body, state)
-    return EventStreamResponse(_stream(state, genkey, generation))
+
+    async def on_close() -> None:
+        await generation.close()
+        _jobs(state).pop(genkey, None)
+
+    return EventStreamResponse(_stream(state, genkey, generation), on_close)
 
 
 async def _stream(state: ServerState, genkey: str, generation: Generation) -> AsyncIterator[str]:

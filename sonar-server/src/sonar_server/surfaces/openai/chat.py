@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from sonar_server.errors import ApiError, to_api_error
-from sonar_server.generation import Generation, start_generation
+from sonar_server.generation import Generation, closer, start_generation
 from sonar_server.prompts import render_chat
 from sonar_server.sampling import build_sampling_params
 from sonar_server.state import ServerState
@@ -76,7 +76,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_stream(state, body, generation, include_usage))
+        return EventStreamResponse(_stream(state, body, generation, include_usage), closer([generation]))
     await unless_disconnected(request, generation.collect())
     return JSONResponse(_response(state, body, generation))
 

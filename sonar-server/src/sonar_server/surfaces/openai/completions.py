@@ -11,7 +11,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from sonar_server.errors import ApiError, to_api_error
-from sonar_server.generation import Generation, start_generation
+from sonar_server.generation import Generation, closer, start_generation
 from sonar_server.prompts import decode_tokens, encode_prompt
 from sonar_server.sampling import build_sampling_params
 from sonar_server.state import ServerState
@@ -77,7 +77,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     echo_texts = [await _echo_text(state, text, ids) if body.echo else "" for text, ids in prompts]
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_stream(state, body, request_id, generations, echo_texts, include_usage))
+        return EventStreamResponse(_stream(state, body, request_id, generations, echo_texts, include_usage), closer(generations))
     await unless_disconnected(request, asyncio.gather(*(g.collect() for g in generations)))
     return JSONResponse(_response(state, body, request_id, generations, echo_texts))
 
