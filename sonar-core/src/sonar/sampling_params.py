@@ -1,4 +1,4 @@
-"""Per-request sampling options, with vLLM's field names."""
+"""Per-request sampling options, with vLLM's field names (and Aphrodite's for the extra samplers)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,21 @@ import math
 from dataclasses import dataclass, field
 
 _GREEDY_EPS = 1e-5
+DEFAULT_DRY_SEQUENCE_BREAKERS = ["\n", ":", '"', "*"]
 
 
 @dataclass(slots=True)
 class SamplingParams:
+    """How to pick each next token of one request.
+
+    The first block are vLLM's fields. The extra samplers use Aphrodite's names; each is off at
+    its default. ``eta_cutoff`` and ``epsilon_cutoff`` are in units of 1e-4 (as in Aphrodite).
+    ``sampler_priority`` orders the stages (``sonar.sampler.SamplerID`` ids or names); stages
+    not listed run after the listed ones, in the default order. ``bad_words`` are strings the
+    engine tokenizes into ``bad_words_token_ids``; ``dry_sequence_breakers`` likewise into
+    ``dry_sequence_breaker_ids`` (either id field may also be given directly).
+    """
+
     n: int = 1
     max_tokens: int | None = 16
     min_tokens: int = 0
@@ -32,6 +43,43 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     logits_processors: list[str] = field(default_factory=list)  # registered processor names
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    allowed_token_ids: list[int] | None = None
+    # repetition penalty window (Kobold's rep_pen_range / rep_pen_slope)
+    repetition_penalty_range: int = 0  # last N context tokens; 0: all
+    repetition_penalty_slope: float = 1.0  # older half of the window gets 1 + (penalty - 1) * slope
+    # DRY
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_range: int = 0  # last N context tokens; 0: all
+    dry_sequence_breakers: list[str] = field(default_factory=lambda: list(DEFAULT_DRY_SEQUENCE_BREAKERS))
+    dry_sequence_breaker_ids: list[int] | None = None
+    # XTC
+    xtc_threshold: float = 0.1
+    xtc_probability: float = 0.0
+    # mirostat
+    mirostat_mode: int = 0  # 0 off, 1 or 2
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    # truncation
+    typical_p: float = 1.0
+    tfs: float = 1.0
+    top_a: float = 0.0
+    eta_cutoff: float = 0.0
+    epsilon_cutoff: float = 0.0
+    nsigma: float = 0.0
+    # shaping
+    smoothing_factor: float = 0.0
+    smoothing_curve: float = 1.0
+    dynatemp_min: float = 0.0
+    dynatemp_max: float = 0.0
+    dynatemp_exponent: float = 1.0
+    skew: float = 0.0
+    no_repeat_ngram_size: int = 0
+    temperature_last: bool = False
+    sampler_priority: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -40,46 +88,153 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()} or None
+        if isinstance(self.logit_bias, dict):
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if isinstance(self.dry_sequence_breakers, str):
+            self.dry_sequence_breakers = [self.dry_sequence_breakers]
         self.validate()
+        if self.sampler_priority is not None:
+            from sonar.sampler.sampler_ids import parse_sampler_id
+
+            self.sampler_priority = [int(parse_sampler_id(v)) for v in self.sampler_priority] or None
 
     def validate(self) -> None:
+        """Raise ValueError naming the first invalid field."""
+
         def check(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(message)
 
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+        def is_int(value: object) -> bool:
+            return isinstance(value, int) and not isinstance(value, bool)
+
+        def is_token_list(value: object) -> bool:
+            return isinstance(value, list) and all(is_int(t) and t >= 0 for t in value)
+
+        floats = (
+            "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+            "repetition_penalty_slope", "dry_multiplier", "dry_base", "xtc_threshold", "xtc_probability",
+            "mirostat_tau", "mirostat_eta", "typical_p", "tfs", "top_a", "eta_cutoff", "epsilon_cutoff",
+            "nsigma", "smoothing_factor", "smoothing_curve", "dynatemp_min", "dynatemp_max",
+            "dynatemp_exponent", "skew",
+        )  # fmt: skip
+        for name in floats:
             value = getattr(self, name)
-            check(isinstance(value, (int, float)) and math.isfinite(value), f"{name} must be a finite number, got {value!r}")
-        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            check(ok, f"{name} must be a finite number, got {value!r}")
+        ints = ("n", "min_tokens", "top_k", "repetition_penalty_range", "dry_allowed_length", "dry_range",
+                "mirostat_mode", "no_repeat_ngram_size")  # fmt: skip
+        for name in ints:
+            value = getattr(self, name)
+            check(is_int(value), f"{name} must be an integer, got {value!r}")
+
+        # vLLM's fields
+        check(self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(
-            self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+            self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",
         )
-        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        check(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens!r}")
         check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             f"min_tokens={self.min_tokens} must not exceed max_tokens={self.max_tokens}",
         )
         check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
         check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
+        check(self.top_k >= 0, f"top_k must be -1, 0 or a positive integer, got {self.top_k!r}")
         check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(value is None or (isinstance(value, int) and 0 <= value <= 20), f"{name} must be an integer in [0, 20], got {value!r}")
-        check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+            check(value is None or (is_int(value) and 0 <= value <= 20), f"{name} must be an integer in [0, 20], got {value!r}")
+        check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
-        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be non-negative integers")
+        check(is_token_list(self.stop_token_ids), "stop_token_ids must be non-negative integers")
+        check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias must map token ids to numbers")
         for token_id, bias in (self.logit_bias or {}).items():
             check(token_id >= 0 and math.isfinite(bias), f"logit_bias entry {token_id}: {bias} is invalid")
+        check(
+            isinstance(self.logits_processors, list) and all(isinstance(n, str) for n in self.logits_processors),
+            "logits_processors must be a list of registered processor names",
+        )
+
+        # token constraints
+        check(
+            self.bad_words is None or (isinstance(self.bad_words, list) and all(isinstance(w, str) and w for w in self.bad_words)),
+            "bad_words must be a list of non-empty strings",
+        )
+        check(
+            self.bad_words_token_ids is None
+            or (isinstance(self.bad_words_token_ids, list) and all(is_token_list(w) and w for w in self.bad_words_token_ids)),
+            "bad_words_token_ids must be a list of non-empty lists of token ids",
+        )
+        check(
+            self.allowed_token_ids is None or (is_token_list(self.allowed_token_ids) and len(self.allowed_token_ids) > 0),
+            "allowed_token_ids must be a non-empty list of token ids",
+        )
+
+        # the extra samplers
+        check(self.repetition_penalty_range >= 0, f"repetition_penalty_range must be >= 0, got {self.repetition_penalty_range}")
+        check(self.repetition_penalty_slope >= 0.0, f"repetition_penalty_slope must be >= 0, got {self.repetition_penalty_slope}")
+        check(self.dry_multiplier >= 0.0, f"dry_multiplier must be >= 0, got {self.dry_multiplier}")
+        check(self.dry_base >= 1.0, f"dry_base must be >= 1, got {self.dry_base}")
+        check(self.dry_allowed_length >= 0, f"dry_allowed_length must be >= 0, got {self.dry_allowed_length}")
+        check(self.dry_range >= 0, f"dry_range must be >= 0, got {self.dry_range}")
+        check(
+            isinstance(self.dry_sequence_breakers, list) and all(isinstance(s, str) for s in self.dry_sequence_breakers),
+            "dry_sequence_breakers must be a list of strings",
+        )
+        check(
+            self.dry_sequence_breaker_ids is None or is_token_list(self.dry_sequence_breaker_ids),
+            "dry_sequence_breaker_ids must be a list of token ids",
+        )
+        check(0.0 <= self.xtc_threshold <= 1.0, f"xtc_threshold must be in [0, 1], got {self.xtc_threshold}")
+        check(0.0 <= self.xtc_probability <= 1.0, f"xtc_probability must be in [0, 1], got {self.xtc_probability}")
+        check(self.mirostat_mode in (0, 1, 2), f"mirostat_mode must be 0, 1 or 2, got {self.mirostat_mode}")
+        check(self.mirostat_tau >= 0.0, f"mirostat_tau must be >= 0, got {self.mirostat_tau}")
+        check(self.mirostat_eta >= 0.0, f"mirostat_eta must be >= 0, got {self.mirostat_eta}")
+        check(0.0 < self.typical_p <= 1.0, f"typical_p must be in (0, 1], got {self.typical_p}")
+        check(0.0 < self.tfs <= 1.0, f"tfs must be in (0, 1], got {self.tfs}")
+        check(0.0 <= self.top_a <= 1.0, f"top_a must be in [0, 1], got {self.top_a}")
+        check(self.eta_cutoff >= 0.0, f"eta_cutoff must be >= 0 (units of 1e-4), got {self.eta_cutoff}")
+        check(0.0 <= self.epsilon_cutoff < 1e4, f"epsilon_cutoff must be in [0, 10000) (units of 1e-4), got {self.epsilon_cutoff}")
+        check(self.nsigma >= 0.0, f"nsigma must be >= 0, got {self.nsigma}")
+        check(self.smoothing_factor >= 0.0, f"smoothing_factor must be >= 0, got {self.smoothing_factor}")
+        check(self.smoothing_curve >= 1.0, f"smoothing_curve must be >= 1, got {self.smoothing_curve}")
+        check(self.dynatemp_min >= 0.0, f"dynatemp_min must be >= 0, got {self.dynatemp_min}")
+        check(self.dynatemp_max >= 0.0, f"dynatemp_max must be >= 0, got {self.dynatemp_max}")
+        check(
+            self.dynatemp_max == 0.0 or self.dynatemp_min <= self.dynatemp_max,
+            f"dynatemp_min={self.dynatemp_min} must not exceed dynatemp_max={self.dynatemp_max}",
+        )
+        check(self.dynatemp_exponent >= 0.0, f"dynatemp_exponent must be >= 0, got {self.dynatemp_exponent}")
+        check(self.no_repeat_ngram_size >= 0, f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
+        check(isinstance(self.temperature_last, bool), f"temperature_last must be a boolean, got {self.temperature_last!r}")
+        if self.sampler_priority is not None:
+            check(isinstance(self.sampler_priority, list), f"sampler_priority must be a list, got {self.sampler_priority!r}")
+            from sonar.sampler.sampler_ids import parse_sampler_id
+
+            try:
+                ids = [parse_sampler_id(v) for v in self.sampler_priority]
+            except ValueError as exc:
+                raise ValueError(f"sampler_priority: {exc}") from None
+            check(len(set(ids)) == len(ids), f"sampler_priority lists a stage twice: {self.sampler_priority}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def uses_dry(self) -> bool:
+        return self.dry_multiplier > 0.0
+
+    @property
+    def uses_dynatemp(self) -> bool:
+        return self.dynatemp_max > 0.0
 
     def clone(self, **changes) -> "SamplingParams":
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}

@@ -94,9 +94,12 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.stats.num_queries += request.num_tokens
-        self.stats.num_hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one prefix-cache lookup whose request was admitted."""
+        self.stats.num_queries += num_tokens
+        self.stats.num_hits += num_hit_tokens
 
     def reset_prefix_cache(self) -> bool:
         if len(self.free_blocks) != self.num_blocks:

@@ -107,6 +107,8 @@ class Scheduler:
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break
             self.waiting.popleft()
+            if request.num_computed_tokens == 0 and self.kv_cache.enable_prefix_caching:
+                self.kv_cache.record_lookup(request.num_tokens, num_cached)
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
