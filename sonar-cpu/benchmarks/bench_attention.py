@@ -21,8 +21,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from cpu_paged_step import make_step  # noqa: E402
+from sonar_cpu import attention_plan  # noqa: E402
 from sonar_cpu.attention import CpuAttentionBackend  # noqa: E402
-from sonar_cpu.attention_plan import BUCKET_CALL_COST_TOKENS  # noqa: E402
+
+SPLIT = (attention_plan.BUCKET_CALL_COST_TOKENS, attention_plan.MAX_GATHER_BYTES)
+ONE_CALL = (10**12, 10**15)  # all decodes in one padded call, for comparison
 
 # SmolLM2-135M
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 9, 3, 64
@@ -39,7 +42,7 @@ def time_ms(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
 
 
 def attention_step(
-    context_lens: list[int], layers: int, dtype: torch.dtype, call_cost: int, query_lens: list[int] | None = None
+    context_lens: list[int], layers: int, dtype: torch.dtype, split: tuple[int, int], query_lens: list[int] | None = None
 ) -> Callable[[], object]:
     query_lens = query_lens or [1] * len(context_lens)
     step = make_step(context_lens, query_lens, num_heads=HEADS, num_kv_heads=KV_HEADS,
@@ -48,10 +51,7 @@ def attention_step(
     backend = CpuAttentionBackend(HEADS, KV_HEADS, HEAD_DIM, HEAD_DIM**-0.5)
 
     def run() -> None:
-        import sonar_cpu.attention_plan as plan_module
-
-        plan_module.BUCKET_CALL_COST_TOKENS = call_cost
-        step.metadata.extra = None
+        CpuAttentionBackend.bucket_call_cost_tokens, attention_plan.MAX_GATHER_BYTES = split
         CpuAttentionBackend.prepare_metadata(step.metadata)
         for cache in caches:
             backend.forward(step.query, step.key, step.value, cache, step.metadata)
@@ -92,16 +92,17 @@ def main() -> None:
     for dtype in (torch.float32, torch.bfloat16):
         lin_min, lin_med = time_ms(linear_step(args.batch, args.layers, dtype), args.repeats)
         print(f"{str(dtype):15} linear layers B={args.batch}: min {lin_min:7.1f} ms  median {lin_med:7.1f} ms")
-        cases = [(f"ctx {args.context}", uniform, BUCKET_CALL_COST_TOKENS),
-                 ("ctx 20..800", mixed, BUCKET_CALL_COST_TOKENS),
-                 ("ctx 20..800, one bucket", mixed, 10**9)]
-        for label, lens, cost in cases:
-            att_min, att_med = time_ms(attention_step(lens, args.layers, dtype, cost), args.repeats)
+        cases = [(f"ctx {args.context}", uniform, SPLIT),
+                 (f"ctx {args.context}, one call", uniform, ONE_CALL),
+                 ("ctx 20..800", mixed, SPLIT),
+                 ("ctx 20..800, one call", mixed, ONE_CALL)]
+        for label, lens, split in cases:
+            att_min, att_med = time_ms(attention_step(lens, args.layers, dtype, split), args.repeats)
             print(f"{str(dtype):15} attention {label:24}: min {att_min:7.1f} ms  median {att_med:7.1f} ms"
                   f"  ({att_min / args.layers:.2f} ms/layer at best)")
         # prefill: 4 fresh prompts of 256 tokens, and 4 chunks of 256 over 512 cached tokens
         for label, context_lens in (("prefill 4x256", [0] * 4), ("prefill 4x256 after 512", [512] * 4)):
-            step_fn = attention_step(context_lens, args.layers, dtype, BUCKET_CALL_COST_TOKENS, [256] * 4)
+            step_fn = attention_step(context_lens, args.layers, dtype, SPLIT, [256] * 4)
             att_min, att_med = time_ms(step_fn, max(3, args.repeats // 3))
             print(f"{str(dtype):15} attention {label:24}: min {att_min:7.1f} ms  median {att_med:7.1f} ms")
 

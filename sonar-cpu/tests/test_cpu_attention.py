@@ -8,6 +8,7 @@ import torch
 from cpu_paged_step import PagedStep, make_step
 from sonar.attention import reference_attention
 from sonar_cpu.attention import CpuAttentionBackend
+from sonar_cpu import attention_plan
 from sonar_cpu.attention_plan import split_into_buckets
 
 # (context_lens, query_lens): decodes (query_len 1) first, then prefill chunks
@@ -72,6 +73,26 @@ def test_decode_buckets_of_very_different_lengths() -> None:
     step = make_step(context_lens, [1] * 8, num_heads=6, num_kv_heads=2, head_dim=32, block_size=16)
     actual, expected, cache, ref_cache = run_both(step, 6, 2, 32)
     assert len(step.metadata.extra.decode_buckets) == 2
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(cache, ref_cache)
+
+
+@pytest.mark.parametrize("max_gather_bytes", [1, 60_000])
+def test_decode_calls_split_by_gather_size(monkeypatch: pytest.MonkeyPatch, max_gather_bytes: int) -> None:
+    # a call gathers at most MAX_GATHER_BYTES (at least one sequence): 1 byte -> one call each
+    monkeypatch.setattr(attention_plan, "MAX_GATHER_BYTES", max_gather_bytes)
+    context_lens, query_lens = LAYOUTS["mixed"]
+    step = make_step(context_lens + [30, 33], [1] * 2 + query_lens, num_heads=6, num_kv_heads=2, head_dim=32, block_size=4)
+    actual, expected, cache, ref_cache = run_both(step, 6, 2, 32)
+    buckets = step.metadata.extra.decode_buckets
+    assert sum(b.seq_lens.numel() for b in buckets) == step.metadata.num_decodes == 5
+    if max_gather_bytes == 1:
+        assert len(buckets) == 5
+    else:
+        bytes_per_token = 2 * 2 * 32 * 4
+        sizes = [(b.seq_lens.numel(), b.seq_lens.numel() * b.num_blocks * 4 * bytes_per_token) for b in buckets]
+        assert all(n == 1 or size <= max_gather_bytes for n, size in sizes)
+        assert 1 < len(buckets) < 5
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache, ref_cache)
 

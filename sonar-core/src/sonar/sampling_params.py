@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from sonar.structured_output.params import GuidedDecodingParams
+
 _GREEDY_EPS = 1e-5
 DEFAULT_DRY_SEQUENCE_BREAKERS = ["\n", ":", '"', "*"]
 
@@ -43,6 +45,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     logits_processors: list[str] = field(default_factory=list)  # registered processor names
+    guided_decoding: GuidedDecodingParams | None = None  # structured output: json, regex, grammar, choice
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     allowed_token_ids: list[int] | None = None
@@ -94,6 +97,8 @@ class SamplingParams:
             self.bad_words = [self.bad_words]
         if isinstance(self.dry_sequence_breakers, str):
             self.dry_sequence_breakers = [self.dry_sequence_breakers]
+        if self.guided_decoding is not None:
+            self.guided_decoding = GuidedDecodingParams.from_value(self.guided_decoding)
         self.validate()
         if self.sampler_priority is not None:
             from sonar.sampler.sampler_ids import parse_sampler_id

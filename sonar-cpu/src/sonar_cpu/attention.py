@@ -1,10 +1,10 @@
 """Paged attention on the CPU with PyTorch's scaled_dot_product_attention.
 
 Per layer and step: one ``index_copy_`` per K and V writes the new tokens into the cache; the
-decodes are attended in a few batched calls (one per length bucket, see ``attention_plan``) over
-their blocks gathered from the cache; each prefill chunk is one call. Grouped-query attention
-never repeats K/V: a decode's query heads are laid out as ``[kv_heads, group]`` so each KV head
-serves its group as a short query block.
+decodes are attended in a few batched calls over their blocks gathered from the cache (grouped
+by length and sized to stay in the CPU's caches, see ``attention_plan``); each prefill chunk is
+one call. Grouped-query attention never repeats K/V: a decode's query heads are laid out as
+``[kv_heads, group]`` so that each KV head serves its group as a short query block.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from sonar.attention import AttentionBackend, AttentionMetadata
 
-from sonar_cpu.attention_plan import CpuAttentionPlan, DecodeBucket, PrefillChunk, build_plan
+from sonar_cpu.attention_plan import BUCKET_CALL_COST_TOKENS, CpuAttentionPlan, DecodeBucket, PrefillChunk, build_plan
 
 #: Without AMX, PyTorch's half-precision flash kernel converts to float32 block by block and runs
 #: compute-bound prefills at about half the float32 speed; decodes are memory-bound and stay in
@@ -26,10 +26,13 @@ class CpuAttentionBackend(AttentionBackend):
     """Attention over the paged KV cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
     for float32, bfloat16 and float16 (the cache may hold another dtype than the activations)."""
 
+    #: The cost of one more decode call, in gathered tokens, when grouping decodes by length.
+    bucket_call_cost_tokens: int = BUCKET_CALL_COST_TOKENS
+
     @classmethod
     def prepare_metadata(cls, metadata: AttentionMetadata) -> None:
         """Group the decodes into length buckets and describe the prefill chunks, once per step."""
-        metadata.extra = build_plan(metadata)
+        metadata.extra = build_plan(metadata, cls.bucket_call_cost_tokens)
 
     def forward(
         self,
@@ -44,8 +47,7 @@ class CpuAttentionBackend(AttentionBackend):
         if not isinstance(metadata.extra, CpuAttentionPlan):
             self.prepare_metadata(metadata)
         plan: CpuAttentionPlan = metadata.extra
-        block_size = kv_cache.shape[2]
-        plan.bind_block_size(block_size, metadata.block_tables, metadata.num_decodes)
+        plan.bind(kv_cache, metadata)
 
         # cache write: [2, num_blocks * block_size, num_kv_heads, head_dim]
         flat_cache = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
@@ -95,13 +97,17 @@ class CpuAttentionBackend(AttentionBackend):
             keys = key[chunk.start : chunk.end].transpose(0, 1).to(compute_dtype)
             values = value[chunk.start : chunk.end].transpose(0, 1).to(compute_dtype)
             if self.sliding_window is None:
-                out = F.scaled_dot_product_attention(q, keys, values, is_causal=True, scale=self.scale, enable_gqa=True)
-                return out.transpose(0, 1)
+                # 4-d inputs: PyTorch's CPU flash kernel takes only those (3-d falls back to the
+                # math path, about 10x slower)
+                out = F.scaled_dot_product_attention(
+                    q[None], keys[None], values[None], is_causal=True, scale=self.scale, enable_gqa=True
+                )
+                return out[0].transpose(0, 1)
         else:
             # [2, seq_len, num_kv_heads, head_dim] from the cache, new tokens included
             gathered = kv_cache.index_select(1, chunk.block_ids).view(2, -1, self.num_kv_heads, self.head_dim)
             gathered = gathered[:, : chunk.seq_len].to(compute_dtype)
             keys, values = gathered[0].transpose(0, 1), gathered[1].transpose(0, 1)
         mask = plan.prefill_mask(chunk, self.sliding_window, compute_dtype, query.device)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return out.transpose(0, 1)
+        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return out[0].transpose(0, 1)

@@ -1,9 +1,16 @@
 """Per-step attention state for the CPU backend, computed once per step and shared by all layers.
 
-Decodes are grouped into buckets of similar length: each bucket is one batched SDPA call over
-its sequences' blocks gathered into a padded ``[n, max_len, num_kv_heads, head_dim]`` tensor,
-so a batch mixing short and long sequences does not pad everything to the longest one. Prefill
-chunks are attended one sequence at a time.
+Decodes are attended in batched SDPA calls, each over its sequences' blocks gathered from the
+cache into a padded ``[n, padded_len, num_kv_heads, head_dim]`` tensor. Two things decide which
+sequences share a call:
+
+- length: decodes are grouped so that a batch mixing short and long sequences does not pad
+  everything to the longest one (``split_into_buckets``);
+- size: a call gathers at most ``MAX_GATHER_BYTES``, so what it gathers is still in the CPU's
+  caches when SDPA reads it back (one 64-sequence gather of a few tens of MB goes to DRAM and
+  back, and costs several times more).
+
+Prefill chunks are attended one sequence at a time.
 """
 
 from __future__ import annotations
@@ -18,6 +25,10 @@ from sonar.attention import AttentionMetadata
 #: What one extra SDPA call costs, in gathered tokens (measured: the fixed cost of a call is
 #: close to that of gathering and attending ~256 more cached tokens of a 135M model).
 BUCKET_CALL_COST_TOKENS = 256
+#: The most K and V bytes one decode call gathers (about what stays in L2/L3 cache).
+MAX_GATHER_BYTES = 4 * 1024**2
+
+MaskCache = dict[tuple[int | None, torch.dtype], torch.Tensor | None]
 
 
 @dataclass(slots=True)
@@ -25,13 +36,11 @@ class DecodeBucket:
     """Decode sequences attended in one batched call."""
 
     rows: slice | torch.Tensor  # positions in the step's decode tokens; a slice when contiguous
-    seq_lens: torch.Tensor  # [n] int64, device
-    seq_lens_cpu: list[int]
-    max_seq_len: int
-    # built for a block size on first use:
-    block_ids: torch.Tensor | None = None  # [n * num_blocks] int64
-    num_blocks: int = 0
-    masks: dict[tuple[int | None, torch.dtype], torch.Tensor | None] = field(default_factory=dict)  # [n, 1, 1, S]
+    seq_lens: torch.Tensor  # [n] int64
+    num_blocks: int  # blocks gathered per sequence
+    block_ids: torch.Tensor  # [n * num_blocks] int64
+    all_full: bool  # every sequence fills all num_blocks blocks: no padding to mask
+    masks: MaskCache = field(default_factory=dict)  # (window, dtype) -> [n, 1, 1, padded_len]
 
 
 @dataclass(slots=True)
@@ -43,44 +52,63 @@ class PrefillChunk:
     context_len: int
     seq_len: int
     block_ids: torch.Tensor | None = None  # [num_blocks] int64, built on first use
-    masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)  # [q_len, seq_len]
+    masks: MaskCache = field(default_factory=dict)  # (window, dtype) -> [q_len, seq_len]
 
 
 @dataclass(slots=True)
 class CpuAttentionPlan:
     """``AttentionMetadata.extra`` for ``CpuAttentionBackend``."""
 
-    decode_buckets: list[DecodeBucket]
+    decode_groups: list[list[int]]  # decode indices grouped by length
+    decode_seq_lens_cpu: list[int]
     prefills: list[PrefillChunk]
-    block_size: int | None = None  # block-dependent fields are built for this size
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)  # built by bind()
+    bound_to: tuple[int, int] | None = None  # (block_size, bytes per cached token)
 
-    def bind_block_size(self, block_size: int, block_tables: torch.Tensor, num_decodes: int) -> None:
-        """Build the gather indices for ``block_size`` (once per step: the first layer does it)."""
-        if self.block_size == block_size:
+    def bind(self, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+        """Build the calls and gather indices for this cache layout (the first layer does it;
+        the others find it done)."""
+        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
+        layout = (block_size, 2 * num_kv_heads * head_dim * kv_cache.element_size())
+        if self.bound_to == layout:
             return
-        decode_tables = block_tables[:num_decodes]
-        for bucket in self.decode_buckets:
-            bucket.num_blocks = -(-bucket.max_seq_len // block_size)
-            bucket.block_ids = decode_tables[bucket.rows, : bucket.num_blocks].reshape(-1).long()
-            bucket.masks.clear()
+        num_decodes = metadata.num_decodes
+        decode_tables = metadata.block_tables[:num_decodes]
+        decode_lens = metadata.seq_lens[:num_decodes]
+        self.decode_buckets = []
+        for group in self.decode_groups:
+            num_blocks = -(-max(self.decode_seq_lens_cpu[i] for i in group) // block_size)
+            per_call = max(1, MAX_GATHER_BYTES // (num_blocks * block_size * layout[1]))
+            for first in range(0, len(group), per_call):
+                members = group[first : first + per_call]
+                rows = index_or_slice(members, decode_lens.device)
+                self.decode_buckets.append(
+                    DecodeBucket(
+                        rows=rows,
+                        seq_lens=decode_lens[rows].long(),
+                        num_blocks=num_blocks,
+                        block_ids=decode_tables[rows, :num_blocks].reshape(-1).long(),
+                        all_full=min(self.decode_seq_lens_cpu[i] for i in members) == num_blocks * block_size,
+                    )
+                )
         for i, chunk in enumerate(self.prefills):
             if chunk.context_len > 0:
                 num_blocks = -(-chunk.seq_len // block_size)
-                chunk.block_ids = block_tables[num_decodes + i, :num_blocks].long()
-        self.block_size = block_size
+                chunk.block_ids = metadata.block_tables[num_decodes + i, :num_blocks].long()
+        self.bound_to = layout
 
     def decode_mask(self, bucket: DecodeBucket, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
-        """``[n, 1, 1, S]`` additive mask: 0 where a cached position is attended, -inf where it is
-        padding or outside the window (None: attend to all)."""
+        """``[n, 1, 1, padded_len]`` additive mask: 0 where a cached position is attended, -inf
+        where it is padding or outside the window (None: attend to all)."""
         if (window, dtype) not in bucket.masks:
-            assert self.block_size is not None
-            padded_len = bucket.num_blocks * self.block_size
+            assert self.bound_to is not None
+            padded_len = bucket.num_blocks * self.bound_to[0]
             positions = torch.arange(padded_len, device=bucket.seq_lens.device)
             valid = positions[None, :] < bucket.seq_lens[:, None]
             if window is not None:
                 valid &= positions[None, :] >= bucket.seq_lens[:, None] - window
-            all_valid = window is None and min(bucket.seq_lens_cpu) == padded_len
-            bucket.masks[window, dtype] = None if all_valid else additive_mask(valid[:, None, None, :], dtype)
+            no_mask = window is None and bucket.all_full
+            bucket.masks[window, dtype] = None if no_mask else additive_mask(valid[:, None, None, :], dtype)
         return bucket.masks[window, dtype]
 
     @staticmethod
@@ -100,6 +128,13 @@ class CpuAttentionPlan:
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``allowed``, -inf elsewhere (SDPA adds a float mask without converting it)."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def index_or_slice(indices: list[int], device: torch.device) -> slice | torch.Tensor:
+    """A slice where ``indices`` are consecutive (indexing with it is a view), else a tensor."""
+    if indices == list(range(indices[0], indices[0] + len(indices))):
+        return slice(indices[0], indices[0] + len(indices))
+    return torch.tensor(indices, dtype=torch.long, device=device)
 
 
 def split_into_buckets(seq_lens: list[int], call_cost: int = BUCKET_CALL_COST_TOKENS) -> list[list[int]]:
@@ -126,24 +161,14 @@ def split_into_buckets(seq_lens: list[int], call_cost: int = BUCKET_CALL_COST_TO
     return groups[::-1]
 
 
-def build_plan(metadata: AttentionMetadata) -> CpuAttentionPlan:
-    """The block-size-independent part of the plan: decode buckets and prefill chunks."""
+def build_plan(metadata: AttentionMetadata, call_cost: int = BUCKET_CALL_COST_TOKENS) -> CpuAttentionPlan:
+    """The layout-independent part of the plan: decodes grouped by length (see
+    ``split_into_buckets``) and the prefill chunks."""
     num_decodes = metadata.num_decodes
-    device = metadata.seq_lens.device
     decode_lens = metadata.seq_lens_cpu[:num_decodes]
-    buckets: list[DecodeBucket] = []
-    for group in split_into_buckets(decode_lens):
-        contiguous = group == list(range(group[0], group[0] + len(group)))
-        rows: slice | torch.Tensor = (
-            slice(group[0], group[0] + len(group)) if contiguous else torch.tensor(group, dtype=torch.long, device=device)
-        )
-        lens_cpu = [decode_lens[i] for i in group]
-        buckets.append(
-            DecodeBucket(rows, metadata.seq_lens[:num_decodes][rows].long(), lens_cpu, max(lens_cpu))
-        )
     starts = metadata.query_start_loc_cpu
     prefills = [
         PrefillChunk(starts[i], starts[i + 1], metadata.seq_lens_cpu[i] - (starts[i + 1] - starts[i]), metadata.seq_lens_cpu[i])
         for i in range(num_decodes, metadata.num_seqs)
     ]
-    return CpuAttentionPlan(buckets, prefills)
+    return CpuAttentionPlan(split_into_buckets(decode_lens, call_cost), decode_lens, prefills)

@@ -23,6 +23,10 @@ class TritonStepState:
     prefill_seq_lens: torch.Tensor
     prefill_block_tables: torch.Tensor
     prefill_max_query_len: int
+    # CUDA graphs: the decode kernel's split-KV factor, fixed at capture (None: chosen per step)
+    decode_num_splits: int | None = None
+    # CUDA graphs: the captured batch size this step replays (0: run the model eagerly)
+    graph_batch_size: int = 0
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -40,7 +44,11 @@ class TritonAttentionBackend(AttentionBackend):
 
     @classmethod
     def prepare_metadata(cls, metadata: AttentionMetadata) -> None:
-        """Slice the step's tensors into the decode and prefill parts, once for all layers."""
+        """Slice the step's tensors into the decode and prefill parts, once for all layers.
+
+        A state the model runner set already (a CUDA-graph decode step) is kept as is."""
+        if isinstance(metadata.extra, TritonStepState):
+            return
         nd = metadata.num_decodes
         starts = metadata.query_start_loc_cpu
         prefill_query_lens = [starts[i + 1] - starts[i] for i in range(nd, metadata.num_seqs)]
@@ -73,7 +81,7 @@ class TritonAttentionBackend(AttentionBackend):
         if nd:
             decode_attention(
                 query[:nd], k_cache, v_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], self.scale,
-                out=out[:nd], max_seq_len=state.decode_max_seq_len,
+                out=out[:nd], max_seq_len=state.decode_max_seq_len, num_splits=state.decode_num_splits,
             )
         # prefill and chunked prefill
         if state.prefill_max_query_len:

@@ -14,6 +14,7 @@ class CudaPlatform(Platform):
     device_type = "cuda"
     worker_cls = "sonar_cuda.worker:CudaWorker"
     attention_backend_cls = "sonar_cuda.attention:TritonAttentionBackend"
+    ops_module = "sonar_cuda.ops"
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     dist_backend = "nccl"
 

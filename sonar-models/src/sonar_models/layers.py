@@ -5,9 +5,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from sonar import ops
+
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 and cast back (as Hugging Face does)."""
+    """Root-mean-square norm, computed in float32 and cast back (as Hugging Face does).
+
+    Runs through ``sonar.ops``, so a platform's fused kernel replaces it where registered.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -15,10 +20,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        input_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(input_dtype)
+        return ops.rms_norm(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual = x + residual``; returns ``(norm(residual), residual)`` (may reuse the inputs' memory)."""
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class MergedLinear(nn.Linear):
@@ -40,6 +46,5 @@ class MergedLinear(nn.Linear):
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up`` over a fused ``[..., 2 * intermediate]`` input."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    return nn.functional.silu(gate) * up
+    """``silu(gate) * up`` over a fused ``[..., 2 * intermediate]`` input (through ``sonar.ops``)."""
+    return ops.silu_and_mul(gate_up)

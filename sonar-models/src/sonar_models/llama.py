@@ -13,10 +13,11 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from sonar import ops
 from sonar.attention import ForwardContext
 from sonar.model_interface import AttentionFactory
 from sonar_models.layers import MergedLinear, RMSNorm, silu_and_mul
-from sonar_models.rope import RotaryEmbedding, apply_rotary, rope_spec_from_config
+from sonar_models.rope import RotaryEmbedding, rope_spec_from_config
 from sonar_models.weight_loading import FusedProjection, load_hf_weights
 
 FUSED_PROJECTIONS = (
@@ -52,7 +53,7 @@ class DecoderAttention(nn.Module):
         self.qk_norm = qk_norm
         self.attn = attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Any, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split(list(self.qkv_proj.parts.values()), dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, H, D]
@@ -60,7 +61,7 @@ class DecoderAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = ops.apply_rotary(q, k, rope)
         out = self.attn(q, k, v, ctx)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -86,13 +87,20 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Any, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, residual)`` in and out: the residual add is fused into the next norm, so
+        the layer's output is ``hidden + residual``."""
         # attention block
-        residual = hidden
-        hidden = residual + self.self_attn(self.input_layernorm(hidden), cos, sin, ctx)
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, ctx)
         # mlp block
-        residual = hidden
-        return residual + self.mlp(self.post_attention_layernorm(hidden))
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -101,14 +109,18 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(rope_spec_from_config(config, head_dim))
+        max_position = getattr(config, "max_position_embeddings", None) or 2048
+        self.rotary_emb = RotaryEmbedding(rope_spec_from_config(config, head_dim), max_position)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, hidden.dtype)  # [T, rotary_dim]
+        rope = ops.rotary_tables(self.rotary_emb, positions, hidden.dtype)  # once per step
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, cos, sin, ctx)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, ctx)
+        if residual is None:
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):

@@ -75,16 +75,27 @@ class RotaryEmbedding(torch.nn.Module):
     dtype. The inverse frequencies are kept out of the module's buffers on purpose, so that
     ``model.to(bfloat16)`` never rounds them."""
 
-    def __init__(self, spec: RopeSpec) -> None:
+    def __init__(self, spec: RopeSpec, max_position: int = 2048) -> None:
         super().__init__()
         self.spec = spec
+        self.max_position = max_position  # rows of cos_sin_cache
         self._inv_freq = inverse_frequencies(spec)
         self._inv_freq_by_device: dict[torch.device, torch.Tensor] = {}
+        self._cos_sin_by_device: dict[torch.device, torch.Tensor] = {}
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
         if device not in self._inv_freq_by_device:
             self._inv_freq_by_device[device] = self._inv_freq.to(device)
         return self._inv_freq_by_device[device]
+
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        """``[max_position, rotary_dim]`` float32: cos of each position's angles in the first
+        half, sin in the second (for platform rotary kernels); built once per device."""
+        if device not in self._cos_sin_by_device:
+            positions = torch.arange(self.max_position, dtype=torch.float32)
+            freqs = positions[:, None] * self._inv_freq[None, :]
+            self._cos_sin_by_device[device] = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+        return self._cos_sin_by_device[device]
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # [T, rotary_dim // 2] -> [T, rotary_dim]

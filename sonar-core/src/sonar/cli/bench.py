@@ -68,6 +68,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     latency.add_argument("--output-json", default=None)
     latency.set_defaults(func=run_latency)
 
+    from sonar.cli.bench_suite import add_suite_parser  # here: it imports this module
+
+    add_suite_parser(kinds)
+
 
 def _vocab_size(llm) -> int:
     return llm.llm_engine.model_config.vocab_size

@@ -136,6 +136,9 @@ class AsyncLLM:
             text = prompt
             token_ids = await loop.run_in_executor(None, self.encode, text)
             prompt = {"prompt_token_ids": token_ids, "prompt": text}
+        compile_grammar = getattr(self.engine, "compile_grammar", None)
+        if params.guided_decoding is not None and compile_grammar is not None:  # structured output, off the step loop
+            await loop.run_in_executor(None, compile_grammar, params)
         stream = RequestStream(request_id, self)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._wakeup:

@@ -147,6 +147,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_token_ids = self.tokenize_prompt(prompt)
         max_tokens = self.validate(prompt_token_ids, params)
+        self.compile_grammar(params)  # a cache hit when the async client compiled it already
         if params.n == 1:
             child_ids, child_params = [request_id], [params]
         else:
@@ -157,6 +158,19 @@ class LLMEngine:
             self.core.add_request(
                 Request(child_id, prompt_token_ids, cparams, self.model_config.eos_token_ids, max_tokens)
             )
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the request's structured-output constraint (if any) into the model's grammar
+        cache, where the model runner finds it. Thread-safe; call it off the step loop.
+
+        :raises ValueError: the constraint is invalid or did not compile within the time limit.
+        """
+        if params.guided_decoding is None:
+            return
+        from sonar.structured_output.compiler import get_grammar_compiler
+
+        config = self.model_config
+        get_grammar_compiler(config.model, self.tokenizer, config.vocab_size, config.eos_token_ids).compile(params.guided_decoding)
 
     def abort_request(self, request_ids: list[str]) -> list[RequestOutput]:
         outputs = []

@@ -3,16 +3,35 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
+from sonar.sampler.dry import apply_dry, apply_no_repeat_ngram
 from sonar.sampler.logits_processor import LogitsProcessor
 from sonar.sampler.logprobs import LogprobsTensors, compute_logprobs
 from sonar.sampler.metadata import SamplingMetadata
-from sonar.sampler.penalties import apply_logit_bias, apply_min_tokens_mask, apply_penalties
+from sonar.sampler.mirostat import apply_mirostat, update_mirostat
+from sonar.sampler.penalties import apply_penalties
+from sonar.sampler.rows import row_exponentials
+from sonar.sampler.sampler_ids import SamplerID
+from sonar.sampler.shaping import apply_quadratic, apply_skew
+from sonar.sampler.temperature import apply_dynatemp, apply_temperature
+from sonar.sampler.token_masks import apply_allowed, apply_banned, apply_logit_bias
 from sonar.sampler.topk_topp import apply_min_p, apply_top_k_top_p
+from sonar.sampler.truncation import (
+    apply_epsilon_cutoff,
+    apply_eta_cutoff,
+    apply_tfs,
+    apply_top_a,
+    apply_top_nsigma,
+    apply_typical_p,
+)
+from sonar.sampler.xtc import run_xtc
 
 __all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "compute_logprobs"]
+
+Stage = Callable[["Sampler", torch.Tensor, SamplingMetadata, list[int]], torch.Tensor]
 
 
 @dataclass(slots=True)
@@ -24,11 +43,17 @@ class SamplerOutput:
 class Sampler:
     """Samples one token per row of a ``[B, V]`` logits batch, vectorized over the batch.
 
-    Stages (each skipped when no row needs it): min_tokens masking → logit_bias → penalties →
-    registered logits processors → greedy argmax, or temperature → top-k → top-p → min-p →
-    sampling. Random rows are sampled with the exponential race ``argmax(probs / q)``,
-    ``q ~ Exp(1)``: unseeded rows draw ``q`` in one batched call, each seeded row from its own
-    generator, so a seeded request yields the same tokens alone or in any batch.
+    Stages, each skipped when no row of the batch uses it and applied only to the rows that do:
+    bans (min_tokens, bad_words), logit_bias, allowed_token_ids; then the ordered stages
+    (``SamplerID``; default order DRY → penalties and registered logits processors →
+    no-repeat-ngram → temperature/dynatemp → top-nσ → top-k/top-p → top-a → min-p → TFS → eta
+    → epsilon → typical-p → smoothing → XTC; a request may reorder them with
+    ``sampler_priority`` or ``temperature_last``); then mirostat, softmax, skew, and the draw.
+    Greedy rows take the argmax of the logits after the penalty-like stages.
+
+    Random rows are sampled with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``:
+    unseeded rows draw in one batched call, each seeded row from its own generator (as does
+    XTC's coin), so a seeded request yields the same tokens alone or in any batch.
 
     The input logits are never modified; logprobs come from them (vLLM's "raw" logprobs).
     """
@@ -39,29 +64,22 @@ class Sampler:
         self._processors: dict[str, LogitsProcessor] = dict(processors or {})
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        """Sample ``[B]`` token ids from ``logits`` ``[B, V]`` float32 (rows follow ``meta.states``)."""
+        """Sample ``[B]`` token ids from ``logits`` ``[B, V]`` (rows follow ``meta.states``)."""
         raw_logits = logits
-        logits = logits.float()
-        if logits is raw_logits and (meta.edits_logits or meta.truncates):
-            logits = logits.clone()  # every stage below works in place
+        logits = self.process(logits, meta)
 
-        # logit edits
-        if meta.min_tokens_mask is not None:
-            apply_min_tokens_mask(logits, meta.min_tokens_mask)
-        if meta.logit_bias is not None:
-            apply_logit_bias(logits, meta.logit_bias)
-        if meta.penalties is not None:
-            apply_penalties(logits, meta.penalties)
-        if meta.processor_rows:
-            self._apply_processors(logits, meta)
-
-        # greedy
         greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
         if meta.all_greedy:
             sampled = greedy_ids
         else:
-            random_ids = self._sample(logits, meta)
+            probs = self.final_probabilities(logits, meta)  # [B, V]
+            q = row_exponentials(probs.shape, meta.generators, probs.device)
+            random_ids = (probs / q).argmax(dim=-1)
             sampled = random_ids if greedy_ids is None else torch.where(meta.greedy_mask, greedy_ids, random_ids)
+            if meta.mirostat is not None:
+                rows = meta.mirostat.values.index
+                chosen = probs.gather(1, sampled.unsqueeze(1)).squeeze(1)
+                update_mirostat(meta.mirostat, chosen if rows is None else chosen[rows])
 
         logprobs = None
         if meta.max_num_logprobs is not None:
@@ -69,31 +87,65 @@ class Sampler:
         return SamplerOutput(sampled_token_ids=sampled, logprobs=logprobs)
 
     def probabilities(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """``[B, V]`` the distribution each random row samples from, after truncation (renormalised).
+        """``[B, V]`` the distribution each random row samples from, after every stage
+        (renormalised). ``logits`` is not modified; XTC's coin is drawn as in a real step."""
+        return self.final_probabilities(self.process(logits, meta), meta)
 
-        ``logits`` must already carry the logit edits; it is modified in place.
-        """
-        if meta.temperature is not None:
-            logits.div_(meta.temperature.unsqueeze(1))
-        logits = apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)
-        if meta.min_p is not None:
-            logits = apply_min_p(logits, meta.min_p)
-        return logits.softmax(dim=-1)
+    # -- stages ------------------------------------------------------------------------------
 
-    def _sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        probs = self.probabilities(logits, meta)  # [B, V]
-        # exponential race: argmax(p / q), q ~ Exp(1), is a draw from p
-        q = torch.empty_like(probs).exponential_()
-        for row, generator in meta.generators.items():
-            q[row] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=generator)
-        return probs.div_(q).argmax(dim=-1)
+    def process(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """``[B, V]`` float32 logits after every stage up to mirostat (a new tensor when any
+        stage runs; the input is never modified)."""
+        processed = logits.float()
+        if not meta.edits_logits:
+            return processed
+        if processed is logits:
+            processed = processed.clone()  # every stage below may work in place
 
-    def _apply_processors(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        # hard constraints, every row
+        if meta.banned is not None:
+            apply_banned(processed, meta.banned)
+        if meta.logit_bias is not None:
+            apply_logit_bias(processed, meta.logit_bias)
+        if meta.allowed is not None:
+            apply_allowed(processed, meta.allowed)
+
+        # the ordered stages, per group of rows sharing one order
+        if len(meta.order_groups) == 1:
+            order, _ = meta.order_groups[0]
+            return self._run_ordered(processed, meta, order, list(range(meta.num_rows)))
+        for order, rows in meta.order_groups:
+            sub_meta = SamplingMetadata.build([meta.states[r] for r in rows], processed.shape[1], processed.device)
+            index = torch.tensor(rows, dtype=torch.int64, device=processed.device)
+            processed[index] = self._run_ordered(processed[index], sub_meta, order, rows)
+        return processed
+
+    def final_probabilities(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Mirostat truncation, softmax and skew on processed logits (modified in place)."""
+        if meta.mirostat is not None:
+            mode, _, _, mu = meta.mirostat.values.values
+            logits = meta.mirostat.values.apply(logits, lambda sub, *_: apply_mirostat(sub, mode, mu))
+        probs = logits.softmax(dim=-1)
+        if meta.skew is not None:
+            probs = meta.skew.apply(probs, apply_skew)
+        return probs
+
+    def _run_ordered(
+        self, logits: torch.Tensor, meta: SamplingMetadata, order: tuple[SamplerID, ...], batch_rows: list[int]
+    ) -> torch.Tensor:
+        for stage in order:
+            logits = _STAGES[stage](self, logits, meta, batch_rows)
+        return logits
+
+    def _penalties(self, logits: torch.Tensor, meta: SamplingMetadata, batch_rows: list[int]) -> torch.Tensor:
+        if meta.penalties is not None:
+            logits = apply_penalties(logits, meta.penalties)
         for name, rows in meta.processor_rows.items():
             processor = self._processor(name)
             index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
             states = [meta.states[row] for row in rows]
-            logits[index] = processor(logits[index], rows, states).to(logits.dtype)
+            logits[index] = processor(logits[index], [batch_rows[row] for row in rows], states).to(logits.dtype)
+        return logits
 
     def _processor(self, name: str) -> LogitsProcessor:
         if name not in self._processors:
@@ -107,3 +159,57 @@ class Sampler:
                 )
             self._processors[name] = factories[name]()
         return self._processors[name]
+
+
+def _temperature(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+    if meta.temperature is not None:
+        logits = meta.temperature.apply(logits, apply_temperature)
+    if meta.dynatemp is not None:
+        logits = meta.dynatemp.apply(logits, apply_dynatemp)
+    return logits
+
+
+def _row_stage(field: str, fn: Callable[..., torch.Tensor]) -> Stage:
+    def stage(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+        values = getattr(meta, field)
+        return logits if values is None else values.apply(logits, fn)
+
+    return stage
+
+
+def _top_k_top_p(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+    return apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)
+
+
+def _min_p(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+    return logits if meta.min_p is None else apply_min_p(logits, meta.min_p)
+
+
+def _dry(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+    return logits if meta.dry is None else apply_dry(logits, meta.dry)
+
+
+def _no_repeat_ngram(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+    return logits if meta.no_repeat_ngram is None else apply_no_repeat_ngram(logits, meta.no_repeat_ngram)
+
+
+def _xtc(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
+    return logits if meta.xtc is None else run_xtc(logits, meta.xtc)
+
+
+_STAGES: dict[SamplerID, Stage] = {
+    SamplerID.DRY: _dry,
+    SamplerID.PENALTIES: Sampler._penalties,
+    SamplerID.NO_REPEAT_NGRAM: _no_repeat_ngram,
+    SamplerID.TEMPERATURE: _temperature,
+    SamplerID.TOP_NSIGMA: _row_stage("top_nsigma", apply_top_nsigma),
+    SamplerID.TOP_P_TOP_K: _top_k_top_p,
+    SamplerID.TOP_A: _row_stage("top_a", apply_top_a),
+    SamplerID.MIN_P: _min_p,
+    SamplerID.TFS: _row_stage("tfs", apply_tfs),
+    SamplerID.ETA_CUTOFF: _row_stage("eta_cutoff", apply_eta_cutoff),
+    SamplerID.EPSILON_CUTOFF: _row_stage("epsilon_cutoff", apply_epsilon_cutoff),
+    SamplerID.TYPICAL_P: _row_stage("typical_p", apply_typical_p),
+    SamplerID.QUADRATIC: _row_stage("quadratic", apply_quadratic),
+    SamplerID.XTC: _xtc,
+}

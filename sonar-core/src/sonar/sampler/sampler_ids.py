@@ -75,7 +75,7 @@ def resolve_order(priority: list[int] | None, temperature_last: bool) -> tuple[S
     """The stage order of one request: its ``sampler_priority`` first, then the stages it did not
     list in the default order; with ``temperature_last`` temperature moves to the end."""
     if priority:
-        listed = tuple(SamplerID(p) for p in priority)
+        listed = tuple(parse_sampler_id(p) for p in priority)
         order = listed + tuple(s for s in DEFAULT_ORDER if s not in listed)
     else:
         order = DEFAULT_ORDER

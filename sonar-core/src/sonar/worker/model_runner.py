@@ -16,6 +16,7 @@ from sonar.model_interface import make_attention_factory
 from sonar.registry import import_class, resolve_model_class, weight_formats
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
 from sonar.sampler.sampler import LogprobsTensors, Sampler, compute_logprobs
+from sonar.structured_output.runner import StructuredOutputRunner
 from sonar.worker.input_batch import CachedRequestState, StepBatch, build_step_batch
 
 logger = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.preempted_generators: dict[str, torch.Generator | None] = {}
         self.sampler = Sampler()
+        self.structured_output = StructuredOutputRunner(model_config)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -81,6 +83,7 @@ class ModelRunner:
     # -- request state -------------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        self.structured_output.update(so)  # grammar matchers: dropped, made, or rebuilt after preemption
         for req_id in so.finished_req_ids:
             state = self.requests.pop(req_id, None)
             if req_id in so.preempted_req_ids and state is not None:
@@ -122,7 +125,7 @@ class ModelRunner:
             return ModelRunnerOutput([], [], [])
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
-        batch = build_step_batch(states, [so.num_scheduled_tokens[r] for r in req_ids], self.block_size, self.device)
+        batch = self.build_batch(states, [so.num_scheduled_tokens[r] for r in req_ids])
         if self.backend_cls is not None:
             self.backend_cls.prepare_metadata(batch.attn_metadata)
         ctx = ForwardContext(batch.attn_metadata, self.kv_caches)
@@ -134,9 +137,12 @@ class ModelRunner:
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab]
             sampling_states = [batch.states[row].sampling for row in batch.sample_rows]
+            sample_req_ids = [batch.states[row].req_id for row in batch.sample_rows]
+            self.structured_output.apply_bitmask(logits, sample_req_ids)  # structured output
             meta = SamplingMetadata.build(sampling_states, logits.shape[-1], self.device)
             result = self.sampler(logits, meta)
             token_ids = result.sampled_token_ids.tolist()
+            self.structured_output.accept(sample_req_ids, token_ids)
             for i, row in enumerate(batch.sample_rows):
                 sampled[row] = token_ids[i]
                 k = sampling_states[i].params.logprobs
@@ -152,6 +158,10 @@ class ModelRunner:
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
         )
+
+    def build_batch(self, states: list[CachedRequestState], num_scheduled: list[int]) -> StepBatch:
+        """One step's device inputs (hook: platform runners build them into static buffers)."""
+        return build_step_batch(states, num_scheduled, self.block_size, self.device)
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, RequestLogprobs]:
         results: dict[str, RequestLogprobs] = {}

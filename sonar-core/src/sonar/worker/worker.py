@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from sonar import ops
 from sonar.config import ModelConfig
 from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sonar.platform import Platform
@@ -22,6 +23,7 @@ class Worker:
         self.rank = rank
         self.device = platform.device(rank)
         self.init_device()
+        ops.install_platform_ops(platform)
         self.model_runner = self.model_runner_cls(model_config, block_size, self.device, platform.attention_backend_cls)
 
     def init_device(self) -> None:

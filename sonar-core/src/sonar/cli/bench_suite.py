@@ -1,0 +1,347 @@
+"""``sonar bench suite``: the GPU benchmark workloads in one run, one table.
+
+Random bf16 weights (``load_format="dummy"``) for architecture configs written here (no
+download), greedy with ``ignore_eos``, and transformers' ``generate()`` on the same
+architecture measured in the same run as the peer.
+
+- a. Qwen3-0.6B, 256 requests, input and output lengths uniform in [100, 1024], seed 0: output tok/s
+- b. Llama-3.1-8B, 1,000 requests, 1,024 in / 128 out: output tok/s
+- c. Llama-3.1-8B, 500 requests, 128 in / 2,048 out: output tok/s
+- d. batch-1 decode time per output token, each model: the time of a 32-token prompt with
+  ``short + N`` output tokens minus the time with ``short``, over ``N`` (prefill excluded)
+
+The peer is far slower than the engine, so it runs a subset of each workload (fewer requests,
+outputs capped) and its figure is per generated token of that subset; the table says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sonar.cli.bench import random_workload
+
+QWEN3_0_6B: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+    "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000,
+    "hidden_act": "silu", "attention_bias": False, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
+LLAMA_3_1_8B: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+}
+MODELS = {"Qwen3-0.6B": QWEN3_0_6B, "Llama-3.1-8B": LLAMA_3_1_8B}
+
+
+@dataclass(slots=True)
+class Spec:
+    key: str
+    model: str
+    what: str
+    num_prompts: int
+    input_len: tuple[int, int]
+    output_len: tuple[int, int]
+    target: float
+    floor: float | None
+    unit: str  # "tok/s" (higher is better) or "ms/token" (lower is better)
+    peer_prompts: int
+    peer_max_output: int
+
+
+SPECS = [
+    Spec("a", "Qwen3-0.6B", "256 req, in/out U[100,1024]", 256, (100, 1024), (100, 1024), 20000, 36000, "tok/s", 64, 64),
+    Spec("b", "Llama-3.1-8B", "1000 req, 1024 in / 128 out", 1000, (1024, 1024), (128, 128), 3800, 5400, "tok/s", 64, 32),
+    Spec("c", "Llama-3.1-8B", "500 req, 128 in / 2048 out", 500, (128, 128), (2048, 2048), 12000, None, "tok/s", 64, 64),
+    Spec("d", "Qwen3-0.6B", "batch 1, decode", 1, (32, 32), (256, 256), 2.0, 0.28, "ms/token", 1, 64),
+    Spec("d", "Llama-3.1-8B", "batch 1, decode", 1, (32, 32), (256, 256), 4.5, 3.5, "ms/token", 1, 64),
+]
+MAX_MODEL_LEN = {"Qwen3-0.6B": 2176, "Llama-3.1-8B": 2304}
+SHORT_DECODE = 8  # d: output tokens of the run whose time is subtracted
+
+
+@dataclass(slots=True)
+class Row:
+    key: str
+    model: str
+    what: str
+    unit: str
+    target: float
+    floor: float | None
+    value: float | None = None
+    peer: float | None = None
+    peer_note: str = ""
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def met(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value >= self.target if self.unit == "tok/s" else self.value <= self.target
+
+
+def add_suite_parser(kinds: argparse._SubParsersAction) -> None:
+    suite = kinds.add_parser("suite", help="the GPU workloads a-d with transformers as the peer, one table")
+    suite.add_argument("--workloads", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
+    suite.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests (quick runs)")
+    suite.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="also run transformers' generate()")
+    suite.add_argument("--profile", action="store_true", help="profile decode steps of a's model at batch 256 and print where time goes")
+    suite.add_argument("--gpu-memory-utilization", type=float, default=0.88)
+    suite.add_argument("--output-json", default=None)
+    suite.set_defaults(func=run_suite)
+
+
+def _write_config(root: Path, name: str) -> Path:
+    folder = root / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(MODELS[name], indent=1))
+    return folder
+
+
+def _release() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _sync() -> None:
+    from sonar.platform import current_platform
+
+    current_platform().synchronize()
+
+
+# -- the engine ---------------------------------------------------------------------------
+
+
+def _engine(folder: Path, name: str, utilization: float):
+    from sonar.entrypoints.llm import LLM
+
+    return LLM(
+        str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        max_model_len=MAX_MODEL_LEN[name], gpu_memory_utilization=utilization, enable_prefix_caching=False,
+    )
+
+
+def _generate(llm, prompts: list[list[int]], output_lens: list[int]) -> tuple[float, int]:
+    from sonar.sampling_params import SamplingParams
+
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in output_lens]
+    _sync()
+    started = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    _sync()
+    return time.perf_counter() - started, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def _decode_ms_per_token(run_short, run_long, num_tokens: int, repeats: int = 3) -> float:
+    """Best of ``repeats`` of (long - short) / num_tokens, in milliseconds."""
+    best = float("inf")
+    for _ in range(repeats):
+        short, long = run_short(), run_long()
+        best = min(best, (long - short) / num_tokens)
+    return 1000 * best
+
+
+def _run_engine_rows(llm, name: str, specs: list[Spec], scale: float, rows: dict[tuple[str, str], Row]) -> None:
+    vocab = MODELS[name]["vocab_size"]
+    _generate(llm, random_workload(4, (8, 64), (8, 16), vocab, 1).prompts, [16] * 4)  # warm-up
+    for spec in specs:
+        row = rows[(spec.key, name)]
+        if spec.key == "d":
+            prompt = random_workload(1, spec.input_len, spec.input_len, vocab, 0).prompts
+            extra = spec.output_len[0]
+            row.value = _decode_ms_per_token(
+                lambda: _generate(llm, prompt, [SHORT_DECODE])[0], lambda: _generate(llm, prompt, [SHORT_DECODE + extra])[0], extra
+            )
+            row.detail = {"prompt_tokens": spec.input_len[0], "decode_tokens_timed": extra}
+        else:
+            count = max(1, round(spec.num_prompts * scale))
+            workload = random_workload(count, spec.input_len, spec.output_len, vocab, 0)
+            elapsed, num_output = _generate(llm, workload.prompts, workload.output_lens)
+            row.value = num_output / elapsed
+            row.detail = {"requests": count, "elapsed_s": round(elapsed, 2), "output_tokens": num_output,
+                          "prompt_tokens": workload.num_prompt_tokens}
+        print(f"  {spec.key} {name}: {row.value:.2f} {spec.unit}", file=sys.stderr, flush=True)
+
+
+# -- the peer -----------------------------------------------------------------------------
+
+
+def _hf_model(name: str):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_dict = dict(MODELS[name])
+    config = AutoConfig.for_model(config_dict.pop("model_type"), **config_dict)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    return model.eval(), device
+
+
+def _hf_generate(model, device: str, prompts: list[list[int]], new_tokens: int) -> float:
+    """One left-padded batch, greedy, exactly ``new_tokens`` new tokens each; seconds."""
+    import torch
+
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.zeros((len(prompts), longest), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, longest - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, longest - len(prompt):] = 1
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    _release()
+    started = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def _run_peer_rows(name: str, specs: list[Spec], rows: dict[tuple[str, str], Row]) -> None:
+    model, device = _hf_model(name)
+    vocab = MODELS[name]["vocab_size"]
+    _hf_generate(model, device, [[100, 200, 300]], 4)  # warm-up
+    for spec in specs:
+        row = rows[(spec.key, name)]
+        if spec.key == "d":
+            prompt = random_workload(1, spec.input_len, spec.input_len, vocab, 0).prompts
+            n = spec.peer_max_output
+            row.peer = _decode_ms_per_token(
+                lambda: _hf_generate(model, device, prompt, SHORT_DECODE), lambda: _hf_generate(model, device, prompt, SHORT_DECODE + n), n, 1
+            )
+            row.peer_note = f"{n} decode tokens"
+        else:
+            workload = random_workload(spec.num_prompts, spec.input_len, spec.output_len, vocab, 0)
+            prompts = workload.prompts[: spec.peer_prompts]
+            new_tokens = min(spec.peer_max_output, max(workload.output_lens[: spec.peer_prompts]))
+            elapsed = _hf_generate(model, device, prompts, new_tokens)
+            row.peer = len(prompts) * new_tokens / elapsed
+            row.peer_note = f"first {len(prompts)} req, {new_tokens} out each"
+        print(f"  peer {spec.key} {name}: {row.peer:.2f} {spec.unit} ({row.peer_note})", file=sys.stderr, flush=True)
+    del model
+    _release()
+
+
+# -- profile ------------------------------------------------------------------------------
+
+
+def _profile_decode(llm, name: str, batch: int = 256, steps: int = 8) -> dict[str, Any]:
+    """Wall time of decode steps at ``batch`` against the GPU's busy time, and the top kernels."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from sonar.sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    vocab = MODELS[name]["vocab_size"]
+    workload = random_workload(batch, (512, 512), (1, 1), vocab, 5)
+    params = SamplingParams(max_tokens=steps * 3 + 16, temperature=0.0, ignore_eos=True, detokenize=False)
+    for i, prompt in enumerate(workload.prompts):
+        engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt}, params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.running) or engine.core.scheduler.waiting:
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    _sync()
+    started = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    _sync()
+    wall_ms = 1000 * (time.perf_counter() - started) / steps
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        _sync()
+    events = prof.key_averages()
+    device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
+    top = sorted(
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: getattr(e, "self_device_time_total", 0.0), reverse=True,
+    )[:12]
+    host = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CUDA), key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
+    result = {
+        "batch": batch,
+        "wall_ms_per_step": round(wall_ms, 3),
+        "gpu_busy_ms_per_step": round(device_us / 1000 / steps, 3),
+        "top_kernels_ms_per_step": {e.key[:90]: round(getattr(e, "self_device_time_total", 0.0) / 1000 / steps, 3) for e in top},
+        "top_host_ms_per_step": {e.key[:90]: round(e.self_cpu_time_total / 1000 / steps, 3) for e in host},
+    }
+    engine.abort_request([f"profile-{i}" for i in range(batch)])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return result
+
+
+# -- the table ----------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.0f}" if unit == "tok/s" else f"{value:.3f}"
+
+
+def print_table(rows: list[Row]) -> None:
+    header = f"{'':2} {'model':13} {'workload':28} {'unit':9} {'sonar':>9} {'target':>8} {'met':>4} {'peer':>9} {'floor':>7}  peer ran"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        met = "-" if r.met is None else ("yes" if r.met else "no")
+        print(f"{r.key:2} {r.model:13} {r.what:28} {r.unit:9} {_fmt(r.value, r.unit):>9} {_fmt(r.target, r.unit):>8} {met:>4} "
+              f"{_fmt(r.peer, r.unit):>9} {_fmt(r.floor, r.unit):>7}  {r.peer_note}")
+
+
+def run_suite(args: argparse.Namespace) -> int:
+    import torch
+
+    wanted = {w.strip() for w in args.workloads.split(",") if w.strip()}
+    specs = [s for s in SPECS if s.key in wanted]
+    rows = {(s.key, s.model): Row(s.key, s.model, s.what, s.unit, s.target, s.floor) for s in specs}
+    profile_result = None
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in MODELS:
+            model_specs = [s for s in specs if s.model == name]
+            if not model_specs:
+                continue
+            folder = _write_config(Path(tmp), name)
+            if args.peer:
+                print(f"peer: transformers generate() on {name}...", file=sys.stderr, flush=True)
+                _run_peer_rows(name, model_specs, rows)
+            print(f"sonar: {name}...", file=sys.stderr, flush=True)
+            started = time.perf_counter()
+            llm = _engine(folder, name, args.gpu_memory_utilization)
+            print(f"  engine ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+            _run_engine_rows(llm, name, model_specs, args.scale, rows)
+            if args.profile and name == "Qwen3-0.6B":
+                profile_result = _profile_decode(llm, name)
+                print(json.dumps(profile_result, indent=1), file=sys.stderr, flush=True)
+            del llm
+            _release()
+    ordered = list(rows.values())
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    print(f"\nsonar bench suite on {device} (bf16 random weights, greedy, ignore_eos; scale {args.scale})")
+    print_table(ordered)
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"device": device, "scale": args.scale, "rows": [asdict(r) for r in ordered], "profile": profile_result}, f, indent=1)
+    return 0
+

@@ -1,0 +1,195 @@
+"""CUDA graphs for decode steps: static input buffers, one captured forward per batch size.
+
+A decode step of ``n`` sequences runs the graph of the smallest captured size ``>= n``; the
+rows past ``n`` are padding (slot -1, so nothing is written to the KV cache; a context of one
+token, so attention reads one cached key). The model runner fills the static buffers through
+pinned host buffers with non-blocking copies; the graph reads them where it was captured.
+Without CUDA (tests on CPU) the same buffers run the model eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from sonar.attention import AttentionMetadata, ForwardContext
+from sonar_cuda.attention import TritonStepState
+from sonar_cuda.kernels.decode_attention import _num_sms, choose_num_splits
+
+logger = logging.getLogger(__name__)
+
+
+def default_capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every 8 to 64, every 16 to 128, every 32 beyond (padding under 25%)."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 129, 16)) + list(range(160, max_batch_size + 1, 32))
+    sizes = sorted({s for s in sizes if s <= max_batch_size} | {max_batch_size})
+    return sizes
+
+
+@dataclass(slots=True)
+class DecodeBuffers:
+    """Device tensors the graphs read, and the pinned host tensors that feed them."""
+
+    tokens: torch.Tensor  # [3, max_batch] int64 on the device: input ids, positions, slots
+    seq_lens: torch.Tensor  # [max_batch] int32
+    block_tables: torch.Tensor  # [max_batch, max_blocks] int32
+    query_start_loc: torch.Tensor  # [max_batch + 1] int32: 0, 1, 2, ... (one token each)
+    logits_indices: torch.Tensor  # [max_batch] int64: 0, 1, 2, ...
+    host_tokens: torch.Tensor  # pinned mirrors of the first three
+    host_seq_lens: torch.Tensor
+    host_block_tables: torch.Tensor
+
+    @classmethod
+    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> "DecodeBuffers":
+        pin = device.type == "cuda"
+
+        def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        return cls(
+            tokens=torch.zeros(3, max_batch, dtype=torch.int64, device=device),
+            seq_lens=torch.ones(max_batch, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
+            logits_indices=torch.arange(max_batch, dtype=torch.int64, device=device),
+            host_tokens=host(3, max_batch, dtype=torch.int64),
+            host_seq_lens=host(max_batch, dtype=torch.int32),
+            host_block_tables=host(max_batch, max_blocks, dtype=torch.int32),
+        )
+
+    def upload(self, num_rows: int) -> None:
+        """Queue the host buffers' first ``num_rows`` rows to the device (non-blocking)."""
+        self.tokens.copy_(self.host_tokens, non_blocking=True)
+        self.seq_lens.copy_(self.host_seq_lens, non_blocking=True)
+        self.block_tables[:num_rows].copy_(self.host_block_tables[:num_rows], non_blocking=True)
+
+    def metadata(self, size: int, seq_lens_cpu: list[int], state: TritonStepState) -> AttentionMetadata:
+        """Attention metadata over the first ``size`` rows."""
+        return AttentionMetadata(
+            num_decodes=size,
+            num_decode_tokens=size,
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            block_tables=self.block_tables[:size],
+            slot_mapping=self.tokens[2, :size],
+            max_query_len=1,
+            max_seq_len=state.decode_max_seq_len,
+            query_start_loc_cpu=list(range(size + 1)),
+            seq_lens_cpu=seq_lens_cpu,
+            extra=state,
+        )
+
+
+class DecodeGraphs:
+    """One captured decode forward per batch size, over shared :class:`DecodeBuffers`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list[torch.Tensor],
+        buffers: DecodeBuffers,
+        sizes: list[int],
+        max_model_len: int,
+        use_graphs: bool,
+    ) -> None:
+        self.model = model
+        self.kv_caches = kv_caches
+        self.buffers = buffers
+        self.sizes = sorted(sizes)
+        self.max_model_len = max_model_len
+        self.use_graphs = use_graphs
+        self.states: dict[int, TritonStepState] = {}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        device = buffers.tokens.device
+        for size in self.sizes:
+            num_splits = choose_num_splits(size, model.num_kv_heads, max_model_len, _num_sms(device))
+            self.states[size] = TritonStepState(
+                num_decodes=size,
+                decode_max_seq_len=max_model_len,
+                prefill_query_start_loc=buffers.query_start_loc[size:],
+                prefill_seq_lens=buffers.seq_lens[size:size],
+                prefill_block_tables=buffers.block_tables[size:size],
+                prefill_max_query_len=0,
+                decode_num_splits=num_splits,
+                graph_batch_size=size,
+            )
+
+    @property
+    def max_size(self) -> int:
+        return self.sizes[-1]
+
+    def size_for(self, num_seqs: int) -> int:
+        """The smallest captured batch size holding ``num_seqs`` sequences."""
+        for size in self.sizes:
+            if size >= num_seqs:
+                return size
+        raise ValueError(f"{num_seqs} sequences exceed the largest decode graph ({self.max_size})")
+
+    def _forward(self, size: int) -> torch.Tensor:
+        b = self.buffers
+        metadata = b.metadata(size, [1] * size, self.states[size])
+        return self.model(b.tokens[0, :size], b.tokens[1, :size], ForwardContext(metadata, self.kv_caches))
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, into one memory pool (no-op without graphs)."""
+        if not self.use_graphs:
+            return
+        started = time.perf_counter()
+        b = self.buffers
+        b.tokens[2].fill_(-1)  # padding slots: nothing is written while capturing
+        b.seq_lens.fill_(1)
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.sizes):
+            self._forward(size)  # warm-up: compiles kernels, builds tables outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._forward(size)
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+        logger.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.sizes), self.sizes, time.perf_counter() - started)
+
+    def run(self, size: int) -> torch.Tensor:
+        """The final hidden states ``[size, hidden]`` of the step in the buffers."""
+        graph = self.graphs.get(size)
+        if graph is None:
+            return self._forward(size)
+        graph.replay()
+        return self.outputs[size]
+
+
+class GraphedModel(torch.nn.Module):
+    """The model, with decode steps that the runner laid out in the static buffers replayed
+    from their graph; every other step runs eagerly."""
+
+    def __init__(self, model: torch.nn.Module, graphs: DecodeGraphs) -> None:
+        super().__init__()
+        self.model = model
+        self.graphs = graphs
+        self.num_layers = model.num_layers
+        self.num_kv_heads = model.num_kv_heads
+        self.head_dim = model.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        state = ctx.attn_metadata.extra if ctx.attn_metadata is not None else None
+        size = state.graph_batch_size if isinstance(state, TritonStepState) else 0
+        if size:
+            return self.graphs.run(size)[: input_ids.shape[0]]
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden_states)
+
+
+def fill_padding(buffers: DecodeBuffers, num_rows: int, size: int) -> None:
+    """Rows ``num_rows .. size`` of the host buffers become padding."""
+    tokens = buffers.host_tokens.numpy()
+    tokens[:2, num_rows:size] = 0
+    tokens[2, num_rows:size] = -1
+    buffers.host_seq_lens.numpy()[num_rows:size] = 1
+

