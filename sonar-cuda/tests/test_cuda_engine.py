@@ -37,6 +37,8 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory):
 
 def test_interpreted_engine_matches_transformers(tiny_models) -> None:
     """Prefill, chunked prefill and static-buffer decode steps, greedy, on CPU."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only: Triton's interpreter is off where a GPU is present")
     path = tiny_models("qwen3")
     prompts = random_prompts(3, seed=3, max_len=40)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -105,3 +105,23 @@ def sonar_register_api_surfaces(register: Callable[..., None]) -> None:
         calls ``install(app, state)`` for each surface selected by ``--api`` (all by default),
         with the FastAPI app and the server state (engine client, tokenizer, settings).
     """
+
+
+@hookspec
+def sonar_register_tool_parsers(register: Callable[..., None]) -> None:
+    """Register tool-call parsers (``sonar serve --tool-call-parser NAME``).
+
+    :param register: ``register(name: str, parser: str | type)``. ``parser`` is a
+        ``sonar_server.parsers.ToolParser`` subclass or its ``"package.module:Class"`` path
+        (imported only when selected); it splits a model's output into text and tool calls.
+    """
+
+
+@hookspec
+def sonar_register_reasoning_parsers(register: Callable[..., None]) -> None:
+    """Register reasoning parsers (``sonar serve --reasoning-parser NAME``).
+
+    :param register: ``register(name: str, parser: str | type)``. ``parser`` is a
+        ``sonar_server.parsers.ReasoningParser`` subclass or its ``"package.module:Class"``
+        path; it separates a model's reasoning from its answer.
+    """

@@ -58,18 +58,20 @@ def get_plugin_manager() -> pluggy.PluginManager:
 
 
 def _load_entry_points(manager: pluggy.PluginManager) -> None:
-    from stevedore import ExtensionManager
+    from importlib.metadata import entry_points
+
+    from stevedore import ExtensionManager, NamedExtensionManager
 
     allow = _allowlist()
-    extensions = ExtensionManager(
-        namespace=ENTRY_POINT_GROUP,
-        invoke_on_load=False,
-        on_load_failure_callback=_on_load_failure,
-    )
+    options = dict(namespace=ENTRY_POINT_GROUP, invoke_on_load=False, on_load_failure_callback=_on_load_failure)
+    if allow is None:
+        extensions = ExtensionManager(**options)
+    else:
+        # only the listed plugins are imported at all
+        available = {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+        _report.skipped.extend(sorted(available - allow))
+        extensions = NamedExtensionManager(names=sorted(allow & available), **options)
     for ext in extensions:
-        if allow is not None and ext.name not in allow:
-            _report.skipped.append(ext.name)
-            continue
         if manager.is_registered(ext.plugin) or manager.has_plugin(ext.name):
             continue
         try:

@@ -29,6 +29,13 @@ class CpuAttentionBackend(AttentionBackend):
     #: The cost of one more decode call, in gathered tokens, when grouping decodes by length.
     bucket_call_cost_tokens: int = BUCKET_CALL_COST_TOKENS
 
+    def __init__(
+        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+    ) -> None:
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        # reused by every gather: a fresh multi-MB tensor per call costs more than the gather
+        self._workspace: torch.Tensor | None = None
+
     @classmethod
     def prepare_metadata(cls, metadata: AttentionMetadata) -> None:
         """Group the decodes into length buckets and describe the prefill chunks, once per step."""
@@ -71,7 +78,7 @@ class CpuAttentionBackend(AttentionBackend):
         n = query.shape[0]
         group = self.num_heads // self.num_kv_heads
         # gather: [2, n, padded_len, num_kv_heads, head_dim]
-        gathered = kv_cache.index_select(1, bucket.block_ids).view(2, n, -1, self.num_kv_heads, self.head_dim)
+        gathered = self._gather(kv_cache, bucket.gather_ids).view(2, n, -1, self.num_kv_heads, self.head_dim)
         gathered = gathered.to(query.dtype)
         keys = gathered[0].transpose(1, 2)  # [n, num_kv_heads, padded_len, head_dim]
         values = gathered[1].transpose(1, 2)
@@ -105,9 +112,22 @@ class CpuAttentionBackend(AttentionBackend):
                 return out[0].transpose(0, 1)
         else:
             # [2, seq_len, num_kv_heads, head_dim] from the cache, new tokens included
-            gathered = kv_cache.index_select(1, chunk.block_ids).view(2, -1, self.num_kv_heads, self.head_dim)
+            gathered = self._gather(kv_cache, chunk.gather_ids).view(2, -1, self.num_kv_heads, self.head_dim)
             gathered = gathered[:, : chunk.seq_len].to(compute_dtype)
             keys, values = gathered[0].transpose(0, 1), gathered[1].transpose(0, 1)
         mask = plan.prefill_mask(chunk, self.sliding_window, compute_dtype, query.device)
         out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1)
+
+    def _gather(self, kv_cache: torch.Tensor, gather_ids: torch.Tensor) -> torch.Tensor:
+        """Keys then values of some blocks (``gather_ids`` from ``key_and_value_rows``), into the
+        reused workspace: valid until the next gather. Returns
+        ``[2 * num_blocks, block_size, num_kv_heads, head_dim]``."""
+        shape = (gather_ids.numel(), *kv_cache.shape[2:])
+        numel = gather_ids.numel() * kv_cache[0, 0].numel()
+        workspace = self._workspace
+        fits = workspace is not None and workspace.numel() >= numel
+        if not fits or workspace.dtype != kv_cache.dtype or workspace.device != kv_cache.device:
+            workspace = self._workspace = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
+        rows = kv_cache.view(-1, *kv_cache.shape[2:])  # [2 * num_cache_blocks, block_size, kv_heads, head_dim]
+        return torch.index_select(rows, 0, gather_ids, out=workspace[:numel].view(shape))

@@ -38,7 +38,7 @@ class DecodeBucket:
     rows: slice | torch.Tensor  # positions in the step's decode tokens; a slice when contiguous
     seq_lens: torch.Tensor  # [n] int64
     num_blocks: int  # blocks gathered per sequence
-    block_ids: torch.Tensor  # [n * num_blocks] int64
+    gather_ids: torch.Tensor  # [2 * n * num_blocks] int64 rows of the cache seen as [2 * blocks, ...]
     all_full: bool  # every sequence fills all num_blocks blocks: no padding to mask
     masks: MaskCache = field(default_factory=dict)  # (window, dtype) -> [n, 1, 1, padded_len]
 
@@ -51,7 +51,7 @@ class PrefillChunk:
     end: int
     context_len: int
     seq_len: int
-    block_ids: torch.Tensor | None = None  # [num_blocks] int64, built on first use
+    gather_ids: torch.Tensor | None = None  # [2 * num_blocks] int64, built on first use
     masks: MaskCache = field(default_factory=dict)  # (window, dtype) -> [q_len, seq_len]
 
 
@@ -63,13 +63,13 @@ class CpuAttentionPlan:
     decode_seq_lens_cpu: list[int]
     prefills: list[PrefillChunk]
     decode_buckets: list[DecodeBucket] = field(default_factory=list)  # built by bind()
-    bound_to: tuple[int, int] | None = None  # (block_size, bytes per cached token)
+    bound_to: tuple[int, int, int] | None = None  # (block_size, bytes per cached token, cache blocks)
 
     def bind(self, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
         """Build the calls and gather indices for this cache layout (the first layer does it;
         the others find it done)."""
-        _, _, block_size, num_kv_heads, head_dim = kv_cache.shape
-        layout = (block_size, 2 * num_kv_heads * head_dim * kv_cache.element_size())
+        _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
+        layout = (block_size, 2 * num_kv_heads * head_dim * kv_cache.element_size(), num_cache_blocks)
         if self.bound_to == layout:
             return
         num_decodes = metadata.num_decodes
@@ -87,14 +87,14 @@ class CpuAttentionPlan:
                         rows=rows,
                         seq_lens=decode_lens[rows].long(),
                         num_blocks=num_blocks,
-                        block_ids=decode_tables[rows, :num_blocks].reshape(-1).long(),
+                        gather_ids=key_and_value_rows(decode_tables[rows, :num_blocks], num_cache_blocks),
                         all_full=min(self.decode_seq_lens_cpu[i] for i in members) == num_blocks * block_size,
                     )
                 )
         for i, chunk in enumerate(self.prefills):
             if chunk.context_len > 0:
                 num_blocks = -(-chunk.seq_len // block_size)
-                chunk.block_ids = metadata.block_tables[num_decodes + i, :num_blocks].long()
+                chunk.gather_ids = key_and_value_rows(metadata.block_tables[num_decodes + i, :num_blocks], num_cache_blocks)
         self.bound_to = layout
 
     def decode_mask(self, bucket: DecodeBucket, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -128,6 +128,13 @@ class CpuAttentionPlan:
 def additive_mask(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """0 where ``allowed``, -inf elsewhere (SDPA adds a float mask without converting it)."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+
+
+def key_and_value_rows(block_ids: torch.Tensor, num_cache_blocks: int) -> torch.Tensor:
+    """Rows of a cache viewed as ``[2 * num_cache_blocks, ...]`` holding these blocks' keys, then
+    their values (gathering along the first dimension runs on every thread)."""
+    flat = block_ids.reshape(-1).long()
+    return torch.cat([flat, flat + num_cache_blocks])
 
 
 def index_or_slice(indices: list[int], device: torch.device) -> slice | torch.Tensor:

@@ -1,5 +1,5 @@
-"""sonar-server's own plugin: registers its API surfaces the way a third-party package would,
-through the ``sonar.plugins`` entry point and the ``sonar_register_api_surfaces`` hook."""
+"""sonar-server's own plugin: registers its API surfaces, tool-call parsers and reasoning
+parsers the way a third-party package would, through the ``sonar.plugins`` entry point."""
 
 from __future__ import annotations
 
@@ -24,3 +24,17 @@ def sonar_register_api_surfaces(register: Callable[..., None]) -> None:
     register("anthropic", _lazy("sonar_server.surfaces.anthropic"))
     register("kobold", _lazy("sonar_server.surfaces.kobold"))
     register("ops", _lazy("sonar_server.surfaces.ops"))
+
+
+@hookimpl
+def sonar_register_tool_parsers(register: Callable[..., None]) -> None:
+    register("hermes", "sonar_server.parsers.tools:HermesToolParser")
+    register("qwen", "sonar_server.parsers.tools:HermesToolParser")
+    register("llama3_json", "sonar_server.parsers.tools:Llama3JsonToolParser")
+    register("mistral", "sonar_server.parsers.tools:MistralToolParser")
+
+
+@hookimpl
+def sonar_register_reasoning_parsers(register: Callable[..., None]) -> None:
+    register("qwen3", "sonar_server.parsers.reasoning:Qwen3ReasoningParser")
+    register("deepseek_r1", "sonar_server.parsers.reasoning:DeepSeekR1ReasoningParser")

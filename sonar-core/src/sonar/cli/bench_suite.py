@@ -70,6 +70,7 @@ SPECS = [
     Spec("d", "Llama-3.1-8B", "batch 1, decode", 1, (32, 32), (256, 256), 4.5, 3.5, "ms/token", 1, 64),
 ]
 MAX_MODEL_LEN = {"Qwen3-0.6B": 2176, "Llama-3.1-8B": 2304}
+MAX_BATCHED_TOKENS = 8192  # prefill chunk per step: fewer, larger (eager) prefill steps
 SHORT_DECODE = 8  # d: output tokens of the run whose time is subtracted
 
 
@@ -98,7 +99,7 @@ def add_suite_parser(kinds: argparse._SubParsersAction) -> None:
     suite.add_argument("--workloads", default="a,b,c,d", help="comma-separated subset of a,b,c,d")
     suite.add_argument("--scale", type=float, default=1.0, help="fraction of each workload's requests (quick runs)")
     suite.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="also run transformers' generate()")
-    suite.add_argument("--profile", action="store_true", help="profile decode steps of a's model at batch 256 and print where time goes")
+    suite.add_argument("--profile", action="store_true", help="profile decode steps of each model at batch 256 and print where time goes")
     suite.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     suite.add_argument("--output-json", default=None)
     suite.set_defaults(func=run_suite)
@@ -135,6 +136,7 @@ def _engine(folder: Path, name: str, utilization: float):
     return LLM(
         str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
         max_model_len=MAX_MODEL_LEN[name], gpu_memory_utilization=utilization, enable_prefix_caching=False,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS,
     )
 
 
@@ -271,6 +273,7 @@ def _profile_decode(llm, name: str, batch: int = 256, steps: int = 8) -> dict[st
         for _ in range(steps):
             engine.step()
         _sync()
+    phases = _time_phases(engine, steps)
     events = prof.key_averages()
     device_us = sum(getattr(e, "self_device_time_total", 0.0) for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
     top = sorted(
@@ -281,6 +284,7 @@ def _profile_decode(llm, name: str, batch: int = 256, steps: int = 8) -> dict[st
     result = {
         "batch": batch,
         "wall_ms_per_step": round(wall_ms, 3),
+        "host_phases_ms_per_step": phases,
         "gpu_busy_ms_per_step": round(device_us / 1000 / steps, 3),
         "top_kernels_ms_per_step": {e.key[:90]: round(getattr(e, "self_device_time_total", 0.0) / 1000 / steps, 3) for e in top},
         "top_host_ms_per_step": {e.key[:90]: round(e.self_cpu_time_total / 1000 / steps, 3) for e in host},
@@ -288,6 +292,59 @@ def _profile_decode(llm, name: str, batch: int = 256, steps: int = 8) -> dict[st
     engine.abort_request([f"profile-{i}" for i in range(batch)])
     while engine.has_unfinished_requests():
         engine.step()
+    return result
+
+
+def _time_phases(engine: Any, steps: int) -> dict[str, float]:
+    """Host time per step of each phase (timers wrapped around the engine's parts), and the
+    device time of one decode-graph replay at the same batch (CUDA events, no host work)."""
+    import torch
+
+    totals: dict[str, float] = {}
+    runner = engine.core.executor.worker.model_runner
+    targets = [
+        (engine.core.scheduler, "schedule", "schedule"),
+        (engine.core.scheduler, "update_from_output", "scheduler update"),
+        (engine.core.executor, "execute_model", "execute_model (incl. waiting for the GPU)"),
+        (runner, "build_batch", "  build inputs"),
+        (runner, "sampler", "  sampling launch"),
+        (engine.output_processor, "process", "output processing"),
+    ]
+    originals = []
+    for obj, attr, label in targets:
+        original = getattr(obj, attr)
+        originals.append((obj, attr, original))
+
+        def timed(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - started
+
+        setattr(obj, attr, timed)
+    try:
+        _sync()
+        started = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        _sync()
+        totals["whole step"] = time.perf_counter() - started
+    finally:
+        for obj, attr, original in originals:
+            setattr(obj, attr, original)
+    result = {label: round(1000 * seconds / steps, 3) for label, seconds in totals.items()}
+    graphs = getattr(runner, "graphs", None)
+    if graphs is not None and graphs.graphs and torch.cuda.is_available():
+        size = graphs.max_size
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graphs.run(size)  # rewrites the last step's keys and values with the same values
+        start.record()
+        for _ in range(10):
+            graphs.run(size)
+        end.record()
+        torch.cuda.synchronize()
+        result[f"device: one decode-graph replay at batch {size}"] = round(start.elapsed_time(end) / 10, 3)
     return result
 
 
@@ -316,7 +373,7 @@ def run_suite(args: argparse.Namespace) -> int:
     wanted = {w.strip() for w in args.workloads.split(",") if w.strip()}
     specs = [s for s in SPECS if s.key in wanted]
     rows = {(s.key, s.model): Row(s.key, s.model, s.what, s.unit, s.target, s.floor) for s in specs}
-    profile_result = None
+    profile_result: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in MODELS:
             model_specs = [s for s in specs if s.model == name]
@@ -331,9 +388,9 @@ def run_suite(args: argparse.Namespace) -> int:
             llm = _engine(folder, name, args.gpu_memory_utilization)
             print(f"  engine ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
             _run_engine_rows(llm, name, model_specs, args.scale, rows)
-            if args.profile and name == "Qwen3-0.6B":
-                profile_result = _profile_decode(llm, name)
-                print(json.dumps(profile_result, indent=1), file=sys.stderr, flush=True)
+            if args.profile:
+                profile_result[name] = _profile_decode(llm, name)
+                print(json.dumps(profile_result[name], indent=1), file=sys.stderr, flush=True)
             del llm
             _release()
     ordered = list(rows.values())

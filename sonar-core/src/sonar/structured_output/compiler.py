@@ -87,12 +87,14 @@ class GrammarCompiler:
             return compiled
         with self._lock:
             future = self._in_flight.get(key)
-            if future is None:
+            started = future is None
+            if started:
                 if len(self._in_flight) >= self.max_in_flight:
                     raise ValueError(f"{len(self._in_flight)} grammars are already compiling; retry later")
                 future = self._pool.submit(self._compile, params)
                 self._in_flight[key] = future
-                future.add_done_callback(lambda done, key=key: self._finished(key, done))
+        if started:  # outside the lock: the callback runs at once if the compilation is done
+            future.add_done_callback(lambda done, key=key: self._finished(key, done))
         timeout = self.compile_timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout)
