@@ -87,14 +87,11 @@ class GrammarCompiler:
             return compiled
         with self._lock:
             future = self._in_flight.get(key)
-            started = future is None
-            if started:
+            if future is None:
                 if len(self._in_flight) >= self.max_in_flight:
                     raise ValueError(f"{len(self._in_flight)} grammars are already compiling; retry later")
-                future = self._pool.submit(self._compile, params)
+                future = self._pool.submit(self._compile_into_cache, key, params)
                 self._in_flight[key] = future
-        if started:  # outside the lock: the callback runs at once if the compilation is done
-            future.add_done_callback(lambda done, key=key: self._finished(key, done))
         timeout = self.compile_timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout)
@@ -105,12 +102,14 @@ class GrammarCompiler:
         except Exception as exc:  # xgrammar reports bad schemas, regexes and grammars as RuntimeError
             raise ValueError(f"invalid guided_{params.kind}: {_clean_error(exc)}") from None
 
-    def _finished(self, key: Hashable, future: concurrent.futures.Future[xgr.CompiledGrammar]) -> None:
-        with self._lock:
-            self._in_flight.pop(key, None)
-        if not future.cancelled() and future.exception() is None:
-            compiled = future.result()
+    def _compile_into_cache(self, key: Hashable, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
+        try:
+            compiled = self._compile(params)
             self.cache.put(key, compiled, compiled.memory_size_bytes)
+            return compiled
+        finally:
+            with self._lock:
+                self._in_flight.pop(key, None)
 
     def _compile(self, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
         kind = params.kind
