@@ -128,3 +128,18 @@ def test_streamed_text_never_shows_part_of_a_stop_string(llama_dir) -> None:
     final = texts[-1]
     assert final == full[: full.index(stop)]
     assert all(final.startswith(t) for t in texts)
+
+
+def test_bad_words_are_never_generated(llama_dir) -> None:
+    llm = LLM(str(llama_dir), dtype="float32", max_model_len=512, kv_cache_memory_bytes=16 << 20)
+    tokenizer = llm.get_tokenizer()
+    prompt = {"prompt_token_ids": random_prompts(1, seed=21)[0]}
+    plain = llm.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    banned_word = tokenizer.decode(plain[:1]).strip()
+    assert banned_word
+    banned = llm.generate(prompt, GREEDY.clone(bad_words=[banned_word]))[0].outputs[0].token_ids
+    for variant in (banned_word, " " + banned_word):
+        ids = tokenizer.encode(variant, add_special_tokens=False)
+        assert not any(banned[i : i + len(ids)] == ids for i in range(len(banned)))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate(prompt, GREEDY.clone(allowed_token_ids=[10**7]))

@@ -16,7 +16,6 @@ import statistics
 import time
 
 import torch
-
 from sonar.sampler import RequestSamplingState, Sampler, SamplingMetadata
 from sonar.sampling_params import SamplingParams
 

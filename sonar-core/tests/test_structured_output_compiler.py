@@ -7,7 +7,6 @@ import time
 from typing import Any
 
 import pytest
-
 from sonar.structured_output.cache import BoundedCache
 from sonar.structured_output.params import GuidedDecodingParams
 

@@ -53,6 +53,15 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to let running requests finish after SIGTERM before aborting them")
     group.add_argument("--retry-after", type=int, default=1, help="seconds clients are told to wait (Retry-After) when the server is full")
     group.add_argument("--kobold-max-length", type=int, default=100, help="KoboldAI max_length when a request leaves it out")
+    group.add_argument(
+        "--tool-call-parser", default=None, metavar="NAME",
+        help="how to find tool calls in the model's text for tool_choice 'auto': hermes (alias qwen), llama3_json, mistral, or a plugin's",
+    )
+    group.add_argument("--enable-auto-tool-choice", action="store_true", help="let the model decide when to call tools (tool_choice 'auto'); needs --tool-call-parser")
+    group.add_argument(
+        "--reasoning-parser", default=None, metavar="NAME",
+        help="separate the model's reasoning from its answer (reasoning_content, Anthropic thinking): qwen3, deepseek_r1, or a plugin's",
+    )
     group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
     group.add_argument("--access-log", action="store_true", help="also log uvicorn's line per HTTP request")
 
@@ -64,6 +73,7 @@ def settings_from(args: argparse.Namespace, default_model_name: str) -> ServerSe
     api_keys = list(args.api_key)
     if not api_keys and os.environ.get("SONAR_API_KEY"):
         api_keys = [os.environ["SONAR_API_KEY"]]
+    _check_parsers(args)
     return ServerSettings(
         served_model_names=list(args.served_model_name or [default_model_name]),
         api_keys=api_keys,
@@ -74,4 +84,20 @@ def settings_from(args: argparse.Namespace, default_model_name: str) -> ServerSe
         shutdown_timeout=args.shutdown_timeout,
         retry_after_s=args.retry_after,
         kobold_default_max_length=args.kobold_max_length,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        reasoning_parser=args.reasoning_parser,
     )
+
+
+def _check_parsers(args: argparse.Namespace) -> None:
+    from sonar_server.parsers import reasoning_parsers, tool_parsers
+
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral, ...)")
+    for flag, name, registered in (
+        ("--tool-call-parser", args.tool_call_parser, tool_parsers),
+        ("--reasoning-parser", args.reasoning_parser, reasoning_parsers),
+    ):
+        if name is not None and name not in registered():
+            raise ValueError(f"{flag} {name!r} is not registered; registered: {sorted(registered())}")

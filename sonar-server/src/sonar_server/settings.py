@@ -21,6 +21,9 @@ class ServerSettings:
     shutdown_timeout: float = 30.0
     retry_after_s: int = 1
     kobold_default_max_length: int = 100
+    tool_call_parser: str | None = None  # --tool-call-parser: a registered tool-call parser
+    enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
+    reasoning_parser: str | None = None  # --reasoning-parser: a registered reasoning parser
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

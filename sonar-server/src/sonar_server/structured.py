@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import BaseModel
-
 from sonar.structured_output import GuidedDecodingParams
+
 from sonar_server.errors import ApiError
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar", "guided_choice": "choice"}

@@ -14,6 +14,7 @@ from sonar.engine.request import Request
 from sonar.outputs import RequestOutput
 from sonar.platform import Platform, current_platform
 from sonar.registry import weight_formats
+from sonar.sampler.metadata import check_token_ids
 from sonar.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -136,16 +137,35 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > self.args.max_logprobs:
                 raise ValueError(f"{name}={value} exceeds max_logprobs={self.args.max_logprobs}")
-        for token_id in list(params.logit_bias or ()) + params.stop_token_ids:
-            if token_id >= vocab:
-                raise ValueError(f"token id {token_id} is outside the vocabulary of {vocab}")
+        check_token_ids(params, vocab)
         return max_tokens
+
+    def resolve_word_lists(self, params: SamplingParams) -> SamplingParams:
+        """Tokenize ``bad_words`` and DRY's ``dry_sequence_breakers`` into the id fields the
+        sampler reads (each bad word with and without a leading space)."""
+        tokenizer = self.tokenizer
+        changes: dict[str, Any] = {}
+        if params.bad_words and params.bad_words_token_ids is None:
+            if tokenizer is None:
+                raise ValueError("bad_words needs a tokenizer; send bad_words_token_ids instead")
+            sequences: list[list[int]] = []
+            for word in params.bad_words:
+                for variant in (word, " " + word.lstrip()):
+                    ids = tokenizer.encode(variant, add_special_tokens=False)
+                    if ids and ids not in sequences:
+                        sequences.append(ids)
+            changes["bad_words_token_ids"] = sequences
+        if params.dry_multiplier > 0 and params.dry_sequence_breaker_ids is None and tokenizer is not None:
+            breaker_ids = {t for text in params.dry_sequence_breakers for t in tokenizer.encode(text, add_special_tokens=False)}
+            changes["dry_sequence_breaker_ids"] = sorted(breaker_ids)
+        return params.clone(**changes) if changes else params
 
     def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, prompt_token_ids = self.tokenize_prompt(prompt)
+        params = self.resolve_word_lists(params)
         max_tokens = self.validate(prompt_token_ids, params)
         self.compile_grammar(params)  # a cache hit when the async client compiled it already
         if params.n == 1:

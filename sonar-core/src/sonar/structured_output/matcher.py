@@ -19,7 +19,7 @@ class RequestGrammar:
     :param output_token_ids: tokens already produced (a resumed request's), accepted at once.
     """
 
-    __slots__ = ("matcher", "num_accepted", "failed")
+    __slots__ = ("failed", "matcher", "num_accepted")
 
     def __init__(self, compiled: xgr.CompiledGrammar, output_token_ids: list[int] | None = None) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)

@@ -66,7 +66,7 @@ class GuidedDecodingParams:
         self.validate()
 
     @classmethod
-    def from_value(cls, value: "GuidedDecodingParams | dict[str, Any]") -> "GuidedDecodingParams":
+    def from_value(cls, value: GuidedDecodingParams | dict[str, Any]) -> GuidedDecodingParams:
         """Accept the dataclass or its dict form (as sent in an HTTP body)."""
         if isinstance(value, GuidedDecodingParams):
             return value

@@ -39,7 +39,7 @@ class ModelRunner:
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
-        self.preempted_generators: dict[str, torch.Generator | None] = {}
+        self.preempted_samplings: dict[str, RequestSamplingState] = {}
         self.sampler = Sampler()
         self.structured_output = StructuredOutputRunner(model_config)
 
@@ -86,35 +86,38 @@ class ModelRunner:
         self.structured_output.update(so)  # grammar matchers: dropped, made, or rebuilt after preemption
         for req_id in so.finished_req_ids:
             state = self.requests.pop(req_id, None)
-            if req_id in so.preempted_req_ids and state is not None:
-                self.preempted_generators[req_id] = state.sampling.generator
+            if req_id in so.preempted_req_ids:
+                if state is not None:  # it comes back: keep its generator and sampler state
+                    self.preempted_samplings[req_id] = state.sampling
+            else:
+                self.preempted_samplings.pop(req_id, None)
         for new in so.new_reqs:
-            generator = self.preempted_generators.pop(new.req_id, None)
+            previous = self.preempted_samplings.pop(new.req_id, None)
             params = new.sampling_params
-            if generator is None and params.seed is not None:
+            generator = None
+            if previous is None and params.seed is not None:
                 generator = torch.Generator(device=self.device)
                 generator.manual_seed(params.seed)
+            sampling = RequestSamplingState(
+                params=params,
+                prompt_token_ids=new.prompt_token_ids,
+                output_token_ids=list(new.output_token_ids),
+                generator=generator,
+                eos_token_ids=new.eos_token_ids,
+            )
+            if previous is not None:
+                sampling.carry_over(previous)
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
                 block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
-                sampling=RequestSamplingState(
-                    params=params,
-                    prompt_token_ids=new.prompt_token_ids,
-                    output_token_ids=list(new.output_token_ids),
-                    generator=generator,
-                    eos_token_ids=new.eos_token_ids,
-                ),
+                sampling=sampling,
             )
         for cached in so.cached_reqs:
             state = self.requests[cached.req_id]
             state.block_ids.extend(cached.new_block_ids)
             state.num_computed_tokens = cached.num_computed_tokens
-
-    def drop_preempted(self, req_ids: set[str]) -> None:
-        for req_id in req_ids:
-            self.preempted_generators.pop(req_id, None)
 
     # -- one step ------------------------------------------------------------------------
 

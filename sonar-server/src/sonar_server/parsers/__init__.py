@@ -11,7 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sonar_server.parsers.base import ReasoningParser, ToolCall, ToolCallResult, ToolParser
+from sonar_server.parsers.base import (
+    ReasoningParser,
+    ToolCall,
+    ToolCallResult,
+    ToolParser,
+)
 from sonar_server.parsers.streaming import ReasoningStream, StreamEvent, ToolCallStream
 
 __all__ = [
@@ -22,10 +27,10 @@ __all__ = [
     "ToolCallResult",
     "ToolCallStream",
     "ToolParser",
-    "reasoning_parsers",
-    "tool_parsers",
     "make_reasoning_parser",
     "make_tool_parser",
+    "reasoning_parsers",
+    "tool_parsers",
 ]
 
 

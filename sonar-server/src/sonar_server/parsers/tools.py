@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
-
-from sonar_server.parsers.base import ToolCall, ToolCallResult, ToolParser, call_from_object, decode_json_prefix, held_prefix
+from sonar_server.parsers.base import (
+    ToolCall,
+    ToolCallResult,
+    ToolParser,
+    call_from_object,
+    decode_json_prefix,
+    held_prefix,
+)
 
 
 class HermesToolParser(ToolParser):
@@ -74,16 +80,19 @@ class Llama3JsonToolParser(ToolParser):
                 return ToolCallResult(text)
             calls.append(call)
             position = decoded[1]
-            rest = text[position:].lstrip()
-            if not rest:
+            while position < len(text) and text[position].isspace():
+                position += 1
+            if position == len(text):
                 return ToolCallResult(text[:start], calls)
-            if not rest.startswith(";"):
+            if text[position] != ";":
                 return ToolCallResult(text)
-            position = len(text) - len(rest) + 1
+            position += 1
 
     def find_start(self, text: str, start: int) -> int:
+        if start > 0:
+            return -1  # text was already streamed as content: the output is not a call
         stripped = text.lstrip()
-        if stripped.startswith(self.python_tag) or stripped.startswith("{"):
+        if stripped.startswith((self.python_tag, "{")):
             return len(text) - len(stripped)
         return -1
 

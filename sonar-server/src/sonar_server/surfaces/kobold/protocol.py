@@ -28,6 +28,7 @@ class GenerateRequest(BaseModel):
     bypass_eos: bool = False
     trim_stop: bool = True
     genkey: str | None = None
+    grammar: str | None = None  # a GBNF grammar the output must follow
 
 
 class GenkeyRequest(BaseModel):

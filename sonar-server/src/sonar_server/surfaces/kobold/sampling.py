@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from sonar.sampling_params import SamplingParams
+from sonar.structured_output import GuidedDecodingParams
+
 from sonar_server.errors import ApiError
 from sonar_server.sampling import build_sampling_params, engine_sampling_fields
 from sonar_server.surfaces.kobold.protocol import GenerateRequest
@@ -35,6 +37,15 @@ KOBOLD_TO_ENGINE = {
 }
 
 
+def _grammar(grammar: str | None) -> GuidedDecodingParams | None:
+    if not grammar or not grammar.strip():
+        return None
+    try:
+        return GuidedDecodingParams(grammar=grammar)
+    except ValueError as exc:
+        raise ApiError(400, f"grammar: {exc}") from exc
+
+
 def kobold_sampling_params(body: GenerateRequest, max_tokens: int) -> SamplingParams:
     fields = engine_sampling_fields()
     extra = body.model_extra or {}
@@ -52,6 +63,7 @@ def kobold_sampling_params(body: GenerateRequest, max_tokens: int) -> SamplingPa
         "stop": [s for s in body.stop_sequence or [] if s] or None,
         "ignore_eos": body.ban_eos_token or body.bypass_eos or None,
         "include_stop_str_in_output": (not body.trim_stop) or None,
+        "guided_decoding": _grammar(body.grammar),
     }
     for kobold_name, engine_name in KOBOLD_TO_ENGINE.items():
         if kobold_name in extra and engine_name in fields:

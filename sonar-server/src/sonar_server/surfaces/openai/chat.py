@@ -11,13 +11,16 @@ from starlette.responses import JSONResponse, Response
 
 from sonar_server.errors import ApiError, to_api_error
 from sonar_server.generation import Generation, closer, start_generation
+from sonar_server.parsers import StreamEvent
 from sonar_server.prompts import render_chat
 from sonar_server.sampling import build_sampling_params
 from sonar_server.state import ServerState
 from sonar_server.streaming import EventStreamResponse, sse_data, unless_disconnected
+from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
 from sonar_server.surfaces.openai.logprobs import chat_logprobs
 from sonar_server.surfaces.openai.protocol import ChatCompletionRequest, ChatMessage
+from sonar_server.tool_calling import OutputParser, ToolPlan, json_constrained, openai_tool_plan, reasoning_parser, template_message_tool_calls
 
 API = "openai.chat"
 
@@ -37,6 +40,8 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry = message.model_dump(exclude_none=True)
         entry["role"] = "system" if message.role == "developer" else message.role
         entry["content"] = content or ""
+        if isinstance(entry.get("tool_calls"), list):
+            entry["tool_calls"] = template_message_tool_calls(entry["tool_calls"])
         result.append(entry)
     return result
 
@@ -45,14 +50,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     arrival = time.monotonic()
     state: ServerState = request.app.state.sonar
     state.check_model(body.model)
-    if body.tools and body.tool_choice != "none":
-        raise ApiError(400, "tool calling is not supported yet; leave out tools or set tool_choice to 'none'", param="tools")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise ApiError(400, "structured output (response_format) is not supported yet", param="response_format")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    plan = openai_tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings)
+    guide = body_guide(body, body.response_format)
+    if plan.guide is not None:
+        if guide is not None:
+            raise ApiError(400, f"tool_choice {plan.mode!r} already constrains the output; leave out response_format and guided_*", param="tool_choice")
+        guide = plan.guide
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if plan.template_tools:
+        template_kwargs.setdefault("tools", plan.template_tools)
     prompt_text, prompt_ids = await render_chat(
-        state, message_dicts(body.messages), body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs
+        state, message_dicts(body.messages), body.add_generation_prompt, body.continue_final_message, template_kwargs
     )
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
@@ -70,15 +80,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             "seed": body.seed,
             "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
             "logit_bias": body.logit_bias,
+            "guided_decoding": guide,
+            "skip_special_tokens": False if plan.needs_special_tokens else None,
         },
     )
     request_id = state.new_request_id("chatcmpl")
     generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_stream(state, body, generation, include_usage), closer([generation]))
+        return EventStreamResponse(_stream(state, body, generation, include_usage, plan, json_constrained(guide)), closer([generation]))
     await unless_disconnected(request, generation.collect())
-    return JSONResponse(_response(state, body, generation))
+    return JSONResponse(_response(state, body, generation, plan, json_constrained(guide)))
 
 
 def _usage(generation: Generation) -> dict[str, int]:
@@ -87,18 +99,36 @@ def _usage(generation: Generation) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _response(state: ServerState, body: ChatCompletionRequest, generation: Generation) -> dict[str, Any]:
+def _message(state: ServerState, text: str, plan: ToolPlan, constrained: bool) -> dict[str, Any]:
+    parsed = OutputParser(plan, reasoning_parser(state.settings), constrained).parse(text)
+    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    if parsed.reasoning is not None:
+        message["reasoning_content"] = parsed.reasoning
+    if parsed.tool_calls:
+        message["content"] = parsed.content if parsed.content.strip() else None
+        message["tool_calls"] = [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}} for call in parsed.tool_calls
+        ]
+    return message
+
+
+def _finish_reason(finish_reason: str | None, message: dict[str, Any]) -> str | None:
+    return "tool_calls" if message.get("tool_calls") and finish_reason == "stop" else finish_reason
+
+
+def _response(state: ServerState, body: ChatCompletionRequest, generation: Generation, plan: ToolPlan, constrained: bool) -> dict[str, Any]:
     choices = []
     for choice in generation.choices:
         logprobs = None
         if body.logprobs:
             logprobs = chat_logprobs(state, choice.token_ids, list(choice.logprobs or []), body.top_logprobs or 0)
+        message = _message(state, choice.text, plan, constrained)
         choices.append(
             {
                 "index": choice.index,
-                "message": {"role": "assistant", "content": choice.text},
+                "message": message,
                 "logprobs": logprobs,
-                "finish_reason": choice.finish_reason,
+                "finish_reason": _finish_reason(choice.finish_reason, message),
                 "stop_reason": choice.stop_reason,
             }
         )
@@ -112,7 +142,9 @@ def _response(state: ServerState, body: ChatCompletionRequest, generation: Gener
     }
 
 
-async def _stream(state: ServerState, body: ChatCompletionRequest, generation: Generation, include_usage: bool) -> AsyncIterator[str]:
+async def _stream(
+    state: ServerState, body: ChatCompletionRequest, generation: Generation, include_usage: bool, plan: ToolPlan, constrained: bool
+) -> AsyncIterator[str]:
     created = int(time.time())
     model = body.model or state.model_name
 
@@ -123,6 +155,9 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, generation: G
         return sse_data(payload)
 
     deltas = generation.deltas()
+    reasoning = reasoning_parser(state.settings)
+    parsers = [OutputParser(plan, reasoning, constrained) for _ in range(body.n)]
+    num_calls = [0] * body.n
     try:
         for index in range(body.n):
             yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
@@ -131,10 +166,17 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, generation: G
                 logprobs = None
                 if body.logprobs and delta.logprobs is not None:
                     logprobs = chat_logprobs(state, delta.token_ids, list(delta.logprobs), body.top_logprobs or 0)
-                if delta.text or logprobs:
-                    yield chunk([{"index": delta.index, "delta": {"content": delta.text}, "logprobs": logprobs, "finish_reason": None}])
+                events = parsers[delta.index].feed(delta.text)
                 if delta.finish_reason is not None:
-                    yield chunk([{"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}])
+                    events += parsers[delta.index].finish()
+                for number, event in enumerate(events):
+                    yield chunk([{"index": delta.index, "delta": _event_delta(event), "logprobs": logprobs if number == 0 else None, "finish_reason": None}])
+                    num_calls[delta.index] += event.kind == "tool_call"
+                if not events and logprobs:
+                    yield chunk([{"index": delta.index, "delta": {"content": ""}, "logprobs": logprobs, "finish_reason": None}])
+                if delta.finish_reason is not None:
+                    reason = "tool_calls" if num_calls[delta.index] and delta.finish_reason == "stop" else delta.finish_reason
+                    yield chunk([{"index": delta.index, "delta": {}, "logprobs": None, "finish_reason": reason, "stop_reason": delta.stop_reason}])
         if include_usage:
             yield chunk([], _usage(generation))
     except Exception as exc:
@@ -143,3 +185,15 @@ async def _stream(state: ServerState, body: ChatCompletionRequest, generation: G
         await deltas.aclose()
         await generation.close()
     yield "data: [DONE]\n\n"
+
+
+def _event_delta(event: StreamEvent) -> dict[str, Any]:
+    """One parsed stream event as an OpenAI chat ``delta``."""
+    if event.kind == "reasoning":
+        return {"reasoning_content": event.text}
+    if event.kind == "tool_call" and event.call is not None:
+        function = {"name": event.call.name, "arguments": event.text}
+        return {"tool_calls": [{"index": event.index, "id": event.call.id, "type": "function", "function": function}]}
+    if event.kind == "arguments":
+        return {"tool_calls": [{"index": event.index, "function": {"arguments": event.text}}]}
+    return {"content": event.text}

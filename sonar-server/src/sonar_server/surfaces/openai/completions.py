@@ -16,6 +16,7 @@ from sonar_server.prompts import decode_tokens, encode_prompt
 from sonar_server.sampling import build_sampling_params
 from sonar_server.state import ServerState
 from sonar_server.streaming import EventStreamResponse, merge, sse_data, unless_disconnected
+from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
 from sonar_server.surfaces.openai.logprobs import completion_logprobs
 from sonar_server.surfaces.openai.protocol import CompletionRequest
@@ -62,6 +63,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             "logprobs": body.logprobs,
             "prompt_logprobs": body.logprobs if echo_logprobs else None,
             "logit_bias": body.logit_bias,
+            "guided_decoding": body_guide(body, body.response_format),
         },
     )
     state.check_n(params.n * len(prompts))

@@ -37,6 +37,7 @@ class CompletionRequest(_Body):
     seed: int | None = None
     user: str | None = None
     suffix: str | None = None
+    response_format: dict[str, Any] | None = None
 
 
 class ContentPart(_Body):
@@ -72,6 +73,7 @@ class ChatCompletionRequest(_Body):
     user: str | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -1,0 +1,278 @@
+"""Tools and reasoning for chat surfaces: how a request's ``tools`` / ``tool_choice`` become a
+grammar or a parser, and how a choice's text becomes reasoning, content and tool calls (whole
+or streamed). Parsing never fails a request: what does not parse is returned as content."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from sonar.structured_output import GuidedDecodingParams
+
+from sonar_server.errors import ApiError
+from sonar_server.parsers import (
+    ReasoningParser,
+    ReasoningStream,
+    StreamEvent,
+    ToolCall,
+    ToolCallResult,
+    ToolCallStream,
+    ToolParser,
+    make_reasoning_parser,
+    make_tool_parser,
+)
+from sonar_server.parsers.base import call_from_object, decode_json_prefix
+from sonar_server.settings import ServerSettings
+
+AUTO_NEEDS_FLAGS = '"auto" tool choice needs the server started with --enable-auto-tool-choice and --tool-call-parser'
+
+
+@dataclass(slots=True)
+class ToolSpec:
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def openai(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            function["description"] = self.description
+        return {"type": "function", "function": function}
+
+
+@dataclass(slots=True)
+class ToolPlan:
+    """How one request uses its tools.
+
+    ``mode``: ``none`` (tools shown to the template, output is text), ``auto`` (the configured
+    parser finds calls in the text), ``required`` (a grammar forces a JSON list of calls) or
+    ``named`` (a grammar forces the arguments of ``named``).
+    """
+
+    mode: str = "none"
+    tools: list[ToolSpec] = field(default_factory=list)
+    named: str | None = None
+    parser: ToolParser | None = None
+    parallel: bool = True
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools in OpenAI's format, for the chat template."""
+        return [tool.openai() for tool in self.tools] or None
+
+    @property
+    def guide(self) -> GuidedDecodingParams | None:
+        """The grammar that enforces ``required`` and ``named``."""
+        if self.mode == "named":
+            return GuidedDecodingParams(json=self._tool(self.named).parameters)
+        if self.mode == "required":
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"enum": [tool.name]}, "parameters": tool.parameters},
+                    "required": ["name", "parameters"],
+                }
+                for tool in self.tools
+            ]
+            schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+            if not self.parallel:
+                schema["maxItems"] = 1
+            return GuidedDecodingParams(json=schema)
+        return None
+
+    @property
+    def needs_special_tokens(self) -> bool:
+        return self.mode == "auto" and self.parser is not None and self.parser.needs_special_tokens
+
+    def _tool(self, name: str | None) -> ToolSpec:
+        return next(tool for tool in self.tools if tool.name == name)
+
+    def parse(self, text: str) -> ToolCallResult:
+        """Split a whole output into content and calls."""
+        if self.mode == "named":
+            decoded = decode_json_prefix(text)
+            if decoded is None or text[decoded[1]:].strip():
+                return ToolCallResult(text)
+            return ToolCallResult("", [ToolCall(self.named or "", text.strip())])
+        if self.mode == "required":
+            return _parse_required(text)
+        if self.mode == "auto" and self.parser is not None:
+            return self.parser.extract(text)
+        return ToolCallResult(text)
+
+
+def _parse_required(text: str) -> ToolCallResult:
+    decoded = decode_json_prefix(text)
+    if decoded is None or not isinstance(decoded[0], list) or text[decoded[1]:].strip():
+        return ToolCallResult(text)
+    calls = [call_from_object(item, ("parameters", "arguments")) for item in decoded[0]]
+    if not calls or any(call is None for call in calls):
+        return ToolCallResult(text)
+    return ToolCallResult("", calls)  # type: ignore[arg-type]
+
+
+def _tool_specs(tools: list[dict[str, Any]], anthropic: bool) -> list[ToolSpec]:
+    specs: list[ToolSpec] = []
+    for number, tool in enumerate(tools):
+        where = f"tools[{number}]"
+        if anthropic:
+            name, description, parameters = tool.get("name"), tool.get("description"), tool.get("input_schema")
+        else:
+            if tool.get("type", "function") != "function" or not isinstance(tool.get("function"), dict):
+                raise ApiError(400, f"{where}: only tools of type 'function' with a 'function' object are supported", param="tools")
+            function = tool["function"]
+            name, description, parameters = function.get("name"), function.get("description"), function.get("parameters")
+        if not isinstance(name, str) or not name:
+            raise ApiError(400, f"{where}: a tool needs a name", param="tools")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise ApiError(400, f"{where}: parameters must be a JSON schema object", param="tools")
+        specs.append(ToolSpec(name, description, parameters))
+    return specs
+
+
+def _auto_parser(settings: ServerSettings) -> ToolParser:
+    if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
+        raise ApiError(400, AUTO_NEEDS_FLAGS, param="tool_choice")
+    return make_tool_parser(settings.tool_call_parser)
+
+
+def openai_tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool | None, settings: ServerSettings) -> ToolPlan:
+    """The plan for OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls``."""
+    if not tools:
+        if tool_choice not in (None, "none", "auto"):
+            raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+        return ToolPlan()
+    specs = _tool_specs(tools, anthropic=False)
+    parallel = parallel_tool_calls is not False
+    if tool_choice == "none":
+        return ToolPlan("none", specs)
+    if tool_choice in (None, "auto"):
+        return ToolPlan("auto", specs, parser=_auto_parser(settings), parallel=parallel)
+    if tool_choice == "required":
+        return ToolPlan("required", specs, parallel=parallel)
+    if isinstance(tool_choice, dict) and isinstance(tool_choice.get("function"), dict):
+        return _named(specs, tool_choice["function"].get("name"))
+    raise ApiError(400, "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+
+
+def anthropic_tool_plan(tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None, settings: ServerSettings) -> ToolPlan:
+    """The plan for Anthropic's ``tools`` and ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``)."""
+    if not tools:
+        return ToolPlan()
+    specs = _tool_specs(tools, anthropic=True)
+    choice = tool_choice or {"type": "auto"}
+    kind = choice.get("type")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    if kind == "none":
+        return ToolPlan("none", specs)
+    if kind == "auto":
+        return ToolPlan("auto", specs, parser=_auto_parser(settings), parallel=parallel)
+    if kind == "any":
+        return ToolPlan("required", specs, parallel=parallel)
+    if kind == "tool":
+        return _named(specs, choice.get("name"))
+    raise ApiError(400, "tool_choice.type must be auto, any, tool or none")
+
+
+def _named(specs: list[ToolSpec], name: Any) -> ToolPlan:
+    if not any(tool.name == name for tool in specs):
+        raise ApiError(400, f"tool_choice names {name!r}, which is not among the tools ({', '.join(t.name for t in specs)})", param="tool_choice")
+    return ToolPlan("named", specs, named=name)
+
+
+def json_constrained(guide: GuidedDecodingParams | None) -> bool:
+    """Whether a constraint makes the output pure JSON (so it holds no reasoning block)."""
+    return guide is not None and guide.kind in ("json", "json_object")
+
+
+def reasoning_parser(settings: ServerSettings) -> ReasoningParser | None:
+    return make_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
+
+
+@dataclass(slots=True)
+class ParsedOutput:
+    reasoning: str | None
+    content: str
+    tool_calls: list[ToolCall]
+
+
+class OutputParser:
+    """Reasoning, then tool calls, for one choice's text (whole or streamed).
+
+    :param plan: the request's tool plan.
+    :param reasoning: the server's reasoning parser (None: no reasoning separation).
+    :param constrained: the output is JSON by grammar, so it holds no reasoning block.
+    """
+
+    def __init__(self, plan: ToolPlan, reasoning: ReasoningParser | None, constrained: bool) -> None:
+        self.plan = plan
+        self.reasoning = None if constrained else reasoning
+        self._reasoning_stream = ReasoningStream(self.reasoning) if self.reasoning is not None else None
+        self._tool_stream = ToolCallStream(plan.parser) if plan.mode == "auto" and plan.parser is not None else None
+        self._text = ""
+        self._named_started = False
+
+    def parse(self, text: str) -> ParsedOutput:
+        """A whole output."""
+        reasoning, content = (None, text) if self.reasoning is None else self.reasoning.extract(text)
+        result = self.plan.parse(content)
+        return ParsedOutput(reasoning, result.content, result.tool_calls)
+
+    def feed(self, delta: str) -> list[StreamEvent]:
+        """Events a streamed text delta completes."""
+        if not delta:
+            return []
+        pieces = self._reasoning_stream.feed(delta) if self._reasoning_stream is not None else [("content", delta)]
+        return self._content_events(pieces)
+
+    def finish(self) -> list[StreamEvent]:
+        """Events held back until the output is complete."""
+        events = self._content_events(self._reasoning_stream.finish()) if self._reasoning_stream is not None else []
+        if self._tool_stream is not None:
+            events += self._tool_stream.finish()
+        elif self.plan.mode == "required":
+            result = _parse_required(self._text)
+            if result.tool_calls:
+                events += [StreamEvent("tool_call", call.arguments, i, call) for i, call in enumerate(result.tool_calls)]
+            elif self._text:
+                events.append(StreamEvent("content", self._text))
+        return events
+
+    def _content_events(self, pieces: list[tuple[str, str]]) -> list[StreamEvent]:
+        events: list[StreamEvent] = []
+        for kind, text in pieces:
+            if kind == "reasoning":
+                events.append(StreamEvent("reasoning", text))
+            elif self._tool_stream is not None:
+                events += self._tool_stream.feed(text)
+            elif self.plan.mode == "named":
+                if not self._named_started:
+                    self._named_started = True
+                    events.append(StreamEvent("tool_call", text, 0, ToolCall(self.plan.named or "", "")))
+                else:
+                    events.append(StreamEvent("arguments", text, 0))
+            elif self.plan.mode == "required":
+                self._text += text
+            else:
+                events.append(StreamEvent("content", text))
+        return events
+
+
+def template_message_tool_calls(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Assistant tool calls as chat templates expect them: arguments as a dict when they are JSON."""
+    result = []
+    for call in tool_calls:
+        call = dict(call)
+        function = dict(call.get("function") or {})
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                function["arguments"] = json.loads(arguments)
+            except (ValueError, RecursionError):
+                pass
+        call["function"] = function
+        result.append(call)
+    return result
