@@ -43,6 +43,23 @@ def test_kobold_names_map_onto_the_engine(server, oracle):
     assert text == greedy(oracle, 8, repetition_penalty=1.3)
 
 
+def test_kobold_sampler_names_reach_the_engine(server, oracle):
+    body = {"prompt": PROMPT, "max_length": 10, "temperature": 0, "rep_pen": 1.2, "rep_pen_range": 16,
+            "dry_multiplier": 0.8, "dry_base": 1.75, "dry_allowed_length": 2, "nsigma": 1.5,
+            "sampler_order": [6, 0, 1, 3, 4, 2, 5]}
+    text = httpx.post(f"{server.url}/api/v1/generate", json=body).json()["results"][0]["text"]
+    expected = greedy(oracle, 10, repetition_penalty=1.2, repetition_penalty_range=16, dry_multiplier=0.8,
+                      dry_base=1.75, dry_allowed_length=2, nsigma=1.5)
+    assert text == expected
+
+
+def test_invalid_kobold_sampler_values_name_the_field(server):
+    for field, value in [("typical", -0.5), ("rep_pen", 0), ("sampler_order", [9]), ("xtc_probability", 2.0)]:
+        response = httpx.post(f"{server.url}/api/v1/generate", json={"prompt": PROMPT, "max_length": 4, field: value})
+        assert response.status_code == 400, (field, response.text)
+        assert field in response.text
+
+
 def test_stream_sends_message_events(server, oracle):
     with httpx.stream("POST", f"{server.url}/api/extra/generate/stream", json={"prompt": PROMPT, "max_length": 12, "temperature": 0}) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
