@@ -55,3 +55,15 @@ def test_prompt_logprobs_match_transformers(tiny_model_dir) -> None:
         target = prompt[position]
         assert abs(entry[target].logprob - float(expected[position - 1, target])) < 1e-3
         assert len(entry) >= 3
+
+
+def test_mistral_sliding_window_matches_transformers(tmp_path) -> None:
+    from sonar_models.testing import build_tiny_model
+
+    path = build_tiny_model("mistral", tmp_path / "mistral-window", sliding_window=12)
+    prompts = random_prompts(4, seed=31, min_len=20, max_len=60)
+    llm = LLM(str(path), dtype="float32", max_num_batched_tokens=24, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    oracle = HFOracle(path)
+    for prompt, output in zip(prompts, outputs):
+        assert output.outputs[0].token_ids == oracle.greedy(prompt, 16)[0]

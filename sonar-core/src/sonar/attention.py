@@ -84,7 +84,13 @@ class AttentionBackend:
 
 
 def reference_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
 ) -> torch.Tensor:
     """A slow, obviously-correct paged attention in float32, for tests."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
@@ -108,7 +114,10 @@ def reference_attention(
         q = query[start:end].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        mask = torch.arange(seq_len, device=q.device)[None, :] > q_pos[:, None]
+        key_pos = torch.arange(seq_len, device=q.device)[None, :]
+        mask = key_pos > q_pos[:, None]
+        if sliding_window is not None:
+            mask |= key_pos <= q_pos[:, None] - sliding_window
         scores.masked_fill_(mask[None], float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).to(out.dtype)
     return out

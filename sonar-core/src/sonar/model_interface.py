@@ -8,8 +8,9 @@ A model class (registered with ``sonar_register_models``) is a ``torch.nn.Module
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None  # Hugging Face names
     num_layers: int; num_kv_heads: int; head_dim: int  # for sizing the KV cache
 
-Each attention layer holds ``attention(num_heads, num_kv_heads, head_dim, scale, layer_idx)``
-and calls it as ``attn(q, k, v, ctx)``.
+Each attention layer holds ``attention(num_heads, num_kv_heads, head_dim, scale, layer_idx,
+sliding_window=None)`` and calls it as ``attn(q, k, v, ctx)``; ``sliding_window=W`` lets a
+token attend only to the last ``W`` positions (itself included).
 """
 
 from __future__ import annotations
@@ -25,33 +26,36 @@ from sonar.attention import AttentionBackend, ForwardContext, reference_attentio
 class PagedAttention(torch.nn.Module):
     """One layer's attention over its slice of the paged KV cache."""
 
-    def __init__(self, backend: AttentionBackend | None, layer_idx: int, scale: float) -> None:
+    def __init__(self, backend: AttentionBackend | None, layer_idx: int, scale: float, sliding_window: int | None = None) -> None:
         super().__init__()
         self.backend = backend
         self.layer_idx = layer_idx
         self.scale = scale
+        self.sliding_window = sliding_window
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         kv_cache = ctx.kv_caches[self.layer_idx]
         if self.backend is None:
-            return reference_attention(q, k, v, kv_cache, ctx.attn_metadata, self.scale)
+            return reference_attention(q, k, v, kv_cache, ctx.attn_metadata, self.scale, self.sliding_window)
         return self.backend.forward(q, k, v, kv_cache, ctx.attn_metadata)
 
 
-AttentionFactory = Callable[[int, int, int, float, int], PagedAttention]
+AttentionFactory = Callable[..., PagedAttention]
 
 
 def make_attention_factory(backend_cls: type[AttentionBackend] | None) -> AttentionFactory:
     """A factory that shares one backend instance per distinct layer shape."""
     backends: dict[tuple, AttentionBackend] = {}
 
-    def factory(num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int) -> PagedAttention:
+    def factory(
+        num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int, sliding_window: int | None = None
+    ) -> PagedAttention:
         if backend_cls is None:
-            return PagedAttention(None, layer_idx, scale)
-        shape = (num_heads, num_kv_heads, head_dim, scale)
+            return PagedAttention(None, layer_idx, scale, sliding_window)
+        shape = (num_heads, num_kv_heads, head_dim, scale, sliding_window)
         if shape not in backends:
-            backends[shape] = backend_cls(num_heads, num_kv_heads, head_dim, scale)
-        return PagedAttention(backends[shape], layer_idx, scale)
+            backends[shape] = backend_cls(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        return PagedAttention(backends[shape], layer_idx, scale, sliding_window)
 
     return factory
 

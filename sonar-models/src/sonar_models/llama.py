@@ -36,6 +36,17 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def sliding_window_of(config: Any) -> int | None:
+    """The attention window where the config turns one on (Mistral's ``sliding_window``; Qwen2's
+    only with ``use_sliding_window``), else None."""
+    window = getattr(config, "sliding_window", None)
+    if not window or getattr(config, "use_sliding_window", True) is False:
+        return None
+    if getattr(config, "max_window_layers", None) is not None and getattr(config, "model_type", "") != "mistral":
+        raise ValueError("per-layer sliding windows (max_window_layers) are not supported yet")
+    return int(window)
+
+
 class DecoderAttention(nn.Module):
     def __init__(
         self, config: Any, attention: AttentionFactory, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool
@@ -51,7 +62,8 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
-        self.attn = attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx)
+        window = sliding_window_of(config)
+        self.attn = attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx, sliding_window=window)
 
     def forward(self, x: torch.Tensor, rope: Any, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -185,8 +197,8 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama's layout without biases. Sliding-window attention is not applied (the
-    attention factory has no window yet); sequences within the window are exact."""
+    """Mistral: Llama's layout without biases, with sliding-window attention where the config
+    sets ``sliding_window``."""
 
     qkv_bias = False
     o_bias = False
