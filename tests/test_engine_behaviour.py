@@ -143,3 +143,11 @@ def test_bad_words_are_never_generated(llama_dir) -> None:
         assert not any(banned[i : i + len(ids)] == ids for i in range(len(banned)))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         llm.generate(prompt, GREEDY.clone(allowed_token_ids=[10**7]))
+
+
+def test_a_row_with_every_token_removed_still_obeys_its_hard_constraints(llama_dir) -> None:
+    llm = LLM(str(llama_dir), dtype="float32", max_model_len=512, kv_cache_memory_bytes=16 << 20)
+    prompt = {"prompt_token_ids": random_prompts(1, seed=22)[0]}
+    for temperature in (0.0, 1.0):
+        params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True, allowed_token_ids=[5], no_repeat_ngram_size=1)
+        assert llm.generate(prompt, params)[0].outputs[0].token_ids == [5] * 6

@@ -113,12 +113,32 @@ class Sampler:
         # the ordered stages, per group of rows sharing one order
         if len(meta.order_groups) == 1:
             order, _ = meta.order_groups[0]
-            return self._run_ordered(processed, meta, order, list(range(meta.num_rows)))
-        for order, rows in meta.order_groups:
-            sub_meta = SamplingMetadata.build([meta.states[r] for r in rows], processed.shape[1], processed.device)
-            index = torch.tensor(rows, dtype=torch.int64, device=processed.device)
-            processed[index] = self._run_ordered(processed[index], sub_meta, order, rows)
-        return processed
+            processed = self._run_ordered(processed, meta, order, list(range(meta.num_rows)))
+        else:
+            for order, rows in meta.order_groups:
+                sub_meta = SamplingMetadata.build([meta.states[r] for r in rows], processed.shape[1], processed.device)
+                index = torch.tensor(rows, dtype=torch.int64, device=processed.device)
+                processed[index] = self._run_ordered(processed[index], sub_meta, order, rows)
+        return self._revive_dead_rows(processed, logits, meta)
+
+    @staticmethod
+    def _revive_dead_rows(processed: torch.Tensor, raw: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """A row whose every token was removed (say allowed_token_ids=[5] with a ban on 5)
+        falls back to its hard constraints alone, and failing that to the raw logits: it
+        never samples from an empty distribution."""
+        dead = processed.amax(dim=-1) == float("-inf")
+        if not bool(dead.any()):
+            return processed
+        fallback = raw.float().clone()
+        if meta.banned is not None:
+            apply_banned(fallback, meta.banned)
+        if meta.logit_bias is not None:
+            apply_logit_bias(fallback, meta.logit_bias)
+        if meta.allowed is not None:
+            apply_allowed(fallback, meta.allowed)
+        still_dead = fallback.amax(dim=-1) == float("-inf")
+        fallback = torch.where(still_dead[:, None], raw.float(), fallback)
+        return torch.where(dead[:, None], fallback, processed)
 
     def final_probabilities(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """Mirostat truncation, softmax and skew on processed logits (modified in place)."""
