@@ -151,3 +151,30 @@ def test_a_row_with_every_token_removed_still_obeys_its_hard_constraints(llama_d
     for temperature in (0.0, 1.0):
         params = SamplingParams(temperature=temperature, max_tokens=6, ignore_eos=True, allowed_token_ids=[5], no_repeat_ngram_size=1)
         assert llm.generate(prompt, params)[0].outputs[0].token_ids == [5] * 6
+
+
+def test_a_failing_step_aborts_its_requests_and_the_engine_goes_on(llama_dir) -> None:
+    llm = LLM(str(llama_dir), dtype="float32", max_model_len=512, kv_cache_memory_bytes=16 << 20)
+    engine = llm.llm_engine
+    executor = engine.core.executor
+    real = executor.execute_model
+    calls = {"n": 0}
+
+    def flaky(scheduled):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected failure")
+        return real(scheduled)
+
+    executor.execute_model = flaky
+    engine.add_request("victim", {"prompt_token_ids": [7, 8, 9]}, GREEDY)
+    finished = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+    assert finished["victim"].outputs[0].finish_reason == "abort"
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    after = llm.generate({"prompt_token_ids": [7, 8, 9]}, GREEDY)[0].outputs[0]
+    assert after.finish_reason == "length" and len(after.token_ids) == GREEDY.max_tokens

@@ -156,7 +156,10 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             check(value is None or (is_int(value) and 0 <= value <= 20), f"{name} must be an integer in [0, 20], got {value!r}")
-        check(self.seed is None or is_int(self.seed), f"seed must be an integer, got {self.seed!r}")
+        check(
+            self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+            f"seed must be a 64-bit integer, got {self.seed!r}",
+        )
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         check(is_token_list(self.stop_token_ids), "stop_token_ids must be non-negative integers")
         check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias must map token ids to numbers")

@@ -15,6 +15,8 @@ from sonar.platform import Platform
 
 logger = logging.getLogger(__name__)
 
+MAX_FAILED_STEPS = 3  # consecutive failed steps before the engine gives up
+
 
 @dataclass(slots=True)
 class EngineCoreOutput:
@@ -70,6 +72,7 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.kv_cache)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
+        self.num_failed_steps = 0
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
 
     def add_request(self, request: Request) -> None:
@@ -93,7 +96,11 @@ class EngineCore:
             if scheduled.finished_req_ids:  # let the workers drop finished state
                 self.executor.execute_model(scheduled)
             return []
-        result = self.executor.execute_model(scheduled)
+        try:
+            result = self.executor.execute_model(scheduled)
+        except Exception:
+            return self._abort_failed_step(scheduled)
+        self.num_failed_steps = 0
         requests = {r.request_id: r for r in self.scheduler.running}
         requests.update({rid: self.scheduler.requests[rid] for rid in result.req_ids if rid in self.scheduler.requests})
         progressed = {r.request_id for r in self.scheduler.update_from_output(scheduled, result)}
@@ -119,6 +126,21 @@ class EngineCore:
                 )
             )
         return outputs
+
+    def _abort_failed_step(self, scheduled) -> list[EngineCoreOutput]:
+        """A step that raised aborts the requests in it (their KV blocks are freed and the
+        workers drop them next step) instead of taking the engine down; several failures in a
+        row mean the device itself is broken, and the error propagates."""
+        self.num_failed_steps += 1
+        if self.num_failed_steps >= MAX_FAILED_STEPS:
+            raise
+        req_ids = list(scheduled.num_scheduled_tokens)
+        logger.exception("a step failed; aborting its %d requests", len(req_ids))
+        aborted = self.scheduler.abort_requests(req_ids)
+        return [
+            EngineCoreOutput(r.request_id, [], None, None, "abort", "engine error", max(r.num_cached_tokens, 0))
+            for r in aborted
+        ]
 
     def get_stats(self) -> EngineStats:
         kv = self.kv_cache

@@ -138,6 +138,12 @@ class LLMEngine:
             if value is not None and value > self.args.max_logprobs:
                 raise ValueError(f"{name}={value} exceeds max_logprobs={self.args.max_logprobs}")
         check_token_ids(params, vocab)
+        if params.logits_processors:
+            from sonar.registry import logits_processors
+
+            unknown = sorted(set(params.logits_processors) - set(logits_processors()))
+            if unknown:
+                raise ValueError(f"logits processors {unknown} are not registered; registered: {sorted(logits_processors())}")
         return max_tokens
 
     def resolve_word_lists(self, params: SamplingParams) -> SamplingParams:
