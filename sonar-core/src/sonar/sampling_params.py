@@ -45,6 +45,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     logits_processors: list[str] = field(default_factory=list)  # registered processor names
+    output_kind: str = "cumulative"  # "cumulative": an output every step; "final_only": only when finished
     guided_decoding: GuidedDecodingParams | None = None  # structured output: json, regex, grammar, choice
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
@@ -137,6 +138,10 @@ class SamplingParams:
 
         # vLLM's fields
         check(self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        check(
+            self.output_kind in ("cumulative", "final_only"),
+            f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}",
+        )
         check(
             self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),
             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}",

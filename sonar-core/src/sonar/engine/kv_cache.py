@@ -65,8 +65,12 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - len(self.free_blocks) / self.num_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, start: int = 0) -> list[int]:
+        """The request's block ids from its ``start``-th block on."""
+        blocks = self.req_blocks.get(request_id)
+        if not blocks or start >= len(blocks):
+            return []
+        return [b.block_id for b in blocks[start:]]
 
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

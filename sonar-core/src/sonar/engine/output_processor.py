@@ -110,7 +110,9 @@ class OutputProcessor:
             if out.finish_reason is not None and child.finish_reason is None:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             touched[parent_id] = parent
-        results = [self._request_output(p) for p in touched.values()]
+        results = [
+            self._request_output(p) for p in touched.values() if p.finished or p.params.output_kind != "final_only"
+        ]
         for parent in touched.values():
             if parent.finished:
                 self._forget(parent)

@@ -131,10 +131,10 @@ class Scheduler:
         return out
 
     def _new_block_ids(self, request: Request) -> list[int]:
-        ids = self.kv_cache.block_ids(request.request_id)
         sent = self._sent_blocks.get(request.request_id, 0)
-        self._sent_blocks[request.request_id] = len(ids)
-        return ids[sent:]
+        new_ids = self.kv_cache.block_ids(request.request_id, start=sent)
+        self._sent_blocks[request.request_id] = sent + len(new_ids)
+        return new_ids
 
     def _preempt(self, request: Request) -> None:
         self.kv_cache.free(request)

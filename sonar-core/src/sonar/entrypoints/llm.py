@@ -56,7 +56,7 @@ class LLM:
         request_ids = [str(next(self._ids)) for _ in prompts]
         try:
             for request_id, prompt, params in zip(request_ids, prompts, params_list):
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params.clone(output_kind="final_only"))
             return self._run(request_ids, use_tqdm)
         except BaseException:
             engine.abort_request(request_ids)
