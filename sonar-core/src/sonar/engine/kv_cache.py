@@ -53,6 +53,7 @@ class KVCacheManager:
         self.free_blocks: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)  # LRU: evict from the front
         self.cached_blocks: dict[bytes, KVBlock] = {}
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.num_hashed_blocks: dict[str, int] = {}  # leading blocks of a request already hashed
         self.stats = PrefixCacheStats()
 
     # -- queries -------------------------------------------------------------------------
@@ -150,8 +151,12 @@ class KVCacheManager:
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         num_full = min(num_tokens, request.num_tokens) // self.block_size
+        first = self.num_hashed_blocks.get(request.request_id, 0)
+        if num_full <= first:
+            return
         self._update_hashes(request, num_full * self.block_size)
-        for index in range(num_full):
+        self.num_hashed_blocks[request.request_id] = num_full
+        for index in range(first, num_full):
             block = blocks[index]
             if block.block_hash is not None:
                 continue
@@ -162,6 +167,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks; the newest are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])
+        self.num_hashed_blocks.pop(request.request_id, None)
         for block in reversed(blocks):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
