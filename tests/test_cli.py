@@ -31,3 +31,19 @@ def test_bad_arguments_fail_cleanly() -> None:
     assert result.returncode != 0
     assert "does not exist" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_bench_throughput_compares_with_transformers(tiny_model_dir, tmp_path) -> None:
+    import json
+
+    path = tiny_model_dir("llama")
+    report = tmp_path / "bench.json"
+    result = _run([
+        "bench", "throughput", str(path), "--dtype", "float32", "--num-prompts", "6", "--input-len", "4:40",
+        "--output-len", "4:12", "--compare-hf", "--max-model-len", "128", "--output-json", str(report),
+    ])
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(report.read_text())
+    assert figures["num_prompts"] == 6 and figures["output_tokens"] >= 6 * 4
+    assert figures["output_tokens_per_s"] > 0 and figures["transformers"]["output_tokens_per_s"] > 0
+    assert "sonar / transformers throughput" in result.stdout
