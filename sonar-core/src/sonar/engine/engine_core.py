@@ -137,6 +137,7 @@ class EngineCore:
         req_ids = list(scheduled.num_scheduled_tokens)
         logger.exception("a step failed; aborting its %d requests", len(req_ids))
         aborted = self.scheduler.abort_requests(req_ids)
+        self.kv_cache.forget_free_blocks()
         return [
             EngineCoreOutput(r.request_id, [], None, None, "abort", "engine error", max(r.num_cached_tokens, 0))
             for r in aborted

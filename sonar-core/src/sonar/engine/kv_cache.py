@@ -106,6 +106,15 @@ class KVCacheManager:
         self.stats.num_queries += num_tokens
         self.stats.num_hits += num_hit_tokens
 
+    def forget_free_blocks(self) -> None:
+        """Drop the prefix-cache entries of every unreferenced block (after a failed step, whose
+        blocks were hashed when scheduled but never written)."""
+        for block in self.free_blocks.values():
+            if block.block_hash is not None:
+                if self.cached_blocks.get(block.block_hash) is block:
+                    del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+
     def reset_prefix_cache(self) -> bool:
         if len(self.free_blocks) != self.num_blocks:
             return False
