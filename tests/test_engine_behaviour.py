@@ -182,3 +182,12 @@ def test_a_failing_step_aborts_its_requests_and_the_engine_goes_on(llama_dir) ->
     after = llm.generate(prompt, GREEDY)[0]
     assert after.num_cached_tokens == 0
     assert after.outputs[0].token_ids == expected
+
+
+def test_unsupported_options_are_refused_clearly(llama_dir) -> None:
+    with pytest.raises(ValueError, match="quantization='fp8' is not available"):
+        LLM(str(llama_dir), quantization="fp8")
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        LLM(str(llama_dir), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="exceeds the model's context"):
+        LLM(str(llama_dir), max_model_len=10**6)

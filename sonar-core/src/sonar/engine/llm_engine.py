@@ -55,6 +55,13 @@ class LLMEngine:
     def __init__(self, args: EngineArgs, platform: type[Platform] | None = None) -> None:
         self.args = args
         self.platform = platform or current_platform()
+        if args.quantization is not None:
+            from sonar.registry import quantization_methods
+
+            raise ValueError(
+                f"quantization={args.quantization!r} is not available: no quantization method is executed yet "
+                f"(registered: {sorted(quantization_methods()) or 'none'}); GGUF files are dequantized at load without it"
+            )
         model_path = Path(args.model or default_model_path()).expanduser()
         if not model_path.exists():
             raise ValueError(f"model {str(model_path)!r} does not exist (give a Hugging Face folder or a .gguf file)")
