@@ -29,7 +29,40 @@ def apply_top_k_top_p(
         threshold = torch.where((top_k < vocab_size).unsqueeze(1), kth, _NEG_INF)
         return logits.masked_fill_(logits < threshold, _NEG_INF)
 
-    # top-p (with or without top-k): one ascending sort serves both
+    if top_k is None and logits.device.type == "cpu" and vocab_size > 4 * TOP_P_CANDIDATES:
+        return _top_p_from_candidates(logits, top_p)
+    return _top_k_top_p_by_sort(logits, top_k, top_p)
+
+
+# On the CPU a full sort of the vocabulary dominates a step's sampling; the nucleus nearly
+# always lies within the most likely few hundred tokens, so top-p looks there first.
+TOP_P_CANDIDATES = 1024
+
+
+def _top_p_from_candidates(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """top-p from a partial sort: rows whose nucleus fits in the top ``TOP_P_CANDIDATES`` tokens
+    are masked from those; the others (flat distributions) fall back to the full sort."""
+    probs = logits.softmax(dim=-1)
+    top_probs, top_ids = probs.topk(TOP_P_CANDIDATES, dim=-1)  # [B, C], descending
+    mass_above = top_probs.cumsum(dim=-1) - top_probs  # probability strictly more likely
+    threshold = top_p.unsqueeze(1)
+    keep = mass_above < threshold
+    keep[:, 0] = True  # the most likely token always stays
+    off = top_p >= 1.0
+    fits = off | (mass_above[:, -1] + top_probs[:, -1] >= top_p)
+    drop = torch.ones_like(logits, dtype=torch.bool)
+    drop.scatter_(1, top_ids, ~keep)
+    drop[off] = False
+    if not bool(fits.all()):
+        rows = (~fits).nonzero().squeeze(1)
+        logits[rows] = _top_k_top_p_by_sort(logits[rows], None, top_p[rows])
+        drop[rows] = False
+    return logits.masked_fill_(drop, _NEG_INF)
+
+
+def _top_k_top_p_by_sort(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor) -> torch.Tensor:
+    vocab_size = logits.shape[-1]
+    # one ascending sort serves both
     sorted_logits, sorted_ids = logits.sort(dim=-1)  # [B, V], ascending
     if top_k is not None:
         kth = sorted_logits.gather(1, (vocab_size - top_k).unsqueeze(1))  # [B, 1]
