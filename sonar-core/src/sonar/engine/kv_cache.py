@@ -60,10 +60,12 @@ class KVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
+        """Blocks no request holds (cached ones among them, reusable until handed out)."""
         return len(self.free_blocks)
 
     @property
     def usage(self) -> float:
+        """Fraction of blocks held by requests."""
         return 1.0 - len(self.free_blocks) / self.num_blocks
 
     def block_ids(self, request_id: str, start: int = 0) -> list[int]:
@@ -74,6 +76,7 @@ class KVCacheManager:
         return [b.block_id for b in blocks[start:]]
 
     def num_blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
     # -- prefix cache --------------------------------------------------------------------
@@ -116,6 +119,7 @@ class KVCacheManager:
                 block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix; only possible (True) when no request holds a block."""
         if len(self.free_blocks) != self.num_blocks:
             return False
         self.cached_blocks.clear()

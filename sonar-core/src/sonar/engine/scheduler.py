@@ -32,10 +32,13 @@ class Scheduler:
     # -- lifecycle -----------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
+        """Queue a validated request; it is admitted by a later ``schedule()``."""
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
+        """Finish these requests as aborted and free their blocks now; unknown or already
+        finished ids are ignored. Returns the requests aborted."""
         aborted = []
         for request_id in request_ids:
             request = self.requests.get(request_id)
@@ -69,6 +72,10 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """Choose this step's work: every running request's next tokens (a decode, or the next
+        chunk of its prefill) oldest first, preempting the newest running request when blocks
+        run out; then waiting requests in arrival order while the token budget, the sequence
+        cap and the free blocks allow (their prompts chunked to fit the budget)."""
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         budget = self.config.max_num_batched_tokens
@@ -149,7 +156,8 @@ class Scheduler:
     # -- results -------------------------------------------------------------------------
 
     def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
-        """Advance the scheduled requests; return those that got a new token or finished."""
+        """Advance the scheduled requests by what the step computed, append sampled tokens, and
+        finish those that hit eos, a stop token or their length; return those that progressed."""
         progressed: list[Request] = []
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)
