@@ -47,3 +47,16 @@ def test_bench_throughput_compares_with_transformers(tiny_model_dir, tmp_path) -
     assert figures["num_prompts"] == 6 and figures["output_tokens"] >= 6 * 4
     assert figures["output_tokens_per_s"] > 0 and figures["transformers"]["output_tokens_per_s"] > 0
     assert "sonar / transformers throughput" in result.stdout
+
+
+def test_bench_latency_separates_decode_from_prefill(tiny_model_dir, tmp_path) -> None:
+    import json
+
+    report = tmp_path / "latency.json"
+    result = _run([
+        "bench", "latency", str(tiny_model_dir("llama")), "--dtype", "float32", "--input-len", "16",
+        "--output-len", "12", "--num-iters", "2", "--max-model-len", "128", "--output-json", str(report),
+    ])
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(report.read_text())
+    assert figures["total_s"] > figures["prefill_s"] > 0 and figures["decode_ms_per_step"] > 0
