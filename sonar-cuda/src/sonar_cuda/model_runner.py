@@ -19,8 +19,6 @@ import torch
 
 from sonar.attention import AttentionMetadata
 from sonar.engine.scheduler_output import SchedulerOutput
-from sonar.model_interface import make_attention_factory
-from sonar.registry import resolve_model_class
 from sonar.worker.input_batch import CachedRequestState, StepBatch
 from sonar.worker.model_runner import ModelRunner
 from sonar_cuda.decode_graphs import DecodeBuffers, DecodeGraphs, GraphedModel, default_capture_sizes, fill_padding
@@ -62,14 +60,7 @@ class CudaModelRunner(ModelRunner):
             super().load_model()
             return
         started = time.perf_counter()
-        model_cls = resolve_model_class(list(getattr(config.hf_config, "architectures", None) or []))
-        previous_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.dtype)
-        try:
-            with torch.device(self.device):
-                model = model_cls(config.hf_config, make_attention_factory(self.backend_cls))
-        finally:
-            torch.set_default_dtype(previous_dtype)
+        model = self.build_model()
         generator = torch.Generator(device=self.device).manual_seed(0)
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -80,7 +71,7 @@ class CudaModelRunner(ModelRunner):
                 else:
                     param.normal_(0.0, DUMMY_INIT_STD, generator=generator)
         self.model = model.eval()
-        logger.info("built %s with random weights in %.1f s", model_cls.__name__, time.perf_counter() - started)
+        logger.info("built %s with random weights in %.1f s", type(model).__name__, time.perf_counter() - started)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then the decode buffers and graphs over it."""

@@ -8,10 +8,11 @@ the tensor types the ``gguf`` package can dequantize.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import sys
 from pathlib import Path
+
+from sonar.docs_gen import generated_doc_main
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[3] / "docs" / "models.md"
 
@@ -93,20 +94,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
-    parser.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
-    args = parser.parse_args(argv)
-    text = render()
-    if args.check:
-        current = args.output.read_text() if args.output.exists() else ""
-        if current != text:
-            print(f"{args.output} is out of date: run python -m sonar_models.docs_gen", file=sys.stderr)
-            return 1
-        return 0
-    args.output.write_text(text)
-    print(f"wrote {args.output}")
-    return 0
+    return generated_doc_main(render, DEFAULT_OUTPUT, "sonar_models.docs_gen", __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

@@ -102,19 +102,3 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = positions.float()[:, None] * self._inv_freq_on(positions.device)[None, :]
         angles = torch.cat((freqs, freqs), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [T, heads, head_dim] by ``cos``/``sin`` [T, rotary_dim] (neox layout: the
-    two halves of the rotary dims form the pairs)."""
-    rotary_dim = cos.shape[-1]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    if rotary_dim == x.shape[-1]:
-        return x * cos + _rotate_half(x) * sin
-    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
-    return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)

@@ -9,6 +9,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from sonar.docs_gen import generated_doc_main
+
 from sonar_server.args import add_server_arguments
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[3] / "docs" / "server-arguments.md"
@@ -68,20 +70,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cli = argparse.ArgumentParser(description=__doc__)
-    cli.add_argument("--output", type=Path, default=DEFAULT_OUTPUT)
-    cli.add_argument("--check", action="store_true", help="exit 1 if the file is not up to date")
-    args = cli.parse_args(argv)
-    text = render()
-    if args.check:
-        current = args.output.read_text() if args.output.exists() else ""
-        if current != text:
-            print(f"{args.output} is stale: run python -m sonar_server.docs_gen", file=sys.stderr)
-            return 1
-        return 0
-    args.output.write_text(text)
-    print(f"wrote {args.output}")
-    return 0
+    return generated_doc_main(render, DEFAULT_OUTPUT, "sonar_server.docs_gen", __doc__.splitlines()[0], argv)
 
 
 if __name__ == "__main__":

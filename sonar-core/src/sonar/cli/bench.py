@@ -7,7 +7,7 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 from sonar.cli.engine_args import add_engine_arguments, engine_args_from
 

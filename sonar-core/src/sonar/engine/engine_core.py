@@ -101,14 +101,13 @@ class EngineCore:
         except Exception:
             return self._abort_failed_step(scheduled)
         self.num_failed_steps = 0
-        requests = {r.request_id: r for r in self.scheduler.running}
-        requests.update({rid: self.scheduler.requests[rid] for rid in result.req_ids if rid in self.scheduler.requests})
-        progressed = {r.request_id for r in self.scheduler.update_from_output(scheduled, result)}
+        # looked up before the update, which forgets the requests it finishes
+        requests = [self.scheduler.requests.get(req_id) for req_id in result.req_ids]
+        self.scheduler.update_from_output(scheduled, result)
         outputs = []
-        for req_id, token_id, logprobs in zip(result.req_ids, result.sampled_token_ids, result.logprobs):
-            if req_id not in progressed:
-                continue
-            request = requests[req_id]
+        for req_id, request, token_id, logprobs in zip(result.req_ids, requests, result.sampled_token_ids, result.logprobs):
+            if request is None:
+                continue  # aborted while the step ran
             computed_after = request.num_computed_tokens
             computed_before = computed_after - scheduled.num_scheduled_tokens[req_id]
             self.num_prompt_tokens += max(0, min(computed_after, request.num_prompt_tokens) - computed_before)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from sonar.engine.request import Request
 

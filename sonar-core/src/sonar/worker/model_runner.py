@@ -45,21 +45,26 @@ class ModelRunner:
 
     # -- setup ---------------------------------------------------------------------------
 
-    def load_model(self) -> None:
+    def build_model(self) -> torch.nn.Module:
+        """The registered architecture's module, built on the device in the model's dtype,
+        its weights not yet loaded."""
         config = self.model_config
-        fmt = weight_formats()[config.load_format]
         model_cls = resolve_model_class(list(getattr(config.hf_config, "architectures", None) or []))
-        started = time.perf_counter()
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
             with torch.device(self.device):
-                model = model_cls(config.hf_config, make_attention_factory(self.backend_cls))
+                return model_cls(config.hf_config, make_attention_factory(self.backend_cls))
         finally:
             torch.set_default_dtype(previous_dtype)
-        model.load_weights(fmt.iter_weights(Path(config.model), config.hf_config))
+
+    def load_model(self) -> None:
+        config = self.model_config
+        started = time.perf_counter()
+        model = self.build_model()
+        model.load_weights(weight_formats()[config.load_format].iter_weights(Path(config.model), config.hf_config))
         self.model = model.to(self.device).eval()
-        logger.info("loaded %s in %.1f s", model_cls.__name__, time.perf_counter() - started)
+        logger.info("loaded %s in %.1f s", type(model).__name__, time.perf_counter() - started)
 
     def kv_bytes_per_block(self) -> int:
         model = self.model
