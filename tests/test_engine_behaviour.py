@@ -153,22 +153,23 @@ def test_a_row_with_every_token_removed_still_obeys_its_hard_constraints(llama_d
         assert llm.generate(prompt, params)[0].outputs[0].token_ids == [5] * 6
 
 
-def test_a_failing_step_aborts_its_requests_and_the_engine_goes_on(llama_dir) -> None:
+@pytest.mark.parametrize("where", ["launch", "fetch"])
+def test_a_failing_step_aborts_its_requests_and_the_engine_goes_on(llama_dir, where: str) -> None:
     llm = LLM(str(llama_dir), dtype="float32", max_model_len=512, kv_cache_memory_bytes=16 << 20)
     engine = llm.llm_engine
     prompt = {"prompt_token_ids": random_prompts(1, seed=41, min_len=40, max_len=40)[0]}
     expected = LLM(str(llama_dir), dtype="float32", max_model_len=512, kv_cache_memory_bytes=16 << 20, enable_prefix_caching=False).generate(prompt, GREEDY)[0].outputs[0].token_ids
     executor = engine.core.executor
-    real = executor.execute_model
+    real = getattr(executor, where)
     calls = {"n": 0}
 
-    def flaky(scheduled):
+    def flaky(argument):
         calls["n"] += 1
         if calls["n"] == 1:  # the prefill: its blocks were hashed when scheduled, never written
             raise RuntimeError("injected failure")
-        return real(scheduled)
+        return real(argument)
 
-    executor.execute_model = flaky
+    setattr(executor, where, flaky)
     engine.add_request("victim", prompt, GREEDY)
     finished = {}
     while engine.has_unfinished_requests():

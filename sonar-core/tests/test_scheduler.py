@@ -27,8 +27,7 @@ def _step(scheduler: Scheduler, token: int = 7) -> dict[str, int]:
     tokens = []
     for req_id in ids:
         request = scheduler.requests[req_id]
-        done = request.num_computed_tokens + out.num_scheduled_tokens[req_id] == request.num_tokens
-        tokens.append(token if done else None)
+        tokens.append(token if request.num_pending_tokens else None)  # it samples: a token is on the way
     scheduler.update_from_output(out, ModelRunnerOutput(ids, tokens, [None] * len(ids)))
     return dict(out.num_scheduled_tokens)
 

@@ -119,3 +119,51 @@ def test_bfloat16_top5_logprobs_match_transformers(tiny_models, arch: str) -> No
                 worst = max(worst, abs(logprob.logprob - float(expected[step, token_id])))
             assert completion.token_ids[step] in expected[step].topk(5).indices.tolist()
     assert worst < BF16_LOGPROB_TOL, f"largest top-5 logprob difference {worst:.3f}"
+
+
+def _run(platform: type, path: Path, prompts: list[list[int]], params: list[SamplingParams], **engine_kwargs):
+    from sonar.config import EngineArgs
+    from sonar.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineArgs(model=str(path), **engine_kwargs), platform=platform)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.cuda
+def test_async_scheduling_gives_the_synchronous_outputs(tiny_models) -> None:
+    """Steps launched before the previous one's tokens are read (fed on the device), through
+    the decode graphs and the eager path: greedy, seeded, stop tokens, penalties, logprobs."""
+    from sonar_cuda.platform import CudaPlatform
+
+    path = tiny_models("qwen3")
+    prompts = random_prompts(40, seed=7, max_len=90)
+    engine_kwargs = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=96, kv_cache_memory_bytes=64 << 20)
+    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    reference = _run(CudaPlatform, path, prompts, [greedy] * len(prompts), async_scheduling=False, **engine_kwargs)
+    kinds = [
+        lambda i: greedy.clone(logprobs=2),
+        lambda i: SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30 + i % 7, seed=i, ignore_eos=True),
+        lambda i: greedy.clone(ignore_eos=False, stop_token_ids=[reference[i].outputs[0].token_ids[3 + i % 11]]),
+        lambda i: greedy.clone(repetition_penalty=1.3, max_tokens=25),
+        lambda i: SamplingParams(temperature=1.0, top_k=8, max_tokens=33, seed=100 + i, ignore_eos=True, logprobs=1),
+    ]
+    params = [kinds[i % len(kinds)](i) for i in range(len(prompts))]
+    sync = _run(CudaPlatform, path, prompts, params, async_scheduling=False, **engine_kwargs)
+    overlapped = _run(CudaPlatform, path, prompts, params, async_scheduling=True, **engine_kwargs)
+    for a, b in zip(sync, overlapped):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].finish_reason == b.outputs[0].finish_reason
+        if a.outputs[0].logprobs:
+            for step_a, step_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, strict=True):
+                assert step_a.keys() == step_b.keys()
+                for token_id in step_a:
+                    assert abs(step_a[token_id].logprob - step_b[token_id].logprob) < 1e-3

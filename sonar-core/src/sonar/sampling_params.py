@@ -249,7 +249,24 @@ class SamplingParams:
     def uses_dynatemp(self) -> bool:
         return self.dynatemp_max > 0.0
 
-    def clone(self, **changes) -> "SamplingParams":
+    @property
+    def reads_output_tokens(self) -> bool:
+        """Whether sampling the next token needs the values of the tokens sampled before it
+        (penalties, DRY, no-repeat-ngram, multi-token bad words, logits processors, a grammar);
+        such a request's steps are not overlapped with the step that samples its previous token."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.dry_multiplier > 0.0
+            or self.no_repeat_ngram_size > 0
+            or any(len(word) > 1 for word in self.bad_words_token_ids or ())
+            or bool(self.bad_words and self.bad_words_token_ids is None)
+            or bool(self.logits_processors)
+            or self.guided_decoding is not None
+        )
+
+    def clone(self, **changes) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from sonar.attention import AttentionMetadata, ForwardContext
+
 from sonar_cuda.attention import TritonStepState
 from sonar_cuda.kernels.decode_attention import _num_sms, choose_num_splits
 
@@ -29,25 +29,45 @@ def default_capture_sizes(max_batch_size: int) -> list[int]:
     return sizes
 
 
+@dataclass(slots=True, eq=False)
+class HostInputs:
+    """Pinned host tensors a step's inputs are written into, then copied from."""
+
+    tokens: torch.Tensor  # [3, max_batch] int64: input ids, positions, slots
+    seq_lens: torch.Tensor  # [max_batch] int32
+    block_tables: torch.Tensor  # [max_batch, max_blocks] int32
+    uploaded: torch.Event | None = None  # recorded after the copies out of them
+
+
 @dataclass(slots=True)
 class DecodeBuffers:
-    """Device tensors the graphs read, and the pinned host tensors that feed them."""
+    """Device tensors the graphs read, and two sets of pinned host tensors that feed them.
+
+    The host sets alternate: with asynchronous scheduling a step's inputs are written while
+    the copies of the step before may still be queued, so they go to the other set; a set is
+    reused only once its previous copies are done."""
 
     tokens: torch.Tensor  # [3, max_batch] int64 on the device: input ids, positions, slots
     seq_lens: torch.Tensor  # [max_batch] int32
     block_tables: torch.Tensor  # [max_batch, max_blocks] int32
     query_start_loc: torch.Tensor  # [max_batch + 1] int32: 0, 1, 2, ... (one token each)
     logits_indices: torch.Tensor  # [max_batch] int64: 0, 1, 2, ...
-    host_tokens: torch.Tensor  # pinned mirrors of the first three
-    host_seq_lens: torch.Tensor
-    host_block_tables: torch.Tensor
+    hosts: tuple[HostInputs, HostInputs]
+    turn: int = 0
 
     @classmethod
-    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> "DecodeBuffers":
+    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> DecodeBuffers:
         pin = device.type == "cuda"
 
         def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        def host_inputs() -> HostInputs:
+            return HostInputs(
+                tokens=host(3, max_batch, dtype=torch.int64),
+                seq_lens=host(max_batch, dtype=torch.int32),
+                block_tables=host(max_batch, max_blocks, dtype=torch.int32),
+            )
 
         return cls(
             tokens=torch.zeros(3, max_batch, dtype=torch.int64, device=device),
@@ -55,16 +75,25 @@ class DecodeBuffers:
             block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
             query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
             logits_indices=torch.arange(max_batch, dtype=torch.int64, device=device),
-            host_tokens=host(3, max_batch, dtype=torch.int64),
-            host_seq_lens=host(max_batch, dtype=torch.int32),
-            host_block_tables=host(max_batch, max_blocks, dtype=torch.int32),
+            hosts=(host_inputs(), host_inputs()),
         )
 
-    def upload(self, num_rows: int) -> None:
-        """Queue the host buffers' first ``num_rows`` rows to the device (non-blocking)."""
-        self.tokens.copy_(self.host_tokens, non_blocking=True)
-        self.seq_lens.copy_(self.host_seq_lens, non_blocking=True)
-        self.block_tables[:num_rows].copy_(self.host_block_tables[:num_rows], non_blocking=True)
+    def next_host(self) -> HostInputs:
+        """The host set to write the next step's inputs into (its last copies finished)."""
+        self.turn ^= 1
+        host = self.hosts[self.turn]
+        if host.uploaded is not None:
+            host.uploaded.synchronize()
+        return host
+
+    def upload(self, host: HostInputs, num_rows: int) -> None:
+        """Queue ``host``'s first ``num_rows`` rows to the device (non-blocking)."""
+        self.tokens.copy_(host.tokens, non_blocking=True)
+        self.seq_lens.copy_(host.seq_lens, non_blocking=True)
+        self.block_tables[:num_rows].copy_(host.block_tables[:num_rows], non_blocking=True)
+        if self.tokens.device.type != "cpu":
+            host.uploaded = torch.Event(device=self.tokens.device)
+            host.uploaded.record()
 
     def metadata(self, size: int, seq_lens_cpu: list[int], state: TritonStepState) -> AttentionMetadata:
         """Attention metadata over the first ``size`` rows."""
@@ -186,10 +215,10 @@ class GraphedModel(torch.nn.Module):
         return self.model.compute_logits(hidden_states)
 
 
-def fill_padding(buffers: DecodeBuffers, num_rows: int, size: int) -> None:
-    """Rows ``num_rows .. size`` of the host buffers become padding."""
-    tokens = buffers.host_tokens.numpy()
-    tokens[:2, num_rows:size] = 0
-    tokens[2, num_rows:size] = -1
-    buffers.host_seq_lens.numpy()[num_rows:size] = 1
-
+def fill_padding(host: HostInputs, num_rows: int) -> None:
+    """Every row from ``num_rows`` on becomes padding (the step's graph reads up to its
+    size; the rest never keeps a stale placeholder token that a larger graph could read)."""
+    tokens = host.tokens.numpy()
+    tokens[:2, num_rows:] = 0
+    tokens[2, num_rows:] = -1
+    host.seq_lens.numpy()[num_rows:] = 1

@@ -4,7 +4,7 @@ Decode-only steps (every scheduled request adds its one sampled token) are laid 
 into the graphs' static buffers: each running request keeps a row of a host block table,
 updated only with its new blocks, and a step gathers the rows it needs, computes slots and
 positions with numpy, and queues three non-blocking copies. The step's only host
-synchronisation is reading the sampled token ids. Any other step (prefill, chunked prefill,
+synchronisation is reading the sampled token ids, after the next step is launched. Any other step (prefill, chunked prefill,
 prompt logprobs, a batch larger than the largest graph) takes the core runner's eager path.
 """
 
@@ -16,12 +16,18 @@ import time
 
 import numpy as np
 import torch
-
 from sonar.attention import AttentionMetadata
 from sonar.engine.scheduler_output import SchedulerOutput
 from sonar.worker.input_batch import CachedRequestState, StepBatch
 from sonar.worker.model_runner import ModelRunner
-from sonar_cuda.decode_graphs import DecodeBuffers, DecodeGraphs, GraphedModel, default_capture_sizes, fill_padding
+
+from sonar_cuda.decode_graphs import (
+    DecodeBuffers,
+    DecodeGraphs,
+    GraphedModel,
+    default_capture_sizes,
+    fill_padding,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -141,22 +147,24 @@ class CudaModelRunner(ModelRunner):
         n = len(states)
         size = graphs.size_for(n)
 
-        # host side: rows of the block table, positions, slots, last tokens
-        tables = buffers.host_block_tables.numpy()
+        # host side: rows of the block table, positions, slots, last tokens (a token still
+        # being sampled by the step before is a placeholder here, fed on the device)
+        host = buffers.next_host()
+        tables = host.block_tables.numpy()
         rows = np.fromiter((self._row_of[s.req_id] for s in states), dtype=np.int64, count=n)
         np.take(self._table_rows, rows, axis=0, out=tables[:n])
         positions = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=n)
-        tokens = buffers.host_tokens.numpy()
+        tokens = host.tokens.numpy()
         tokens[0, :n] = [_last_token(s) for s in states]
         tokens[1, :n] = positions
         block_size = self.block_size
         tokens[2, :n] = tables[np.arange(n), positions // block_size].astype(np.int64) * block_size + positions % block_size
         seq_lens = positions + 1
-        buffers.host_seq_lens.numpy()[:n] = seq_lens
-        fill_padding(buffers, n, size)
+        host.seq_lens.numpy()[:n] = seq_lens
+        fill_padding(host, n)
 
         # device side: three non-blocking copies from pinned memory
-        buffers.upload(n)
+        buffers.upload(host, n)
         state = graphs.states[size]
         metadata: AttentionMetadata = buffers.metadata(size, seq_lens.tolist(), state)
         return StepBatch(

@@ -140,15 +140,38 @@ def _engine(folder: Path, name: str, utilization: float):
     )
 
 
-def _generate(llm, prompts: list[list[int]], output_lens: list[int]) -> tuple[float, int]:
+def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dict[str, float] | None = None) -> tuple[float, int]:
+    """Run the prompts; seconds and output tokens. ``phases`` (if given) receives the number
+    of steps and the host's time launching steps and waiting for their results."""
     from sonar.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in output_lens]
-    _sync()
-    started = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    _sync()
-    return time.perf_counter() - started, sum(len(o.outputs[0].token_ids) for o in outputs)
+    executor = llm.llm_engine.core.executor
+    originals = executor.launch, executor.fetch
+    if phases is not None:
+        phases.update(steps=0, launch_s=0.0, fetch_wait_s=0.0)
+
+        def timed(original, key: str):
+            def call(argument):
+                started = time.perf_counter()
+                try:
+                    return original(argument)
+                finally:
+                    phases[key] += time.perf_counter() - started
+                    phases["steps"] += key == "launch_s"
+
+            return call
+
+        executor.launch, executor.fetch = timed(originals[0], "launch_s"), timed(originals[1], "fetch_wait_s")
+    try:
+        _sync()
+        started = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        _sync()
+        elapsed = time.perf_counter() - started
+    finally:
+        executor.launch, executor.fetch = originals
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
 def _decode_ms_per_token(run_short, run_long, num_tokens: int, repeats: int = 3) -> float:
@@ -175,10 +198,13 @@ def _run_engine_rows(llm, name: str, specs: list[Spec], scale: float, rows: dict
         else:
             count = max(1, round(spec.num_prompts * scale))
             workload = random_workload(count, spec.input_len, spec.output_len, vocab, 0)
-            elapsed, num_output = _generate(llm, workload.prompts, workload.output_lens)
+            phases: dict[str, float] = {}
+            elapsed, num_output = _generate(llm, workload.prompts, workload.output_lens, phases)
             row.value = num_output / elapsed
             row.detail = {"requests": count, "elapsed_s": round(elapsed, 2), "output_tokens": num_output,
-                          "prompt_tokens": workload.num_prompt_tokens}
+                          "prompt_tokens": workload.num_prompt_tokens, "steps": phases["steps"],
+                          "host_launch_s": round(phases["launch_s"], 2), "host_waiting_for_gpu_s": round(phases["fetch_wait_s"], 2)}
+            print(f"    {row.detail}", file=sys.stderr, flush=True)
         print(f"  {spec.key} {name}: {row.value:.2f} {spec.unit}", file=sys.stderr, flush=True)
 
 
@@ -295,6 +321,50 @@ def _profile_decode(llm, name: str, batch: int = 256, steps: int = 8) -> dict[st
     return result
 
 
+def _profile_prefill(llm, name: str, prompt_len: int = 1024) -> dict[str, Any]:
+    """One full prefill step (``MAX_BATCHED_TOKENS`` prompt tokens): wall time, GPU busy time,
+    the top kernels, and the matrix-product rate it implies."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from sonar.sampling_params import SamplingParams
+
+    engine = llm.llm_engine
+    config = MODELS[name]
+    count = MAX_BATCHED_TOKENS // prompt_len
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False)
+
+    def one_step(tag: str) -> float:
+        for i, prompt in enumerate(random_workload(count, (prompt_len, prompt_len), (1, 1), config["vocab_size"], 7).prompts):
+            engine.add_request(f"prefill-{tag}-{i}", {"prompt_token_ids": prompt}, params)
+        _sync()
+        started = time.perf_counter()
+        engine.step()  # the whole prefill of every prompt
+        _sync()
+        elapsed = time.perf_counter() - started
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.step()
+        return elapsed
+
+    one_step("warm")
+    wall = min(one_step(f"t{i}") for i in range(3))
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        one_step("prof")
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    top = sorted(events, key=lambda e: getattr(e, "self_device_time_total", 0.0), reverse=True)[:12]
+    hidden, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    q = config["num_attention_heads"] * config.get("head_dim", hidden // config["num_attention_heads"])
+    kv = config["num_key_value_heads"] * config.get("head_dim", hidden // config["num_attention_heads"])
+    linear_flops = 2 * count * prompt_len * layers * (hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter)
+    return {
+        "tokens": count * prompt_len,
+        "wall_ms": round(1000 * wall, 2),
+        "linear_tflops_at_wall": round(linear_flops / wall / 1e12, 1),
+        "top_kernels_ms": {e.key[:90]: round(getattr(e, "self_device_time_total", 0.0) / 1000, 3) for e in top},
+    }
+
+
 def _time_phases(engine: Any, steps: int) -> dict[str, float]:
     """Host time per step of each phase (timers wrapped around the engine's parts), and the
     device time of one decode-graph replay at the same batch (CUDA events, no host work)."""
@@ -305,7 +375,8 @@ def _time_phases(engine: Any, steps: int) -> dict[str, float]:
     targets = [
         (engine.core.scheduler, "schedule", "schedule"),
         (engine.core.scheduler, "update_from_output", "scheduler update"),
-        (engine.core.executor, "execute_model", "execute_model (incl. waiting for the GPU)"),
+        (engine.core.executor, "launch", "launch (inputs, forward and sampling queued)"),
+        (engine.core.executor, "fetch", "fetch (waiting for the GPU)"),
         (runner, "build_batch", "  build inputs"),
         (runner, "sampler", "  sampling launch"),
         (engine.output_processor, "process", "output processing"),
@@ -390,6 +461,7 @@ def run_suite(args: argparse.Namespace) -> int:
             _run_engine_rows(llm, name, model_specs, args.scale, rows)
             if args.profile:
                 profile_result[name] = _profile_decode(llm, name)
+                profile_result[name]["prefill_step"] = _profile_prefill(llm, name)
                 print(json.dumps(profile_result[name], indent=1), file=sys.stderr, flush=True)
             del llm
             _release()

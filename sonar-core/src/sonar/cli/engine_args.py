@@ -24,6 +24,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     group.add_argument("--load-format", default=defaults.load_format, help="auto, safetensors, gguf or dummy (random weights)")
     group.add_argument("--skip-tokenizer-init", action="store_true", help="serve token ids only")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed for random weights (load_format=dummy) and engine-level randomness")
+    group.add_argument(
+        "--async-scheduling", action=argparse.BooleanOptionalAction, default=defaults.async_scheduling,
+        help="schedule and launch each step while the one before it still runs on the device",
+    )
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs, help="largest logprobs / prompt_logprobs a request may ask for")
 
 
@@ -44,4 +48,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         skip_tokenizer_init=args.skip_tokenizer_init,
         seed=args.seed,
         max_logprobs=args.max_logprobs,
+        async_scheduling=args.async_scheduling,
     )

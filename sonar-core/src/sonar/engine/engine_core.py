@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Any
 
 from sonar.config import CacheConfig, ModelConfig, SchedulerConfig
 from sonar.engine.kv_cache import KVCacheManager
 from sonar.engine.request import Request, RequestStatus
 from sonar.engine.scheduler import Scheduler
-from sonar.engine.scheduler_output import RequestLogprobs
+from sonar.engine.scheduler_output import RequestLogprobs, SchedulerOutput
 from sonar.executor.uniproc import UniprocExecutor
 from sonar.platform import Platform
 
@@ -27,6 +28,13 @@ class EngineCoreOutput:
     finish_reason: str | None
     stop_reason: int | str | None
     num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class _InFlightStep:
+    scheduled: SchedulerOutput
+    handle: Any  # the executor's handle on the launched step
+    overlappable: bool  # no request in it reads its earlier tokens to sample
 
 
 @dataclass(slots=True)
@@ -53,6 +61,7 @@ class EngineCore:
         enable_prefix_caching: bool,
         kv_cache_memory_bytes: int | None,
         gpu_memory_utilization: float,
+        async_scheduling: bool = True,
     ) -> None:
         self.model_config = model_config
         self.executor = UniprocExecutor(platform, model_config, block_size)
@@ -73,6 +82,8 @@ class EngineCore:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_failed_steps = 0
+        self.async_scheduling = async_scheduling
+        self._in_flight: _InFlightStep | None = None
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
 
     def add_request(self, request: Request) -> None:
@@ -88,29 +99,64 @@ class EngineCore:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
 
     def has_unfinished_requests(self) -> bool:
+        # a step still in flight holds only unfinished requests, unless all of them were
+        # finished or aborted meanwhile; then nothing waits for it, and the next step collects it
         return self.scheduler.num_unfinished > 0
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedule and launch the next step, then collect the results of the step before it.
+
+        With asynchronous scheduling the next step is scheduled and launched while the
+        previous one still runs on the device: its host work (scheduling, building inputs)
+        overlaps the device's, and so does everything the caller does with the outputs this
+        returns. A step holding a request whose sampling reads its earlier tokens (penalties,
+        a grammar, ...) is collected before the next one is scheduled."""
+        outputs: list[EngineCoreOutput] = []
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None and not (self.async_scheduling and previous.overlappable):
+            outputs = self._collect(previous)
+            previous = None
         scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            if scheduled.finished_req_ids:  # let the workers drop finished state
-                self.executor.execute_model(scheduled)
-            return []
+        if not scheduled.is_empty:
+            try:
+                handle = self.executor.launch(scheduled)
+            except Exception as exc:
+                outputs += self._abort_failed_step(scheduled, exc)
+            else:
+                self._in_flight = _InFlightStep(scheduled, handle, self._overlappable(scheduled))
+        elif scheduled.finished_req_ids:  # let the workers drop finished state
+            self.executor.execute_model(scheduled)
+        if previous is not None:
+            outputs += self._collect(previous)
+        if self._in_flight is not None and not self.async_scheduling:
+            outputs += self._collect(self._in_flight)
+            self._in_flight = None
+        return outputs
+
+    def _overlappable(self, scheduled: SchedulerOutput) -> bool:
+        requests = self.scheduler.requests
+        for req_id in scheduled.num_scheduled_tokens:
+            request = requests.get(req_id)
+            if request is not None and request.reads_output_tokens:
+                return False
+        return True
+
+    def _collect(self, step: _InFlightStep) -> list[EngineCoreOutput]:
+        """Wait for a launched step's results and advance the requests by them."""
+        scheduled = step.scheduled
         try:
-            result = self.executor.execute_model(scheduled)
-        except Exception:
-            return self._abort_failed_step(scheduled)
+            result = self.executor.fetch(step.handle)
+        except Exception as exc:
+            return self._abort_failed_step(scheduled, exc)
         self.num_failed_steps = 0
+        self.num_prompt_tokens += scheduled.num_prompt_tokens
         # looked up before the update, which forgets the requests it finishes
         requests = [self.scheduler.requests.get(req_id) for req_id in result.req_ids]
         self.scheduler.update_from_output(scheduled, result)
         outputs = []
         for req_id, request, token_id, logprobs in zip(result.req_ids, requests, result.sampled_token_ids, result.logprobs):
             if request is None:
-                continue  # aborted while the step ran
-            computed_after = request.num_computed_tokens
-            computed_before = computed_after - scheduled.num_scheduled_tokens[req_id]
-            self.num_prompt_tokens += max(0, min(computed_after, request.num_prompt_tokens) - computed_before)
+                continue  # aborted or finished while the step ran
             if token_id is not None:
                 self.num_generation_tokens += 1
             outputs.append(
@@ -126,15 +172,15 @@ class EngineCore:
             )
         return outputs
 
-    def _abort_failed_step(self, scheduled) -> list[EngineCoreOutput]:
+    def _abort_failed_step(self, scheduled: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
         """A step that raised aborts the requests in it (their KV blocks are freed and the
         workers drop them next step) instead of taking the engine down; several failures in a
         row mean the device itself is broken, and the error propagates."""
         self.num_failed_steps += 1
         if self.num_failed_steps >= MAX_FAILED_STEPS:
-            raise
+            raise error
         req_ids = list(scheduled.num_scheduled_tokens)
-        logger.exception("a step failed; aborting its %d requests", len(req_ids))
+        logger.error("a step failed; aborting its %d requests", len(req_ids), exc_info=error)
         aborted = self.scheduler.abort_requests(req_ids)
         self.kv_cache.forget_free_blocks()
         return [

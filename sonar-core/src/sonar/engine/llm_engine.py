@@ -7,7 +7,13 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from sonar.config import EngineArgs, ModelConfig, SchedulerConfig, default_model_path, resolve_dtype
+from sonar.config import (
+    EngineArgs,
+    ModelConfig,
+    SchedulerConfig,
+    default_model_path,
+    resolve_dtype,
+)
 from sonar.engine.engine_core import EngineCore, EngineStats
 from sonar.engine.output_processor import OutputProcessor
 from sonar.engine.request import Request
@@ -99,11 +105,12 @@ class LLMEngine:
             args.enable_prefix_caching,
             args.kv_cache_memory_bytes,
             args.gpu_memory_utilization,
+            args.async_scheduling,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args)
 
     # -- input ---------------------------------------------------------------------------

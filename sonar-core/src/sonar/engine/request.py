@@ -35,12 +35,17 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # advanced when scheduled
+    num_pending_tokens: int = 0  # tokens scheduled to be sampled whose values are not known yet
     num_cached_tokens: int = -1  # prefix-cache hit of the first schedule; -1 until scheduled
     num_preemptions: int = 0
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)  # hash chain of full blocks
     first_token_time: float | None = None
+    reads_output_tokens: bool = field(init=False)  # its sampling needs earlier tokens' values
+
+    def __post_init__(self) -> None:
+        self.reads_output_tokens = self.sampling_params.reads_output_tokens
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,7 +9,12 @@ from collections import deque
 from sonar.config import SchedulerConfig
 from sonar.engine.kv_cache import KVCacheManager
 from sonar.engine.request import Request, RequestStatus
-from sonar.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from sonar.engine.scheduler_output import (
+    CachedRequestData,
+    ModelRunnerOutput,
+    NewRequestData,
+    SchedulerOutput,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -17,7 +22,15 @@ logger = logging.getLogger(__name__)
 class Scheduler:
     """First come, first served. Running requests are served first, oldest first; when a
     running request needs a block and none is free, the newest running request is preempted
-    (its blocks freed, to be recomputed later, mostly from the prefix cache)."""
+    (its blocks freed, to be recomputed later, mostly from the prefix cache).
+
+    A request's ``num_computed_tokens`` advances when it is scheduled, so the next step can be
+    scheduled before this one's results are back (asynchronous scheduling): a token scheduled
+    to be sampled counts in ``num_pending_tokens`` until ``update_from_output`` brings its
+    value, and the next step feeds it to the model from the device. A request whose tokens are
+    not all known is never prefilled again (after a preemption) until they are, and one that
+    reaches ``max_tokens`` with its pending token is not scheduled again.
+    """
 
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
         self.config = config
@@ -85,7 +98,11 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            pending = request.num_pending_tokens
+            if pending and request.num_output_tokens + pending >= request.max_tokens:
+                index += 1  # its last token is on the way: it finishes when that arrives
+                continue
+            num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -98,7 +115,7 @@ class Scheduler:
                 out.cached_reqs.append(
                     CachedRequestData(request.request_id, self._new_block_ids(request), request.num_computed_tokens)
                 )
-                out.num_scheduled_tokens[request.request_id] = num_new
+                self._advance(request, num_new, out)
                 budget -= num_new
                 index += 1
                 continue
@@ -107,6 +124,8 @@ class Scheduler:
         # waiting: new and preempted requests, in arrival order
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if request.num_pending_tokens:
+                break  # preempted with a token on the way: prefilled again once it is known
             computed_blocks, num_cached = ([], 0)
             if request.num_computed_tokens == 0:
                 computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
@@ -133,9 +152,20 @@ class Scheduler:
                 )
             )
             self._sent_blocks[request.request_id] = len(out.new_reqs[-1].block_ids)
-            out.num_scheduled_tokens[request.request_id] = num_new
+            self._advance(request, num_new, out)
             budget -= num_new
         return out
+
+    @staticmethod
+    def _advance(request: Request, num_new: int, out: SchedulerOutput) -> None:
+        """Count ``num_new`` scheduled tokens as computed; one that completes the known tokens
+        samples the next, which stays pending until its value comes back."""
+        computed = request.num_computed_tokens
+        out.num_scheduled_tokens[request.request_id] = num_new
+        out.num_prompt_tokens += max(0, min(computed + num_new, request.num_prompt_tokens) - computed)
+        request.num_computed_tokens = computed + num_new
+        if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+            request.num_pending_tokens += 1
 
     def _new_block_ids(self, request: Request) -> list[int]:
         sent = self._sent_blocks.get(request.request_id, 0)
@@ -156,17 +186,18 @@ class Scheduler:
     # -- results -------------------------------------------------------------------------
 
     def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
-        """Advance the scheduled requests by what the step computed, append sampled tokens, and
-        finish those that hit eos, a stop token or their length; return those that progressed."""
+        """Append the step's sampled tokens and finish the requests that hit eos, a stop token
+        or their length; return those that progressed. A request finished or aborted while the
+        step ran is skipped (the token it computed meanwhile is dropped)."""
         progressed: list[Request] = []
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or request.is_finished:
-                continue  # aborted while the step ran
-            request.num_computed_tokens += scheduled.num_scheduled_tokens[req_id]
+                continue
             if token_id is None:
                 progressed.append(request)  # a prefill chunk (prompt logprobs may be ready)
                 continue
+            request.num_pending_tokens -= 1
             request.output_token_ids.append(token_id)
             if request.check_stop():
                 self._finish(request)

@@ -36,6 +36,7 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int] = field(default_factory=dict)
     finished_req_ids: set[str] = field(default_factory=set)  # drop their worker state
     preempted_req_ids: set[str] = field(default_factory=set)  # subset of finished: they come back
+    num_prompt_tokens: int = 0  # of the scheduled tokens, those that are prompt tokens
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from sonar.config import ModelConfig
 from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sonar.platform import Platform
@@ -23,3 +25,10 @@ class UniprocExecutor:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def launch(self, scheduler_output: SchedulerOutput) -> Any:
+        """Start the step; ``fetch`` the returned handle for its results."""
+        return self.worker.launch(scheduler_output)
+
+    def fetch(self, handle: Any) -> ModelRunnerOutput:
+        return self.worker.fetch(handle)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sonar.sampler.penalties import context_ids
+from sonar.tensors import to_device
 
 if TYPE_CHECKING:
     from sonar.sampler.metadata import RequestSamplingState
@@ -50,7 +51,7 @@ class NgramTensors:
 
 
 def _contexts(
-    states: list["RequestSamplingState"], rows: list[int], ranges: list[int], num_states: int,
+    states: list[RequestSamplingState], rows: list[int], ranges: list[int], num_states: int,
     breakers: list[list[int]] | None, vocab_size: int, device: torch.device,
 ) -> ContextTensors:  # fmt: skip
     windows = [context_ids(states[row], last) for row, last in zip(rows, ranges)]
@@ -67,11 +68,11 @@ def _contexts(
             table[i, [t for t in ids_of_row if 0 <= t < vocab_size]] = True
         safe = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
         stop |= table.gather(1, safe)
-    index = None if len(rows) == num_states else torch.tensor(rows, dtype=torch.int64).to(device)
-    return ContextTensors(rows=rows, index=index, ids=ids.to(device), stop=stop.to(device))
+    index = None if len(rows) == num_states else to_device(torch.tensor(rows, dtype=torch.int64), device)
+    return ContextTensors(rows=rows, index=index, ids=to_device(ids, device), stop=to_device(stop, device))
 
 
-def build_dry(states: list["RequestSamplingState"], skip: list[bool], vocab_size: int, device: torch.device) -> DryTensors | None:
+def build_dry(states: list[RequestSamplingState], skip: list[bool], vocab_size: int, device: torch.device) -> DryTensors | None:
     rows = [row for row, s in enumerate(states) if not skip[row] and s.params.uses_dry]
     if not rows:
         return None
@@ -81,15 +82,15 @@ def build_dry(states: list["RequestSamplingState"], skip: list[bool], vocab_size
     allowed = [p.dry_allowed_length for p in params]
     return DryTensors(
         context=context,
-        multiplier=torch.tensor([p.dry_multiplier for p in params], dtype=torch.float32).to(device),
-        base=torch.tensor([p.dry_base for p in params], dtype=torch.float32).to(device),
-        allowed_length=torch.tensor(allowed, dtype=torch.int64).to(device),
+        multiplier=to_device(torch.tensor([p.dry_multiplier for p in params], dtype=torch.float32), device),
+        base=to_device(torch.tensor([p.dry_base for p in params], dtype=torch.float32), device),
+        allowed_length=to_device(torch.tensor(allowed, dtype=torch.int64), device),
         max_match=max(max(allowed), 1) + DRY_MAX_EXTRA_MATCH,
     )
 
 
 def build_no_repeat_ngram(
-    states: list["RequestSamplingState"], skip: list[bool], vocab_size: int, device: torch.device
+    states: list[RequestSamplingState], skip: list[bool], vocab_size: int, device: torch.device
 ) -> NgramTensors | None:
     rows = [row for row, s in enumerate(states) if not skip[row] and s.params.no_repeat_ngram_size > 0]
     if not rows:
@@ -97,7 +98,7 @@ def build_no_repeat_ngram(
     sizes = [states[row].params.no_repeat_ngram_size for row in rows]
     context = _contexts(states, rows, [0] * len(rows), len(states), None, vocab_size, device)
     return NgramTensors(
-        context=context, size=torch.tensor(sizes, dtype=torch.int64).to(device), max_size=max(sizes)
+        context=context, size=to_device(torch.tensor(sizes, dtype=torch.int64), device), max_size=max(sizes)
     )
 
 

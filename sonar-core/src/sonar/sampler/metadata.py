@@ -11,9 +11,15 @@ from sonar.sampler.mirostat import MirostatTensors
 from sonar.sampler.penalties import PenaltyTensors, build_penalties
 from sonar.sampler.rows import RowValues, build_row_values
 from sonar.sampler.sampler_ids import SamplerID, resolve_order
-from sonar.sampler.token_masks import AllowedTokens, build_allowed, build_banned, build_logit_bias
+from sonar.sampler.token_masks import (
+    AllowedTokens,
+    build_allowed,
+    build_banned,
+    build_logit_bias,
+)
 from sonar.sampler.xtc import XtcTensors
 from sonar.sampling_params import SamplingParams
+from sonar.tensors import to_device
 
 
 @dataclass(slots=True)
@@ -31,6 +37,10 @@ class RequestSamplingState:
     eos_token_ids: list[int]  # model eos; masked while len(output) < min_tokens unless ignore_eos
     prompt_ids_tensor: torch.Tensor | None = field(default=None, repr=False)  # cached, CPU int64
     mirostat_mu: float | None = None  # None: not started (2 * tau)
+    reads_output_tokens: bool = field(init=False)  # sampling needs the earlier tokens' values
+
+    def __post_init__(self) -> None:
+        self.reads_output_tokens = self.params.reads_output_tokens
 
     def prompt_ids_cpu(self) -> torch.Tensor:
         if self.prompt_ids_tensor is None:
@@ -46,7 +56,7 @@ class RequestSamplingState:
             blocked += self.eos_token_ids
         return blocked
 
-    def carry_over(self, previous: "RequestSamplingState") -> None:
+    def carry_over(self, previous: RequestSamplingState) -> None:
         """Continue ``previous`` (the same request before a preemption): its generator and the
         samplers' running state."""
         self.generator = previous.generator
@@ -113,7 +123,7 @@ class SamplingMetadata:
     @classmethod
     def build(
         cls, states: list[RequestSamplingState], vocab_size: int, device: torch.device
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """Pack the options of ``states`` (one per logits row, in order) into tensors."""
         num_rows = len(states)
         params = [s.params for s in states]
@@ -130,7 +140,7 @@ class SamplingMetadata:
         on_top_k = [k for k in top_k if k < vocab_size]
 
         def floats(values: list[float]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.float32).to(device)
+            return to_device(torch.tensor(values, dtype=torch.float32), device)
 
         requested = [p.logprobs for p in params if p.logprobs is not None]
         processor_rows: dict[str, list[int]] = {}
@@ -148,7 +158,7 @@ class SamplingMetadata:
             num_rows=num_rows,
             all_greedy=all_greedy,
             all_random=all_random,
-            greedy_mask=None if all_greedy or all_random else torch.tensor(greedy).to(device),
+            greedy_mask=None if all_greedy or all_random else to_device(torch.tensor(greedy), device),
             generators={row: states[row].generator for row in random_rows if states[row].generator is not None},
             max_num_logprobs=max(requested) if requested else None,
             banned=build_banned(states, vocab_size, device),
@@ -160,7 +170,7 @@ class SamplingMetadata:
             no_repeat_ngram=build_no_repeat_ngram(states, [False] * num_rows, vocab_size, device),
             temperature=rows(lambda p: None if p.temperature == 1.0 or p.uses_dynatemp else (p.temperature,)),
             dynatemp=rows(lambda p: (p.dynatemp_min, p.dynatemp_max, p.dynatemp_exponent) if p.uses_dynatemp else None),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(device) if on_top_k else None,
+            top_k=to_device(torch.tensor(top_k, dtype=torch.int64), device) if on_top_k else None,
             max_top_k=max(on_top_k, default=0),
             top_p=None if all(p >= 1.0 for p in top_p) else floats(top_p),
             min_p=None if all(p <= 0.0 for p in min_p) else floats(min_p),
@@ -194,8 +204,8 @@ def _build_mirostat(states: list[RequestSamplingState], greedy: list[bool], devi
         state, p = states[row], states[row].params
         mu = 2.0 * p.mirostat_tau if state.mirostat_mu is None else state.mirostat_mu
         columns.append((float(p.mirostat_mode), p.mirostat_tau, p.mirostat_eta, mu))
-    values = torch.tensor(columns, dtype=torch.float32).T.contiguous().to(device)  # [4, R]
-    index = None if len(rows) == len(states) else torch.tensor(rows, dtype=torch.int64).to(device)
+    values = to_device(torch.tensor(columns, dtype=torch.float32).T.contiguous(), device)  # [4, R]
+    index = None if len(rows) == len(states) else to_device(torch.tensor(rows, dtype=torch.int64), device)
     return MirostatTensors(
         values=RowValues(rows=rows, index=index, values=tuple(values)), states=[states[row] for row in rows]
     )

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sonar.tensors import to_device
+
 if TYPE_CHECKING:
     from sonar.sampler.metadata import RequestSamplingState
 
@@ -25,15 +27,15 @@ def occurrence_counts(
 ) -> torch.Tensor:
     """``[B, V]`` float32 counts of each token id per row (ids outside the vocab dropped)."""
     lengths = torch.tensor([len(t) for t in token_lists], dtype=torch.int64)
-    ids = torch.cat(token_lists).to(device) if token_lists else torch.empty(0, dtype=torch.int64, device=device)
-    rows = torch.repeat_interleave(torch.arange(num_rows), lengths).to(device)
+    ids = to_device(torch.cat(token_lists), device) if token_lists else torch.empty(0, dtype=torch.int64, device=device)
+    rows = to_device(torch.repeat_interleave(torch.arange(num_rows), lengths), device)
     ids = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)  # overflow column
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=torch.float32, device=device)
     counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
     return counts[:, :vocab_size]
 
 
-def context_ids(state: "RequestSamplingState", last: int = 0) -> torch.Tensor:
+def context_ids(state: RequestSamplingState, last: int = 0) -> torch.Tensor:
     """``[L]`` int64 CPU: prompt then output ids; only the ``last`` ones when ``last`` > 0."""
     output = torch.tensor(state.output_token_ids, dtype=torch.int64)
     context = torch.cat([state.prompt_ids_cpu(), output])
@@ -41,7 +43,7 @@ def context_ids(state: "RequestSamplingState", last: int = 0) -> torch.Tensor:
 
 
 def build_penalties(
-    states: list["RequestSamplingState"], vocab_size: int, device: torch.device
+    states: list[RequestSamplingState], vocab_size: int, device: torch.device
 ) -> PenaltyTensors | None:
     params = [s.params for s in states]
     use_repetition = any(p.repetition_penalty != 1.0 for p in params)
@@ -53,7 +55,7 @@ def build_penalties(
     output_counts = occurrence_counts(outputs, num_rows, vocab_size, device) if use_additive else None
 
     def floats(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32).to(device)
+        return to_device(torch.tensor(values, dtype=torch.float32), device)
 
     return PenaltyTensors(
         repetition=_repetition_factor(states, vocab_size, device) if use_repetition else None,
@@ -63,7 +65,7 @@ def build_penalties(
     )
 
 
-def _repetition_factor(states: list["RequestSamplingState"], vocab_size: int, device: torch.device) -> torch.Tensor:
+def _repetition_factor(states: list[RequestSamplingState], vocab_size: int, device: torch.device) -> torch.Tensor:
     """``[B, V]``: the repetition penalty of each seen token, 1 for the others.
 
     Over the last ``repetition_penalty_range`` context tokens (all when 0); with a slope, the

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
 from sonar.sampling_params import SamplingParams
+from sonar.tensors import to_device
 
 
 @dataclass(slots=True)
@@ -48,8 +49,8 @@ def build_row_values(
             columns.append(picked)
     if not rows:
         return None
-    values = torch.tensor(columns, dtype=torch.float32).T.contiguous().to(device)  # [num_values, R]
-    index = None if len(rows) == len(params) else torch.tensor(rows, dtype=torch.int64).to(device)
+    values = to_device(torch.tensor(columns, dtype=torch.float32).T.contiguous(), device)  # [num_values, R]
+    index = None if len(rows) == len(params) else to_device(torch.tensor(rows, dtype=torch.int64), device)
     return RowValues(rows=rows, index=index, values=tuple(values))
 
 

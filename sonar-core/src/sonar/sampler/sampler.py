@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -28,6 +28,7 @@ from sonar.sampler.truncation import (
     apply_typical_p,
 )
 from sonar.sampler.xtc import run_xtc
+from sonar.tensors import to_device
 
 __all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "compute_logprobs"]
 
@@ -117,7 +118,7 @@ class Sampler:
         else:
             for order, rows in meta.order_groups:
                 sub_meta = SamplingMetadata.build([meta.states[r] for r in rows], processed.shape[1], processed.device)
-                index = torch.tensor(rows, dtype=torch.int64, device=processed.device)
+                index = to_device(torch.tensor(rows, dtype=torch.int64), processed.device)
                 processed[index] = self._run_ordered(processed[index], sub_meta, order, rows)
         return self._revive_dead_rows(processed, logits, meta)
 
@@ -125,9 +126,10 @@ class Sampler:
     def _revive_dead_rows(processed: torch.Tensor, raw: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """A row whose every token was removed (say allowed_token_ids=[5] with a ban on 5)
         falls back to its hard constraints alone, and failing that to the raw logits: it
-        never samples from an empty distribution."""
+        never samples from an empty distribution. (On an accelerator the fallback is computed
+        whether or not a row died: asking would make the host wait for the device.)"""
         dead = processed.amax(dim=-1) == float("-inf")
-        if not bool(dead.any()):
+        if processed.device.type == "cpu" and not bool(dead.any()):
             return processed
         fallback = raw.float().clone()
         if meta.banned is not None:

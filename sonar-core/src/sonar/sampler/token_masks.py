@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sonar.tensors import to_device
+
 if TYPE_CHECKING:
     from sonar.sampler.metadata import RequestSamplingState
 
@@ -23,11 +25,11 @@ class AllowedTokens:
 def _pairs(rows: list[int], ids: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not rows:
         return None
-    return torch.tensor(rows, dtype=torch.int64).to(device), torch.tensor(ids, dtype=torch.int64).to(device)
+    return to_device(torch.tensor(rows, dtype=torch.int64), device), to_device(torch.tensor(ids, dtype=torch.int64), device)
 
 
 def build_banned(
-    states: list["RequestSamplingState"], vocab_size: int, device: torch.device
+    states: list[RequestSamplingState], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, ids) to set to -inf: eos/stop ids before min_tokens, and the last token of each
     bad word whose earlier tokens end the context (a one-token bad word is always banned)."""
@@ -46,7 +48,7 @@ def build_banned(
     return _pairs(rows, ids, device)
 
 
-def _ends_with(state: "RequestSamplingState", prefix: list[int]) -> bool:
+def _ends_with(state: RequestSamplingState, prefix: list[int]) -> bool:
     output, n = state.output_token_ids, len(prefix)
     if len(output) >= n:
         return output[-n:] == prefix
@@ -55,7 +57,7 @@ def _ends_with(state: "RequestSamplingState", prefix: list[int]) -> bool:
 
 
 def build_logit_bias(
-    states: list["RequestSamplingState"], vocab_size: int, device: torch.device
+    states: list[RequestSamplingState], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     rows: list[int] = []
     ids: list[int] = []
@@ -69,10 +71,10 @@ def build_logit_bias(
     pairs = _pairs(rows, ids, device)
     if pairs is None:
         return None
-    return pairs[0], pairs[1], torch.tensor(biases, dtype=torch.float32).to(device)
+    return pairs[0], pairs[1], to_device(torch.tensor(biases, dtype=torch.float32), device)
 
 
-def build_allowed(states: list["RequestSamplingState"], vocab_size: int, device: torch.device) -> AllowedTokens | None:
+def build_allowed(states: list[RequestSamplingState], vocab_size: int, device: torch.device) -> AllowedTokens | None:
     rows = [row for row, s in enumerate(states) if s.params.allowed_token_ids]
     if not rows:
         return None
@@ -80,7 +82,7 @@ def build_allowed(states: list["RequestSamplingState"], vocab_size: int, device:
     for i, row in enumerate(rows):
         ids = [t for t in states[row].params.allowed_token_ids if 0 <= t < vocab_size]
         keep[i, ids] = True
-    return AllowedTokens(index=torch.tensor(rows, dtype=torch.int64).to(device), keep=keep.to(device))
+    return AllowedTokens(index=to_device(torch.tensor(rows, dtype=torch.int64), device), keep=to_device(keep, device))
 
 
 def apply_banned(logits: torch.Tensor, banned: tuple[torch.Tensor, torch.Tensor]) -> None:

@@ -9,6 +9,7 @@ import torch
 
 from sonar.attention import AttentionMetadata
 from sonar.sampler.metadata import RequestSamplingState
+from sonar.tensors import to_device
 
 
 @dataclass(slots=True, eq=False)
@@ -84,7 +85,7 @@ def build_step_batch(
         block_table[row, : len(state.block_ids)] = state.block_ids
     slot_mapping = block_table[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
-    as_tensor = lambda a, dtype: torch.from_numpy(np.ascontiguousarray(a)).to(device=device, dtype=dtype, non_blocking=True)
+    as_tensor = lambda a, dtype: to_device(a, device, dtype)
     metadata = AttentionMetadata(
         num_decodes=num_decodes,
         num_decode_tokens=num_decodes,
@@ -101,7 +102,7 @@ def build_step_batch(
     return StepBatch(
         states=states,
         num_scheduled=num_scheduled,
-        input_ids=torch.tensor(token_ids, dtype=torch.int64).to(device, non_blocking=True),
+        input_ids=to_device(torch.tensor(token_ids, dtype=torch.int64), device),
         positions=as_tensor(positions, torch.int64),
         attn_metadata=metadata,
         sample_rows=sample_rows,

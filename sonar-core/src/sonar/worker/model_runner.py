@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -11,15 +12,38 @@ import torch
 
 from sonar.attention import AttentionBackend, ForwardContext
 from sonar.config import ModelConfig
-from sonar.engine.scheduler_output import ModelRunnerOutput, RequestLogprobs, SchedulerOutput
+from sonar.engine.scheduler_output import (
+    ModelRunnerOutput,
+    RequestLogprobs,
+    SchedulerOutput,
+)
 from sonar.model_interface import make_attention_factory
 from sonar.registry import import_class, resolve_model_class, weight_formats
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
 from sonar.sampler.sampler import LogprobsTensors, Sampler, compute_logprobs
 from sonar.structured_output.runner import StructuredOutputRunner
+from sonar.tensors import to_device
 from sonar.worker.input_batch import CachedRequestState, StepBatch, build_step_batch
 
 logger = logging.getLogger(__name__)
+
+PLACEHOLDER = -1  # an output token sampled by a step whose results are not back yet
+
+
+@dataclass(slots=True, eq=False)
+class LaunchedStep:
+    """A step queued on the device; ``ModelRunner.fetch`` turns it into its output."""
+
+    req_ids: list[str] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)  # rows of req_ids that sampled a token
+    sample_req_ids: list[str] = field(default_factory=list)
+    logprob_ks: list[int | None] = field(default_factory=list)
+    prompt_logprobs: dict[str, RequestLogprobs] = field(default_factory=dict)
+    sampled: torch.Tensor | None = None  # host copy of the sampled ids (valid once ready)
+    logprobs: LogprobsTensors | None = None  # host copies
+    ready: torch.Event | None = None  # recorded after the copies; None on the CPU
+    placeholders: list[tuple[list[int], int]] = field(default_factory=list)  # (output list, index) per sampled row
+    output: ModelRunnerOutput | None = None  # set once resolved
 
 
 def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: int) -> RequestLogprobs:
@@ -42,6 +66,9 @@ class ModelRunner:
         self.preempted_samplings: dict[str, RequestSamplingState] = {}
         self.sampler = Sampler()
         self.structured_output = StructuredOutputRunner(model_config)
+        self._unresolved: LaunchedStep | None = None  # the last launched step, until resolved
+        self._last_sampled: torch.Tensor | None = None  # its sampled ids, on the device
+        self._last_sampled_index: dict[str, int] = {}  # request -> row of _last_sampled
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -126,22 +153,39 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its results."""
+        return self.fetch(self.launch(so))
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput) -> LaunchedStep:
+        """Queue one step's work on the device and return without waiting for it.
+
+        Each sampled token is appended to its request as a placeholder; ``fetch`` fills in the
+        value. The next step may be launched first: a decode that feeds a placeholder takes
+        the value straight from the previous step's sampled ids on the device. A batch with a
+        request whose sampling reads earlier tokens' values waits for the previous step first.
+        """
         self._update_states(so)
         if so.is_empty:
-            return ModelRunnerOutput([], [], [])
+            return LaunchedStep(output=ModelRunnerOutput([], [], []))
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
+        unresolved = self._unresolved
+        if unresolved is not None and any(s.sampling.reads_output_tokens for s in states):
+            self._resolve(unresolved)
         batch = self.build_batch(states, [so.num_scheduled_tokens[r] for r in req_ids])
+        self._feed_pending_tokens(batch)
         if self.backend_cls is not None:
             self.backend_cls.prepare_metadata(batch.attn_metadata)
         ctx = ForwardContext(batch.attn_metadata, self.kv_caches)
         hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
 
-        prompt_logprobs = self._prompt_logprobs(batch, hidden)
-        sampled: list[int | None] = [None] * len(batch.states)
-        logprobs: list[RequestLogprobs | None] = [None] * len(batch.states)
+        step = LaunchedStep(
+            req_ids=[s.req_id for s in batch.states],
+            sample_rows=batch.sample_rows,
+            prompt_logprobs=self._prompt_logprobs(batch, hidden),
+        )
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab]
             sampling_states = [batch.states[row].sampling for row in batch.sample_rows]
@@ -149,23 +193,77 @@ class ModelRunner:
             self.structured_output.apply_bitmask(logits, sample_req_ids)  # structured output
             meta = SamplingMetadata.build(sampling_states, logits.shape[-1], self.device)
             result = self.sampler(logits, meta)
-            token_ids = result.sampled_token_ids.tolist()
-            self.structured_output.accept(sample_req_ids, token_ids)
-            for i, row in enumerate(batch.sample_rows):
-                sampled[row] = token_ids[i]
-                k = sampling_states[i].params.logprobs
-                if k is not None and result.logprobs is not None:
-                    logprobs[row] = _to_request_logprobs(result.logprobs, [i], k)
+            sampled = result.sampled_token_ids
+            self._last_sampled = sampled
+            self._last_sampled_index = {req_id: i for i, req_id in enumerate(sample_req_ids)}
+            step.sample_req_ids = sample_req_ids
+            step.logprob_ks = [s.params.logprobs for s in sampling_states]
+            step.sampled = sampled.to("cpu", non_blocking=True)
+            if result.logprobs is not None:
+                lp = result.logprobs
+                step.logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (lp.token_ids, lp.logprobs, lp.ranks)))
+            if self.device.type != "cpu":
+                step.ready = torch.Event(device=self.device)
+                step.ready.record()
+        sample_rows = set(batch.sample_rows)
         for row, state in enumerate(batch.states):
             state.num_computed_tokens += batch.num_scheduled[row]
-            if sampled[row] is not None:
-                state.output_token_ids.append(sampled[row])
-        return ModelRunnerOutput(
-            req_ids=[s.req_id for s in batch.states],
-            sampled_token_ids=sampled,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
+            if row in sample_rows:
+                outputs = state.sampling.output_token_ids
+                step.placeholders.append((outputs, len(outputs)))
+                outputs.append(PLACEHOLDER)
+        self._unresolved = step
+        return step
+
+    def fetch(self, step: LaunchedStep) -> ModelRunnerOutput:
+        """Wait for a launched step and return its results."""
+        self._resolve(step)
+        return step.output
+
+    def _resolve(self, step: LaunchedStep) -> None:
+        """Wait for the step's sampled ids, put them in place of its placeholders, advance the
+        grammars, and build its output (once)."""
+        if step.output is not None:
+            return
+        if self._unresolved is step:
+            self._unresolved = None
+        if step.ready is not None:
+            step.ready.synchronize()
+        token_ids = step.sampled.tolist() if step.sampled is not None else []
+        for (outputs, index), token_id in zip(step.placeholders, token_ids):
+            outputs[index] = token_id
+        self.structured_output.accept(step.sample_req_ids, token_ids)
+        sampled: list[int | None] = [None] * len(step.req_ids)
+        logprobs: list[RequestLogprobs | None] = [None] * len(step.req_ids)
+        for i, row in enumerate(step.sample_rows):
+            sampled[row] = token_ids[i]
+            k = step.logprob_ks[i]
+            if k is not None and step.logprobs is not None:
+                logprobs[row] = _to_request_logprobs(step.logprobs, [i], k)
+        step.output = ModelRunnerOutput(
+            req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs
         )
+
+    def _feed_pending_tokens(self, batch: StepBatch) -> None:
+        """Replace the placeholders among the batch's input ids (the previous step's sampled
+        tokens, not back on the host yet) with their values, on the device."""
+        rows = [row for row, s in enumerate(batch.states) if s.sampling.output_token_ids[-1:] == [PLACEHOLDER]]
+        if not rows:
+            return
+        qsl = batch.attn_metadata.query_start_loc_cpu
+        src, dst = [], []
+        for row in rows:
+            state = batch.states[row]
+            if state.num_computed_tokens + batch.num_scheduled[row] != state.num_tokens:
+                raise RuntimeError(f"request {state.req_id}: a step reads a token that is not sampled yet")
+            src.append(self._last_sampled_index[state.req_id])
+            dst.append(qsl[row + 1] - 1)
+        count = len(rows)
+        if src == dst == list(range(count)):
+            batch.input_ids[:count].copy_(self._last_sampled[:count])
+        else:
+            index = to_device(torch.tensor([dst, src], dtype=torch.int64), self.device)
+            batch.input_ids[index[0]] = self._last_sampled[index[1]]
 
     def build_batch(self, states: list[CachedRequestState], num_scheduled: list[int]) -> StepBatch:
         """One step's device inputs (hook: platform runners build them into static buffers)."""

@@ -8,7 +8,7 @@ from sonar import ops
 from sonar.config import ModelConfig
 from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sonar.platform import Platform
-from sonar.worker.model_runner import ModelRunner
+from sonar.worker.model_runner import LaunchedStep, ModelRunner
 
 
 class Worker:
@@ -45,3 +45,9 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
+
+    def launch(self, scheduler_output: SchedulerOutput) -> LaunchedStep:
+        return self.model_runner.launch(scheduler_output)
+
+    def fetch(self, step: LaunchedStep) -> ModelRunnerOutput:
+        return self.model_runner.fetch(step)
