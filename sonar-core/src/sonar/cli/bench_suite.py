@@ -101,6 +101,7 @@ def add_suite_parser(kinds: argparse._SubParsersAction) -> None:
     suite.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="also run transformers' generate()")
     suite.add_argument("--profile", action="store_true", help="profile decode steps of each model at batch 256 and print where time goes")
     suite.add_argument("--gpu-memory-utilization", type=float, default=0.88)
+    suite.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
     suite.add_argument("--output-json", default=None)
     suite.set_defaults(func=run_suite)
 
@@ -130,39 +131,52 @@ def _sync() -> None:
 # -- the engine ---------------------------------------------------------------------------
 
 
-def _engine(folder: Path, name: str, utilization: float):
+def _engine(folder: Path, name: str, utilization: float, max_num_seqs: int):
     from sonar.entrypoints.llm import LLM
 
     return LLM(
         str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
         max_model_len=MAX_MODEL_LEN[name], gpu_memory_utilization=utilization, enable_prefix_caching=False,
-        max_num_batched_tokens=MAX_BATCHED_TOKENS,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=max_num_seqs,
     )
 
 
 def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dict[str, float] | None = None) -> tuple[float, int]:
     """Run the prompts; seconds and output tokens. ``phases`` (if given) receives the number
-    of steps and the host's time launching steps and waiting for their results."""
+    of steps and the host's seconds in each part of the step (launch, and its pieces; the
+    wait for results; the scheduler; output processing)."""
     from sonar.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in output_lens]
-    executor = llm.llm_engine.core.executor
-    originals = executor.launch, executor.fetch
+    engine = llm.llm_engine
+    runner = engine.core.executor.worker.model_runner
+    targets = [
+        (engine.core.executor, "launch", "launch_s"),
+        (engine.core.executor, "fetch", "fetch_wait_s"),
+        (engine.core.scheduler, "schedule", "schedule_s"),
+        (engine.core.scheduler, "update_from_output", "update_s"),
+        (engine.output_processor, "process", "output_processing_s"),
+        (runner, "_update_states", "  launch: update_states_s"),
+        (runner, "build_batch", "  launch: build_batch_s"),
+        (runner, "_feed_pending_tokens", "  launch: feed_pending_s"),
+        (runner.model, "forward", "  launch: forward_s"),
+        (runner, "sampler", "  launch: sampler_s"),
+    ] if phases is not None else []
+    originals = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in targets]
     if phases is not None:
-        phases.update(steps=0, launch_s=0.0, fetch_wait_s=0.0)
+        phases.update({key: 0.0 for _, _, key in targets}, steps=0)
+        for obj, attr, key in targets:
+            original = getattr(obj, attr)
 
-        def timed(original, key: str):
-            def call(argument):
+            def timed(*args, _original=original, _key=key, **kwargs):
                 started = time.perf_counter()
                 try:
-                    return original(argument)
+                    return _original(*args, **kwargs)
                 finally:
-                    phases[key] += time.perf_counter() - started
-                    phases["steps"] += key == "launch_s"
+                    phases[_key] += time.perf_counter() - started
 
-            return call
-
-        executor.launch, executor.fetch = timed(originals[0], "launch_s"), timed(originals[1], "fetch_wait_s")
+            setattr(obj, attr, timed)
+    steps_before = engine.core.num_steps_launched
     try:
         _sync()
         started = time.perf_counter()
@@ -170,7 +184,10 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
         _sync()
         elapsed = time.perf_counter() - started
     finally:
-        executor.launch, executor.fetch = originals
+        for obj, attr, original in originals:
+            setattr(obj, attr, original)
+    if phases is not None:
+        phases["steps"] = engine.core.num_steps_launched - steps_before
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
@@ -202,8 +219,8 @@ def _run_engine_rows(llm, name: str, specs: list[Spec], scale: float, rows: dict
             elapsed, num_output = _generate(llm, workload.prompts, workload.output_lens, phases)
             row.value = num_output / elapsed
             row.detail = {"requests": count, "elapsed_s": round(elapsed, 2), "output_tokens": num_output,
-                          "prompt_tokens": workload.num_prompt_tokens, "steps": phases["steps"],
-                          "host_launch_s": round(phases["launch_s"], 2), "host_waiting_for_gpu_s": round(phases["fetch_wait_s"], 2)}
+                          "prompt_tokens": workload.num_prompt_tokens,
+                          "host_s": {key: round(value, 2) for key, value in phases.items()}}
             print(f"    {row.detail}", file=sys.stderr, flush=True)
         print(f"  {spec.key} {name}: {row.value:.2f} {spec.unit}", file=sys.stderr, flush=True)
 
@@ -456,12 +473,13 @@ def run_suite(args: argparse.Namespace) -> int:
                 _run_peer_rows(name, model_specs, rows)
             print(f"sonar: {name}...", file=sys.stderr, flush=True)
             started = time.perf_counter()
-            llm = _engine(folder, name, args.gpu_memory_utilization)
+            llm = _engine(folder, name, args.gpu_memory_utilization, args.max_num_seqs)
             print(f"  engine ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
             _run_engine_rows(llm, name, model_specs, args.scale, rows)
             if args.profile:
                 profile_result[name] = _profile_decode(llm, name)
                 profile_result[name]["prefill_step"] = _profile_prefill(llm, name)
+                profile_result[name]["batch_1"] = _profile_decode(llm, name, batch=1)
                 print(json.dumps(profile_result[name], indent=1), file=sys.stderr, flush=True)
             del llm
             _release()

@@ -83,6 +83,7 @@ class EngineCore:
         self.num_generation_tokens = 0
         self.num_failed_steps = 0
         self.async_scheduling = async_scheduling
+        self.num_steps_launched = 0
         self._in_flight: _InFlightStep | None = None
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
 
@@ -123,6 +124,7 @@ class EngineCore:
             except Exception as exc:
                 outputs += self._abort_failed_step(scheduled, exc)
             else:
+                self.num_steps_launched += 1
                 self._in_flight = _InFlightStep(scheduled, handle, self._overlappable(scheduled))
         elif scheduled.finished_req_ids:  # let the workers drop finished state
             self.executor.execute_model(scheduled)
