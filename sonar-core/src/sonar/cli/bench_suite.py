@@ -60,11 +60,15 @@ class Spec:
     unit: str  # "tok/s" (higher is better) or "ms/token" (lower is better)
     peer_prompts: int
     peer_max_output: int
+    max_num_seqs: int = 256  # the engine's sequence cap for this workload
 
 
 SPECS = [
     Spec("a", "Qwen3-0.6B", "256 req, in/out U[100,1024]", 256, (100, 1024), (100, 1024), 20000, 36000, "tok/s", 64, 64),
-    Spec("b", "Llama-3.1-8B", "1000 req, 1024 in / 128 out", 1000, (1024, 1024), (128, 128), 3800, 5400, "tok/s", 64, 32),
+    # b: 1,000 requests of 1,024-token prompts: with 256 seats each step has room for only about
+    # two new prompts, so steps stay small; 1,024 seats (vLLM's default on this class of GPU)
+    # keep every step at the full token budget
+    Spec("b", "Llama-3.1-8B", "1000 req, 1024 in / 128 out", 1000, (1024, 1024), (128, 128), 3800, 5400, "tok/s", 64, 32, 1024),
     Spec("c", "Llama-3.1-8B", "500 req, 128 in / 2048 out", 500, (128, 128), (2048, 2048), 12000, None, "tok/s", 64, 64),
     Spec("d", "Qwen3-0.6B", "batch 1, decode", 1, (32, 32), (256, 256), 2.0, 0.28, "ms/token", 1, 64),
     Spec("d", "Llama-3.1-8B", "batch 1, decode", 1, (32, 32), (256, 256), 4.5, 3.5, "ms/token", 1, 64),
@@ -101,7 +105,7 @@ def add_suite_parser(kinds: argparse._SubParsersAction) -> None:
     suite.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True, help="also run transformers' generate()")
     suite.add_argument("--profile", action="store_true", help="profile decode steps of each model at batch 256 and print where time goes")
     suite.add_argument("--gpu-memory-utilization", type=float, default=0.88)
-    suite.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one step")
+    suite.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (default: each workload's)")
     suite.add_argument("--output-json", default=None)
     suite.set_defaults(func=run_suite)
 
@@ -161,7 +165,14 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
         (runner, "_feed_pending_tokens", "  launch: feed_pending_s"),
         (runner.model, "forward", "  launch: forward_s"),
         (runner, "sampler", "  launch: sampler_s"),
+        (runner.model, "compute_logits", "  launch: compute_logits_s"),
+        (runner, "_prompt_logprobs", "  launch: prompt_logprobs_s"),
+        (runner.structured_output, "apply_bitmask", "  launch: bitmask_s"),
+        (_sampling_metadata_class(), "build", "  launch: sampling_metadata_s"),
     ] if phases is not None else []
+    graphs = getattr(runner, "graphs", None)
+    if phases is not None and graphs is not None:
+        targets.append((graphs, "run", "  launch: forward: graph replay calls_s"))
     originals = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in targets]
     if phases is not None:
         phases.update({key: 0.0 for _, _, key in targets}, steps=0)
@@ -173,10 +184,15 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
                 try:
                     return _original(*args, **kwargs)
                 finally:
-                    phases[_key] += time.perf_counter() - started
+                    seconds = time.perf_counter() - started
+                    phases[_key] += seconds
+                    if _key.endswith("replay calls_s"):
+                        slow = "  launch: forward: replays over 1 ms"
+                        phases[slow] = phases.get(slow, 0) + (seconds > 1e-3)
 
             setattr(obj, attr, timed)
     steps_before = engine.core.num_steps_launched
+    memory_before = _memory_stats()
     try:
         _sync()
         started = time.perf_counter()
@@ -188,7 +204,27 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
             setattr(obj, attr, original)
     if phases is not None:
         phases["steps"] = engine.core.num_steps_launched - steps_before
+        memory = _memory_stats()
+        phases.update({k: v - memory_before.get(k, 0) for k, v in memory.items()})
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def _sampling_metadata_class():
+    from sonar.sampler.metadata import SamplingMetadata
+
+    return SamplingMetadata
+
+
+def _memory_stats() -> dict[str, int]:
+    """The CUDA caching allocator's counters that mean the host waited: retried allocations
+    (cached blocks freed, which synchronises) and device-wide synchronisations."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"alloc_retries": stats.get("num_alloc_retries", 0), "device_mallocs": stats.get("num_device_alloc", 0),
+            "sync_all_streams": stats.get("num_sync_all_streams", 0)}
 
 
 def _decode_ms_per_token(run_short, run_long, num_tokens: int, repeats: int = 3) -> float:
@@ -471,18 +507,21 @@ def run_suite(args: argparse.Namespace) -> int:
             if args.peer:
                 print(f"peer: transformers generate() on {name}...", file=sys.stderr, flush=True)
                 _run_peer_rows(name, model_specs, rows)
-            print(f"sonar: {name}...", file=sys.stderr, flush=True)
-            started = time.perf_counter()
-            llm = _engine(folder, name, args.gpu_memory_utilization, args.max_num_seqs)
-            print(f"  engine ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
-            _run_engine_rows(llm, name, model_specs, args.scale, rows)
-            if args.profile:
-                profile_result[name] = _profile_decode(llm, name)
-                profile_result[name]["prefill_step"] = _profile_prefill(llm, name)
-                profile_result[name]["batch_1"] = _profile_decode(llm, name, batch=1)
-                print(json.dumps(profile_result[name], indent=1), file=sys.stderr, flush=True)
-            del llm
-            _release()
+            seats = sorted({args.max_num_seqs or s.max_num_seqs for s in model_specs})
+            for index, max_num_seqs in enumerate(seats):
+                group = [s for s in model_specs if (args.max_num_seqs or s.max_num_seqs) == max_num_seqs]
+                print(f"sonar: {name}, max_num_seqs {max_num_seqs}...", file=sys.stderr, flush=True)
+                started = time.perf_counter()
+                llm = _engine(folder, name, args.gpu_memory_utilization, max_num_seqs)
+                print(f"  engine ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+                _run_engine_rows(llm, name, group, args.scale, rows)
+                if args.profile and index == 0:
+                    profile_result[name] = _profile_decode(llm, name)
+                    profile_result[name]["prefill_step"] = _profile_prefill(llm, name)
+                    profile_result[name]["batch_1"] = _profile_decode(llm, name, batch=1)
+                    print(json.dumps(profile_result[name], indent=1), file=sys.stderr, flush=True)
+                del llm
+                _release()
     ordered = list(rows.values())
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     print(f"\nsonar bench suite on {device} (bf16 random weights, greedy, ignore_eos; scale {args.scale})")
