@@ -21,6 +21,7 @@ from sonar.engine.scheduler_output import SchedulerOutput
 from sonar.worker.input_batch import CachedRequestState, StepBatch
 from sonar.worker.model_runner import ModelRunner
 
+from sonar_cuda.kernels.decode_attention import warm_up_decode_attention
 from sonar_cuda.decode_graphs import (
     DecodeBuffers,
     DecodeGraphs,
@@ -90,6 +91,10 @@ class CudaModelRunner(ModelRunner):
         )
         self.graphs.capture()
         self.model = GraphedModel(model, self.graphs)
+        if self.device.type == "cuda":  # compile the eager decode path's split-KV variants now
+            kv = self.kv_caches[0]
+            num_heads = self.model_config.hf_config.num_attention_heads
+            warm_up_decode_attention(kv[0], kv[1], num_heads, self.model_config.dtype)
 
     # -- request state: persistent block-table rows ---------------------------------------
 

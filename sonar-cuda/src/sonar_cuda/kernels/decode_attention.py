@@ -104,23 +104,23 @@ def _decode_split_kernel(
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _decode_reduce_kernel(
     part_out_ptr,
     part_lse_ptr,
     out_ptr,
     stride_out_token,
     stride_out_head,
-    NUM_SPLITS: tl.constexpr,
+    num_splits,  # a runtime value: one compiled kernel per power-of-two pad, not per count
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    row = (seq * tl.num_programs(1) + head).to(tl.int64) * NUM_SPLITS
+    row = (seq * tl.num_programs(1) + head).to(tl.int64) * num_splits
     splits = tl.arange(0, SPLITS_PAD)
-    split_mask = splits < NUM_SPLITS
+    split_mask = splits < num_splits
     dims = tl.arange(0, BLOCK_D)
     # weights of each split: [SPLITS_PAD]
     lse = tl.load(part_lse_ptr + row + splits, mask=split_mask, other=float("-inf"))
@@ -231,7 +231,7 @@ def decode_attention(
             out,
             out.stride(0),
             out.stride(1),
-            NUM_SPLITS=num_splits,
+            num_splits,
             SPLITS_PAD=triton.next_power_of_2(num_splits),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
@@ -262,3 +262,21 @@ def reference_decode_attention(
         scores = torch.einsum("hd,khd->hk", query[i].float(), k) * scale
         out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
     return out
+
+
+def warm_up_decode_attention(k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int, dtype: torch.dtype) -> None:
+    """Compile the split-KV reduction for every power-of-two pad up to ``MAX_SPLITS`` (eager
+    steps choose their split count per step; without this the first steps of a new shape pay
+    Triton's compile time)."""
+    head_dim, page_size = k_cache.shape[-1], k_cache.shape[1]
+    device = k_cache.device
+    query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    splits = 2
+    while splits <= MAX_SPLITS:
+        num_pages = -(-splits * MIN_TOKENS_PER_SPLIT // page_size)
+        if num_pages > k_cache.shape[0]:
+            break
+        block_tables = torch.arange(num_pages, dtype=torch.int32, device=device).unsqueeze(0)
+        seq_lens = torch.tensor([num_pages * page_size], dtype=torch.int32, device=device)
+        decode_attention(query, k_cache, v_cache, block_tables, seq_lens, 1.0, max_seq_len=num_pages * page_size, num_splits=splits)
+        splits *= 2
