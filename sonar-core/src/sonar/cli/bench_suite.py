@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import sys
 import tempfile
 import time
@@ -193,6 +194,7 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
             setattr(obj, attr, timed)
     steps_before = engine.core.num_steps_launched
     memory_before = _memory_stats()
+    compiled_before = _triton_cache_entries()
     try:
         _sync()
         started = time.perf_counter()
@@ -206,6 +208,7 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
         phases["steps"] = engine.core.num_steps_launched - steps_before
         memory = _memory_stats()
         phases.update({k: v - memory_before.get(k, 0) for k, v in memory.items()})
+        phases["triton_compiles"] = _triton_cache_entries() - compiled_before
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
@@ -213,6 +216,16 @@ def _sampling_metadata_class():
     from sonar.sampler.metadata import SamplingMetadata
 
     return SamplingMetadata
+
+
+def _triton_cache_entries() -> int:
+    """Kernels in Triton's on-disk cache (a new entry: a kernel compiled meanwhile)."""
+    try:
+        from triton import knobs
+
+        return len(os.listdir(knobs.cache.dir))
+    except (ImportError, OSError, AttributeError):
+        return 0
 
 
 def _memory_stats() -> dict[str, int]:

@@ -20,7 +20,8 @@ MAX_SPLITS = 64
 RESIDENT_PER_SM = 2  # decode programs one H200 multiprocessor holds at once (shared memory, 3 stages)
 
 
-@triton.jit
+# the block table's width changes from step to step: not specialised on (see prefill_attention)
+@triton.jit(do_not_specialize=["stride_bt_seq"], do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr,
     k_cache_ptr,

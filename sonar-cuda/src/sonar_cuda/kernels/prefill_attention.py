@@ -60,7 +60,12 @@ def _attend_tile(
     return m_new, l_i, acc
 
 
-@triton.jit
+# per-step values (the block table's width, slices of the step's tensors at the first prefill
+# row) are not specialised on: each new divisibility or alignment would compile a new kernel
+@triton.jit(
+    do_not_specialize=["stride_bt_seq"],
+    do_not_specialize_on_alignment=["block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr"],
+)
 def _prefill_kernel(
     q_ptr,
     k_cache_ptr,
