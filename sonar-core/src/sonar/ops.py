@@ -6,7 +6,7 @@ the plain torch version below (the numerics of Hugging Face's Llama/Qwen code).
 
 A platform names a module in ``Platform.ops_module``; that module holds ``OPS``, a dict from
 operation name (``"rms_norm"``, ``"fused_add_rms_norm"``, ``"silu_and_mul"``,
-``"rotary_tables"``, ``"apply_rotary"``, ``"linear"``) to a function with the signature below. The worker
+``"rotary_tables"``, ``"apply_rotary"``) to a function with the signature below. The worker
 calls :func:`install_platform_ops` once, so models never import a platform package.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 #: device type -> operation name -> platform implementation
 _OVERRIDES: dict[str, dict[str, Callable[..., Any]]] = {}
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_tables", "apply_rotary", "linear")
+OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_tables", "apply_rotary")
 
 
 def register_ops(device_type: str, ops: dict[str, Callable[..., Any]]) -> None:
@@ -45,16 +45,6 @@ def install_platform_ops(platform: Any) -> None:
 def _override(x: torch.Tensor, name: str) -> Callable[..., Any] | None:
     table = _OVERRIDES.get(x.device.type)
     return table.get(name) if table else None
-
-
-# -- projections -------------------------------------------------------------------------
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` (``torch.nn.functional.linear``); platforms may swap in their
-    own kernel for some shapes (say, one row of activations at batch-1 decode)."""
-    impl = _override(x, "linear")
-    return torch.nn.functional.linear(x, weight, bias) if impl is None else impl(x, weight, bias)
 
 
 # -- norms -------------------------------------------------------------------------------

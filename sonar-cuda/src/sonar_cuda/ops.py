@@ -11,7 +11,6 @@ from typing import Any, Callable
 import torch
 
 from sonar_cuda.kernels.activation import silu_and_mul as _silu_and_mul
-from sonar_cuda.kernels.gemv import gemv, pick_gemv
 from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
 from sonar_cuda.kernels.layernorm import rms_norm as _rms_norm
 from sonar_cuda.kernels.rotary import rotary_embedding
@@ -54,18 +53,7 @@ def apply_rotary(
     return query, key
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One row of 16-bit activations (batch-1 decode) through the Triton GEMV where it was
-    timed faster for this weight's shape; everything else through ``F.linear``."""
-    if x.dim() == 2 and x.shape[0] == 1 and x.dtype in (torch.bfloat16, torch.float16) and x.stride(-1) == 1 and weight.stride(-1) == 1:
-        config = pick_gemv(weight, x)
-        if config is not None:
-            return gemv(x, weight, bias, *config)
-    return torch.nn.functional.linear(x, weight, bias)
-
-
 OPS: dict[str, Callable[..., Any]] = {
-    "linear": linear,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "silu_and_mul": silu_and_mul,

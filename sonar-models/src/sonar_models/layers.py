@@ -27,14 +27,7 @@ class RMSNorm(nn.Module):
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` through ``sonar.ops.linear``, so a platform may run its own kernel."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
-
-
-class MergedLinear(Linear):
+class MergedLinear(nn.Linear):
     """A Linear whose output rows are several checkpoint projections stacked in order
     (``{"q": 576, "k": 192, "v": 192}``); the weight loader fills each part separately."""
 
