@@ -17,12 +17,14 @@ outputs capped) and its figure is per generated token of that subset; the table 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,7 +151,8 @@ def _engine(folder: Path, name: str, utilization: float, max_num_seqs: int):
 def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dict[str, float] | None = None) -> tuple[float, int]:
     """Run the prompts; seconds and output tokens. ``phases`` (if given) receives the number
     of steps and the host's seconds in each part of the step (launch, and its pieces; the
-    wait for results; the scheduler; output processing)."""
+    wait for results; the scheduler; output processing), the allocator's counters and the
+    number of Triton kernels compiled meanwhile."""
     from sonar.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in output_lens]
@@ -168,48 +171,43 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
         (runner, "sampler", "  launch: sampler_s"),
         (runner.model, "compute_logits", "  launch: compute_logits_s"),
         (runner, "_prompt_logprobs", "  launch: prompt_logprobs_s"),
-        (runner.structured_output, "apply_bitmask", "  launch: bitmask_s"),
         (_sampling_metadata_class(), "build", "  launch: sampling_metadata_s"),
     ] if phases is not None else []
-    graphs = getattr(runner, "graphs", None)
-    if phases is not None and graphs is not None:
-        targets.append((graphs, "run", "  launch: forward: graph replay calls_s"))
-    originals = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in targets]
-    if phases is not None:
-        phases.update({key: 0.0 for _, _, key in targets}, steps=0)
-        for obj, attr, key in targets:
-            original = getattr(obj, attr)
-
-            def timed(*args, _original=original, _key=key, **kwargs):
-                started = time.perf_counter()
-                try:
-                    return _original(*args, **kwargs)
-                finally:
-                    seconds = time.perf_counter() - started
-                    phases[_key] += seconds
-                    if _key.endswith("replay calls_s"):
-                        slow = "  launch: forward: replays over 1 ms"
-                        phases[slow] = phases.get(slow, 0) + (seconds > 1e-3)
-
-            setattr(obj, attr, timed)
-    steps_before = engine.core.num_steps_launched
-    memory_before = _memory_stats()
-    compiled_before = _triton_cache_entries()
-    try:
+    totals: dict[str, float] = {}
+    steps_before, memory_before, compiled_before = engine.core.num_steps_launched, _memory_stats(), _triton_cache_entries()
+    with _timing(targets, totals):
         _sync()
         started = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         _sync()
         elapsed = time.perf_counter() - started
+    if phases is not None:
+        phases.update(totals)
+        phases["steps"] = engine.core.num_steps_launched - steps_before
+        phases.update({k: v - memory_before.get(k, 0) for k, v in _memory_stats().items()})
+        phases["triton_compiles"] = _triton_cache_entries() - compiled_before
+    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+@contextlib.contextmanager
+def _timing(targets: list[tuple[Any, str, str]], totals: dict[str, float]) -> Iterator[None]:
+    """While inside, add the host seconds spent in each ``obj.attr`` to ``totals[label]``."""
+    originals = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in targets]
+    for obj, attr, label in targets:
+
+        def timed(*args: Any, _original: Any = getattr(obj, attr), _label: str = label, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - started
+
+        setattr(obj, attr, timed)
+    try:
+        yield
     finally:
         for obj, attr, original in originals:
             setattr(obj, attr, original)
-    if phases is not None:
-        phases["steps"] = engine.core.num_steps_launched - steps_before
-        memory = _memory_stats()
-        phases.update({k: v - memory_before.get(k, 0) for k, v in memory.items()})
-        phases["triton_compiles"] = _triton_cache_entries() - compiled_before
-    return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
 def _sampling_metadata_class():
@@ -453,29 +451,13 @@ def _time_phases(engine: Any, steps: int) -> dict[str, float]:
         (runner, "sampler", "  sampling launch"),
         (engine.output_processor, "process", "output processing"),
     ]
-    originals = []
-    for obj, attr, label in targets:
-        original = getattr(obj, attr)
-        originals.append((obj, attr, original))
-
-        def timed(*args: Any, _original: Any = original, _label: str = label, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - started
-
-        setattr(obj, attr, timed)
-    try:
+    with _timing(targets, totals):
         _sync()
         started = time.perf_counter()
         for _ in range(steps):
             engine.step()
         _sync()
         totals["whole step"] = time.perf_counter() - started
-    finally:
-        for obj, attr, original in originals:
-            setattr(obj, attr, original)
     result = {label: round(1000 * seconds / steps, 3) for label, seconds in totals.items()}
     graphs = getattr(runner, "graphs", None)
     if graphs is not None and graphs.graphs and torch.cuda.is_available():
