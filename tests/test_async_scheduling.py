@@ -153,3 +153,28 @@ def test_abort_while_a_step_is_in_flight(llama_dir) -> None:
     engine.step()  # collects whatever is left in flight
     stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_grammar_requests_among_overlapped_ones(llama_dir) -> None:
+    """A constrained request joins a batch whose previous step is still in flight: its mask
+    and matcher see every token, and the plain requests beside it are unchanged."""
+    import json
+
+    from sonar.structured_output import GuidedDecodingParams
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}}, "required": ["n", "ok"]}
+    plain = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    constrained = SamplingParams(temperature=0.0, max_tokens=60, guided_decoding=GuidedDecodingParams(json=schema))
+    prompts = ["Plain one", "Plain two", "Record:", "Plain three", "Another record:"]
+    params = [plain, plain, constrained, plain, constrained.clone(temperature=0.8, seed=3)]
+    expected = _llm(llama_dir, False).generate(prompts, params)
+    engine = _llm(llama_dir, True)
+    in_flight = _record_calls(engine.llm_engine)
+    got = engine.generate(prompts, params)
+    assert in_flight.count(2) > 0  # plain steps did overlap
+    _assert_same_outputs(got, expected)
+    for index in (2, 4):
+        completion = got[index].outputs[0]
+        assert completion.finish_reason == "stop"
+        value = json.loads(completion.text)
+        assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 99
