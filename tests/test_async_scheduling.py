@@ -178,3 +178,13 @@ def test_grammar_requests_among_overlapped_ones(llama_dir) -> None:
         assert completion.finish_reason == "stop"
         value = json.loads(completion.text)
         assert set(value) == {"n", "ok"} and 0 <= value["n"] <= 99
+
+
+def test_the_default_follows_the_platform(llama_dir) -> None:
+    from sonar_cuda.platform import CudaPlatform
+    from sonar_cpu.platform import CpuPlatform
+
+    # on the CPU the host computes each step itself: overlapping would only delay outputs
+    assert CpuPlatform.async_scheduling is False and CudaPlatform.async_scheduling is True
+    assert LLM(str(llama_dir), dtype="float32", max_model_len=256, kv_cache_memory_bytes=16 << 20).llm_engine.core.async_scheduling is False
+    assert _llm(llama_dir, True).llm_engine.core.async_scheduling is True

@@ -54,7 +54,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     quantization: str | None = None
     max_logprobs: int = 20
-    async_scheduling: bool = True  # schedule and launch step N+1 while step N runs
+    async_scheduling: bool | None = None  # schedule and launch step N+1 while step N runs; None: the platform's default
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:

@@ -39,6 +39,11 @@ class Platform:
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
     #: torch.distributed backend for multi-device runs.
     dist_backend: str = "gloo"
+    #: Whether the engine schedules and launches each step before reading the last one's
+    #: results, by default. Worth it where launching returns before the device finishes the
+    #: step (an accelerator's queue), so the host's work overlaps the device's; where the
+    #: host computes the step itself it only delays every output by one step.
+    async_scheduling: bool = False
 
     @classmethod
     def device(cls, index: int = 0) -> torch.device:

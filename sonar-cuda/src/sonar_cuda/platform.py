@@ -17,6 +17,7 @@ class CudaPlatform(Platform):
     ops_module = "sonar_cuda.ops"
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
     dist_backend = "nccl"
+    async_scheduling = True  # kernels are queued: the host schedules step N+1 while step N runs
 
     @classmethod
     def device(cls, index: int = 0) -> torch.device:

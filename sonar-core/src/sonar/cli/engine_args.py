@@ -26,7 +26,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed for random weights (load_format=dummy) and engine-level randomness")
     group.add_argument(
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=defaults.async_scheduling,
-        help="schedule and launch each step while the one before it still runs on the device",
+        help="schedule and launch each step while the one before it still runs on the device (default: on for accelerators, off on the CPU)",
     )
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs, help="largest logprobs / prompt_logprobs a request may ask for")
 

@@ -105,7 +105,7 @@ class LLMEngine:
             args.enable_prefix_caching,
             args.kv_cache_memory_bytes,
             args.gpu_memory_utilization,
-            args.async_scheduling,
+            self.platform.async_scheduling if args.async_scheduling is None else args.async_scheduling,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
 
