@@ -38,11 +38,15 @@ def random_prompts(count: int, seed: int, min_len: int = 1, max_len: int = 60, v
     return [[rng.randint(100, vocab - 1) for _ in range(rng.randint(min_len, max_len))] for _ in range(count)]
 
 
-def generate(platform: type, path: Path, prompts: list[list[int]], params: SamplingParams, **engine_kwargs: Any) -> tuple[list[RequestOutput], LLMEngine]:
-    """Every prompt through one engine on ``platform``; outputs in prompt order."""
+def generate(
+    platform: type, path: Path, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], **engine_kwargs: Any
+) -> tuple[list[RequestOutput], LLMEngine]:
+    """Every prompt through one engine on ``platform`` (one params for all, or one each);
+    outputs in prompt order."""
     engine = LLMEngine(EngineArgs(model=str(path), **engine_kwargs), platform=platform)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    each = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, request_params) in enumerate(zip(prompts, each, strict=True)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, request_params)
     done: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():

@@ -121,22 +121,6 @@ def test_bfloat16_top5_logprobs_match_transformers(tiny_models, arch: str) -> No
     assert worst < BF16_LOGPROB_TOL, f"largest top-5 logprob difference {worst:.3f}"
 
 
-def _run(platform: type, path: Path, prompts: list[list[int]], params: list[SamplingParams], **engine_kwargs):
-    from sonar.config import EngineArgs
-    from sonar.engine.llm_engine import LLMEngine
-
-    engine = LLMEngine(EngineArgs(model=str(path), **engine_kwargs), platform=platform)
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
-    done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output
-    stats = engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
-    return [done[str(i)] for i in range(len(prompts))]
-
 
 @pytest.mark.cuda
 def test_async_scheduling_gives_the_synchronous_outputs(tiny_models) -> None:
@@ -148,7 +132,7 @@ def test_async_scheduling_gives_the_synchronous_outputs(tiny_models) -> None:
     prompts = random_prompts(40, seed=7, max_len=90)
     engine_kwargs = dict(dtype="float32", max_model_len=512, max_num_batched_tokens=96, kv_cache_memory_bytes=64 << 20)
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    reference = _run(CudaPlatform, path, prompts, [greedy] * len(prompts), async_scheduling=False, **engine_kwargs)
+    reference, _ = generate(CudaPlatform, path, prompts, greedy, async_scheduling=False, **engine_kwargs)
     kinds = [
         lambda i: greedy.clone(logprobs=2),
         lambda i: SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30 + i % 7, seed=i, ignore_eos=True),
@@ -157,8 +141,10 @@ def test_async_scheduling_gives_the_synchronous_outputs(tiny_models) -> None:
         lambda i: SamplingParams(temperature=1.0, top_k=8, max_tokens=33, seed=100 + i, ignore_eos=True, logprobs=1),
     ]
     params = [kinds[i % len(kinds)](i) for i in range(len(prompts))]
-    sync = _run(CudaPlatform, path, prompts, params, async_scheduling=False, **engine_kwargs)
-    overlapped = _run(CudaPlatform, path, prompts, params, async_scheduling=True, **engine_kwargs)
+    sync, _ = generate(CudaPlatform, path, prompts, params, async_scheduling=False, **engine_kwargs)
+    overlapped, engine = generate(CudaPlatform, path, prompts, params, async_scheduling=True, **engine_kwargs)
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
     for a, b in zip(sync, overlapped):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         assert a.outputs[0].finish_reason == b.outputs[0].finish_reason

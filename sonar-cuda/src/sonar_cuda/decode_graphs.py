@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from sonar.attention import AttentionMetadata, ForwardContext
 
+from sonar.attention import AttentionMetadata, ForwardContext
 from sonar_cuda.attention import TritonStepState
 from sonar_cuda.kernels.decode_attention import _num_sms, choose_num_splits
 
@@ -56,7 +56,7 @@ class DecodeBuffers:
     turn: int = 0
 
     @classmethod
-    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> DecodeBuffers:
+    def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> "DecodeBuffers":
         pin = device.type == "cuda"
 
         def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:

@@ -4,8 +4,9 @@ Decode-only steps (every scheduled request adds its one sampled token) are laid 
 into the graphs' static buffers: each running request keeps a row of a host block table,
 updated only with its new blocks, and a step gathers the rows it needs, computes slots and
 positions with numpy, and queues three non-blocking copies. The step's only host
-synchronisation is reading the sampled token ids, after the next step is launched. Any other step (prefill, chunked prefill,
-prompt logprobs, a batch larger than the largest graph) takes the core runner's eager path.
+synchronisation is reading the sampled token ids, after the next step is launched. Any other
+step (prefill, chunked prefill, prompt logprobs, a batch larger than the largest graph) takes
+the core runner's eager path.
 """
 
 from __future__ import annotations
@@ -16,19 +17,13 @@ import time
 
 import numpy as np
 import torch
+
 from sonar.attention import AttentionMetadata
 from sonar.engine.scheduler_output import SchedulerOutput
 from sonar.worker.input_batch import CachedRequestState, StepBatch
 from sonar.worker.model_runner import ModelRunner
-
+from sonar_cuda.decode_graphs import DecodeBuffers, DecodeGraphs, GraphedModel, default_capture_sizes, fill_padding
 from sonar_cuda.kernels.decode_attention import warm_up_decode_attention
-from sonar_cuda.decode_graphs import (
-    DecodeBuffers,
-    DecodeGraphs,
-    GraphedModel,
-    default_capture_sizes,
-    fill_padding,
-)
 
 logger = logging.getLogger(__name__)
 

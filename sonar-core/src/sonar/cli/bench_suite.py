@@ -153,6 +153,7 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
     of steps and the host's seconds in each part of the step (launch, and its pieces; the
     wait for results; the scheduler; output processing), the allocator's counters and the
     number of Triton kernels compiled meanwhile."""
+    from sonar.sampler.metadata import SamplingMetadata
     from sonar.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in output_lens]
@@ -171,7 +172,7 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
         (runner, "sampler", "  launch: sampler_s"),
         (runner.model, "compute_logits", "  launch: compute_logits_s"),
         (runner, "_prompt_logprobs", "  launch: prompt_logprobs_s"),
-        (_sampling_metadata_class(), "build", "  launch: sampling_metadata_s"),
+        (SamplingMetadata, "build", "  launch: sampling_metadata_s"),
     ] if phases is not None else []
     totals: dict[str, float] = {}
     steps_before, memory_before, compiled_before = engine.core.num_steps_launched, _memory_stats(), _triton_cache_entries()
@@ -208,12 +209,6 @@ def _timing(targets: list[tuple[Any, str, str]], totals: dict[str, float]) -> It
     finally:
         for obj, attr, original in originals:
             setattr(obj, attr, original)
-
-
-def _sampling_metadata_class():
-    from sonar.sampler.metadata import SamplingMetadata
-
-    return SamplingMetadata
 
 
 def _triton_cache_entries() -> int:

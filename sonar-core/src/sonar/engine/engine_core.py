@@ -34,7 +34,6 @@ class EngineCoreOutput:
 class _InFlightStep:
     scheduled: SchedulerOutput
     handle: Any  # the executor's handle on the launched step
-    overlappable: bool  # no request in it reads its earlier tokens to sample
 
 
 @dataclass(slots=True)
@@ -61,7 +60,7 @@ class EngineCore:
         enable_prefix_caching: bool,
         kv_cache_memory_bytes: int | None,
         gpu_memory_utilization: float,
-        async_scheduling: bool = True,
+        async_scheduling: bool,
     ) -> None:
         self.model_config = model_config
         self.executor = UniprocExecutor(platform, model_config, block_size)
@@ -113,8 +112,8 @@ class EngineCore:
         returns. A step holding a request whose sampling reads its earlier tokens (penalties,
         a grammar, ...) is collected before the next one is scheduled."""
         outputs: list[EngineCoreOutput] = []
-        previous, self._in_flight = self._in_flight, None
-        if previous is not None and not (self.async_scheduling and previous.overlappable):
+        previous, self._in_flight = self._in_flight, None  # always None without async scheduling
+        if previous is not None and previous.scheduled.reads_output_tokens:
             outputs = self._collect(previous)
             previous = None
         scheduled = self.scheduler.schedule()
@@ -125,7 +124,7 @@ class EngineCore:
                 outputs += self._abort_failed_step(scheduled, exc)
             else:
                 self.num_steps_launched += 1
-                self._in_flight = _InFlightStep(scheduled, handle, self._overlappable(scheduled))
+                self._in_flight = _InFlightStep(scheduled, handle)
         elif scheduled.finished_req_ids:  # let the workers drop finished state
             self.executor.execute_model(scheduled)
         if previous is not None:
@@ -134,14 +133,6 @@ class EngineCore:
             outputs += self._collect(self._in_flight)
             self._in_flight = None
         return outputs
-
-    def _overlappable(self, scheduled: SchedulerOutput) -> bool:
-        requests = self.scheduler.requests
-        for req_id in scheduled.num_scheduled_tokens:
-            request = requests.get(req_id)
-            if request is not None and request.reads_output_tokens:
-                return False
-        return True
 
     def _collect(self, step: _InFlightStep) -> list[EngineCoreOutput]:
         """Wait for a launched step's results and advance the requests by them."""

@@ -7,13 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from sonar.config import (
-    EngineArgs,
-    ModelConfig,
-    SchedulerConfig,
-    default_model_path,
-    resolve_dtype,
-)
+from sonar.config import EngineArgs, ModelConfig, SchedulerConfig, default_model_path, resolve_dtype
 from sonar.engine.engine_core import EngineCore, EngineStats
 from sonar.engine.output_processor import OutputProcessor
 from sonar.engine.request import Request
@@ -110,7 +104,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
 
     @classmethod
-    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
 
     # -- input ---------------------------------------------------------------------------

@@ -9,12 +9,7 @@ from collections import deque
 from sonar.config import SchedulerConfig
 from sonar.engine.kv_cache import KVCacheManager
 from sonar.engine.request import Request, RequestStatus
-from sonar.engine.scheduler_output import (
-    CachedRequestData,
-    ModelRunnerOutput,
-    NewRequestData,
-    SchedulerOutput,
-)
+from sonar.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +158,7 @@ class Scheduler:
         computed = request.num_computed_tokens
         out.num_scheduled_tokens[request.request_id] = num_new
         out.num_prompt_tokens += max(0, min(computed + num_new, request.num_prompt_tokens) - computed)
+        out.reads_output_tokens |= request.reads_output_tokens
         request.num_computed_tokens = computed + num_new
         if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
             request.num_pending_tokens += 1

@@ -37,6 +37,7 @@ class SchedulerOutput:
     finished_req_ids: set[str] = field(default_factory=set)  # drop their worker state
     preempted_req_ids: set[str] = field(default_factory=set)  # subset of finished: they come back
     num_prompt_tokens: int = 0  # of the scheduled tokens, those that are prompt tokens
+    reads_output_tokens: bool = False  # a scheduled request samples from its earlier tokens' values
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -51,7 +51,7 @@ class NgramTensors:
 
 
 def _contexts(
-    states: list[RequestSamplingState], rows: list[int], ranges: list[int], num_states: int,
+    states: list["RequestSamplingState"], rows: list[int], ranges: list[int], num_states: int,
     breakers: list[list[int]] | None, vocab_size: int, device: torch.device,
 ) -> ContextTensors:  # fmt: skip
     windows = [context_ids(states[row], last) for row, last in zip(rows, ranges)]
@@ -72,7 +72,7 @@ def _contexts(
     return ContextTensors(rows=rows, index=index, ids=to_device(ids, device), stop=to_device(stop, device))
 
 
-def build_dry(states: list[RequestSamplingState], skip: list[bool], vocab_size: int, device: torch.device) -> DryTensors | None:
+def build_dry(states: list["RequestSamplingState"], skip: list[bool], vocab_size: int, device: torch.device) -> DryTensors | None:
     rows = [row for row, s in enumerate(states) if not skip[row] and s.params.uses_dry]
     if not rows:
         return None
@@ -90,7 +90,7 @@ def build_dry(states: list[RequestSamplingState], skip: list[bool], vocab_size: 
 
 
 def build_no_repeat_ngram(
-    states: list[RequestSamplingState], skip: list[bool], vocab_size: int, device: torch.device
+    states: list["RequestSamplingState"], skip: list[bool], vocab_size: int, device: torch.device
 ) -> NgramTensors | None:
     rows = [row for row, s in enumerate(states) if not skip[row] and s.params.no_repeat_ngram_size > 0]
     if not rows:

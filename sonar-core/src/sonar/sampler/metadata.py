@@ -11,12 +11,7 @@ from sonar.sampler.mirostat import MirostatTensors
 from sonar.sampler.penalties import PenaltyTensors, build_penalties
 from sonar.sampler.rows import RowValues, build_row_values
 from sonar.sampler.sampler_ids import SamplerID, resolve_order
-from sonar.sampler.token_masks import (
-    AllowedTokens,
-    build_allowed,
-    build_banned,
-    build_logit_bias,
-)
+from sonar.sampler.token_masks import AllowedTokens, build_allowed, build_banned, build_logit_bias
 from sonar.sampler.xtc import XtcTensors
 from sonar.sampling_params import SamplingParams
 from sonar.tensors import to_device
@@ -56,7 +51,7 @@ class RequestSamplingState:
             blocked += self.eos_token_ids
         return blocked
 
-    def carry_over(self, previous: RequestSamplingState) -> None:
+    def carry_over(self, previous: "RequestSamplingState") -> None:
         """Continue ``previous`` (the same request before a preemption): its generator and the
         samplers' running state."""
         self.generator = previous.generator
@@ -123,7 +118,7 @@ class SamplingMetadata:
     @classmethod
     def build(
         cls, states: list[RequestSamplingState], vocab_size: int, device: torch.device
-    ) -> SamplingMetadata:
+    ) -> "SamplingMetadata":
         """Pack the options of ``states`` (one per logits row, in order) into tensors."""
         num_rows = len(states)
         params = [s.params for s in states]

@@ -35,7 +35,7 @@ def occurrence_counts(
     return counts[:, :vocab_size]
 
 
-def context_ids(state: RequestSamplingState, last: int = 0) -> torch.Tensor:
+def context_ids(state: "RequestSamplingState", last: int = 0) -> torch.Tensor:
     """``[L]`` int64 CPU: prompt then output ids; only the ``last`` ones when ``last`` > 0."""
     output = torch.tensor(state.output_token_ids, dtype=torch.int64)
     context = torch.cat([state.prompt_ids_cpu(), output])
@@ -43,7 +43,7 @@ def context_ids(state: RequestSamplingState, last: int = 0) -> torch.Tensor:
 
 
 def build_penalties(
-    states: list[RequestSamplingState], vocab_size: int, device: torch.device
+    states: list["RequestSamplingState"], vocab_size: int, device: torch.device
 ) -> PenaltyTensors | None:
     params = [s.params for s in states]
     use_repetition = any(p.repetition_penalty != 1.0 for p in params)
@@ -65,7 +65,7 @@ def build_penalties(
     )
 
 
-def _repetition_factor(states: list[RequestSamplingState], vocab_size: int, device: torch.device) -> torch.Tensor:
+def _repetition_factor(states: list["RequestSamplingState"], vocab_size: int, device: torch.device) -> torch.Tensor:
     """``[B, V]``: the repetition penalty of each seen token, 1 for the others.
 
     Over the last ``repetition_penalty_range`` context tokens (all when 0); with a slope, the

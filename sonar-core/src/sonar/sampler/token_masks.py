@@ -29,7 +29,7 @@ def _pairs(rows: list[int], ids: list[int], device: torch.device) -> tuple[torch
 
 
 def build_banned(
-    states: list[RequestSamplingState], vocab_size: int, device: torch.device
+    states: list["RequestSamplingState"], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(rows, ids) to set to -inf: eos/stop ids before min_tokens, and the last token of each
     bad word whose earlier tokens end the context (a one-token bad word is always banned)."""
@@ -48,7 +48,7 @@ def build_banned(
     return _pairs(rows, ids, device)
 
 
-def _ends_with(state: RequestSamplingState, prefix: list[int]) -> bool:
+def _ends_with(state: "RequestSamplingState", prefix: list[int]) -> bool:
     output, n = state.output_token_ids, len(prefix)
     if len(output) >= n:
         return output[-n:] == prefix
@@ -57,7 +57,7 @@ def _ends_with(state: RequestSamplingState, prefix: list[int]) -> bool:
 
 
 def build_logit_bias(
-    states: list[RequestSamplingState], vocab_size: int, device: torch.device
+    states: list["RequestSamplingState"], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     rows: list[int] = []
     ids: list[int] = []
@@ -74,7 +74,7 @@ def build_logit_bias(
     return pairs[0], pairs[1], to_device(torch.tensor(biases, dtype=torch.float32), device)
 
 
-def build_allowed(states: list[RequestSamplingState], vocab_size: int, device: torch.device) -> AllowedTokens | None:
+def build_allowed(states: list["RequestSamplingState"], vocab_size: int, device: torch.device) -> AllowedTokens | None:
     rows = [row for row, s in enumerate(states) if s.params.allowed_token_ids]
     if not rows:
         return None

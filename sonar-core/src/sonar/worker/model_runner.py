@@ -12,11 +12,7 @@ import torch
 
 from sonar.attention import AttentionBackend, ForwardContext
 from sonar.config import ModelConfig
-from sonar.engine.scheduler_output import (
-    ModelRunnerOutput,
-    RequestLogprobs,
-    SchedulerOutput,
-)
+from sonar.engine.scheduler_output import ModelRunnerOutput, RequestLogprobs, SchedulerOutput
 from sonar.model_interface import make_attention_factory
 from sonar.registry import import_class, resolve_model_class, weight_formats
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
@@ -39,6 +35,8 @@ class LaunchedStep:
     sample_req_ids: list[str] = field(default_factory=list)
     logprob_ks: list[int | None] = field(default_factory=list)
     prompt_logprobs: dict[str, RequestLogprobs] = field(default_factory=dict)
+    sampled_on_device: torch.Tensor | None = None  # the next step feeds its pending tokens from here
+    sample_row_of: dict[str, int] = field(default_factory=dict)  # request -> row of sampled_on_device
     sampled: torch.Tensor | None = None  # host copy of the sampled ids (valid once ready)
     logprobs: LogprobsTensors | None = None  # host copies
     ready: torch.Event | None = None  # recorded after the copies; None on the CPU
@@ -66,9 +64,7 @@ class ModelRunner:
         self.preempted_samplings: dict[str, RequestSamplingState] = {}
         self.sampler = Sampler()
         self.structured_output = StructuredOutputRunner(model_config)
-        self._unresolved: LaunchedStep | None = None  # the last launched step, until resolved
-        self._last_sampled: torch.Tensor | None = None  # its sampled ids, on the device
-        self._last_sampled_index: dict[str, int] = {}  # request -> row of _last_sampled
+        self._last_sampling: LaunchedStep | None = None  # the last launched step that sampled
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -171,9 +167,9 @@ class ModelRunner:
             return LaunchedStep(output=ModelRunnerOutput([], [], []))
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
-        unresolved = self._unresolved
-        if unresolved is not None and any(s.sampling.reads_output_tokens for s in states):
-            self._resolve(unresolved)
+        last = self._last_sampling
+        if last is not None and last.output is None and any(s.sampling.reads_output_tokens for s in states):
+            self._resolve(last)
         batch = self.build_batch(states, [so.num_scheduled_tokens[r] for r in req_ids])
         self._feed_pending_tokens(batch)
         if self.backend_cls is not None:
@@ -194,8 +190,8 @@ class ModelRunner:
             meta = SamplingMetadata.build(sampling_states, logits.shape[-1], self.device)
             result = self.sampler(logits, meta)
             sampled = result.sampled_token_ids
-            self._last_sampled = sampled
-            self._last_sampled_index = {req_id: i for i, req_id in enumerate(sample_req_ids)}
+            step.sampled_on_device = sampled
+            step.sample_row_of = {req_id: i for i, req_id in enumerate(sample_req_ids)}
             step.sample_req_ids = sample_req_ids
             step.logprob_ks = [s.params.logprobs for s in sampling_states]
             step.sampled = sampled.to("cpu", non_blocking=True)
@@ -212,7 +208,8 @@ class ModelRunner:
                 outputs = state.sampling.output_token_ids
                 step.placeholders.append((outputs, len(outputs)))
                 outputs.append(PLACEHOLDER)
-        self._unresolved = step
+        if batch.sample_rows:
+            self._last_sampling = step
         return step
 
     def fetch(self, step: LaunchedStep) -> ModelRunnerOutput:
@@ -225,8 +222,6 @@ class ModelRunner:
         grammars, and build its output (once)."""
         if step.output is not None:
             return
-        if self._unresolved is step:
-            self._unresolved = None
         if step.ready is not None:
             step.ready.synchronize()
         token_ids = step.sampled.tolist() if step.sampled is not None else []
@@ -250,20 +245,21 @@ class ModelRunner:
         rows = [row for row, s in enumerate(batch.states) if s.sampling.output_token_ids[-1:] == [PLACEHOLDER]]
         if not rows:
             return
+        last = self._last_sampling  # the only step whose tokens can still be placeholders
         qsl = batch.attn_metadata.query_start_loc_cpu
         src, dst = [], []
         for row in rows:
             state = batch.states[row]
             if state.num_computed_tokens + batch.num_scheduled[row] != state.num_tokens:
                 raise RuntimeError(f"request {state.req_id}: a step reads a token that is not sampled yet")
-            src.append(self._last_sampled_index[state.req_id])
+            src.append(last.sample_row_of[state.req_id])
             dst.append(qsl[row + 1] - 1)
         count = len(rows)
         if src == dst == list(range(count)):
-            batch.input_ids[:count].copy_(self._last_sampled[:count])
+            batch.input_ids[:count].copy_(last.sampled_on_device[:count])
         else:
             index = to_device(torch.tensor([dst, src], dtype=torch.int64), self.device)
-            batch.input_ids[index[0]] = self._last_sampled[index[1]]
+            batch.input_ids[index[0]] = last.sampled_on_device[index[1]]
 
     def build_batch(self, states: list[CachedRequestState], num_scheduled: list[int]) -> StepBatch:
         """One step's device inputs (hook: platform runners build them into static buffers)."""
