@@ -5,8 +5,8 @@ Each call runs the platform's kernel for the tensor's device type when one is re
 the plain torch version below (the numerics of Hugging Face's Llama/Qwen code).
 
 A platform names a module in ``Platform.ops_module``; that module holds ``OPS``, a dict from
-operation name (``"rms_norm"``, ``"fused_add_rms_norm"``, ``"silu_and_mul"``,
-``"rotary_tables"``, ``"apply_rotary"``) to a function with the signature below. The worker
+operation name (``"linear"``, ``"rms_norm"``, ``"fused_add_rms_norm"``, ``"silu_and_mul"``,
+``"rotary_tables"``, ``"apply_rotary"``, ``"argmax"``) to a function with the signature below. The worker
 calls :func:`install_platform_ops` once, so models never import a platform package.
 """
 
@@ -19,7 +19,7 @@ import torch
 
 #: device type -> operation name -> platform implementation
 _OVERRIDES: dict[str, dict[str, Callable[..., Any]]] = {}
-OP_NAMES = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_tables", "apply_rotary")
+OP_NAMES = ("linear", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_tables", "apply_rotary", "argmax")
 
 
 def register_ops(device_type: str, ops: dict[str, Callable[..., Any]]) -> None:
@@ -45,6 +45,18 @@ def install_platform_ops(platform: Any) -> None:
 def _override(x: torch.Tensor, name: str) -> Callable[..., Any] | None:
     table = _OVERRIDES.get(x.device.type)
     return table.get(name) if table else None
+
+
+# -- projections ------------------------------------------------------------------------
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)`` over the last dimension of ``x``, in ``x``'s dtype.
+
+    Platforms may route shapes their own kernels serve better (a single row, say, where the
+    product reads the whole weight for one output row) and leave the rest to torch."""
+    impl = _override(x, "linear")
+    return torch.nn.functional.linear(x, weight, bias) if impl is None else impl(x, weight, bias)
 
 
 # -- norms -------------------------------------------------------------------------------
@@ -128,3 +140,13 @@ def _torch_apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
         return x * cos + _rotate_half(x) * sin
     x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
     return torch.cat((x_rot * cos + _rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+# -- selection ---------------------------------------------------------------------------
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Index of the largest value of each row of ``x`` ``[B, V]``: ``[B]`` int64, the first
+    one on ties (a NaN counts as the largest, as in torch)."""
+    impl = _override(x, "argmax")
+    return x.argmax(dim=-1) if impl is None else impl(x)

@@ -2,6 +2,8 @@
 
 Models call ``sonar.ops``; for CUDA tensors those calls land here. The norms, rotary and
 activation run as single Triton launches; the fused add + norm and the rotary work in place.
+Products of one row of activations (decode at batch 1) and argmaxes over the vocabulary run
+as Triton kernels; other products go to the library.
 """
 
 from __future__ import annotations
@@ -11,9 +13,26 @@ from typing import Any, Callable
 import torch
 
 from sonar_cuda.kernels.activation import silu_and_mul as _silu_and_mul
+from sonar_cuda.kernels.argmax import argmax as _argmax
+from sonar_cuda.kernels.gemv import gemv, gemv_supported
 from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
 from sonar_cuda.kernels.layernorm import rms_norm as _rms_norm
 from sonar_cuda.kernels.rotary import rotary_embedding
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One row of ``x``: the Triton matrix-vector product; anything else: the library."""
+    if gemv_supported(x, weight, bias):
+        return gemv(x, weight, bias)
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax of ``[B, V]`` in two short launches (the library's reduction of one
+    long row runs on few multiprocessors)."""
+    if x.dim() == 2 and x.stride(-1) == 1 and x.shape[-1] > 0:
+        return _argmax(x)
+    return x.argmax(dim=-1)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,6 +73,8 @@ def apply_rotary(
 
 
 OPS: dict[str, Callable[..., Any]] = {
+    "linear": linear,
+    "argmax": argmax,
     "rms_norm": rms_norm,
     "fused_add_rms_norm": fused_add_rms_norm,
     "silu_and_mul": silu_and_mul,

@@ -27,7 +27,15 @@ class RMSNorm(nn.Module):
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class MergedLinear(nn.Linear):
+class Linear(nn.Linear):
+    """``nn.Linear`` through ``sonar.ops.linear``, so a platform's kernel serves the shapes it
+    does better (same parameters and state-dict names as ``nn.Linear``)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight, self.bias)
+
+
+class MergedLinear(Linear):
     """A Linear whose output rows are several checkpoint projections stacked in order
     (``{"q": 576, "k": 192, "v": 192}``); the weight loader fills each part separately."""
 

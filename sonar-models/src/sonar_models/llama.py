@@ -16,7 +16,7 @@ from torch import nn
 from sonar import ops
 from sonar.attention import ForwardContext
 from sonar.model_interface import AttentionFactory
-from sonar_models.layers import MergedLinear, RMSNorm, silu_and_mul
+from sonar_models.layers import Linear, MergedLinear, RMSNorm, silu_and_mul
 from sonar_models.rope import RotaryEmbedding, rope_spec_from_config
 from sonar_models.weight_loading import FusedProjection, load_hf_weights
 
@@ -57,7 +57,7 @@ class DecoderAttention(nn.Module):
         self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=o_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -85,7 +85,7 @@ class GatedMLP(nn.Module):
             raise NotImplementedError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.down_proj = Linear(size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -172,7 +172,7 @@ class LlamaForCausalLM(nn.Module):
             for i in range(self.num_layers)
         ]
         self.model = DecoderModel(layers, config, self.head_dim)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -7,6 +7,7 @@ from typing import Callable
 
 import torch
 
+from sonar import ops
 from sonar.sampler.dry import apply_dry, apply_no_repeat_ngram
 from sonar.sampler.logits_processor import LogitsProcessor
 from sonar.sampler.logprobs import LogprobsTensors, compute_logprobs
@@ -69,13 +70,13 @@ class Sampler:
         raw_logits = logits
         logits = self.process(logits, meta)
 
-        greedy_ids = None if meta.all_random else logits.argmax(dim=-1)
+        greedy_ids = None if meta.all_random else ops.argmax(logits)
         if meta.all_greedy:
             sampled = greedy_ids
         else:
             probs = self.final_probabilities(logits, meta)  # [B, V]
             q = row_exponentials(probs.shape, meta.generators, probs.device)
-            random_ids = (probs / q).argmax(dim=-1)
+            random_ids = ops.argmax(probs / q)
             sampled = random_ids if greedy_ids is None else torch.where(meta.greedy_mask, greedy_ids, random_ids)
             if meta.mirostat is not None:
                 rows = meta.mirostat.values.index
