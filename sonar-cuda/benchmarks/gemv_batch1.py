@@ -1,10 +1,12 @@
-"""Batch-1 matrix-vector products of Llama-3.1-8B's layers, three ways, on the GPU.
+"""Batch-1 matrix-vector products of Llama-3.1-8B and Qwen3-0.6B, the library against Sonar's.
 
     python sonar-cuda/benchmarks/gemv_batch1.py
 
-Prints microseconds per call and the weight-read rate of ``F.linear`` (what the model calls),
-``torch.mv`` and ``W @ x.T`` for each projection, bf16, so a faster formulation for decode
-at batch 1 can be chosen from measurements.
+For each projection, bf16: microseconds per product and the weight-read rate of ``F.linear``
+(cuBLAS) and of ``sonar_cuda.kernels.gemv``. Each is timed as a CUDA graph of many products
+over distinct copies of the weight (together larger than L2), as the decode graph runs them:
+timing single launches from Python measures the host's launch rate instead, and repeating one
+weight measures L2.
 """
 
 from __future__ import annotations
@@ -12,33 +14,48 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336), "lm_head": (128256, 4096)}
+from sonar_cuda.kernels.gemv import gemv, gemv_supported
+
+SHAPES = {
+    "Llama-3.1-8B qkv": (6144, 4096), "Llama-3.1-8B o": (4096, 4096), "Llama-3.1-8B gate_up": (28672, 4096),
+    "Llama-3.1-8B down": (4096, 14336), "Llama-3.1-8B lm_head": (128256, 4096),
+    "Qwen3-0.6B qkv": (4096, 1024), "Qwen3-0.6B o": (1024, 2048), "Qwen3-0.6B gate_up": (6144, 1024),
+    "Qwen3-0.6B down": (1024, 3072), "Qwen3-0.6B lm_head": (151936, 1024),
+}
+BYTES_PER_SHAPE = 600e6  # the copies of one weight, together: beyond the 50 MB L2
 
 
-def time_us(fn, repeats: int = 200) -> float:
-    for _ in range(10):
-        fn()
+def graph_us(calls: list, repeats: int = 20) -> float:
+    """Microseconds per call of ``calls`` replayed as one CUDA graph."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(repeats):
-        fn()
+        graph.replay()
     end.record()
     torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / repeats
+    return 1000 * start.elapsed_time(end) / repeats / len(calls)
 
 
 def main() -> None:
     for name, (n, k) in SHAPES.items():
-        weight = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        copies = max(2, int(BYTES_PER_SHAPE // (n * k * 2)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-        bytes_read = weight.numel() * 2
-        results = {
-            "F.linear": time_us(lambda: F.linear(x, weight)),
-            "torch.mv": time_us(lambda: torch.mv(weight, x[0])),
-            "W @ x.T": time_us(lambda: weight @ x.t()),
-        }
-        line = "  ".join(f"{how} {us:7.1f} us ({bytes_read / us / 1e6:5.2f} TB/s)" for how, us in results.items())
-        print(f"{name:8} [{n} x {k}]  {line}", flush=True)
+        mb = n * k * 2 / 1e6
+        library = graph_us([lambda w=w: F.linear(x, w) for w in weights])
+        ours = graph_us([lambda w=w: gemv(x, w) for w in weights])
+        served = "used" if gemv_supported(x, weights[0], None) else "not used (library)"
+        print(f"{name:22} [{n} x {k}] {mb:7.1f} MB  cuBLAS {library:7.2f} us ({mb / library:4.2f} TB/s)"
+              f"  gemv {ours:7.2f} us ({mb / ours:4.2f} TB/s), {served}", flush=True)
+        del weights
 
 
 if __name__ == "__main__":
