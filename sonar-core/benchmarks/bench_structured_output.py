@@ -1,7 +1,7 @@
 """Cost per step of structured-output masking: fill the allowed-token bitmask of every
 constrained row of a batch in one call, then apply it to the logits.
 
-    python sonar-core/benchmarks/bench_structured_output.py --batch 64 [--device cuda]
+    python sonar-core/benchmarks/bench_structured_output.py --batch 64 [--device cuda] [--tokenizer DIR]
 
 Each row follows its own JSON schema and advances one token per step (the token each grammar
 allows that the random logits rank highest), so the masks change every step as in serving.
@@ -38,11 +38,17 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokenizer", default=None, help="a Hugging Face tokenizer folder (default: SmolLM2's, from its GGUF)")
     args = parser.parse_args()
 
-    from sonar_models.testing import smollm2_tokenizer
+    if args.tokenizer:
+        from transformers import AutoTokenizer
 
-    tokenizer = smollm2_tokenizer()
+        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    else:
+        from sonar_models.testing import smollm2_tokenizer
+
+        tokenizer = smollm2_tokenizer()
     vocab = 49152
     compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
     rng = random.Random(0)

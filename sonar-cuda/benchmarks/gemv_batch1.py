@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sonar_cuda.kernels.gemv import gemv, gemv_supported
+from sonar_cuda.kernels.gemv import gemv, gemv_pays
 
 SHAPES = {
     "Llama-3.1-8B qkv": (6144, 4096), "Llama-3.1-8B o": (4096, 4096), "Llama-3.1-8B gate_up": (28672, 4096),
@@ -52,7 +52,7 @@ def main() -> None:
         mb = n * k * 2 / 1e6
         library = graph_us([lambda w=w: F.linear(x, w) for w in weights])
         ours = graph_us([lambda w=w: gemv(x, w) for w in weights])
-        served = "used" if gemv_supported(x, weights[0], None) else "not used (library)"
+        served = "used" if gemv_pays(weights[0]) else "not used (library)"
         print(f"{name:22} [{n} x {k}] {mb:7.1f} MB  cuBLAS {library:7.2f} us ({mb / library:4.2f} TB/s)"
               f"  gemv {ours:7.2f} us ({mb / ours:4.2f} TB/s), {served}", flush=True)
         del weights

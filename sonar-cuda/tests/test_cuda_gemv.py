@@ -9,7 +9,7 @@ from paged_batch import GPU_DTYPES, TOLERANCE, dtypes_for
 
 from sonar_cuda import ops as cuda_ops
 from sonar_cuda.kernels.argmax import BLOCK, argmax
-from sonar_cuda.kernels.gemv import MAX_SHORT_ROWS, gemv, gemv_supported, reference_gemv
+from sonar_cuda.kernels.gemv import MAX_SHORT_ROWS, gemv, gemv_pays, gemv_supported, reference_gemv
 
 SMALL_CASES = [(8, 64, False), (5, 300, True), (3, 2048 + 96, False), (2, 4096, True)]  # (rows, K, bias)
 LARGE_CASES = [(6144, 4096, False), (4096, 4096, True), (4096, 14336, False), (1000, 1000, True), (128256, 4096, False), (16384, 1024, True)]
@@ -53,7 +53,9 @@ def test_gemv_takes_views_of_one_row(device: torch.device) -> None:
     assert not gemv_supported(torch.randn(1, 512).to(device)[:, ::2], weight, None)
     assert not gemv_supported(x, weight.t(), None)
     assert not gemv_supported(x.half(), weight, None)
-    assert not gemv_supported(torch.randn(1, 64), torch.randn(MAX_SHORT_ROWS + 1, 64), None)  # library: many short rows
+    # many short rows: computed right, but the op leaves them to the library
+    many_short = torch.randn(MAX_SHORT_ROWS + 1, 64).to(device)
+    assert not gemv_pays(many_short) and gemv_pays(many_short[:MAX_SHORT_ROWS]) and gemv_pays(torch.randn(2 * MAX_SHORT_ROWS, 2048))
 
 
 def test_linear_op_routes_one_row_to_the_kernel_and_the_rest_to_torch(device: torch.device) -> None:

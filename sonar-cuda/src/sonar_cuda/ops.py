@@ -14,15 +14,16 @@ import torch
 
 from sonar_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from sonar_cuda.kernels.argmax import argmax as _argmax
-from sonar_cuda.kernels.gemv import gemv, gemv_supported
+from sonar_cuda.kernels.gemv import gemv, gemv_pays, gemv_supported
 from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
 from sonar_cuda.kernels.layernorm import rms_norm as _rms_norm
 from sonar_cuda.kernels.rotary import rotary_embedding
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One row of ``x``: the Triton matrix-vector product; anything else: the library."""
-    if gemv_supported(x, weight, bias):
+    """One row of ``x`` (where the weight's shape suits it): the Triton matrix-vector product;
+    anything else: the library."""
+    if gemv_supported(x, weight, bias) and gemv_pays(weight):
         return gemv(x, weight, bias)
     return torch.nn.functional.linear(x, weight, bias)
 

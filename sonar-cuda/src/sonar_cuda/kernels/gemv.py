@@ -55,18 +55,21 @@ def _gemv_kernel(
 
 
 def gemv_supported(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether :func:`gemv` serves this product: one row of ``x``, both operands (and the
-    bias) of one floating dtype, the weight's rows and ``x`` contiguous, and rows long enough
-    (or few enough) for a program per row to pay."""
+    """Whether :func:`gemv` computes this product: one row of ``x``, both operands (and the
+    bias) of one floating dtype, the weight's rows and ``x`` contiguous."""
     if weight.dim() != 2 or x.shape[-1] != weight.shape[1] or x.numel() != weight.shape[1]:
-        return False
-    if weight.shape[1] * weight.element_size() < MIN_ROW_BYTES and weight.shape[0] > MAX_SHORT_ROWS:
         return False
     if x.dtype != weight.dtype or not x.dtype.is_floating_point or weight.shape[1] > MAX_UNROLLED_K:
         return False
     if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
         return False
     return weight.stride(1) == 1 and x.stride(-1) == 1 and x.device == weight.device
+
+
+def gemv_pays(weight: torch.Tensor) -> bool:
+    """Whether the weight's rows are long enough, or few enough, for a program per row to beat
+    the library."""
+    return weight.shape[1] * weight.element_size() >= MIN_ROW_BYTES or weight.shape[0] <= MAX_SHORT_ROWS
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
