@@ -31,8 +31,8 @@ class Platform:
     worker_cls: str = ""
     #: ``"module:Class"`` of the attention backend over the paged KV cache.
     attention_backend_cls: str = ""
-    #: ``"module"`` whose ``OPS`` dict replaces some of ``sonar.ops`` (norms, rotary,
-    #: activation) with this platform's kernels for its device type; "" for none.
+    #: ``"module"`` whose ``OPS`` dict replaces some of ``sonar.ops`` (products, norms,
+    #: rotary, activation, argmax) with this platform's kernels for its device type; "" for none.
     ops_module: str = ""
     #: dtypes this platform can run, first is the default for ``dtype="auto"`` when the
     #: checkpoint's own dtype is not supported.
