@@ -50,8 +50,8 @@ def main() -> None:
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         mb = n * k * 2 / 1e6
-        library = graph_us([lambda w=w: F.linear(x, w) for w in weights])
-        ours = graph_us([lambda w=w: gemv(x, w) for w in weights])
+        library = graph_us([lambda w=w, x=x: F.linear(x, w) for w in weights])
+        ours = graph_us([lambda w=w, x=x: gemv(x, w) for w in weights])
         served = "used" if gemv_pays(weights[0]) else "not used (library)"
         print(f"{name:22} [{n} x {k}] {mb:7.1f} MB  cuBLAS {library:7.2f} us ({mb / library:4.2f} TB/s)"
               f"  gemv {ours:7.2f} us ({mb / ours:4.2f} TB/s), {served}", flush=True)
