@@ -66,6 +66,10 @@ def test_linear_op_routes_one_row_to_the_kernel_and_the_rest_to_torch(device: to
         out = cuda_ops.linear(x, weight, bias)
         assert out.shape == (*x.shape[:-1], 40)
         torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, bias), atol=2e-4, rtol=2e-4)
+    # degenerate shapes: no output rows, or rows of length zero (the bias alone)
+    x = torch.randn(1, 128).to(device)
+    assert cuda_ops.linear(x, weight[:0], bias[:0]).shape == (1, 0)
+    torch.testing.assert_close(cuda_ops.linear(x[:, :0], weight[:, :0], bias), bias[None, :])
 
 
 ARGMAX_CASES = [(1, 10), (3, BLOCK), (2, BLOCK + 1), (4, 3 * BLOCK - 7)]

@@ -78,7 +78,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     assert gemv_supported(x, weight, bias), "gemv takes one contiguous row and a row-major weight of its dtype"
     n, k = weight.shape
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
-    block_k = min(2048, triton.next_power_of_2(k))
+    if n == 0:
+        return y
+    block_k = min(2048, triton.next_power_of_2(max(k, 1)))
     _gemv_kernel[(n,)](
         x,
         weight,
