@@ -106,6 +106,31 @@ def server(tiny_model: str) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="session")
+def tools_server(tiny_model: str) -> Iterator[ServerProcess]:
+    """A second server with automatic tool choice and a reasoning parser, shared by the
+    structured-output, tool and reasoning tests (started on first use)."""
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    process = ServerProcess(
+        [tiny_model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512", *flags]
+    )
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
+def tools_url(tools_server: ServerProcess) -> str:
+    return tools_server.url
+
+
+@pytest.fixture(scope="session")
+def tools_client(tools_url: str):
+    """The official OpenAI client on the tools server."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{tools_url}/v1", api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="session")
 def oracle(tiny_model: str):
     """The offline LLM on the same model: what the server's greedy outputs must equal."""
     from sonar import LLM

@@ -14,7 +14,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from structured_server import tools_server
+from conftest import ServerProcess
 
 SCHEMA = {
     "type": "object",
@@ -27,16 +27,6 @@ SCHEMA = {
 }
 
 
-@pytest.fixture(scope="module")
-def url(tiny_model: str) -> str:
-    return tools_server(tiny_model).url
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
-
-
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -44,37 +34,37 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def test_chat_response_format(client: openai.OpenAI) -> None:
+def test_chat_response_format(tools_client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Describe a person."}]
     response_format = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
-    text = client.chat.completions.create(model="tiny", messages=messages, response_format=response_format, max_tokens=120, temperature=0).choices[0].message.content
+    text = tools_client.chat.completions.create(model="tiny", messages=messages, response_format=response_format, max_tokens=120, temperature=0).choices[0].message.content
     jsonschema.validate(json.loads(text), SCHEMA)
     streamed = "".join(
         chunk.choices[0].delta.content or ""
-        for chunk in client.chat.completions.create(model="tiny", messages=messages, response_format=response_format, max_tokens=120, temperature=0, stream=True)
+        for chunk in tools_client.chat.completions.create(model="tiny", messages=messages, response_format=response_format, max_tokens=120, temperature=0, stream=True)
         if chunk.choices
     )
     assert streamed == text
-    any_object = client.chat.completions.create(model="tiny", messages=messages, response_format={"type": "json_object"}, max_tokens=200, temperature=0)
+    any_object = tools_client.chat.completions.create(model="tiny", messages=messages, response_format={"type": "json_object"}, max_tokens=200, temperature=0)
     assert any_object.choices[0].message.content.startswith("{")
 
 
-def test_completions_guided_fields(client: openai.OpenAI) -> None:
-    regex = client.completions.create(model="tiny", prompt="Phone:", max_tokens=30, temperature=0.9, extra_body={"guided_regex": r"\(\d{3}\) \d{3}-\d{4}"})
+def test_completions_guided_fields(tools_client: openai.OpenAI) -> None:
+    regex = tools_client.completions.create(model="tiny", prompt="Phone:", max_tokens=30, temperature=0.9, extra_body={"guided_regex": r"\(\d{3}\) \d{3}-\d{4}"})
     assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", regex.choices[0].text)
-    choice = client.completions.create(model="tiny", prompt="Pick:", max_tokens=10, n=3, temperature=1.0, extra_body={"guided_choice": ["red", "green", "blue"]})
+    choice = tools_client.completions.create(model="tiny", prompt="Pick:", max_tokens=10, n=3, temperature=1.0, extra_body={"guided_choice": ["red", "green", "blue"]})
     assert {c.text for c in choice.choices} <= {"red", "green", "blue"}
     grammar = 'root ::= "SELECT " col " FROM t;"\ncol ::= "a" | "b" | "*"'
-    sql = client.completions.create(model="tiny", prompt="SQL:", max_tokens=20, temperature=0, extra_body={"guided_grammar": grammar})
+    sql = tools_client.completions.create(model="tiny", prompt="SQL:", max_tokens=20, temperature=0, extra_body={"guided_grammar": grammar})
     assert re.fullmatch(r"SELECT (a|b|\*) FROM t;", sql.choices[0].text)
-    schema = client.completions.create(model="tiny", prompt="JSON:", max_tokens=120, temperature=0, extra_body={"guided_json": SCHEMA})
+    schema = tools_client.completions.create(model="tiny", prompt="JSON:", max_tokens=120, temperature=0, extra_body={"guided_json": SCHEMA})
     jsonschema.validate(json.loads(schema.choices[0].text), SCHEMA)
 
 
-def test_kobold_grammar(url: str) -> None:
+def test_kobold_grammar(tools_url: str) -> None:
     body = {"prompt": "Answer yes or no:", "max_length": 10, "grammar": 'root ::= "yes" | "no"'}
-    assert httpx.post(f"{url}/api/v1/generate", json=body, timeout=30).json()["results"][0]["text"] in ("yes", "no")
-    bad = httpx.post(f"{url}/api/v1/generate", json={**body, "grammar": "root ::= "}, timeout=30)
+    assert httpx.post(f"{tools_url}/api/v1/generate", json=body, timeout=30).json()["results"][0]["text"] in ("yes", "no")
+    bad = httpx.post(f"{tools_url}/api/v1/generate", json={**body, "grammar": "root ::= "}, timeout=30)
     assert bad.status_code == 400 and "grammar" in bad.json()["detail"]["msg"]
 
 
@@ -85,9 +75,9 @@ def deep_schema(depth: int) -> dict:
     return schema
 
 
-def test_bad_and_pathological_constraints_leave_the_server_responsive(url: str, client: openai.OpenAI) -> None:
+def test_bad_and_pathological_constraints_leave_the_server_responsive(tools_url: str, tools_client: openai.OpenAI) -> None:
     def post(extra: dict) -> httpx.Response:
-        return httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 40, **extra}, timeout=60)
+        return httpx.post(f"{tools_url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 40, **extra}, timeout=60)
 
     started = time.perf_counter()
     invalid = post({"guided_regex": "(ab"})
@@ -95,15 +85,15 @@ def test_bad_and_pathological_constraints_leave_the_server_responsive(url: str, 
     both = post({"guided_regex": "a", "guided_choice": ["b"]})
     assert both.status_code == 400 and "one structured-output constraint" in both.json()["error"]["message"]
     body = '{"model": "tiny", "prompt": "x", "max_tokens": 4, "guided_json": ' + '{"type": "object", "properties": {"x": ' * 1000 + '{"type": "integer"}' + "}}" * 1000 + "}"
-    nested = httpx.post(f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
+    nested = httpx.post(f"{tools_url}/v1/completions", content=body, headers={"content-type": "application/json"}, timeout=60)
     assert nested.status_code == 400
     nested_70 = post({"guided_json": deep_schema(70)})
     assert nested_70.status_code == 400 and "nests deeper" in nested_70.json()["error"]["message"]
     catastrophic = post({"guided_regex": "(a+)+$", "temperature": 0})
     assert catastrophic.status_code == 200 and re.fullmatch("a+", catastrophic.json()["choices"][0]["text"])
     assert time.perf_counter() - started < 30
-    assert httpx.get(f"{url}/health").status_code == 200
-    assert client.completions.create(model="tiny", prompt="still", max_tokens=3).choices[0].text is not None
+    assert httpx.get(f"{tools_url}/health").status_code == 200
+    assert tools_client.completions.create(model="tiny", prompt="still", max_tokens=3).choices[0].text is not None
 
 
 def random_schema(rng: random.Random, i: int) -> dict:
@@ -115,14 +105,14 @@ def random_schema(rng: random.Random, i: int) -> dict:
     return {"type": "object", "properties": properties, "required": list(properties)}
 
 
-def test_sixty_four_concurrent_schemas(url: str) -> None:
+def test_sixty_four_concurrent_schemas(tools_url: str) -> None:
     rng = random.Random(3)
     schemas = [random_schema(rng, i) for i in range(64)]
 
     async def run() -> list[httpx.Response]:
         async with httpx.AsyncClient(timeout=120) as session:
             requests = [
-                session.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": f"Item {i}", "max_tokens": 80, "temperature": 0.8, "guided_json": s})
+                session.post(f"{tools_url}/v1/completions", json={"model": "tiny", "prompt": f"Item {i}", "max_tokens": 80, "temperature": 0.8, "guided_json": s})
                 for i, s in enumerate(schemas)
             ]
             return await asyncio.gather(*requests)
@@ -132,15 +122,15 @@ def test_sixty_four_concurrent_schemas(url: str) -> None:
         jsonschema.validate(json.loads(response.json()["choices"][0]["text"]), schema)
 
 
-def test_many_distinct_schemas_in_a_row_stay_within_memory(url: str, tiny_model: str) -> None:
-    pid = tools_server(tiny_model).process.pid
+def test_many_distinct_schemas_in_a_row_stay_within_memory(tools_server: ServerProcess, tools_url: str) -> None:
+    pid = tools_server.process.pid
     schemas = [{"type": "object", "properties": {"id": {"const": i}}, "required": ["id"]} for i in range(600)]
 
     async def send(batch: list[dict]) -> None:
         async with httpx.AsyncClient(timeout=60) as session:
             for start in range(0, len(batch), 8):
                 requests = [
-                    session.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "id:", "max_tokens": 12, "temperature": 0, "guided_json": s})
+                    session.post(f"{tools_url}/v1/completions", json={"model": "tiny", "prompt": "id:", "max_tokens": 12, "temperature": 0, "guided_json": s})
                     for s in batch[start : start + 8]
                 ]
                 for response, schema in zip(await asyncio.gather(*requests), batch[start : start + 8]):
@@ -150,4 +140,4 @@ def test_many_distinct_schemas_in_a_row_stay_within_memory(url: str, tiny_model:
     before = rss_bytes(pid)
     asyncio.run(send(schemas[100:]))
     assert rss_bytes(pid) - before < 64 * 1024 * 1024  # the grammar cache is bounded
-    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{tools_url}/health").status_code == 200

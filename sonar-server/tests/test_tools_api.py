@@ -10,7 +10,6 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from structured_server import tools_server
 
 WEATHER = {
     "type": "object",
@@ -24,16 +23,6 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def url(tiny_model: str) -> str:
-    return tools_server(tiny_model).url
-
-
-@pytest.fixture(scope="module")
-def client(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
 
 
 def check_calls(calls, names: set[str] | None = None) -> None:
@@ -62,16 +51,16 @@ def streamed_calls(stream) -> tuple[dict[int, dict], str, str | None]:
 
 
 @pytest.mark.parametrize("choice", ["named", "required"])
-def test_openai_forced_tool_calls(client: openai.OpenAI, choice: str) -> None:
+def test_openai_forced_tool_calls(tools_client: openai.OpenAI, choice: str) -> None:
     tool_choice = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" else "required"
-    response = client.chat.completions.create(
+    response = tools_client.chat.completions.create(
         model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=120, temperature=0
     )
     message = response.choices[0].message
     check_calls(message.tool_calls, {"get_weather"} if choice == "named" else None)
     assert message.content is None and response.choices[0].finish_reason == "tool_calls"
 
-    stream = client.chat.completions.create(
+    stream = tools_client.chat.completions.create(
         model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=tool_choice, parallel_tool_calls=False, max_tokens=120, temperature=0, stream=True
     )
     calls, content, finish = streamed_calls(stream)
@@ -80,16 +69,16 @@ def test_openai_forced_tool_calls(client: openai.OpenAI, choice: str) -> None:
     assert all(c["id"] for c in calls.values())
 
 
-def test_openai_auto_tool_choice_parses_the_models_text(client: openai.OpenAI) -> None:
+def test_openai_auto_tool_choice_parses_the_models_text(tools_client: openai.OpenAI) -> None:
     forced = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
     body = {"model": "tiny", "messages": MESSAGES, "tools": TOOLS, "max_tokens": 60, "temperature": 0, "extra_body": {"guided_choice": [forced]}}
-    message = client.chat.completions.create(**body).choices[0].message
+    message = tools_client.chat.completions.create(**body).choices[0].message
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [("get_time", {"zone": "CET"})]
-    calls, _, finish = streamed_calls(client.chat.completions.create(**body, stream=True))
+    calls, _, finish = streamed_calls(tools_client.chat.completions.create(**body, stream=True))
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_time", {"zone": "CET"})]
     assert finish == "tool_calls"
     # a model that writes plain text gets plain content
-    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=8, temperature=0)
+    plain = tools_client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=8, temperature=0)
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
 
 
@@ -102,25 +91,25 @@ def test_openai_auto_needs_the_flags(server) -> None:
     check_calls(response.choices[0].message.tool_calls, {"get_time"})
 
 
-def test_openai_tool_conversation_and_errors(client: openai.OpenAI, url: str) -> None:
+def test_openai_tool_conversation_and_errors(tools_client: openai.OpenAI, tools_url: str) -> None:
     history = MESSAGES + [
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"},
     ]
-    assert client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none", max_tokens=4).choices[0].message.content is not None
+    assert tools_client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, tool_choice="none", max_tokens=4).choices[0].message.content is not None
     with pytest.raises(openai.BadRequestError, match="not among the tools"):
-        client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+        tools_client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
     with pytest.raises(openai.BadRequestError, match="already constrains"):
-        client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
+        tools_client.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
 
 
-def test_openai_reasoning_content(client: openai.OpenAI) -> None:
+def test_openai_reasoning_content(tools_client: openai.OpenAI) -> None:
     forced = "<think>The user wants weather.</think>It is sunny."
     body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 60, "temperature": 0, "extra_body": {"guided_choice": [forced]}}
-    message = client.chat.completions.create(**body).choices[0].message
+    message = tools_client.chat.completions.create(**body).choices[0].message
     assert message.model_extra["reasoning_content"] == "The user wants weather." and message.content == "It is sunny."
     reasoning, content = "", ""
-    for chunk in client.chat.completions.create(**body, stream=True):
+    for chunk in tools_client.chat.completions.create(**body, stream=True):
         for choice in chunk.choices:
             reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
             content += choice.delta.content or ""
@@ -134,8 +123,8 @@ ANTHROPIC_TOOLS = [
 
 
 @pytest.fixture(scope="module")
-def claude(url: str) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0)
+def claude(tools_url: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=tools_url, api_key="unused", max_retries=0)
 
 
 @pytest.mark.parametrize("tool_choice", [{"type": "tool", "name": "get_weather"}, {"type": "any", "disable_parallel_tool_use": True}])
@@ -152,7 +141,7 @@ def test_anthropic_tool_use_blocks(claude: anthropic.Anthropic, tool_choice: dic
     assert [(b.name, b.input) for b in streamed] == [(b.name, b.input) for b in uses]
 
 
-def test_anthropic_thinking_and_tool_history(claude: anthropic.Anthropic, url: str) -> None:
+def test_anthropic_thinking_and_tool_history(claude: anthropic.Anthropic, tools_url: str) -> None:
     forced = "<think>Short plan.</think>Hello there."
     body = {"model": "tiny", "max_tokens": 60, "messages": MESSAGES, "extra_body": {"guided_choice": [forced], "temperature": 0}}
     message = claude.messages.create(**body)
@@ -166,5 +155,5 @@ def test_anthropic_thinking_and_tool_history(claude: anthropic.Anthropic, url: s
     ]
     reply = claude.messages.create(model="tiny", max_tokens=4, messages=history, tools=ANTHROPIC_TOOLS, tool_choice={"type": "none"})
     assert reply.content[0].type == "text"
-    bad = httpx.post(f"{url}/v1/messages", json={"model": "tiny", "max_tokens": 4, "messages": MESSAGES, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "x"}})
+    bad = httpx.post(f"{tools_url}/v1/messages", json={"model": "tiny", "max_tokens": 4, "messages": MESSAGES, "tools": ANTHROPIC_TOOLS, "tool_choice": {"type": "tool", "name": "x"}})
     assert bad.status_code == 400 and bad.json()["type"] == "error"

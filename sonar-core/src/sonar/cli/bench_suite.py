@@ -153,27 +153,11 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
     of steps and the host's seconds in each part of the step (launch, and its pieces; the
     wait for results; the scheduler; output processing), the allocator's counters and the
     number of Triton kernels compiled meanwhile."""
-    from sonar.sampler.metadata import SamplingMetadata
     from sonar.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in output_lens]
     engine = llm.llm_engine
-    runner = engine.core.executor.worker.model_runner
-    targets = [
-        (engine.core.executor, "launch", "launch_s"),
-        (engine.core.executor, "fetch", "fetch_wait_s"),
-        (engine.core.scheduler, "schedule", "schedule_s"),
-        (engine.core.scheduler, "update_from_output", "update_s"),
-        (engine.output_processor, "process", "output_processing_s"),
-        (runner, "_update_states", "  launch: update_states_s"),
-        (runner, "build_batch", "  launch: build_batch_s"),
-        (runner, "_feed_pending_tokens", "  launch: feed_pending_s"),
-        (runner.model, "forward", "  launch: forward_s"),
-        (runner, "sampler", "  launch: sampler_s"),
-        (runner.model, "compute_logits", "  launch: compute_logits_s"),
-        (runner, "_prompt_logprobs", "  launch: prompt_logprobs_s"),
-        (SamplingMetadata, "build", "  launch: sampling_metadata_s"),
-    ] if phases is not None else []
+    targets = _step_phases(engine) if phases is not None else []
     totals: dict[str, float] = {}
     steps_before, memory_before, compiled_before = engine.core.num_steps_launched, _memory_stats(), _triton_cache_entries()
     with _timing(targets, totals):
@@ -188,6 +172,29 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
         phases.update({k: v - memory_before.get(k, 0) for k, v in _memory_stats().items()})
         phases["triton_compiles"] = _triton_cache_entries() - compiled_before
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+def _step_phases(engine: Any) -> list[tuple[Any, str, str]]:
+    """The parts of an engine step timed on the host: ``(object, method, label)`` (the
+    ``launch:`` ones happen inside ``launch``)."""
+    from sonar.sampler.metadata import SamplingMetadata
+
+    runner = engine.core.executor.worker.model_runner
+    return [
+        (engine.core.executor, "launch", "launch"),
+        (engine.core.executor, "fetch", "fetch_wait"),
+        (engine.core.scheduler, "schedule", "schedule"),
+        (engine.core.scheduler, "update_from_output", "update"),
+        (engine.output_processor, "process", "output_processing"),
+        (runner, "_update_states", "  launch: update_states"),
+        (runner, "build_batch", "  launch: build_batch"),
+        (runner, "_feed_pending_tokens", "  launch: feed_pending"),
+        (runner.model, "forward", "  launch: forward"),
+        (runner, "sampler", "  launch: sampler"),
+        (runner.model, "compute_logits", "  launch: compute_logits"),
+        (runner, "_prompt_logprobs", "  launch: prompt_logprobs"),
+        (SamplingMetadata, "build", "  launch: sampling_metadata"),
+    ]
 
 
 @contextlib.contextmanager
@@ -437,15 +444,7 @@ def _time_phases(engine: Any, steps: int) -> dict[str, float]:
 
     totals: dict[str, float] = {}
     runner = engine.core.executor.worker.model_runner
-    targets = [
-        (engine.core.scheduler, "schedule", "schedule"),
-        (engine.core.scheduler, "update_from_output", "scheduler update"),
-        (engine.core.executor, "launch", "launch (inputs, forward and sampling queued)"),
-        (engine.core.executor, "fetch", "fetch (waiting for the GPU)"),
-        (runner, "build_batch", "  build inputs"),
-        (runner, "sampler", "  sampling launch"),
-        (engine.output_processor, "process", "output processing"),
-    ]
+    targets = _step_phases(engine)
     with _timing(targets, totals):
         _sync()
         started = time.perf_counter()

@@ -181,21 +181,15 @@ class Scheduler:
 
     # -- results -------------------------------------------------------------------------
 
-    def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
+    def update_from_output(self, scheduled: SchedulerOutput, output: ModelRunnerOutput) -> None:
         """Append the step's sampled tokens and finish the requests that hit eos, a stop token
-        or their length; return those that progressed. A request finished or aborted while the
-        step ran is skipped (the token it computed meanwhile is dropped)."""
-        progressed: list[Request] = []
+        or their length. A request finished or aborted while the step ran is skipped (the
+        token it computed meanwhile is dropped)."""
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)
-            if request is None or request.is_finished:
-                continue
-            if token_id is None:
-                progressed.append(request)  # a prefill chunk (prompt logprobs may be ready)
-                continue
+            if request is None or request.is_finished or token_id is None:
+                continue  # gone, or a prefill chunk that sampled nothing
             request.num_pending_tokens -= 1
             request.output_token_ids.append(token_id)
             if request.check_stop():
                 self._finish(request)
-            progressed.append(request)
-        return progressed

@@ -104,13 +104,7 @@ class Sampler:
         if processed is logits:
             processed = processed.clone()  # every stage below may work in place
 
-        # hard constraints, every row
-        if meta.banned is not None:
-            apply_banned(processed, meta.banned)
-        if meta.logit_bias is not None:
-            apply_logit_bias(processed, meta.logit_bias)
-        if meta.allowed is not None:
-            apply_allowed(processed, meta.allowed)
+        self._apply_hard_constraints(processed, meta)
 
         # the ordered stages, per group of rows sharing one order
         if len(meta.order_groups) == 1:
@@ -124,6 +118,17 @@ class Sampler:
         return self._revive_dead_rows(processed, logits, meta)
 
     @staticmethod
+    def _apply_hard_constraints(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """Bans, logit bias and allowed tokens, on every row, in place; returns ``logits``."""
+        if meta.banned is not None:
+            apply_banned(logits, meta.banned)
+        if meta.logit_bias is not None:
+            apply_logit_bias(logits, meta.logit_bias)
+        if meta.allowed is not None:
+            apply_allowed(logits, meta.allowed)
+        return logits
+
+    @staticmethod
     def _revive_dead_rows(processed: torch.Tensor, raw: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """A row whose every token was removed (say allowed_token_ids=[5] with a ban on 5)
         falls back to its hard constraints alone, and failing that to the raw logits: it
@@ -132,15 +137,10 @@ class Sampler:
         dead = processed.amax(dim=-1) == float("-inf")
         if processed.device.type == "cpu" and not bool(dead.any()):
             return processed
-        fallback = raw.float().clone()
-        if meta.banned is not None:
-            apply_banned(fallback, meta.banned)
-        if meta.logit_bias is not None:
-            apply_logit_bias(fallback, meta.logit_bias)
-        if meta.allowed is not None:
-            apply_allowed(fallback, meta.allowed)
+        raw = raw.float()
+        fallback = Sampler._apply_hard_constraints(raw.clone(), meta)
         still_dead = fallback.amax(dim=-1) == float("-inf")
-        fallback = torch.where(still_dead[:, None], raw.float(), fallback)
+        fallback = torch.where(still_dead[:, None], raw, fallback)
         return torch.where(dead[:, None], fallback, processed)
 
     def final_probabilities(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
