@@ -55,10 +55,13 @@ class EngineArgs:
     quantization: str | None = None
     max_logprobs: int = 20
     async_scheduling: bool | None = None  # schedule and launch step N+1 while step N runs; None: the platform's default
+    data_parallel_size: int = 1  # engine-core replicas, each in its own process with its own device
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_seqs < 1:
@@ -82,6 +85,47 @@ def resolve_dtype(requested: str | torch.dtype, hf_config: Any, supported: tuple
     if config_dtype in supported:
         return config_dtype
     return supported[0]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything an engine core needs, resolved once from ``EngineArgs`` as plain data, so it
+    can be handed to an engine-core process (as JSON) and read there without re-deciding
+    anything: the model file and its format, dtype, lengths, cache, scheduler and parallel
+    settings, and the platform they were resolved for."""
+
+    model: str  # the resolved path of the folder or .gguf file
+    served_name: str
+    load_format: str  # the weight format that reads it
+    tokenizer: str | None
+    skip_tokenizer_init: bool
+    dtype: str  # a torch dtype name: "float32", "bfloat16", "float16"
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    enable_prefix_caching: bool
+    kv_cache_memory_bytes: int | None
+    gpu_memory_utilization: float
+    async_scheduling: bool
+    max_logprobs: int
+    seed: int
+    data_parallel_size: int
+    platform: str  # the platform's name, as SONAR_PLATFORM takes it
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(slots=True)

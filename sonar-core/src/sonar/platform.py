@@ -46,6 +46,13 @@ class Platform:
     async_scheduling: bool = False
 
     @classmethod
+    def replica_env(cls, index: int, num_replicas: int) -> dict[str, str]:
+        """Environment for the engine-core process of data-parallel replica ``index`` of
+        ``num_replicas``: what makes it use its own device (``CUDA_VISIBLE_DEVICES``) or its
+        share of the host. Default: nothing (every replica sees the same devices)."""
+        return {}
+
+    @classmethod
     def device(cls, index: int = 0) -> torch.device:
         """The torch device for local rank ``index``."""
         return torch.device(cls.device_type)

@@ -55,6 +55,14 @@ class CpuPlatform(Platform):
     max_default_kv_cache_bytes = 4 * 1024**3
 
     @classmethod
+    def replica_env(cls, index: int, num_replicas: int) -> dict[str, str]:
+        """Replicas share the cores: each gets its own slice of the torch threads (unless
+        ``SONAR_CPU_THREADS`` says otherwise)."""
+        if num_replicas == 1 or os.environ.get("SONAR_CPU_THREADS"):
+            return {}
+        return {"SONAR_CPU_THREADS": str(max(1, num_usable_cores() // num_replicas))}
+
+    @classmethod
     def total_memory_bytes(cls) -> int:
         """Physical memory of the host (``MemTotal``)."""
         total = read_meminfo("MemTotal") or _sysconf_bytes("SC_PHYS_PAGES")

@@ -20,6 +20,20 @@ class CudaPlatform(Platform):
     async_scheduling = True  # kernels are queued: the host schedules step N+1 while step N runs
 
     @classmethod
+    def replica_env(cls, index: int, num_replicas: int) -> dict[str, str]:
+        """Replica ``index`` sees only GPU ``index`` of those visible to the server."""
+        if num_replicas == 1:
+            return {}
+        import os
+
+        visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        if not visible:
+            visible = [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+        if len(visible) < num_replicas:
+            raise ValueError(f"data_parallel_size={num_replicas} needs {num_replicas} GPUs; {len(visible)} are visible")
+        return {"CUDA_VISIBLE_DEVICES": visible[index]}
+
+    @classmethod
     def device(cls, index: int = 0) -> torch.device:
         """The CUDA device for local rank ``index``."""
         return torch.device("cuda", index)

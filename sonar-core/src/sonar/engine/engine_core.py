@@ -6,11 +6,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from sonar.config import CacheConfig, ModelConfig, SchedulerConfig
+from sonar.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from sonar.engine.kv_cache import KVCacheManager
 from sonar.engine.request import Request, RequestStatus
 from sonar.engine.scheduler import Scheduler
-from sonar.engine.scheduler_output import RequestLogprobs, SchedulerOutput
+from sonar.engine.scheduler_output import SchedulerOutput
+from sonar.engine.wire import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from sonar.executor.uniproc import UniprocExecutor
 from sonar.platform import Platform
 
@@ -20,34 +21,12 @@ MAX_FAILED_STEPS = 3  # consecutive failed steps before the engine gives up
 
 
 @dataclass(slots=True)
-class EngineCoreOutput:
-    req_id: str
-    new_token_ids: list[int]
-    new_logprobs: RequestLogprobs | None
-    prompt_logprobs: RequestLogprobs | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    num_cached_tokens: int
-
-
-@dataclass(slots=True)
 class _InFlightStep:
     scheduled: SchedulerOutput
     handle: Any  # the executor's handle on the launched step
 
 
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_total_blocks: int
-    num_free_blocks: int
-    kv_cache_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_prompt_tokens: int
-    num_generation_tokens: int
+EngineStats = SchedulerStats  # the name the offline engine has always used
 
 
 class EngineCore:
@@ -86,7 +65,32 @@ class EngineCore:
         self._in_flight: _InFlightStep | None = None
         logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
 
-    def add_request(self, request: Request) -> None:
+    @classmethod
+    def from_config(cls, config: EngineConfig, platform: type[Platform]) -> EngineCore:
+        """Load the model and size the KV cache as ``config`` says."""
+        from sonar.engine.resolve import model_config_of
+
+        return cls(
+            platform,
+            model_config_of(config),
+            config.scheduler_config,
+            config.block_size,
+            config.enable_prefix_caching,
+            config.kv_cache_memory_bytes,
+            config.gpu_memory_utilization,
+            config.async_scheduling,
+        )
+
+    def add_request(self, request: Request | EngineCoreRequest) -> None:
+        if isinstance(request, EngineCoreRequest):
+            request = Request(
+                request.request_id,
+                request.prompt_token_ids,  # type: ignore[arg-type]  # a list once decoded
+                request.sampling_params,
+                self.model_config.eos_token_ids,
+                request.max_tokens,
+                arrival_time=request.arrival_time,
+            )
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -181,9 +185,9 @@ class EngineCore:
             for r in aborted
         ]
 
-    def get_stats(self) -> EngineStats:
+    def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache
-        return EngineStats(
+        return SchedulerStats(
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_total_blocks=kv.num_blocks,

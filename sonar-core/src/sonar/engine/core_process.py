@@ -1,0 +1,244 @@
+"""An engine core in its own process: ``python -m sonar.engine.core_process`` reads an
+``EngineCoreLaunch`` (JSON) from stdin, loads the model, and serves every frontend named in it.
+
+Three threads: the input thread receives and decodes requests (and compiles their grammars),
+the main thread only steps, the output thread encodes and sends each step's outputs to the
+frontend that sent the request, plus a heartbeat with the engine's load every 0.25 s.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from sonar.config import EngineConfig
+from sonar.engine import wire
+from sonar.engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+
+logger = logging.getLogger("sonar.engine_core")
+
+HEARTBEAT_S = 0.25
+
+
+def engine_identity(engine_index: int) -> bytes:
+    return engine_index.to_bytes(2, "little")
+
+
+class EngineCoreProc:
+    def __init__(self, launch: wire.EngineCoreLaunch) -> None:
+        from sonar.engine.engine_core import EngineCore
+        from sonar.platform import current_platform
+
+        self.config: EngineConfig = launch.config
+        self.engine_index = launch.engine_index
+        self.clients = launch.clients
+        self.core = EngineCore.from_config(self.config, current_platform())
+        self.stats = self.core.get_stats()
+        self.step_started: float | None = None  # set while the main thread steps
+        self.commands: queue.Queue[tuple[bytes, Any]] = queue.Queue()
+        self.sends: queue.Queue[tuple[int, EngineCoreOutputs] | None] = queue.Queue()
+        self.client_of: dict[str, int] = {}  # request id -> the frontend its outputs go to
+        self.context = zmq.Context()
+        self._tokenizer: Any = None
+
+    # -- threads -------------------------------------------------------------------------
+
+    def run(self) -> None:
+        inputs = []
+        for addresses in self.clients:
+            socket = self.context.socket(zmq.DEALER)
+            socket.setsockopt(zmq.IDENTITY, engine_identity(self.engine_index))
+            socket.setsockopt(zmq.LINGER, 0)
+            socket.connect(addresses.input)
+            inputs.append(socket)
+        outputs = []
+        for addresses in self.clients:
+            socket = self.context.socket(zmq.PUSH)
+            socket.setsockopt(zmq.LINGER, 1000)
+            socket.connect(addresses.output)
+            outputs.append(socket)
+        ready = wire.EngineReady(self.engine_index, os.getpid(), self.core.cache_config.num_blocks, self.config.block_size)
+        for socket in inputs:
+            socket.send_multipart(wire.encode_ready(ready))
+        for socket in outputs:
+            socket.send_multipart(wire.encode_ready(ready))
+        threading.Thread(target=self._receive, args=(inputs,), name="sonar-core-input", daemon=True).start()
+        sender = threading.Thread(target=self._send, args=(outputs,), name="sonar-core-output", daemon=True)
+        sender.start()
+        try:
+            self._step_loop()
+        except BaseException as exc:
+            logger.error("engine core %d failed:\n%s", self.engine_index, "".join(traceback.format_exception(exc)))
+            failed = wire.encode_failed(wire.EngineFailed(self.engine_index, f"{type(exc).__name__}: {exc}"))
+            self.sends.put(None)
+            sender.join(2.0)
+            for socket in outputs:
+                socket.send_multipart(failed)
+            raise
+        finally:
+            self.sends.put(None)
+            sender.join(2.0)
+            self.context.destroy(linger=1000)
+
+    def _receive(self, sockets: list[zmq.Socket]) -> None:
+        """Input thread: decode what arrives; what does not decode is logged and dropped."""
+        poller = zmq.Poller()
+        for socket in sockets:
+            poller.register(socket, zmq.POLLIN)
+        while True:
+            for socket, _ in poller.poll():
+                frames = socket.recv_multipart(copy=False)
+                self._accept(frames)
+
+    def _accept(self, frames: list[Any]) -> None:
+        kind = frames[0].bytes if frames else b""
+        try:
+            if kind == wire.ADD:
+                request = wire.decode_request([f.buffer for f in frames])
+                try:
+                    self._prepare(request)
+                except ValueError as exc:
+                    self._reject(request, str(exc))
+                    return
+                self.commands.put((kind, request))
+            elif kind == wire.ABORT:
+                self.commands.put((kind, wire.decode_abort([f.bytes for f in frames]).request_ids))
+            elif kind == wire.SHUTDOWN and len(frames) == 1:
+                self.commands.put((kind, None))
+            else:
+                raise wire.BadFrame(f"unknown message type {kind[:8]!r} ({len(frames)} frames)")
+        except (wire.BadFrame, ValueError) as exc:
+            logger.warning("engine core %d dropped a message: %s", self.engine_index, exc)
+
+    def _prepare(self, request: EngineCoreRequest) -> None:
+        """Checks a frontend already made, made again on what actually arrived, and the
+        grammar compiled here, off the step loop."""
+        ids = request.prompt_token_ids
+        vocab = self.config.vocab_size
+        if not ids or len(ids) >= self.config.max_model_len or any(t < 0 or t >= vocab for t in ids):  # type: ignore[union-attr]
+            raise ValueError(f"request {request.request_id!r}: prompt token ids out of range")
+        if request.max_tokens < 1 or len(ids) + request.max_tokens > self.config.max_model_len:  # type: ignore[arg-type]
+            raise ValueError(f"request {request.request_id!r}: max_tokens={request.max_tokens} does not fit the context")
+        if not 0 <= request.client_index < len(self.clients):
+            raise ValueError(f"request {request.request_id!r}: no frontend {request.client_index}")
+        if request.sampling_params.n != 1:
+            raise ValueError(f"request {request.request_id!r}: n > 1 is fanned out before the engine core")
+        if request.sampling_params.guided_decoding is not None:
+            self._grammar_compiler().compile(request.sampling_params.guided_decoding)
+
+    def _reject(self, request: EngineCoreRequest, reason: str) -> None:
+        """A request that decoded but cannot run ends at once, so its frontend never waits."""
+        logger.warning("engine core %d rejected a request: %s", self.engine_index, reason)
+        if 0 <= request.client_index < len(self.clients):
+            output = EngineCoreOutput(request.request_id, [], finish_reason="abort", stop_reason=f"rejected: {reason}")
+            self.sends.put((request.client_index, self._outputs_message([output])))
+
+    def _grammar_compiler(self) -> Any:
+        from sonar.engine.resolve import load_tokenizer
+        from sonar.structured_output.compiler import get_grammar_compiler
+
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.config)
+        config = self.config
+        return get_grammar_compiler(config.model, self._tokenizer, config.vocab_size, list(config.eos_token_ids))
+
+    def _send(self, sockets: list[zmq.Socket]) -> None:
+        """Output thread: send each step's outputs; a heartbeat to every frontend when idle."""
+        last_sent = [0.0] * len(sockets)
+        while True:
+            try:
+                item = self.sends.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            now = time.monotonic()
+            if item:
+                client_index, outputs = item
+                sockets[client_index].send_multipart(wire.encode_outputs(outputs), copy=False)
+                last_sent[client_index] = now
+            for index, socket in enumerate(sockets):
+                if now - last_sent[index] >= HEARTBEAT_S:
+                    socket.send_multipart(wire.encode_outputs(self._outputs_message([])), copy=False)
+                    last_sent[index] = now
+
+    def _outputs_message(self, outputs: list[EngineCoreOutput]) -> EngineCoreOutputs:
+        started = self.step_started
+        elapsed = time.monotonic() - started if started is not None else 0.0
+        return EngineCoreOutputs(self.engine_index, outputs, self.stats, elapsed)
+
+    # -- the step loop (main thread) -------------------------------------------------------
+
+    def _step_loop(self) -> None:
+        core = self.core
+        while True:
+            block = not core.has_unfinished_requests()
+            while True:
+                try:
+                    kind, payload = self.commands.get(block=block)
+                except queue.Empty:
+                    break
+                block = False
+                if kind == wire.SHUTDOWN:
+                    return
+                self._apply(kind, payload)
+            if not core.has_unfinished_requests():
+                continue
+            self.step_started = time.monotonic()
+            outputs = core.step()
+            self.step_started = None
+            self.stats = core.get_stats()
+            self._route(outputs)
+
+    def _apply(self, kind: bytes, payload: Any) -> None:
+        if kind == wire.ADD:
+            request: EngineCoreRequest = payload
+            if request.request_id in self.client_of:
+                logger.warning("engine core %d: request id %r is already running; dropped", self.engine_index, request.request_id)
+                return
+            self.client_of[request.request_id] = request.client_index
+            self.core.add_request(request)
+        elif kind == wire.ABORT:
+            known = [r for r in payload if r in self.client_of]
+            self.core.abort_requests(known)
+            for request_id in known:
+                del self.client_of[request_id]
+
+    def _route(self, outputs: list[EngineCoreOutput]) -> None:
+        by_client: dict[int, list[EngineCoreOutput]] = {}
+        for output in outputs:
+            client_index = self.client_of.get(output.req_id)
+            if client_index is None:
+                continue
+            by_client.setdefault(client_index, []).append(output)
+            if output.finish_reason is not None:
+                del self.client_of[output.req_id]
+        for client_index, client_outputs in by_client.items():
+            self.sends.put((client_index, self._outputs_message(client_outputs)))
+
+
+def main() -> int:
+    from sonar.engine.process_util import exit_with_parent, set_process_title
+
+    launch = wire.decode_launch(sys.stdin.buffer.read())
+    exit_with_parent()
+    set_process_title(f"engine-core-{launch.engine_index}")
+    logging.basicConfig(level=launch.log_level, format=f"%(asctime)s %(levelname)s engine-core-{launch.engine_index} %(name)s: %(message)s")
+    try:
+        EngineCoreProc(launch).run()
+    except Exception:
+        logger.exception("engine core %d exited on an error", launch.engine_index)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""``EngineArgs`` resolved once into an ``EngineConfig``: the model file and its format, the
+tokenizer, dtype, lengths, cache and scheduler settings. Both sides of the engine-core process
+boundary start from the result."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from sonar.config import EngineArgs, EngineConfig, ModelConfig, default_model_path, dtype_name, resolve_dtype
+from sonar.platform import Platform
+from sonar.registry import weight_formats
+
+
+def select_weight_format(model_path: Path, load_format: str) -> tuple[str, Any]:
+    formats = weight_formats()
+    if load_format != "auto":
+        if load_format not in formats:
+            raise ValueError(f"unknown load_format {load_format!r}; registered: {sorted(formats)}")
+        return load_format, formats[load_format]
+    for name, fmt in formats.items():
+        if fmt.detect(model_path):
+            return name, fmt
+    raise ValueError(f"no registered weight format reads {model_path} (registered: {sorted(formats)})")
+
+
+def _eos_token_ids(model_path: Path, hf_config: Any, tokenizer: Any) -> list[int]:
+    ids: list[int] = []
+
+    def add(value: Any) -> None:
+        for token_id in value if isinstance(value, list) else [value]:
+            if isinstance(token_id, int) and token_id not in ids:
+                ids.append(token_id)
+
+    add(getattr(hf_config, "eos_token_id", None))
+    generation_config = model_path / "generation_config.json" if model_path.is_dir() else None
+    if generation_config is not None and generation_config.exists():
+        add(json.loads(generation_config.read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    return ids
+
+
+def load_tokenizer(config: EngineConfig) -> Any:
+    """The tokenizer the frontend tokenizes and detokenizes with (None: skip_tokenizer_init)."""
+    if config.skip_tokenizer_init:
+        return None
+    if config.tokenizer:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(config.tokenizer)
+    _, fmt = select_weight_format(Path(config.model), config.load_format)
+    return fmt.load_tokenizer(Path(config.model))
+
+
+def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[EngineConfig, Any]:
+    """Resolve ``args`` for ``platform``; returns the config and the loaded tokenizer (or None).
+
+    Reads the model's config and tokenizer files only, never its weights, so a bad argument
+    is refused before anything heavy is loaded.
+    """
+    if args.quantization is not None:
+        from sonar.registry import quantization_methods
+
+        raise ValueError(
+            f"quantization={args.quantization!r} is not available: no quantization method is executed yet "
+            f"(registered: {sorted(quantization_methods()) or 'none'}); GGUF files are dequantized at load without it"
+        )
+    model_path = Path(args.model or default_model_path()).expanduser()
+    if not model_path.exists():
+        raise ValueError(f"model {str(model_path)!r} does not exist (give a Hugging Face folder or a .gguf file)")
+    format_name, fmt = select_weight_format(model_path, args.load_format)
+    hf_config = fmt.load_hf_config(model_path)
+    tokenizer = None
+    if not args.skip_tokenizer_init:
+        if args.tokenizer:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        else:
+            tokenizer = fmt.load_tokenizer(model_path)
+    derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    max_model_len = args.max_model_len or derived_len
+    if max_model_len > derived_len:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {derived_len} tokens")
+    config = EngineConfig(
+        model=str(model_path),
+        served_name=args.served_model_name or (args.model or "SmolLM2-135M-Instruct"),
+        load_format=format_name,
+        tokenizer=args.tokenizer,
+        skip_tokenizer_init=args.skip_tokenizer_init,
+        dtype=dtype_name(resolve_dtype(args.dtype, hf_config, platform.supported_dtypes)),
+        max_model_len=max_model_len,
+        vocab_size=hf_config.vocab_size,
+        eos_token_ids=tuple(_eos_token_ids(model_path, hf_config, tokenizer)),
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or max(2048, min(max_model_len, 8192)),
+        block_size=args.block_size,
+        enable_prefix_caching=args.enable_prefix_caching,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        async_scheduling=platform.async_scheduling if args.async_scheduling is None else args.async_scheduling,
+        max_logprobs=args.max_logprobs,
+        seed=args.seed,
+        data_parallel_size=args.data_parallel_size,
+        platform=platform.name,
+    )
+    return config, tokenizer
+
+
+def model_config_of(config: EngineConfig) -> ModelConfig:
+    """The model config the workers load from (reads the model's config file again)."""
+    _, fmt = select_weight_format(Path(config.model), config.load_format)
+    hf_config = fmt.load_hf_config(Path(config.model))
+    return ModelConfig(
+        model=config.model,
+        served_name=config.served_name,
+        hf_config=hf_config,
+        dtype=config.torch_dtype,
+        max_model_len=config.max_model_len,
+        vocab_size=config.vocab_size,
+        load_format=config.load_format,
+        eos_token_ids=list(config.eos_token_ids),
+    )
