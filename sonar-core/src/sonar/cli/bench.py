@@ -1,4 +1,5 @@
-"""``sonar bench throughput|latency``: measure the engine, with transformers as the peer."""
+"""``sonar bench throughput|latency``: measure the engine, with transformers as the peer.
+``sonar bench serve``: measure a server over HTTP (in the ``sonar-server`` distribution)."""
 
 from __future__ import annotations
 
@@ -71,6 +72,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from sonar.cli.bench_suite import add_suite_parser  # here: it imports this module
 
     add_suite_parser(kinds)
+    _add_serve_parser(kinds)
+
+
+_SERVE_HELP = "a running server (or one started here) under streaming load, vLLM's bench serve flags"
+_SERVE_INSTALL_HINT = "sonar bench serve needs the sonar-server package: pip install sonar-server"
+
+
+def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
+    try:
+        from sonar_server.bench_serve import add_bench_serve_arguments
+    except ImportError:
+        serve = kinds.add_parser("serve", help=f"{_SERVE_HELP} [needs sonar-server]", add_help=False)
+        serve.add_argument("rest", nargs=argparse.REMAINDER)
+        serve.set_defaults(func=run_serve)
+        return
+    serve = kinds.add_parser("serve", help=_SERVE_HELP, description=_SERVE_HELP)
+    add_bench_serve_arguments(serve)
+    serve.set_defaults(func=run_serve)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        from sonar_server.bench_serve import run
+    except ImportError as exc:
+        print(f"{_SERVE_INSTALL_HINT} ({exc})", file=sys.stderr)
+        return 2
+    return run(args)
 
 
 def _vocab_size(llm) -> int:
