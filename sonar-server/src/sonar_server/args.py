@@ -50,6 +50,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-request-body-bytes", type=_byte_size, default=DEFAULT_MAX_BODY_BYTES, metavar="BYTES",
         help="largest request body accepted (413 above it); accepts 8MiB-style sizes",
     )
+    group.add_argument(
+        "--api-server-count", type=int, default=1,
+        help="HTTP server processes sharing the port, each talking to every engine core",
+    )
+    group.add_argument(
+        "--engine-step-timeout", type=float, default=60.0,
+        help="seconds one engine step may run before /health reports that engine core stuck",
+    )
     group.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to let running requests finish after SIGTERM before aborting them")
     group.add_argument("--retry-after", type=int, default=1, help="seconds clients are told to wait (Retry-After) when the server is full")
     group.add_argument("--kobold-max-length", type=int, default=100, help="KoboldAI max_length when a request leaves it out")

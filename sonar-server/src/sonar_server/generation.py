@@ -174,6 +174,7 @@ class Generation:
         e2e = time.monotonic() - self._arrival
         ttft = (self._first_token_at - self._arrival) if self._first_token_at is not None else None
         self.state.metrics.observe_finished(self.api, finish_reason, len(self.prompt_token_ids), self.num_generated_tokens, e2e)
+        self.state.metrics.update_in_flight()
         logger.info(
             "%s %s finish=%s prompt_tokens=%d cached_tokens=%d generated_tokens=%d ttft=%s e2e=%.3fs",
             self.api,
@@ -203,6 +204,7 @@ async def start_generation(
     if prompt_text is not None:
         prompt["prompt"] = prompt_text
     stream = await state.client.add_request(request_id, prompt, params)
+    state.metrics.update_in_flight()
     return Generation(state, api, stream, params, prompt_token_ids, arrival)
 
 

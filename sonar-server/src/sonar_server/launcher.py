@@ -1,20 +1,32 @@
-"""``sonar serve``: load the engine, start its step loop, serve HTTP until SIGTERM, drain."""
+"""``sonar serve``: resolve the configuration, bind the port, start the engine cores, then
+serve HTTP from this process (one API server) or from ``--api-server-count`` child processes
+sharing the listening socket; on SIGTERM drain every process, then stop the engine cores."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import logging
+import os
+import shutil
 import signal
+import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from types import FrameType
 
+import msgspec
 import uvicorn
 
 from sonar.cli.engine_args import engine_args_from
-from sonar.engine.async_client import AsyncLLM
-from sonar_server.app import build_app
+from sonar.engine.core_client import EngineProcesses, client_addresses, new_ipc_dir
+from sonar.engine.process_util import set_process_title
+from sonar.engine.resolve import resolve_engine_config
+from sonar.platform import current_platform
+from sonar_server.api_server import ApiServerLaunch, run_api_server
 from sonar_server.args import settings_from
 from sonar_server.state import ServerState
 
@@ -61,34 +73,105 @@ def _configure_logging() -> None:
         logger.setLevel(logging.INFO)
 
 
+def bind_listener(host: str, port: int) -> socket.socket:
+    """The listening socket every API server accepts on, bound before anything is loaded so
+    a port in use is reported at once."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server running there? pick another --port)") from None
+    listener.listen(2048)
+    listener.set_inheritable(True)
+    return listener
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until it is stopped; returns the process exit code."""
     _configure_logging()
     engine_args = engine_args_from(args)
     if args.served_model_name:
         engine_args = dataclasses.replace(engine_args, served_model_name=args.served_model_name[0])
-    max_in_flight = engine_args.max_num_seqs + args.max_waiting_requests
-    logger.info("loading %s", engine_args.model or "the embedded SmolLM2-135M-Instruct")
-    client = AsyncLLM.from_engine_args(engine_args, max_in_flight=max_in_flight)
-    try:
-        state = ServerState(client, settings_from(args, client.model_config.served_name))
-        app = build_app(state)
-        config = uvicorn.Config(
-            app,
-            host=args.host,
-            port=args.port,
-            log_level=args.uvicorn_log_level,
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    platform = current_platform()
+    config, tokenizer = resolve_engine_config(engine_args, platform)
+    settings = settings_from(args, config.served_name)
+    listener = bind_listener(args.host, args.port)
+    ipc_dir = new_ipc_dir()
+    count = args.api_server_count
+    clients = [client_addresses(ipc_dir, i) for i in range(count)]
+    logger.info("loading %s in %d engine core(s)", engine_args.model or "the embedded SmolLM2-135M-Instruct", config.data_parallel_size)
+    engines = EngineProcesses(config, clients, platform.replica_env, logging.getLevelName(logging.getLogger().level))
+    launches = [
+        ApiServerLaunch(
+            config=config,
+            settings=settings,
+            client_index=i,
+            addresses=clients[i],
+            max_in_flight=config.max_num_seqs * config.data_parallel_size + args.max_waiting_requests,
+            engine_step_timeout=args.engine_step_timeout,
+            uvicorn_log_level=args.uvicorn_log_level,
             access_log=args.access_log,
-            timeout_graceful_shutdown=5,
-            timeout_keep_alive=5,
+            log_level=logging.getLevelName(logger.getEffectiveLevel()),
+            listen_fd=listener.fileno(),
         )
-        server = DrainingServer(config, state)
-        logger.info(
-            "serving %s (context %d tokens) on http://%s:%d with APIs: %s%s",
-            state.model_name, state.max_model_len, args.host, args.port, ", ".join(state.enabled_apis),
-            "; API keys required" if state.settings.api_keys else "",
-        )
-        server.run()
+        for i in range(count)
+    ]
+    try:
+        if count == 1:
+            set_process_title("api-server-0")
+            return run_api_server(launches[0], listener, tokenizer, engines.check_started)
+        set_process_title("serve")
+        return _supervise(launches, listener, engines)
     finally:
-        client.shutdown()
-    return 0
+        engines.terminate()
+        listener.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+
+
+def _supervise(launches: list[ApiServerLaunch], listener: socket.socket, engines: EngineProcesses) -> int:
+    """Run the API servers as children; forward one SIGTERM to each on the first signal."""
+    metrics_dir = tempfile.mkdtemp(prefix="sonar-metrics-")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    children: list[subprocess.Popen] = []
+    stopping = threading.Event()
+
+    def stop(sig: int, frame: FrameType | None) -> None:
+        if stopping.is_set():  # a second signal: stop at once
+            for child in children:
+                if child.poll() is None:
+                    child.kill()
+            return
+        stopping.set()
+        logger.info("%s received: draining every API server", signal.Signals(sig).name)
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGTERM)
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for launch in launches:
+            child = subprocess.Popen(
+                [sys.executable, "-m", "sonar_server.api_server"],
+                stdin=subprocess.PIPE, pass_fds=[listener.fileno()], env=env, start_new_session=True,
+            )
+            assert child.stdin is not None
+            child.stdin.write(msgspec.json.encode(launch))
+            child.stdin.close()
+            children.append(child)
+        while any(child.poll() is None for child in children):
+            engines.reap()
+            time.sleep(0.2)
+        return 0 if stopping.is_set() else max(child.returncode for child in children)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+        shutil.rmtree(metrics_dir, ignore_errors=True)

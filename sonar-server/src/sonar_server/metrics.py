@@ -3,10 +3,11 @@ gauges read from the engine client's latest statistics at scrape time."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -19,6 +20,11 @@ _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 3
 
 class ServerMetrics:
     """Every metric ``/metrics`` exposes, in its own registry.
+
+    With several API server processes (``PROMETHEUS_MULTIPROC_DIR`` set by ``sonar serve``),
+    request counters and histograms are written to files there and every process renders the
+    sum over all of them; the engine gauges come from the engine cores, which report to every
+    API server, so each process has the whole view of them already.
 
     :param read_stats: returns the engine's latest ``EngineStats`` (or None).
     :param read_in_flight: returns how many requests the server has handed to the engine.
@@ -46,7 +52,22 @@ class ServerMetrics:
             f"{PREFIX}e2e_request_latency_seconds", "Time from arrival to the last token",
             ["model_name"], buckets=_E2E_BUCKETS, registry=self.registry,
         )
-        self.registry.register(_EngineCollector(read_stats, read_in_flight, model_name))
+        self.multiprocess = bool(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+        self._read_in_flight = read_in_flight
+        self.in_flight: Gauge | None = None
+        if self.multiprocess:  # summed over the live API server processes
+            self.in_flight = Gauge(
+                f"{PREFIX}num_requests_in_flight", "Requests the server has handed to the engine",
+                ["model_name"], multiprocess_mode="livesum", registry=None,
+            )
+            read_in_flight = None  # type: ignore[assignment]
+        self.engine_collector = _EngineCollector(read_stats, read_in_flight, model_name)
+        self.registry.register(self.engine_collector)
+
+    def update_in_flight(self) -> None:
+        """Publish this process's in-flight count (multi-process mode: on every change)."""
+        if self.in_flight is not None:
+            self.in_flight.labels(self.model_name).set(self._read_in_flight())
 
     def observe_finished(
         self, api: str, finish_reason: str, num_prompt_tokens: int, num_generation_tokens: int, e2e_s: float
@@ -65,11 +86,19 @@ class ServerMetrics:
             histogram.observe(seconds_per_token)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self.multiprocess:
+            return generate_latest(self.registry)
+        from prometheus_client import multiprocess
+
+        self.update_in_flight()
+        registry = CollectorRegistry()
+        multiprocess.MultiProcessCollector(registry)
+        registry.register(self.engine_collector)
+        return generate_latest(registry)
 
 
 class _EngineCollector(Collector):
-    def __init__(self, read_stats: Callable[[], Any], read_in_flight: Callable[[], int], model_name: str) -> None:
+    def __init__(self, read_stats: Callable[[], Any], read_in_flight: Callable[[], int] | None, model_name: str) -> None:
         self.read_stats = read_stats
         self.read_in_flight = read_in_flight
         self.model_name = model_name
@@ -87,7 +116,8 @@ class _EngineCollector(Collector):
             family.add_metric(labels, value)
             return family
 
-        yield gauge("num_requests_in_flight", "Requests the server has handed to the engine", self.read_in_flight())
+        if self.read_in_flight is not None:
+            yield gauge("num_requests_in_flight", "Requests the server has handed to the engine", self.read_in_flight())
         stats = self.read_stats()
         if stats is None:
             return

@@ -1,5 +1,6 @@
 """The route class every API surface uses: API key, drain and body-size checks before the
-handler, and every error rendered in the surface's own format."""
+handler, every error rendered in the surface's own format, and every JSON body written as
+RFC 8259 JSON (``StrictJSONResponse``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from starlette.responses import Response
 
 from sonar_server.auth import check_api_key
 from sonar_server.errors import ApiError, to_api_error
+from sonar_server.strict_json import StrictJSONResponse
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +28,9 @@ _LENIENT_CONTENT_TYPES = ("", "application/x-www-form-urlencoded", "text/plain")
 
 def surface_router(render_error: ErrorRenderer, guarded: bool = True, tags: list[str] | None = None) -> APIRouter:
     """A router whose routes check the API key (when ``guarded``), refuse work while draining,
-    cap the body size and render errors with ``render_error``."""
-    return APIRouter(route_class=_route_class(render_error, guarded), tags=list(tags or []))
+    cap the body size, render errors with ``render_error`` and write the values handlers
+    return as strict JSON."""
+    return APIRouter(route_class=_route_class(render_error, guarded), tags=list(tags or []), default_response_class=StrictJSONResponse)
 
 
 def _route_class(render_error: ErrorRenderer, guarded: bool) -> type[APIRoute]:

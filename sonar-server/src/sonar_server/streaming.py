@@ -4,7 +4,6 @@ non-streaming work that stops when its client disconnects."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -12,17 +11,21 @@ from starlette.requests import Request
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from sonar_server import strict_json
+
 T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def sse_data(payload: Any) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One ``data:`` event of RFC 8259 JSON (non-finite floats replaced, see ``strict_json``)."""
+    return f"data: {strict_json.dumps(payload)}\n\n"
 
 
 def sse_event(event: str, payload: Any) -> str:
-    return f"event: {event}\ndata: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    """One named event whose ``data:`` is RFC 8259 JSON."""
+    return f"event: {event}\ndata: {strict_json.dumps(payload)}\n\n"
 
 
 class EventStreamResponse(StreamingResponse):

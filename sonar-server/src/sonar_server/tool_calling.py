@@ -1,15 +1,16 @@
 """Tools and reasoning for chat surfaces: how a request's ``tools`` / ``tool_choice`` become a
 grammar or a parser, and how a choice's text becomes reasoning, content and tool calls (whole
-or streamed). Parsing never fails a request: what does not parse is returned as content."""
+or streamed). Parsing never fails a request: what does not parse (``NaN`` and ``Infinity``
+included: they are not JSON) is returned as content."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from sonar.structured_output import GuidedDecodingParams
 
+from sonar_server import strict_json
 from sonar_server.errors import ApiError
 from sonar_server.parsers import (
     ReasoningParser,
@@ -270,7 +271,7 @@ def template_message_tool_calls(tool_calls: list[dict[str, Any]]) -> list[dict[s
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:
-                function["arguments"] = json.loads(arguments)
+                function["arguments"] = strict_json.loads(arguments)
             except (ValueError, RecursionError):
                 pass
         call["function"] = function

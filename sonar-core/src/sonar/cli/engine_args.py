@@ -28,6 +28,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         "--async-scheduling", action=argparse.BooleanOptionalAction, default=defaults.async_scheduling,
         help="schedule and launch each step while the one before it still runs on the device (default: on for accelerators, off on the CPU)",
     )
+    group.add_argument(
+        "--data-parallel-size", "-dp", type=int, default=defaults.data_parallel_size,
+        help="engine-core replicas, each in its own process on its own device (on the CPU: its share of the cores); requests go to the least loaded",
+    )
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs, help="largest logprobs / prompt_logprobs a request may ask for")
 
 
@@ -49,4 +53,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         seed=args.seed,
         max_logprobs=args.max_logprobs,
         async_scheduling=args.async_scheduling,
+        data_parallel_size=args.data_parallel_size,
     )

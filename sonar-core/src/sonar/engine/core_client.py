@@ -69,9 +69,16 @@ class InprocCoreClient:
 # -- engine-core processes ------------------------------------------------------------------
 
 
+IPC_DIR_ENV = "SONAR_IPC_DIR"
+
+
 def new_ipc_dir() -> str:
-    """A private directory (mode 0700) for one server's sockets: only its user can connect."""
-    return tempfile.mkdtemp(prefix="sonar-ipc-")
+    """A private directory (mode 0700) for one server's sockets: only its user can connect.
+    Made under ``SONAR_IPC_DIR`` where that is set (a tmpfs, say), else the temp directory."""
+    parent = os.environ.get(IPC_DIR_ENV) or None
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    return tempfile.mkdtemp(prefix="sonar-ipc-", dir=parent)
 
 
 def client_addresses(ipc_dir: str, client_index: int) -> ClientAddresses:
@@ -91,7 +98,10 @@ class EngineProcesses:
         for index in range(config.data_parallel_size):
             launch = wire.EngineCoreLaunch(config, index, clients, log_level)
             env = {**os.environ, **replica_env(index, config.data_parallel_size)}
-            process = subprocess.Popen([sys.executable, "-m", "sonar.engine.core_process"], stdin=subprocess.PIPE, env=env)
+            # its own session: a Ctrl-C in the terminal reaches the frontend, which drains first
+            process = subprocess.Popen(
+                [sys.executable, "-m", "sonar.engine.core_process"], stdin=subprocess.PIPE, env=env, start_new_session=True
+            )
             assert process.stdin is not None
             process.stdin.write(wire.encode_launch(launch))
             process.stdin.close()
@@ -103,6 +113,11 @@ class EngineProcesses:
             code = process.poll()
             if code is not None:
                 raise EngineStartError(f"engine core {index} exited with code {code} while starting (its log above says why)")
+
+    def reap(self) -> None:
+        """Collect replicas that exited (no zombies while the server runs on)."""
+        for process in self.processes:
+            process.poll()
 
     def terminate(self, timeout: float = 10.0) -> None:
         """Stop every replica: SIGTERM, then SIGKILL after ``timeout`` seconds."""
@@ -166,6 +181,7 @@ class MPCoreClient:
         self.requests = self.context.socket(zmq.ROUTER)
         self.requests.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone engine raises
         self.requests.setsockopt(zmq.LINGER, 0)
+        self.requests.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
         self.requests.bind(addresses.input)
         self.outputs = self.context.socket(zmq.PULL)
         self.outputs.setsockopt(zmq.LINGER, 0)

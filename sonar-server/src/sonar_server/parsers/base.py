@@ -1,4 +1,8 @@
-"""What tool-call and reasoning parsers return, and the base classes plugins subclass."""
+"""What tool-call and reasoning parsers return, and the base classes plugins subclass.
+
+JSON in a model's text is read strictly (``strict_json``): ``NaN``, ``Infinity``, ``-Infinity``
+and numbers that overflow a double make it not JSON, so a call that holds them is no call and
+its text stays content; every call's ``arguments`` is a string of RFC 8259 JSON."""
 
 from __future__ import annotations
 
@@ -6,6 +10,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+from sonar_server import strict_json
 
 
 def new_tool_call_id() -> str:
@@ -24,10 +30,9 @@ class ToolCall:
     def input(self) -> Any:
         """The arguments as a value (Anthropic's ``tool_use.input``); ``{}`` if they are not JSON."""
         try:
-            value = json.loads(self.arguments)
+            return strict_json.loads(self.arguments)
         except (ValueError, RecursionError):
             return {}
-        return value
 
 
 @dataclass(slots=True)
@@ -39,15 +44,16 @@ class ToolCallResult:
 
 
 def arguments_text(value: Any) -> str | None:
-    """Arguments as JSON text: a dict is serialised; a string must already be JSON; else None."""
-    if isinstance(value, dict):
-        return json.dumps(value, ensure_ascii=False)
-    if isinstance(value, str):
-        try:
-            json.loads(value)
-        except (ValueError, RecursionError):
-            return None
-        return value
+    """Arguments as strict JSON text: a dict is serialised; a string must already be strict
+    JSON; else (or if they hold a non-finite number) None."""
+    try:
+        if isinstance(value, dict):
+            return json.dumps(value, ensure_ascii=False, allow_nan=False)
+        if isinstance(value, str):
+            strict_json.loads(value)
+            return value
+    except (ValueError, RecursionError):
+        return None
     return None
 
 
@@ -61,12 +67,10 @@ def call_from_object(item: Any, arguments_keys: tuple[str, ...] = ("arguments", 
 
 
 def decode_json_prefix(text: str, start: int = 0) -> tuple[Any, int] | None:
-    """The JSON value beginning at ``text[start]`` (after whitespace) and the index after it, or
-    None. Linear in what it reads; too-deep nesting is a failure, not a crash."""
-    while start < len(text) and text[start].isspace():
-        start += 1
+    """The strict JSON value beginning at ``text[start]`` (after whitespace) and the index after
+    it, or None. Linear in what it reads; too-deep nesting is a failure, not a crash."""
     try:
-        return json.JSONDecoder().raw_decode(text, start)
+        return strict_json.raw_decode(text, start)
     except (ValueError, RecursionError):
         return None
 

@@ -18,8 +18,15 @@ def render_error(error: ApiError) -> JSONResponse:
 
 
 async def health(request: Request) -> Response:
-    """200 when the engine can take requests; 503 when it has failed or the server is draining."""
+    """200 when the engine can take requests (``degraded`` when some data-parallel replicas
+    are dead or stuck and the others serve); 503 when none can, or the server is draining."""
     state: ServerState = request.app.state.sonar
+    report = getattr(state.client, "health", None)
+    if report is not None:
+        body = report()
+        if state.draining:
+            body["status"] = "draining"
+        return JSONResponse(body, status_code=200 if body["status"] in ("ok", "degraded") else 503)
     if not state.client.is_healthy():
         error = state.client.dead_error
         return JSONResponse({"status": "dead", "error": str(error) if error else "the engine thread stopped"}, status_code=503)

@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from sonar_server.errors import ApiError, to_api_error
 from sonar_server.generation import Generation, closer, start_generation
@@ -19,6 +19,7 @@ from sonar_server.routing import surface_router
 from sonar_server.sampling import build_sampling_params
 from sonar_server.state import ServerState
 from sonar_server.streaming import EventStreamResponse, sse_event, unless_disconnected
+from sonar_server.strict_json import StrictJSONResponse
 from sonar_server.structured import body_guide
 from sonar_server.surfaces.anthropic.protocol import ContentBlock, CountTokensRequest, Message, MessagesRequest
 from sonar_server.tool_calling import OutputParser, ParsedOutput, anthropic_tool_plan, json_constrained, reasoning_parser
@@ -32,8 +33,8 @@ def error_body(error: ApiError) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
-def render_error(error: ApiError) -> JSONResponse:
-    return JSONResponse(error_body(error), status_code=error.status)
+def render_error(error: ApiError) -> StrictJSONResponse:
+    return StrictJSONResponse(error_body(error), status_code=error.status)
 
 
 def _text(content: str | list[ContentBlock] | list[dict[str, Any]], where: str) -> str:
@@ -144,7 +145,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     choice = generation.choices[0]
     parsed = OutputParser(plan, reasoning_parser(state.settings), json_constrained(guide)).parse(choice.text)
     stop_reason, stop_sequence = _stop_reason(choice.finish_reason, choice.stop_reason, stop_sequences, bool(parsed.tool_calls))
-    return JSONResponse(
+    return StrictJSONResponse(
         {
             "id": message_id,
             "type": "message",

@@ -9,7 +9,7 @@ from typing import Any
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from sonar_server import __version__
 from sonar_server.errors import ApiError, to_api_error
@@ -18,6 +18,7 @@ from sonar_server.prompts import encode_prompt
 from sonar_server.routing import surface_router
 from sonar_server.state import ServerState
 from sonar_server.streaming import EventStreamResponse, sse_event, unless_disconnected
+from sonar_server.strict_json import StrictJSONResponse
 from sonar_server.surfaces.kobold.protocol import GenerateRequest, GenkeyRequest, TokenCountRequest
 from sonar_server.surfaces.kobold.sampling import kobold_sampling_params
 
@@ -26,9 +27,9 @@ KOBOLD_API_VERSION = "1.2.5"
 KOBOLDCPP_COMPAT_VERSION = "1.80"
 
 
-def render_error(error: ApiError) -> JSONResponse:
+def render_error(error: ApiError) -> StrictJSONResponse:
     """KoboldAI's format: ``{"detail": {"msg": ..., "type": ...}}``."""
-    return JSONResponse({"detail": {"msg": error.message, "type": error.kind}}, status_code=error.status)
+    return StrictJSONResponse({"detail": {"msg": error.message, "type": error.kind}}, status_code=error.status)
 
 
 def _jobs(state: ServerState) -> dict[str, Generation]:

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from sonar_server.errors import ApiError, to_api_error
 from sonar_server.generation import Generation, closer, start_generation
@@ -16,6 +16,7 @@ from sonar_server.prompts import render_chat
 from sonar_server.sampling import build_sampling_params
 from sonar_server.state import ServerState
 from sonar_server.streaming import EventStreamResponse, sse_data, unless_disconnected
+from sonar_server.strict_json import StrictJSONResponse
 from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
 from sonar_server.surfaces.openai.logprobs import chat_logprobs
@@ -90,7 +91,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(_stream(state, body, generation, include_usage, plan, json_constrained(guide)), closer([generation]))
     await unless_disconnected(request, generation.collect())
-    return JSONResponse(_response(state, body, generation, plan, json_constrained(guide)))
+    return StrictJSONResponse(_response(state, body, generation, plan, json_constrained(guide)))
 
 
 def _usage(generation: Generation) -> dict[str, int]:

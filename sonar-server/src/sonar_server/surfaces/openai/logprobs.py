@@ -1,4 +1,6 @@
-"""OpenAI's two logprob formats, from the engine's ``{token_id: Logprob}`` per position."""
+"""OpenAI's two logprob formats, from the engine's ``{token_id: Logprob}`` per position.
+Logprobs are written as vLLM writes them (``strict_json.finite_logprob``): at least ``-9999.0``,
+so the ``-inf`` of a token that cannot be drawn is ``-9999.0``."""
 
 from __future__ import annotations
 
@@ -7,15 +9,12 @@ from typing import Any
 from sonar.outputs import Logprob
 from sonar_server.generation import decoded_token
 from sonar_server.state import ServerState
-
-
-def _finite(value: float) -> float:
-    return max(value, -9999.0)  # JSON has no -inf
+from sonar_server.strict_json import finite_logprob
 
 
 def _chosen(state: ServerState, token_id: int, entry: dict[int, Logprob] | None) -> tuple[str, float | None]:
     logprob = entry.get(token_id) if entry else None
-    return decoded_token(state, token_id, logprob), (_finite(logprob.logprob) if logprob is not None else None)
+    return decoded_token(state, token_id, logprob), (finite_logprob(logprob.logprob) if logprob is not None else None)
 
 
 def completion_logprobs(
@@ -29,7 +28,7 @@ def completion_logprobs(
     and text offsets."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
-    top_logprobs: list[dict[str, float] | None] = []
+    top_logprobs: list[dict[str, float | None] | None] = []
     offsets: list[int] = []
     for token_id, entry in zip(token_ids, entries):
         text, value = _chosen(state, token_id, entry)
@@ -41,7 +40,7 @@ def completion_logprobs(
             top_logprobs.append(None)
             continue
         ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[: max(num_top, 1)]
-        top_logprobs.append({decoded_token(state, t, lp): _finite(lp.logprob) for t, lp in ranked} if num_top > 0 else {text: value or 0.0})
+        top_logprobs.append({decoded_token(state, t, lp): finite_logprob(lp.logprob) for t, lp in ranked} if num_top > 0 else {text: value})
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
@@ -54,6 +53,6 @@ def chat_logprobs(state: ServerState, token_ids: list[int], entries: list[dict[i
         top = []
         for alt_id, alt in ranked:
             alt_text = decoded_token(state, alt_id, alt)
-            top.append({"token": alt_text, "logprob": _finite(alt.logprob), "bytes": list(alt_text.encode("utf-8"))})
+            top.append({"token": alt_text, "logprob": finite_logprob(alt.logprob), "bytes": list(alt_text.encode("utf-8"))})
         content.append({"token": text, "logprob": value, "bytes": list(text.encode("utf-8")), "top_logprobs": top})
     return {"content": content}

@@ -1,0 +1,87 @@
+"""One API server: the HTTP app and its engine-core client. ``sonar serve`` runs one in its own
+process, or ``--api-server-count`` of them as ``python -m sonar_server.api_server`` children
+that share its listening socket; each reads an ``ApiServerLaunch`` (JSON) from stdin."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from sonar.config import EngineConfig
+from sonar.engine.wire import ClientAddresses
+from sonar_server.settings import ServerSettings
+
+logger = logging.getLogger("sonar_server")
+
+
+class ApiServerLaunch(msgspec.Struct):
+    config: EngineConfig
+    settings: ServerSettings
+    client_index: int
+    addresses: ClientAddresses
+    max_in_flight: int
+    engine_step_timeout: float
+    uvicorn_log_level: str = "warning"
+    access_log: bool = False
+    log_level: str = "INFO"
+    listen_fd: int = -1  # the inherited listening socket (child processes)
+
+
+def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: Any = None, check_started: Callable[[], None] | None = None) -> int:
+    """Connect to the engine cores, then serve HTTP on ``listener`` until stopped (drained)."""
+    import uvicorn
+
+    from sonar.engine.async_mp import AsyncMPLLM
+    from sonar.engine.resolve import load_tokenizer
+    from sonar_server.app import build_app
+    from sonar_server.launcher import DrainingServer
+    from sonar_server.state import ServerState
+
+    if tokenizer is None:
+        tokenizer = load_tokenizer(launch.config)
+    client = AsyncMPLLM(
+        launch.config, tokenizer, launch.addresses, launch.client_index, launch.max_in_flight, launch.engine_step_timeout, check_started
+    )
+    try:
+        state = ServerState(client, launch.settings)
+        app = build_app(state)
+        config = uvicorn.Config(
+            app,
+            log_level=launch.uvicorn_log_level,
+            access_log=launch.access_log,
+            timeout_graceful_shutdown=5,
+            timeout_keep_alive=5,
+        )
+        server = DrainingServer(config, state)
+        if launch.client_index == 0:
+            host, port = listener.getsockname()[:2]
+            logger.info(
+                "serving %s (context %d tokens) on http://%s:%d with APIs: %s%s",
+                state.model_name, state.max_model_len, host, port, ", ".join(state.enabled_apis),
+                "; API keys required" if state.settings.api_keys else "",
+            )
+        server.run(sockets=[listener])
+    finally:
+        client.shutdown()
+    return 0
+
+
+def main() -> int:
+    from sonar.engine.process_util import exit_with_parent, set_process_title
+
+    launch = msgspec.json.decode(sys.stdin.buffer.read(), type=ApiServerLaunch)
+    exit_with_parent()
+    set_process_title(f"api-server-{launch.client_index}")
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s api-server-{launch.client_index} %(name)s: %(message)s")
+    logger.setLevel(launch.log_level)
+    listener = socket.socket(fileno=launch.listen_fd)
+    return run_api_server(launch, listener)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""RFC 8259 JSON in and out: every response body and SSE event is written without ``NaN`` or
+``Infinity``, and JSON found in a model's text is read without accepting them.
+
+Python's ``json`` writes ``NaN``, ``Infinity`` and ``-Infinity`` by default, and reads them
+back; JavaScript's ``JSON.parse``, Go's ``encoding/json`` and most other clients reject them.
+Non-finite floats in an output are replaced before writing:
+
+- ``-inf`` → ``-9999.0``: vLLM's convention for the logprob of a token that cannot be drawn
+  (masked by a grammar, ``allowed_token_ids``, a ``-inf`` logit); ``exp(-9999.0)`` is ``0.0``.
+- ``NaN`` and ``+inf`` → ``null``: no finite number means what they mean (a logprob is never
+  above 0), so the field says "no value".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from starlette.responses import JSONResponse
+
+NEG_INF_STAND_IN = -9999.0
+
+
+def finite_float(value: float) -> float | None:
+    """``value`` if finite, else its stand-in (``-inf`` → ``-9999.0``; ``NaN``, ``+inf`` → None)."""
+    if math.isfinite(value):
+        return value
+    return NEG_INF_STAND_IN if value < 0 else None
+
+
+def finite_logprob(value: float) -> float | None:
+    """A logprob as vLLM writes it: clamped to at least ``-9999.0`` (so ``-inf`` is ``-9999.0``);
+    NaN and ``+inf`` (never a real logprob) are None."""
+    if math.isnan(value) or value == math.inf:
+        return None
+    return max(value, NEG_INF_STAND_IN)
+
+
+def finite(obj: Any) -> Any:
+    """``obj`` with every non-finite float in its dicts, lists and tuples replaced by its
+    stand-in (tuples become lists, as JSON writes them). Other values are returned as they are."""
+    if isinstance(obj, float):
+        return finite_float(obj)
+    if isinstance(obj, dict):
+        return {key: finite(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite(value) for value in obj]
+    return obj
+
+
+def dumps(obj: Any) -> str:
+    """``obj`` as RFC 8259 JSON text (non-finite floats replaced, see ``finite``), UTF-8 kept
+    as is, compact. Raises ValueError for what JSON cannot hold at all (a circular reference)."""
+    try:
+        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    except ValueError:  # a non-finite float somewhere: pay for the walk only then
+        return json.dumps(finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class StrictJSONResponse(JSONResponse):
+    """A JSONResponse whose body is RFC 8259 JSON: non-finite floats are replaced (see
+    ``finite``) instead of failing the response with a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return dumps(content).encode("utf-8")
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number (RFC 8259)")
+
+
+def _finite_number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: valid JSON syntax, but no double holds it
+        raise ValueError(f"{text} is out of the range of a JSON number this server can write")
+    return value
+
+
+DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_number)
+
+
+def loads(text: str) -> Any:
+    """``text`` as JSON, refusing ``NaN``, ``Infinity``, ``-Infinity`` and numbers that
+    overflow a double (ValueError), so what it returns can be written back as strict JSON."""
+    return DECODER.decode(text)
+
+
+def raw_decode(text: str, start: int = 0) -> tuple[Any, int]:
+    """The strict JSON value beginning at ``text[start]`` (after whitespace) and the index
+    after it; ValueError if there is none."""
+    return DECODER.raw_decode(text, _skip_space(text, start))
+
+
+def _skip_space(text: str, start: int) -> int:
+    while start < len(text) and text[start].isspace():
+        start += 1
+    return start
