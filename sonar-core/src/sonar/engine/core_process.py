@@ -191,6 +191,7 @@ class EngineCoreProc:
                     return
                 self._apply(kind, payload)
             if not core.has_unfinished_requests():
+                self.stats = core.get_stats()  # aborts freed blocks: the heartbeat says so
                 continue
             self.step_started = time.monotonic()
             outputs = core.step()

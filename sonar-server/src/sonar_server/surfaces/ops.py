@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from sonar_server import __version__
 from sonar_server.errors import ApiError
 from sonar_server.routing import surface_router
 from sonar_server.state import ServerState
+from sonar_server.strict_json import StrictJSONResponse as JSONResponse
 
 
 def render_error(error: ApiError) -> JSONResponse:
