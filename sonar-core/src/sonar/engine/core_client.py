@@ -97,7 +97,8 @@ class EngineProcesses:
         self.processes: list[subprocess.Popen] = []
         for index in range(config.data_parallel_size):
             launch = wire.EngineCoreLaunch(config, index, clients, log_level)
-            env = {**os.environ, **replica_env(index, config.data_parallel_size)}
+            # the platform the configuration was resolved for, not a second detection's choice
+            env = {**os.environ, "SONAR_PLATFORM": config.platform, **replica_env(index, config.data_parallel_size)}
             # its own session: a Ctrl-C in the terminal reaches the frontend, which drains first
             process = subprocess.Popen(
                 [sys.executable, "-m", "sonar.engine.core_process"], stdin=subprocess.PIPE, env=env, start_new_session=True
@@ -337,7 +338,7 @@ class MPCoreClient:
                 else:
                     raise wire.BadFrame(f"unknown message type {kind[:8]!r}")
                 engine = self.engines[self._valid_engine(outputs.engine_index)]
-            except wire.BadFrame as exc:
+            except Exception as exc:  # whatever arrives, the receiver thread lives on
                 logger.warning("dropped a bad message from an engine core socket: %s", exc)
                 continue
             engine.stats, engine.step_elapsed_s = outputs.stats, outputs.step_elapsed_s

@@ -115,7 +115,7 @@ class EngineCoreProc:
                 self.commands.put((kind, None))
             else:
                 raise wire.BadFrame(f"unknown message type {kind[:8]!r} ({len(frames)} frames)")
-        except (wire.BadFrame, ValueError) as exc:
+        except Exception as exc:  # whatever arrives, the input thread lives on
             logger.warning("engine core %d dropped a message: %s", self.engine_index, exc)
 
     def _prepare(self, request: EngineCoreRequest) -> None:

@@ -122,6 +122,8 @@ def encode_request(request: EngineCoreRequest) -> list[Any]:
 
 
 def decode_request(frames: list[Any]) -> EngineCoreRequest:
+    if len(frames) < 2:
+        raise BadFrame(f"bad request: {len(frames)} frames")
     try:
         request = _REQUEST_DECODER.decode(frames[1])
     except (msgspec.DecodeError, ValueError, TypeError) as exc:
