@@ -117,8 +117,10 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrent", default="32:512:256:128", help="STREAMS:IN:OUT:PROMPTS of the concurrent workload ('' skips it)")
     parser.add_argument("--single", default="128:256:8", help="IN:OUT:PROMPTS of the one-stream workload ('' skips it)")
-    parser.add_argument("--four-api-servers", action="store_true", help="run the first workload again with --api-server-count 4")
+    parser.add_argument("--api-server-counts", default="1", help="comma-separated --api-server-count values to serve with (the first workload runs on each)")
+    parser.add_argument("--no-offline", action="store_true", help="skip the offline runs (figures from an earlier run's summary.json in --out)")
     parser.add_argument("--out", default="serve-results")
+    parser.add_argument("--summary-dir", default=None, help="also copy summary.json and log.txt here")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -135,12 +137,16 @@ def main() -> int:
         model = default_model_path()
     results: dict = {"model": args.model_name or model, "engine_args": engine_flags}
 
+    if args.no_offline:
+        earlier = json.loads((out / "summary.json").read_text())
+        results.update({k: v for k, v in earlier.items() if k.startswith("offline")})
     # offline, the same shapes
     offline = out / "offline.json"
-    run([*SONAR, "bench", "throughput", model, *engine_flags, "--num-prompts", str(args.num_prompts),
-         "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--output-json", str(offline)], log)
-    results["offline_throughput"] = json.loads(offline.read_text())
-    if args.single:
+    if not args.no_offline:
+        run([*SONAR, "bench", "throughput", model, *engine_flags, "--num-prompts", str(args.num_prompts),
+             "--input-len", str(args.input_len), "--output-len", str(args.output_len), "--output-json", str(offline)], log)
+        results["offline_throughput"] = json.loads(offline.read_text())
+    if args.single and not args.no_offline:
         single_in, single_out, _ = (int(x) for x in args.single.split(":"))
         latency = out / "offline_latency.json"
         run([*SONAR, "bench", "latency", model, *engine_flags, "--batch-size", "1", "--input-len", str(single_in),
@@ -148,12 +154,13 @@ def main() -> int:
         results["offline_latency"] = json.loads(latency.read_text())
     if args.concurrent:
         streams, conc_in, conc_out, conc_prompts = (int(x) for x in args.concurrent.split(":"))
+    if args.concurrent and not args.no_offline:
         conc_offline = out / "offline_concurrent.json"
         run([*SONAR, "bench", "throughput", model, *engine_flags, "--num-prompts", str(conc_prompts), "--max-num-seqs", str(streams),
              "--input-len", str(conc_in), "--output-len", str(conc_out), "--output-json", str(conc_offline)], log)
         results["offline_concurrent"] = json.loads(conc_offline.read_text())
 
-    for count in [1, 4] if args.four_api_servers else [1]:
+    for count in [int(c) for c in args.api_server_counts.split(",")]:
         server = Server(model, engine_flags, ["--api-server-count", str(count)], log)
         try:
             tag = f"api{count}"
@@ -169,7 +176,14 @@ def main() -> int:
 
     summary = summarize(results)
     results["summary"] = summary
-    (out / "summary.json").write_text(json.dumps(results, indent=1))
+    name = "summary.json" if not args.no_offline else f"summary-api{args.api_server_counts.replace(',', '-')}.json"
+    (out / name).write_text(json.dumps(results, indent=1))
+    if args.summary_dir:
+        import shutil
+
+        Path(args.summary_dir).mkdir(parents=True, exist_ok=True)
+        shutil.copy(out / name, Path(args.summary_dir) / name)
+        shutil.copy(log, Path(args.summary_dir) / "log.txt")
     print(json.dumps(summary, indent=1))
     return 0
 

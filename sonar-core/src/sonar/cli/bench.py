@@ -56,6 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     throughput.add_argument("--output-len", type=_range, default=(32, 256), help="N or MIN:MAX, uniform")
     throughput.add_argument("--workload-seed", type=int, default=0)
     throughput.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    throughput.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="run a few of the prompts briefly first, untimed (kernel compiles, allocator)")
     throughput.add_argument("--compare-hf", action="store_true", help="also run transformers' batched generate() on the same prompts")
     throughput.add_argument("--output-json", default=None)
     throughput.set_defaults(func=run_throughput)
@@ -152,6 +153,11 @@ def run_throughput(args: argparse.Namespace) -> int:
     print("loading model...", file=sys.stderr, flush=True)
     llm = LLM.from_engine_args(engine_args_from(args))
     workload = random_workload(args.num_prompts, args.input_len, args.output_len, _vocab_size(llm), args.workload_seed)
+    if args.warmup:
+        few = min(16, args.num_prompts)
+        run_engine(llm, Workload(workload.prompts[:few], [min(8, n) for n in workload.output_lens[:few]]), True)
+        if llm.llm_engine.core is not None:
+            llm.llm_engine.core.kv_cache.reset_prefix_cache()  # the timed run computes every prompt
     elapsed, num_output = run_engine(llm, workload, args.ignore_eos)
     total = workload.num_prompt_tokens + num_output
     result = {

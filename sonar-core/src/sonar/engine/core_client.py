@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -371,11 +371,3 @@ class MPCoreClient:
             os.close(fd)
         self.on_engine_dead(index, reason)
 
-
-def wait_for(predicate: Callable[[], Any], timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return bool(predicate())

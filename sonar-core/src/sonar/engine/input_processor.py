@@ -50,7 +50,7 @@ class InputProcessor:
         else:
             child_ids = [f"{i}_{request_id}" for i in range(params.n)]
             child_params = [params.clone(n=1, seed=None if params.seed is None else params.seed + i) for i in range(params.n)]
-        now = time.time()
+        now = time.monotonic()  # one clock for every process of the host
         core_requests = [
             EngineCoreRequest(child_id, prompt_token_ids, cparams, max_tokens, now, client_index)
             for child_id, cparams in zip(child_ids, child_params)
