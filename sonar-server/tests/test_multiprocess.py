@@ -209,9 +209,27 @@ def test_killed_engine_core_fails_its_requests_fast_and_nothing_is_left_behind(t
     assert not [pid for pid in family if alive(pid)], "no process outlives sonar serve"
 
 
-def test_a_dead_replica_takes_down_only_its_own_requests(tiny_model: str) -> None:
-    server = ServerProcess([tiny_model, *COMMON, "--data-parallel-size", "2"])
+def _wait_health(url: str, status: str, timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        body = httpx.get(f"{url}/health", timeout=5).json()
+        if body["status"] == status:
+            return body
+        assert time.monotonic() < deadline, body
+        time.sleep(0.05)
+
+
+def test_a_stuck_or_dead_replica_takes_down_only_its_own_requests(tiny_model: str) -> None:
+    server = ServerProcess([tiny_model, *COMMON, "--data-parallel-size", "2", "--engine-step-timeout", "1"])
     try:
+        (stuck,) = by_title(server.process.pid, "sonar::engine-core-0")
+        os.kill(stuck, signal.SIGSTOP)  # alive, but no step and no word from it
+        try:
+            body = _wait_health(server.url, "degraded", 5.0)
+            assert [e["state"] for e in body["engines"]] == ["stuck", "ok"]
+        finally:
+            os.kill(stuck, signal.SIGCONT)
+        _wait_health(server.url, "ok", 5.0)
         (engine,) = by_title(server.process.pid, "sonar::engine-core-1")
         os.kill(engine, signal.SIGKILL)
         deadline = time.monotonic() + 2.0

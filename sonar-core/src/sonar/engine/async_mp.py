@@ -78,7 +78,7 @@ class AsyncMPLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.max_in_flight is not None and len(self._streams) >= self.max_in_flight:
             raise QueueFull(f"{len(self._streams)} requests are in flight, the limit is {self.max_in_flight}; retry later")
-        engine = self.client.choose_engine()
+        engine = self.client.choose_engine(avoid=set(self.client.stuck_engines(self.engine_step_timeout)))
         stream = RequestStream(request_id, self)  # type: ignore[arg-type]
         self.output_processor.add(
             request_id, processed.prompt, processed.prompt_token_ids, processed.params, processed.child_ids, processed.child_params

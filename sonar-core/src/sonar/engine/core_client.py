@@ -196,12 +196,14 @@ class MPCoreClient:
 
     # -- sending (any thread) ----------------------------------------------------------------
 
-    def choose_engine(self) -> int:
-        """The live engine with the least load (waiting, running, just sent; then KV use)."""
+    def choose_engine(self, avoid: set[int] | frozenset[int] = frozenset()) -> int:
+        """The live engine with the least load (waiting, running, just sent; then KV use),
+        leaving out those in ``avoid`` (stuck ones) unless nothing else is alive."""
         live = [e for e in self.engines if e.alive]
         if not live:
             raise RuntimeError("no engine core is alive")
-        return min(live, key=lambda e: e.load).index
+        preferred = [e for e in live if e.index not in avoid] or live
+        return min(preferred, key=lambda e: e.load).index
 
     def add(self, engine_index: int, requests: list[EngineCoreRequest]) -> None:
         engine = self.engines[engine_index]
