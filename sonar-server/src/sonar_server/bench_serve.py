@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import math
 import os
@@ -35,6 +36,7 @@ ENDPOINTS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}
 PERCENTILE_METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)", "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 REQUEST_TIMEOUT_S = 6 * 3600.0
+STREAMS_PER_POOL = 16  # concurrent streams per HTTP connection pool
 
 # the words random prompts are made of: common, mostly one token each in any BPE vocabulary
 WORDS = """
@@ -312,24 +314,37 @@ async def benchmark(args: argparse.Namespace, base_url: str, headers: dict[str, 
         print(f"Traffic request rate: {args.request_rate}", flush=True)
         print(f"Maximum request concurrency: {args.max_concurrency}", flush=True)
 
-        # measured run
+        # measured run: the streams spread over several clients, as one httpx connection pool
+        # does work per request in proportion to its open connections (500 streams at once
+        # through one pool took 6 s against 1 s through 32 pools of 16, on a server that
+        # answers at once)
         progress = tqdm(total=len(requests), disable=args.disable_tqdm)
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        num_pools = -(-min(args.max_concurrency or len(requests), len(requests)) // STREAMS_PER_POOL)
+        pools = [
+            httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0), limits=limits)
+            for _ in range(num_pools)
+        ]
+        turn = itertools.count()
 
         async def one(body: dict[str, Any], request: BenchRequest) -> RequestOutput:
             if semaphore is None:
-                output = await send_request(client, url, body, request)
+                output = await send_request(pools[next(turn) % num_pools], url, body, request)
             else:
                 async with semaphore:
-                    output = await send_request(client, url, body, request)
+                    output = await send_request(pools[next(turn) % num_pools], url, body, request)
             progress.update(1)
             return output
 
         started = time.perf_counter()
         arrivals = _arrivals(list(zip(bodies, requests)), args.request_rate, random.Random(args.seed + 1))
-        tasks = [asyncio.create_task(one(body, request)) async for body, request in arrivals]
-        outputs = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - started
+        try:
+            tasks = [asyncio.create_task(one(body, request)) async for body, request in arrivals]
+            outputs = await asyncio.gather(*tasks)
+            duration = time.perf_counter() - started
+        finally:
+            for pool in pools:
+                await pool.aclose()
         progress.close()
     return model, list(outputs), duration
 
