@@ -19,14 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
+from sonar_server.bench_launch import LaunchedServer, free_port
 
 SONAR = [sys.executable, "-m", "sonar.cli.main"]
 
@@ -54,44 +52,12 @@ def write_dummy_model(root: Path, name: str) -> Path:
     return folder
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def run(command: list[str], log: Path) -> None:
     print("$", shlex.join(command), flush=True)
     with log.open("a") as out:
         out.write(f"\n$ {shlex.join(command)}\n")
         out.flush()
         subprocess.run(command, check=True, stdout=out, stderr=subprocess.STDOUT)
-
-
-class Server:
-    def __init__(self, model: str, engine_flags: list[str], extra: list[str], log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        command = [*SONAR, "serve", model, *engine_flags, *extra, "--port", str(self.port)]
-        print("$", shlex.join(command), flush=True)
-        self._log = log.open("a")
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 900
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"sonar serve exited with {self.process.returncode}; see {log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("sonar serve did not start")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(120)
-        self._log.close()
 
 
 def bench_serve(url: str, out: Path, tag: str, log: Path, num_prompts: int, input_len: int, output_len: int, concurrency: int | None) -> dict:
@@ -161,8 +127,9 @@ def main() -> int:
         results["offline_concurrent"] = json.loads(conc_offline.read_text())
 
     for count in [int(c) for c in args.api_server_counts.split(",")]:
-        server = Server(model, engine_flags, ["--api-server-count", str(count)], log)
+        server = LaunchedServer(model, free_port(), shlex.join([*engine_flags, "--api-server-count", str(count)]))
         try:
+            server.wait_ready(900)
             tag = f"api{count}"
             bench_serve(server.url, out, f"{tag}_warmup", log, min(64, args.num_prompts), args.input_len, args.output_len, None)
             results[f"{tag}_burst"] = bench_serve(server.url, out, f"{tag}_burst", log, args.num_prompts, args.input_len, args.output_len, None)

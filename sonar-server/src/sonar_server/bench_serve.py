@@ -16,13 +16,8 @@ import json
 import math
 import os
 import random
-import shlex
-import signal
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +25,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from sonar_server.bench_launch import LaunchedServer, free_port, healthy, wait_for
 from sonar_server.settings import DEFAULT_PORT
 
 ENDPOINTS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}
@@ -395,75 +391,6 @@ async def _server_tokens(client, base_url: str, model: str) -> tuple[list[int], 
     return sorted(set(tokens)), len(tokens) / len(WORDS)
 
 
-# the server: a running one, or one started here
-
-
-def _healthy(base_url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LaunchedServer:
-    """``sonar serve MODEL --port PORT [--server-args]`` in a subprocess, logging to a file."""
-
-    def __init__(self, model: str, port: int, server_args: str) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        handle, log_path = tempfile.mkstemp(prefix="sonar-bench-serve-", suffix=".log")
-        os.close(handle)
-        self.log_path = Path(log_path)
-        command = [sys.executable, "-m", "sonar.cli.main", "serve", model, "--port", str(port), *shlex.split(server_args)]
-        print(f"starting sonar {shlex.join(command[3:])} (log: {self.log_path})", file=sys.stderr, flush=True)
-        with self.log_path.open("w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"sonar serve exited with {self.process.returncode} before answering /health:\n{self.log_tail()}")
-            if _healthy(self.url):
-                return
-            time.sleep(0.25)
-        raise RuntimeError(f"sonar serve did not answer /health within {timeout:.0f} s (raise --ready-check-timeout-sec):\n{self.log_tail()}")
-
-    def log_tail(self, num_lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
-
-    def stop(self) -> None:
-        """SIGTERM (the server drains), SIGKILL after a minute; the log stays only if it failed."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(60)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        if self.process.returncode == 0:
-            self.log_path.unlink(missing_ok=True)
-
-
-def _wait_for(base_url: str, timeout: float) -> None:
-    if _healthy(base_url):
-        return
-    print(f"no server answers {base_url}/health yet; waiting up to {timeout:.0f} s (--ready-check-timeout-sec)", file=sys.stderr, flush=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        time.sleep(0.5)
-        if _healthy(base_url):
-            return
-    raise RuntimeError(f"no server answers {base_url}/health; start one with `sonar serve MODEL`, or give a MODEL to launch one here")
-
-
 # command line
 
 
@@ -586,8 +513,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--launch-server needs a MODEL to serve: sonar bench serve MODEL --launch-server")
     try:
         # server
-        if args.launch_server or (model_path and not _healthy(base_url)):
-            launched = LaunchedServer(model_path, args.port or _free_port(), args.server_args)
+        if args.launch_server or (model_path and not healthy(base_url)):
+            launched = LaunchedServer(model_path, args.port or free_port(), args.server_args)
             launched.wait_ready(args.ready_check_timeout_sec)
             base_url = launched.url
             if args.model == model_path:
@@ -595,7 +522,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             if model_path:
                 print(f"a server answers {base_url}; benchmarking it (--launch-server starts {model_path} instead)", file=sys.stderr)
-            _wait_for(base_url, args.ready_check_timeout_sec)
+            wait_for(base_url, args.ready_check_timeout_sec)
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model, outputs, duration = asyncio.run(benchmark(args, base_url, headers))
     finally:

@@ -26,7 +26,7 @@ class ServerMetrics:
     sum over all of them; the engine gauges come from the engine cores, which report to every
     API server, so each process has the whole view of them already.
 
-    :param read_stats: returns the engine's latest ``EngineStats`` (or None).
+    :param read_stats: returns the engine's latest ``SchedulerStats`` (or None).
     :param read_in_flight: returns how many requests the server has handed to the engine.
     :param model_name: the ``model_name`` label.
     """

@@ -13,7 +13,7 @@ import logging
 from typing import Any
 
 from sonar.config import EngineConfig
-from sonar.engine.async_client import EngineClosedError, EngineDeadError, QueueFull, RequestStream, _aborted_output
+from sonar.engine.async_client import AsyncLLM, EngineClosedError, EngineDeadError, QueueFull, RequestStream, _aborted_output, _call_soon
 from sonar.engine.core_client import MPCoreClient
 from sonar.engine.input_processor import InputProcessor, PromptType
 from sonar.engine.output_processor import OutputProcessor
@@ -88,14 +88,7 @@ class AsyncMPLLM:
         self.client.add(engine, processed.core_requests)
         return stream
 
-    async def generate(self, request_id: str, prompt: PromptType, params: SamplingParams):
-        """Stream a request's cumulative outputs; stopping early aborts it."""
-        stream = await self.add_request(request_id, prompt, params)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            await stream.aclose()
+    generate = AsyncLLM.generate  # streams ``add_request``'s outputs; stopping early aborts
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream ends and its KV blocks are freed."""
@@ -229,12 +222,4 @@ def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
-
-
-def _call_soon(loop: asyncio.AbstractEventLoop, callback: Any, *args: Any) -> None:
-    try:
-        loop.call_soon_threadsafe(callback, *args)
-    except RuntimeError:  # the loop is closed: nobody is listening any more
-        pass
-
 

@@ -93,10 +93,12 @@ class EngineCoreProc:
         poller = zmq.Poller()
         for socket in sockets:
             poller.register(socket, zmq.POLLIN)
-        while True:
-            for socket, _ in poller.poll():
-                frames = socket.recv_multipart(copy=False)
-                self._accept(frames)
+        try:
+            while True:
+                for socket, _ in poller.poll():
+                    self._accept(socket.recv_multipart(copy=False))
+        except zmq.ZMQError:  # the context is gone: the process is exiting
+            return
 
     def _accept(self, frames: list[Any]) -> None:
         kind = frames[0].bytes if frames else b""

@@ -26,9 +26,6 @@ class _InFlightStep:
     handle: Any  # the executor's handle on the launched step
 
 
-EngineStats = SchedulerStats  # the name the offline engine has always used
-
-
 class EngineCore:
     def __init__(
         self,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import weakref
 from typing import Any
 
 from sonar.config import EngineArgs, EngineConfig, ModelConfig
@@ -107,13 +108,15 @@ class _ReplicaClient:
         self._received: queue.Queue[EngineCoreOutputs | str] = queue.Queue()
         self._engine_of: dict[str, int] = {}
         try:
-            self.mp = MPCoreClient(addresses, 0, config.data_parallel_size, self._received.put, self._engine_died, self.processes.check_started)
+            received = self._received  # the callbacks hold the queue, not self (the finalizer needs self free)
+            self.mp = MPCoreClient(
+                addresses, 0, config.data_parallel_size, received.put,
+                lambda index, reason: received.put(f"engine core {index} died: {reason}"), self.processes.check_started,
+            )
         except BaseException:
             self.processes.terminate()
             raise
-
-    def _engine_died(self, index: int, reason: str) -> None:
-        self._received.put(f"engine core {index} died: {reason}")
+        self._finalizer = weakref.finalize(self, _stop_replicas, self.mp, self.processes)  # also when dropped
 
     def add(self, requests: list[Any]) -> None:
         engine = self.mp.choose_engine()
@@ -143,6 +146,10 @@ class _ReplicaClient:
         return self.mp.get_stats()
 
     def close(self) -> None:
-        self.mp.shutdown_engines()
-        self.processes.terminate()
-        self.mp.close()
+        self._finalizer()
+
+
+def _stop_replicas(mp: MPCoreClient, processes: EngineProcesses) -> None:
+    mp.shutdown_engines()
+    mp.close()  # the receiver stops first: replicas that exit now are not reported dead
+    processes.terminate()
