@@ -78,6 +78,67 @@ def sonar_register_quantization_methods(register: Callable[..., None]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
+# Engine parts
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def sonar_register_scheduler_policies(register: Callable[..., None]) -> None:
+    """Register scheduling policies (``scheduling_policy=`` / ``--scheduling-policy NAME``).
+
+    :param register: ``register(name: str, policy: str | type)``. ``policy`` is a
+        ``sonar.engine.scheduling_policy.SchedulingPolicy`` subclass or its
+        ``"package.module:Class"`` path. The policy orders the waiting queue and picks the
+        running request to preempt when KV blocks run out; Sonar's own ``fcfs`` and
+        ``priority`` register through this hook.
+    """
+
+
+@hookspec
+def sonar_register_kv_cache_managers(register: Callable[..., None]) -> None:
+    """Register KV-cache managers (``kv_cache_manager=`` / ``--kv-cache-manager NAME``).
+
+    :param register: ``register(name: str, manager: str | type)``. ``manager`` is a
+        ``sonar.engine.kv_cache.KVCacheManager`` subclass (or its path) built from the engine's
+        block count, block size, prefix-caching switch and the model's per-layer
+        ``KVCacheSpec`` list; Sonar's ``paged`` manager is the default.
+    """
+
+
+@hookspec
+def sonar_register_executors(register: Callable[..., None]) -> None:
+    """Register executors (``distributed_executor_backend=`` /
+    ``--distributed-executor-backend NAME``): what runs the workers of one engine core.
+
+    :param register: ``register(name: str, executor: str | type)``. ``executor`` is a
+        ``sonar.executor.Executor`` subclass or its path; Sonar's ``uni`` runs one worker in
+        the engine core's own process.
+    """
+
+
+@hookspec
+def sonar_register_speculative_proposers(register: Callable[..., None]) -> None:
+    """Register speculative-decoding proposers (``speculative_config={"method": NAME, ...}``).
+
+    :param register: ``register(method: str, proposer: str | type)``. ``proposer`` is a
+        ``sonar.spec_decode.Proposer`` subclass or its path: given the step's accepted tokens it
+        proposes draft tokens per request, which the target model verifies in the next step.
+    """
+
+
+@hookspec
+def sonar_register_kv_connectors(register: Callable[..., None]) -> None:
+    """Register KV connectors (``kv_transfer_config={"kv_connector": NAME, ...}``): moving KV
+    blocks between an engine and something outside it (another engine, host memory, storage).
+
+    :param register: ``register(name: str, connector: str | type)``. ``connector`` is a
+        ``sonar.kv_transfer.KVConnector`` subclass or its path; it has a scheduler side (which
+        tokens of a request are available outside, and where their blocks go) and a worker
+        side (loading and saving the blocks around each step).
+    """
+
+
+# ---------------------------------------------------------------------------------------------
 # Sampling
 # ---------------------------------------------------------------------------------------------
 
