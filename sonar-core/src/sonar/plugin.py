@@ -1,0 +1,23 @@
+"""Sonar core's own parts, registered through the same hooks a third-party plugin uses."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from sonar.hookspecs import hookimpl
+
+
+@hookimpl
+def sonar_register_scheduler_policies(register: Callable[..., None]) -> None:
+    register("fcfs", "sonar.engine.scheduling_policy:FcfsPolicy")
+    register("priority", "sonar.engine.scheduling_policy:PriorityPolicy")
+
+
+@hookimpl
+def sonar_register_kv_cache_managers(register: Callable[..., None]) -> None:
+    register("paged", "sonar.engine.kv_cache:KVCacheManager")
+
+
+@hookimpl
+def sonar_register_executors(register: Callable[..., None]) -> None:
+    register("uni", "sonar.executor.uniproc:UniprocExecutor")
