@@ -1,4 +1,6 @@
-"""Sonar core's own parts, registered through the same hooks a third-party plugin uses."""
+"""Sonar core's own parts, registered through the same hooks a third-party plugin uses (the
+plugin manager registers this module before any entry point, so ``SONAR_PLUGINS`` cannot
+leave the engine without its scheduler)."""
 
 from __future__ import annotations
 

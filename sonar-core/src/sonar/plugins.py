@@ -52,6 +52,9 @@ def get_plugin_manager() -> pluggy.PluginManager:
             return _manager
         manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         manager.add_hookspecs(hookspecs)
+        from sonar import plugin as core_plugin
+
+        manager.register(core_plugin, name="sonar-core")  # the engine's own parts, whatever SONAR_PLUGINS says
         _load_entry_points(manager)
         _manager = manager
         return manager
