@@ -56,6 +56,9 @@ class EngineArgs:
     max_logprobs: int = 20
     async_scheduling: bool | None = None  # schedule and launch step N+1 while step N runs; None: the platform's default
     data_parallel_size: int = 1  # engine-core replicas, each in its own process with its own device
+    scheduling_policy: str = "fcfs"  # a registered policy: "fcfs", "priority", or a plugin's
+    kv_cache_manager: str = "paged"  # a registered KV-cache manager
+    distributed_executor_backend: str | None = None  # a registered executor; None: "uni"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -114,6 +117,9 @@ class EngineConfig:
     seed: int
     data_parallel_size: int
     platform: str  # the platform's name, as SONAR_PLATFORM takes it
+    scheduling_policy: str = "fcfs"
+    kv_cache_manager: str = "paged"
+    executor: str = "uni"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -121,7 +127,7 @@ class EngineConfig:
 
     @property
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len)
+        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.scheduling_policy)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -152,6 +158,7 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -35,6 +35,39 @@ def logits_processors() -> dict[str, Any]:
     return {name: factory for name, factory in collect("sonar_register_logits_processors")}
 
 
+@functools.cache
+def scheduler_policies() -> dict[str, Any]:
+    return {name: policy for name, policy in collect("sonar_register_scheduler_policies")}
+
+
+@functools.cache
+def kv_cache_managers() -> dict[str, Any]:
+    return {name: manager for name, manager in collect("sonar_register_kv_cache_managers")}
+
+
+@functools.cache
+def executors() -> dict[str, Any]:
+    return {name: executor for name, executor in collect("sonar_register_executors")}
+
+
+@functools.cache
+def speculative_proposers() -> dict[str, Any]:
+    return {method: proposer for method, proposer in collect("sonar_register_speculative_proposers")}
+
+
+@functools.cache
+def kv_connectors() -> dict[str, Any]:
+    return {name: connector for name, connector in collect("sonar_register_kv_connectors")}
+
+
+def load_registered(kind: str, name: str, registered: dict[str, Any]) -> Any:
+    """The class registered as ``name`` (imported here when registered as a path)."""
+    if name not in registered:
+        raise ValueError(f"{kind} {name!r} is not registered; registered: {sorted(registered)} (install the plugin that provides it)")
+    target = registered[name]
+    return import_class(target) if isinstance(target, str) else target
+
+
 def resolve_model_class(architectures: list[str]) -> type:
     known = model_architectures()
     for arch in architectures:
@@ -47,5 +80,8 @@ def resolve_model_class(architectures: list[str]) -> type:
 
 
 def clear_caches() -> None:
-    for fn in (model_architectures, weight_formats, quantization_methods, logits_processors):
+    for fn in (
+        model_architectures, weight_formats, quantization_methods, logits_processors, scheduler_policies,
+        kv_cache_managers, executors, speculative_proposers, kv_connectors,
+    ):  # fmt: skip
         fn.cache_clear()

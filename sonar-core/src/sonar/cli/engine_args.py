@@ -32,6 +32,15 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         "--data-parallel-size", "-dp", type=int, default=defaults.data_parallel_size,
         help="engine-core replicas, each in its own process on its own device (on the CPU: its share of the cores); requests go to the least loaded",
     )
+    group.add_argument(
+        "--scheduling-policy", default=defaults.scheduling_policy,
+        help="fcfs (first come, first served) or priority (a request's `priority`: lower runs first, FCFS among equals), or a plugin's policy",
+    )
+    group.add_argument("--kv-cache-manager", default=defaults.kv_cache_manager, help="the KV-cache manager: paged, or a plugin's")
+    group.add_argument(
+        "--distributed-executor-backend", default=None,
+        help="what runs the engine core's workers: uni (one worker in the engine core's process), or a plugin's",
+    )
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs, help="largest logprobs / prompt_logprobs a request may ask for")
 
 
@@ -54,4 +63,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_logprobs=args.max_logprobs,
         async_scheduling=args.async_scheduling,
         data_parallel_size=args.data_parallel_size,
+        scheduling_policy=args.scheduling_policy,
+        kv_cache_manager=args.kv_cache_manager,
+        distributed_executor_backend=args.distributed_executor_backend,
     )

@@ -10,7 +10,13 @@ from typing import Any
 
 from sonar.config import EngineArgs, EngineConfig, ModelConfig, default_model_path, dtype_name, resolve_dtype
 from sonar.platform import Platform
-from sonar.registry import weight_formats
+from sonar.registry import executors, kv_cache_managers, scheduler_policies, weight_formats
+
+
+def _registered(option: str, name: str, registered: dict[str, Any]) -> str:
+    if name not in registered:
+        raise ValueError(f"{option}={name!r} is not registered; registered: {', '.join(sorted(registered))} (install the plugin that provides it)")
+    return name
 
 
 def select_weight_format(model_path: Path, load_format: str) -> tuple[str, Any]:
@@ -105,6 +111,9 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         seed=args.seed,
         data_parallel_size=args.data_parallel_size,
         platform=platform.name,
+        scheduling_policy=_registered("scheduling_policy", args.scheduling_policy, scheduler_policies()),
+        kv_cache_manager=_registered("kv_cache_manager", args.kv_cache_manager, kv_cache_managers()),
+        executor=_registered("distributed_executor_backend", args.distributed_executor_backend or "uni", executors()),
     )
     return config, tokenizer
 
