@@ -3,6 +3,14 @@
 Full blocks are identified by a hash chained over every token before them, so two requests
 with the same prefix share the same physical blocks. Freed blocks keep their hash and stay
 findable until the LRU free list hands them out again.
+
+Sliding window: when every layer of the model slides (``SlidingWindowSpec``), the leading blocks
+that lie wholly before the window of the request's next query are given back to the free list
+as the request advances; they keep their place in the request's block list (so its length
+still counts the request's positions, and the workers' append-only block tables stay aligned),
+and their ids, now stale, are only ever read outside every query's window. When some layer
+attends to the full context, every block is kept to the end: the sliding layers still mask
+their window, with no saving in blocks.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ import struct
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from sonar.engine.kv_cache_spec import KVCacheSpec
 from sonar.engine.request import Request
 
 
@@ -41,9 +50,14 @@ class KVCacheManager:
     ``allocate_slots(req, n, computed)`` before each step that computes ``n`` new tokens for
     it (False means: not enough free blocks, preempt something), ``free(req)`` when it finishes,
     is aborted or preempted.
+
+    :param specs: the model's per-layer ``kv_cache_specs()``; None means full attention in
+        every layer. Blocks slide out (are freed early) only when every layer slides.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, specs: list[KVCacheSpec] | None = None
+    ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
@@ -54,7 +68,9 @@ class KVCacheManager:
         self.cached_blocks: dict[bytes, KVBlock] = {}
         self.req_blocks: dict[str, list[KVBlock]] = {}
         self.num_hashed_blocks: dict[str, int] = {}  # leading blocks of a request already hashed
+        self.num_slid_out: dict[str, int] = {}  # leading blocks of a request given back early
         self.stats = PrefixCacheStats()
+        self.layer_specs: tuple[KVCacheSpec, ...] = tuple(set(specs or ()))  # distinct kinds of layer
 
     # -- queries -------------------------------------------------------------------------
 
@@ -78,6 +94,18 @@ class KVCacheManager:
     def num_blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
+
+    def num_needed_blocks_skipped(self, num_computed_tokens: int) -> int:
+        """Leading blocks that no layer reads again once a request has ``num_computed_tokens``
+        tokens computed (0 unless every layer slides)."""
+        if not self.layer_specs:
+            return 0
+        first_needed = min(spec.first_needed_position(num_computed_tokens) for spec in self.layer_specs)
+        return first_needed // self.block_size
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (those slid out of its window not counted)."""
+        return len(self.req_blocks.get(request_id, ())) - self.num_slid_out.get(request_id, 0)
 
     # -- prefix cache --------------------------------------------------------------------
 
@@ -133,12 +161,14 @@ class KVCacheManager:
         """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``
         (plus ``computed_blocks`` from the prefix cache for a newly scheduled request)."""
         computed_blocks = computed_blocks or []
+        self._slide_out(request.request_id, request.num_computed_tokens)
         held = self.req_blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         total_tokens = num_computed + num_new_tokens
         num_needed = self.num_blocks_for(total_tokens) - len(held) - len(computed_blocks)
-        # cached blocks taken from the free list also count against it
-        num_reused_free = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        # cached blocks taken from the free list also count against it, unless they slide out at once
+        num_kept = len(computed_blocks) - min(self.num_needed_blocks_skipped(num_computed), len(computed_blocks))
+        num_reused_free = sum(1 for b in computed_blocks[len(computed_blocks) - num_kept :] if b.ref_cnt == 0)
         if num_needed + num_reused_free > len(self.free_blocks):
             return False
         for block in computed_blocks:
@@ -147,6 +177,7 @@ class KVCacheManager:
             block.ref_cnt += 1
         blocks = self.req_blocks.setdefault(request.request_id, held)
         blocks.extend(computed_blocks)
+        self._slide_out(request.request_id, num_computed)
         for _ in range(max(num_needed, 0)):
             blocks.append(self._pop_free_block())
         if self.enable_prefix_caching:
@@ -169,7 +200,8 @@ class KVCacheManager:
             return
         self._update_hashes(request, num_full * self.block_size)
         self.num_hashed_blocks[request.request_id] = num_full
-        for index in range(first, num_full):
+        # a block that slid out may hold another request's tokens by now: never hashed as ours
+        for index in range(max(first, self.num_slid_out.get(request.request_id, 0)), num_full):
             block = blocks[index]
             if block.block_hash is not None:
                 continue
@@ -177,11 +209,28 @@ class KVCacheManager:
             block.block_hash = block_hash
             self.cached_blocks.setdefault(block_hash, block)
 
+    def _slide_out(self, request_id: str, num_computed_tokens: int) -> None:
+        """Give back the request's leading blocks that no layer reads again; they keep their
+        hash (findable by a prefix lookup until handed out) and their slot in its list."""
+        blocks = self.req_blocks.get(request_id)
+        if not blocks:
+            return
+        first = self.num_slid_out.get(request_id, 0)
+        last = min(self.num_needed_blocks_skipped(num_computed_tokens), len(blocks))
+        if last <= first:
+            return
+        for block in blocks[first:last]:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self.free_blocks[block.block_id] = block
+        self.num_slid_out[request_id] = last
+
     def free(self, request: Request) -> None:
         """Release the request's blocks; the newest are evicted first."""
         blocks = self.req_blocks.pop(request.request_id, [])
         self.num_hashed_blocks.pop(request.request_id, None)
-        for block in reversed(blocks):
+        num_slid_out = self.num_slid_out.pop(request.request_id, 0)
+        for block in reversed(blocks[num_slid_out:]):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_blocks[block.block_id] = block
