@@ -1,5 +1,5 @@
 """The Triton backend on a mixed step (decodes first, then prefill chunks) against sonar's
-reference paged attention."""
+reference paged attention, with full attention and with sliding windows."""
 
 from __future__ import annotations
 
@@ -44,7 +44,37 @@ def make_step(
     return metadata, num_blocks
 
 
-def check(decode_lens: list[int], chunks: list[tuple[int, int]], num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+def poison_outside_windows(kv_caches: list[torch.Tensor], metadata: AttentionMetadata, num_blocks: int, window: int) -> None:
+    """What a kernel finds where the KV-cache manager gave blocks back: NaN in every cached
+    slot before the first window start of each sequence, and, for blocks wholly before it,
+    the id of a spare block full of NaN in the block table. A kernel that reads there fails."""
+    page_size = kv_caches[0].shape[2]
+    tables = metadata.block_tables.cpu()
+    used = {int(b) for i, n in enumerate(metadata.seq_lens_cpu) for b in tables[i, : -(-n // page_size)]}
+    spare = min(set(range(num_blocks)) - used)
+    for kv_cache in kv_caches:
+        kv_cache[:, spare] = float("nan")
+    starts = metadata.query_start_loc_cpu
+    for i, seq_len in enumerate(metadata.seq_lens_cpu):
+        window_start = max(seq_len - (starts[i + 1] - starts[i]) - window + 1, 0)
+        for position in range(window_start):
+            for kv_cache in kv_caches:
+                kv_cache[:, int(tables[i, position // page_size]), position % page_size] = float("nan")
+        tables[i, : window_start // page_size] = spare
+    metadata.block_tables = tables.to(metadata.block_tables.device)
+
+
+def check(
+    decode_lens: list[int],
+    chunks: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    window: int | None = None,
+    num_splits: int | None = None,
+) -> None:
     gen = torch.Generator().manual_seed(sum(decode_lens) + head_dim)
     page_size = 16
     metadata, num_blocks = make_step(decode_lens, chunks, page_size, device, gen)
@@ -54,13 +84,16 @@ def check(decode_lens: list[int], chunks: list[tuple[int, int]], num_heads: int,
     query, key, value = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     scale = head_dim**-0.5
     expected_cache = kv_cache.clone()
-    expected = reference_attention(query.float(), key, value, expected_cache, metadata, scale)
+    expected = reference_attention(query.float(), key, value, expected_cache, metadata, scale, window)
+    if window is not None:
+        poison_outside_windows([kv_cache, expected_cache], metadata, num_blocks, window)
 
-    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale)
+    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale, sliding_window=window)
     TritonAttentionBackend.prepare_metadata(metadata)
+    metadata.extra.decode_num_splits = num_splits
     out = backend.forward(query, key, value, kv_cache, metadata)
     assert out.shape == query.shape and out.dtype == dtype
-    assert torch.equal(kv_cache, expected_cache), "keys and values must land in their slots"
+    assert torch.equal(kv_cache.nan_to_num(7.0), expected_cache.nan_to_num(7.0)), "keys and values must land in their slots"
     assert_close(out, expected, dtype)
 
 
@@ -79,6 +112,30 @@ def test_mixed_step_large(dtype: torch.dtype, device: torch.device) -> None:
     check([63] * 64, [(0, 100), (10, 90)], 32, 4, 64, dtype, device)
 
 
-def test_sliding_window_is_refused() -> None:
-    with pytest.raises(NotImplementedError, match="sliding-window"):
-        TritonAttentionBackend(4, 2, 64, 0.125, sliding_window=128)
+def test_sliding_window_small(device: torch.device) -> None:
+    """Windows shorter than a page, than a tile and than the context; blocks before every
+    window hold NaN or are stale ids, so anything read there fails the comparison."""
+    for dtype in dtypes_for(device):
+        check([1, 17, 70], [(0, 45), (30, 20), (100, 3)], 4, 2, 32, dtype, device, window=5)
+        check([9, 40], [(0, 70), (50, 40)], 4, 1, 32, dtype, device, window=16)
+        check([200], [(90, 75)], 2, 2, 32, dtype, device, window=40)
+
+
+def test_sliding_window_split_decode(device: torch.device) -> None:
+    """The split-KV decode divides the window, not the context, among its splits (a fixed
+    split count, as CUDA graphs use, and the count the backend picks)."""
+    check([300, 130, 5], [], 4, 2, 32, torch.float32, device, window=100, num_splits=3)
+    check([300], [], 4, 2, 32, torch.float32, device, window=150)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sliding_window_large(dtype: torch.dtype, device: torch.device) -> None:
+    check([1, 17, 1025, 300] * 8, [(0, 512), (1000, 77), (4000, 300)], 16, 8, 128, dtype, device, window=256)
+    check([5000, 70] * 4, [(0, 2048)], 32, 8, 128, dtype, device, window=1000)
+    check([5000] * 2, [], 32, 8, 128, dtype, device, window=4096, num_splits=16)
+
+
+def test_a_window_below_one_is_refused() -> None:
+    with pytest.raises(ValueError, match="sliding_window=0"):
+        TritonAttentionBackend(4, 2, 64, 0.125, sliding_window=0)

@@ -31,13 +31,17 @@ class TritonStepState:
 
 class TritonAttentionBackend(AttentionBackend):
     """Writes each step's keys and values into the paged cache, then runs the decode kernel over
-    the leading one-token sequences and the prefill kernel over the rest, in two launches."""
+    the leading one-token sequences and the prefill kernel over the rest, in two launches.
+
+    With ``sliding_window=W`` both kernels read only each token's last ``W`` positions: blocks
+    before that are skipped (their block-table entries may be stale, the KV-cache manager having
+    given those blocks back)."""
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
     ) -> None:
-        if sliding_window is not None:
-            raise NotImplementedError("the Triton attention backend does not support sliding-window attention yet")
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window={sliding_window} must be at least 1")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
         super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
@@ -82,11 +86,13 @@ class TritonAttentionBackend(AttentionBackend):
             decode_attention(
                 query[:nd], k_cache, v_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], self.scale,
                 out=out[:nd], max_seq_len=state.decode_max_seq_len, num_splits=state.decode_num_splits,
+                sliding_window=self.sliding_window,
             )
         # prefill and chunked prefill
         if state.prefill_max_query_len:
             prefill_attention(
                 query, k_cache, v_cache, state.prefill_block_tables, state.prefill_seq_lens,
                 state.prefill_query_start_loc, state.prefill_max_query_len, self.scale, out=out,
+                sliding_window=self.sliding_window,
             )
         return out

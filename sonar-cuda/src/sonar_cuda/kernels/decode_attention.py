@@ -3,7 +3,8 @@
 One program handles every query head of one KV head (GQA-aware: each K/V tile is read once for
 the whole group) over one split of the sequence's context. With several splits, each writes a
 partial output and its log-sum-exp, and a second kernel combines them; long contexts at small
-batch sizes so still fill the GPU.
+batch sizes so still fill the GPU. With a sliding window, the context is only the window's last
+tokens: the splits divide that, and nothing before it is read.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
 MAX_SPLITS = 64
 RESIDENT_PER_SM = 2  # decode programs one H200 multiprocessor holds at once (shared memory, 3 stages)
+NO_WINDOW = 1 << 30  # the window a full-attention layer passes: longer than any context
 
 
 # the block table's width changes from step to step: not specialised on (see prefill_attention)
@@ -32,6 +34,7 @@ def _decode_split_kernel(
     part_out_ptr,  # [num_seqs, num_heads, num_splits, BLOCK_D] float32 when SPLIT
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32 when SPLIT (log2 units)
     scale_log2,
+    window,  # the query sees its last `window` positions, itself included
     stride_q_token,
     stride_q_head,
     stride_cache_block,
@@ -54,10 +57,11 @@ def _decode_split_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    # this split's token range, in whole BLOCK_N tiles
+    # this split's token range within the window, in whole BLOCK_N tiles
     seq_len = tl.load(seq_lens_ptr + seq)
-    tokens_per_split = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * tokens_per_split
+    window_start = tl.maximum(seq_len - window, 0)
+    tokens_per_split = tl.cdiv(tl.cdiv(seq_len - window_start, num_splits), BLOCK_N) * BLOCK_N
+    start = window_start + split * tokens_per_split
     end = tl.minimum(start + tokens_per_split, seq_len)
 
     # q: [GROUP_PAD, BLOCK_D], the group's heads as rows
@@ -165,11 +169,14 @@ def decode_attention(
     out: torch.Tensor | None = None,  # [num_seqs, num_heads, head_dim]
     max_seq_len: int | None = None,
     num_splits: int | None = None,
+    sliding_window: int | None = None,
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
 ) -> torch.Tensor:
-    """Attend each sequence's single new query token over its whole paged context.
+    """Attend each sequence's single new query token over its paged context: all of it, or
+    with ``sliding_window=W`` its last ``W`` positions (the token's own included; blocks before
+    them are never read, so the block table may name stale blocks there).
 
     The new token's key and value must already be in the cache. ``num_splits`` (the split-KV
     factor) defaults to a choice from the batch size and ``max_seq_len``; pass it explicitly to
@@ -188,6 +195,8 @@ def decode_attention(
     if num_splits is None:
         if max_seq_len is None:
             max_seq_len = int(seq_lens.max())
+        if sliding_window is not None:
+            max_seq_len = min(max_seq_len, sliding_window)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
     block_d = triton.next_power_of_2(head_dim)
     split = num_splits > 1
@@ -206,6 +215,7 @@ def decode_attention(
         part_out,
         part_lse,
         scale * LOG2E,
+        NO_WINDOW if sliding_window is None else sliding_window,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),

@@ -3,7 +3,9 @@
 Each sequence's new tokens sit after a cached context (from the prefix cache or an earlier
 chunk); their keys and values are already written to the paged cache, so every key is read from
 the cache. One program computes ``BLOCK_M`` query tokens of one head of one sequence, flash-style:
-tiles of keys wholly before the first query token need no causal mask, the rest are masked.
+tiles of keys that every query row sees need no mask; the diagonal (causal) and, with a sliding
+window, the window's leading edge are masked; tiles wholly before every row's window are
+skipped, never read.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+NO_WINDOW = 1 << 30  # the window a full-attention layer passes: longer than any context
 
 
 @triton.jit
@@ -26,8 +29,10 @@ def _attend_tile(
     block_table,
     kv_head_offset,
     tile_start,
+    kv_start,
     kv_end,
     q_positions,
+    window,
     dims,
     dim_mask,
     scale_log2,
@@ -35,12 +40,13 @@ def _attend_tile(
     stride_cache_slot,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr,
+    MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    # gather BLOCK_N keys and values through the block table: [BLOCK_N, BLOCK_D]
+    # gather BLOCK_N keys and values through the block table: [BLOCK_N, BLOCK_D]; nothing before
+    # kv_start (the earliest window start of the tile's rows) is read
     tokens = tile_start + tl.arange(0, BLOCK_N)
-    token_mask = tokens < kv_end
+    token_mask = (tokens >= kv_start) & (tokens < kv_end)
     pages = tl.load(block_table + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
     kv_offsets = pages * stride_cache_block + (tokens % PAGE_SIZE) * stride_cache_slot + kv_head_offset
     kv_mask = token_mask[:, None] & dim_mask[None, :]
@@ -49,12 +55,17 @@ def _attend_tile(
 
     # online softmax in base 2: [BLOCK_M, BLOCK_N]
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-    if CAUSAL:
-        visible = (tokens[None, :] <= q_positions[:, None]) & token_mask[None, :]
-        scores = tl.where(visible, scores, float("-inf"))
+    if MASKED:
+        # causal, and inside the window: q - window < key <= q
+        visible = (tokens[None, :] <= q_positions[:, None]) & (tokens[None, :] > q_positions[:, None] - window)
+        scores = tl.where(visible & token_mask[None, :], scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(scores - m_new[:, None])
+    m_ref = m_new
+    if MASKED:
+        # a row that has seen no key yet (its window starts later) keeps m = -inf: no -inf - -inf
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(scores - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
@@ -75,6 +86,7 @@ def _prefill_kernel(
     query_start_loc_ptr,
     out_ptr,
     scale_log2,
+    window,  # each query sees its last `window` positions, itself included
     stride_q_token,
     stride_q_head,
     stride_cache_block,
@@ -119,24 +131,36 @@ def _prefill_kernel(
     block_table = block_tables_ptr + seq.to(tl.int64) * stride_bt_seq
     kv_head_offset = kv_head * stride_cache_head
 
-    # keys every query row sees: no mask
-    unmasked_end = (context_len + q_block * BLOCK_M) // BLOCK_N * BLOCK_N
-    for tile_start in range(0, unmasked_end, BLOCK_N):
+    # key tiles: [window_lo, full_lo) the window's leading edge (masked), [full_lo, unmasked_end)
+    # seen by every row (no mask), [unmasked_end, kv_end) the diagonal (masked); before
+    # window_lo nothing is read
+    first_q = context_len + q_block * BLOCK_M
+    last_q = tl.minimum(first_q + BLOCK_M, seq_len) - 1
+    unmasked_end = first_q // BLOCK_N * BLOCK_N
+    kv_start = tl.maximum(first_q - window + 1, 0)
+    window_lo = kv_start // BLOCK_N * BLOCK_N
+    full_lo = tl.minimum(tl.cdiv(tl.maximum(last_q - window + 1, 0), BLOCK_N) * BLOCK_N, unmasked_end)
+    for tile_start in range(window_lo, full_lo, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, seq_len,
-            q_positions, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, seq_len,
+            q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
+            PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
+        )
+    for tile_start in range(full_lo, unmasked_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, seq_len,
+            q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
             PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
         )
-    # the diagonal: causal mask
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_M)
     for tile_start in range(unmasked_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_end,
-            q_positions, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
+            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, kv_end,
+            q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
             PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
         )
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # rows past the sequence may have seen no key
     out_offsets = q_tokens[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -151,12 +175,15 @@ def prefill_attention(
     max_query_len: int,
     scale: float,
     out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]
+    sliding_window: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
 ) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its cached context and themselves.
+    """Causal attention of each sequence's new tokens over its cached context and themselves;
+    with ``sliding_window=W`` each token sees only its last ``W`` positions (its own included),
+    and key blocks before every token's window are never read.
 
     ``query_start_loc`` holds absolute rows of ``query``/``out``, so the prefill part of a mixed
     batch passes slices (``query_start_loc[num_decodes:]``) with the whole ``query``. The new
@@ -189,6 +216,7 @@ def prefill_attention(
         query_start_loc,
         out,
         scale * LOG2E,
+        NO_WINDOW if sliding_window is None else sliding_window,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
