@@ -7,10 +7,16 @@ A model class (registered with ``sonar_register_models``) is a ``torch.nn.Module
     def compute_logits(self, hidden_states: Tensor [N, hidden]) -> Tensor [N, vocab] (float32)
     def load_weights(self, weights: Iterable[tuple[str, Tensor]]) -> None  # Hugging Face names
     num_layers: int; num_kv_heads: int; head_dim: int  # for sizing the KV cache
+    def kv_cache_specs(self) -> list[KVCacheSpec]  # optional: one per layer
 
 Each attention layer holds ``attention(num_heads, num_kv_heads, head_dim, scale, layer_idx,
 sliding_window=None)`` and calls it as ``attn(q, k, v, ctx)``; ``sliding_window=W`` lets a
 token attend only to the last ``W`` positions (itself included).
+
+``kv_cache_specs()`` tells the KV-cache manager what each layer reads from the cache
+(``FullAttentionSpec``, or ``SlidingWindowSpec(W)`` for a layer built with
+``sliding_window=W``); a model without the method is taken as full attention in every layer
+(``kv_cache_specs_of``).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Any, Callable, Iterator, Protocol
 import torch
 
 from sonar.attention import AttentionBackend, ForwardContext, reference_attention
+from sonar.engine.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
 
 class PagedAttention(torch.nn.Module):
@@ -41,6 +48,17 @@ class PagedAttention(torch.nn.Module):
 
 
 AttentionFactory = Callable[..., PagedAttention]
+
+
+def kv_cache_spec_for(sliding_window: int | None) -> KVCacheSpec:
+    """The spec of a layer built with ``attention(..., sliding_window=sliding_window)``."""
+    return FullAttentionSpec() if sliding_window is None else SlidingWindowSpec(sliding_window)
+
+
+def kv_cache_specs_of(model: Any) -> list[KVCacheSpec] | None:
+    """The model's per-layer specs, or None where the model declares none (full attention)."""
+    specs = getattr(model, "kv_cache_specs", None)
+    return None if specs is None else list(specs())
 
 
 def make_attention_factory(backend_cls: type[AttentionBackend] | None) -> AttentionFactory:

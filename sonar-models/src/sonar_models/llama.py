@@ -15,7 +15,8 @@ from torch import nn
 
 from sonar import ops
 from sonar.attention import ForwardContext
-from sonar.model_interface import AttentionFactory
+from sonar.engine.kv_cache_spec import KVCacheSpec
+from sonar.model_interface import AttentionFactory, kv_cache_spec_for
 from sonar_models.layers import Linear, MergedLinear, RMSNorm, silu_and_mul
 from sonar_models.rope import RotaryEmbedding, rope_spec_from_config
 from sonar_models.weight_loading import FusedProjection, load_hf_weights
@@ -36,20 +37,39 @@ def head_dim_of(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def sliding_window_of(config: Any) -> int | None:
-    """The attention window where the config turns one on (Mistral's ``sliding_window``; Qwen2's
-    only with ``use_sliding_window``), else None."""
+def sliding_windows_of(config: Any) -> list[int | None]:
+    """Each layer's attention window (None: full attention), as transformers decides it.
+
+    Mistral: ``sliding_window`` in every layer. Qwen2/Qwen3: only with ``use_sliding_window``,
+    and then in the layers that ``layer_types`` marks ``"sliding_attention"``; where a config
+    has no ``layer_types``, in layers ``max_window_layers`` and up (transformers builds
+    ``layer_types`` that way from ``max_window_layers``).
+    """
+    num_layers = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     if not window or getattr(config, "use_sliding_window", True) is False:
-        return None
-    if getattr(config, "max_window_layers", None) is not None and getattr(config, "model_type", "") != "mistral":
-        raise ValueError("per-layer sliding windows (max_window_layers) are not supported yet")
-    return int(window)
+        return [None] * num_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        if len(layer_types) != num_layers:
+            raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
+        return [int(window) if kind == "sliding_attention" else None for kind in layer_types]
+    first_sliding = getattr(config, "max_window_layers", None)
+    if first_sliding is None or getattr(config, "model_type", "") == "mistral":
+        first_sliding = 0
+    return [int(window) if i >= first_sliding else None for i in range(num_layers)]
 
 
 class DecoderAttention(nn.Module):
     def __init__(
-        self, config: Any, attention: AttentionFactory, layer_idx: int, qkv_bias: bool, o_bias: bool, qk_norm: bool
+        self,
+        config: Any,
+        attention: AttentionFactory,
+        layer_idx: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+        sliding_window: int | None = None,
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -62,8 +82,10 @@ class DecoderAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
-        window = sliding_window_of(config)
-        self.attn = attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx, sliding_window=window)
+        self.sliding_window = sliding_window
+        self.attn = attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx, sliding_window=sliding_window
+        )
 
     def forward(self, x: torch.Tensor, rope: Any, ctx: ForwardContext) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -163,9 +185,10 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = attention_bias if self.o_bias is None else self.o_bias
         mlp_bias = bool(getattr(config, "mlp_bias", False))
+        self.sliding_windows = sliding_windows_of(config)
         layers = [
             DecoderLayer(
-                DecoderAttention(config, attention, i, qkv_bias, o_bias, self.qk_norm),
+                DecoderAttention(config, attention, i, qkv_bias, o_bias, self.qk_norm, self.sliding_windows[i]),
                 GatedMLP(config, mlp_bias),
                 config,
             )
@@ -180,6 +203,11 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` for a flat batch of tokens at absolute ``positions``."""
         return self.model(input_ids, positions, ctx)
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """One spec per layer: a sliding window where the config gives that layer one, else
+        full attention."""
+        return [kv_cache_spec_for(window) for window in self.sliding_windows]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
@@ -205,7 +233,8 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2: biases on q/k/v (never on o_proj)."""
+    """Qwen2: biases on q/k/v (never on o_proj); with ``use_sliding_window``, a window in the
+    layers from ``max_window_layers`` on (see ``sliding_windows_of``)."""
 
     qkv_bias = True
     o_bias = False
