@@ -153,6 +153,18 @@ def sonar_register_logits_processors(register: Callable[..., None]) -> None:
     """
 
 
+@hookspec
+def sonar_register_sampler_stages(register: Callable[..., None]) -> None:
+    """Register sampler stages (steps that edit a batch of logits, in an order requests may change).
+
+    :param register: ``register(stage)``. ``stage`` is a ``sonar.sampler.SamplerStage``
+        instance, subclass or ``"package.module:Name"`` path. It names itself, says where it
+        runs in the default order (``rank``, ``after`` or ``before``), declares its request
+        parameters (namespaced keys of ``SamplingParams.extra_args``) and builds its tensors
+        only for steps where some request uses it; Sonar's own stages register through this hook.
+    """
+
+
 # ---------------------------------------------------------------------------------------------
 # Server
 # ---------------------------------------------------------------------------------------------

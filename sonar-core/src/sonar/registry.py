@@ -60,6 +60,14 @@ def kv_connectors() -> dict[str, Any]:
     return {name: connector for name, connector in collect("sonar_register_kv_connectors")}
 
 
+@functools.cache
+def sampler_stages() -> Any:
+    """The registered sampler stages, ordered: a ``sonar.sampler.stage_table.StageTable``."""
+    from sonar.sampler.stage_table import build_stage_table
+
+    return build_stage_table([args[0] for args in collect("sonar_register_sampler_stages")])
+
+
 def load_registered(kind: str, name: str, registered: dict[str, Any]) -> Any:
     """The class registered as ``name`` (imported here when registered as a path)."""
     if name not in registered:
@@ -82,6 +90,6 @@ def resolve_model_class(architectures: list[str]) -> type:
 def clear_caches() -> None:
     for fn in (
         model_architectures, weight_formats, quantization_methods, logits_processors, scheduler_policies,
-        kv_cache_managers, executors, speculative_proposers, kv_connectors,
+        kv_cache_managers, executors, speculative_proposers, kv_connectors, sampler_stages,
     ):  # fmt: skip
         fn.cache_clear()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from sonar.structured_output.params import GuidedDecodingParams
 
@@ -17,10 +18,13 @@ class SamplingParams:
 
     The first block are vLLM's fields. The extra samplers use Aphrodite's names; each is off at
     its default. ``eta_cutoff`` and ``epsilon_cutoff`` are in units of 1e-4 (as in Aphrodite).
-    ``sampler_priority`` orders the stages (``sonar.sampler.SamplerID`` ids or names); stages
-    not listed run after the listed ones, in the default order. ``bad_words`` are strings the
-    engine tokenizes into ``bad_words_token_ids``; ``dry_sequence_breakers`` likewise into
-    ``dry_sequence_breaker_ids`` (either id field may also be given directly).
+    ``sampler_priority`` orders the stages (``sonar.sampler.SamplerID`` ids or stage names,
+    plugins' stages included); stages not listed run after the listed ones, in the default
+    order. ``bad_words`` are strings the engine tokenizes into ``bad_words_token_ids``;
+    ``dry_sequence_breakers`` likewise into ``dry_sequence_breaker_ids`` (either id field may
+    also be given directly). ``extra_args`` (vLLM's field) carries the parameters of plugins'
+    sampler stages under their namespaced names (``{"example.boost": 2.0}``); a namespaced key
+    no registered stage declares, or a value that does not fit, is a ValueError naming it.
     """
 
     n: int = 1
@@ -83,7 +87,8 @@ class SamplingParams:
     skew: float = 0.0
     no_repeat_ngram_size: int = 0
     temperature_last: bool = False
-    sampler_priority: list[int] | None = None
+    sampler_priority: list[int | str] | None = None  # normalised: ids of stages that have one, else names
+    extra_args: dict[str, Any] | None = None  # plugin stages' parameters, by namespaced name
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -100,11 +105,12 @@ class SamplingParams:
             self.dry_sequence_breakers = [self.dry_sequence_breakers]
         if self.guided_decoding is not None:
             self.guided_decoding = GuidedDecodingParams.from_value(self.guided_decoding)
+        if isinstance(self.extra_args, dict):
+            self.extra_args = dict(self.extra_args) or None
         self.validate()
         if self.sampler_priority is not None:
-            from sonar.sampler.sampler_ids import parse_sampler_id
-
-            self.sampler_priority = [int(parse_sampler_id(v)) for v in self.sampler_priority] or None
+            table = _stage_table()
+            self.sampler_priority = [table.priority_key(table.lookup(v)) for v in self.sampler_priority] or None
 
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
@@ -229,13 +235,20 @@ class SamplingParams:
         check(isinstance(self.temperature_last, bool), f"temperature_last must be a boolean, got {self.temperature_last!r}")
         if self.sampler_priority is not None:
             check(isinstance(self.sampler_priority, list), f"sampler_priority must be a list, got {self.sampler_priority!r}")
-            from sonar.sampler.sampler_ids import parse_sampler_id
-
+            table = _stage_table()
             try:
-                ids = [parse_sampler_id(v) for v in self.sampler_priority]
+                names = [table.lookup(v).name for v in self.sampler_priority]
             except ValueError as exc:
                 raise ValueError(f"sampler_priority: {exc}") from None
-            check(len(set(ids)) == len(ids), f"sampler_priority lists a stage twice: {self.sampler_priority}")
+            check(len(set(names)) == len(names), f"sampler_priority lists a stage twice: {self.sampler_priority}")
+
+        # plugins' stages
+        if self.extra_args is not None:
+            check(
+                isinstance(self.extra_args, dict) and all(isinstance(k, str) for k in self.extra_args),
+                f"extra_args must map parameter names to values, got {self.extra_args!r}",
+            )
+            _stage_table().check_extra_args(self)
 
     @property
     def greedy(self) -> bool:
@@ -264,9 +277,17 @@ class SamplingParams:
             or bool(self.bad_words and self.bad_words_token_ids is None)
             or bool(self.logits_processors)
             or self.guided_decoding is not None
+            or (self.extra_args is not None and _stage_table().reads_output_tokens(self))
         )
 
     def clone(self, **changes) -> SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _stage_table() -> Any:
+    """The registered sampler stages (``sonar.sampler.stage_table.StageTable``)."""
+    from sonar.registry import sampler_stages
+
+    return sampler_stages()

@@ -72,10 +72,8 @@ def _contexts(
     return ContextTensors(rows=rows, index=index, ids=to_device(ids, device), stop=to_device(stop, device))
 
 
-def build_dry(states: list["RequestSamplingState"], skip: list[bool], vocab_size: int, device: torch.device) -> DryTensors | None:
-    rows = [row for row, s in enumerate(states) if not skip[row] and s.params.uses_dry]
-    if not rows:
-        return None
+def build_dry(states: list["RequestSamplingState"], rows: list[int], vocab_size: int, device: torch.device) -> DryTensors:
+    """DRY's tensors for ``rows`` (those with ``dry_multiplier > 0``)."""
     params = [states[row].params for row in rows]
     breakers = [list(p.dry_sequence_breaker_ids or ()) for p in params]
     context = _contexts(states, rows, [p.dry_range for p in params], len(states), breakers, vocab_size, device)
@@ -90,11 +88,9 @@ def build_dry(states: list["RequestSamplingState"], skip: list[bool], vocab_size
 
 
 def build_no_repeat_ngram(
-    states: list["RequestSamplingState"], skip: list[bool], vocab_size: int, device: torch.device
-) -> NgramTensors | None:
-    rows = [row for row, s in enumerate(states) if not skip[row] and s.params.no_repeat_ngram_size > 0]
-    if not rows:
-        return None
+    states: list["RequestSamplingState"], rows: list[int], vocab_size: int, device: torch.device
+) -> NgramTensors:
+    """No-repeat-ngram's tensors for ``rows`` (those with ``no_repeat_ngram_size > 0``)."""
     sizes = [states[row].params.no_repeat_ngram_size for row in rows]
     context = _contexts(states, rows, [0] * len(rows), len(states), None, vocab_size, device)
     return NgramTensors(

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from sonar.sampler.dry import DryTensors, NgramTensors, build_dry, build_no_repeat_ngram
-from sonar.sampler.mirostat import MirostatTensors
-from sonar.sampler.penalties import PenaltyTensors, build_penalties
 from sonar.sampler.rows import RowValues, build_row_values
-from sonar.sampler.sampler_ids import SamplerID, resolve_order
+from sonar.sampler.stage import SamplerStage
 from sonar.sampler.token_masks import AllowedTokens, build_allowed, build_banned, build_logit_bias
-from sonar.sampler.xtc import XtcTensors
 from sonar.sampling_params import SamplingParams
 from sonar.tensors import to_device
 
@@ -60,11 +57,11 @@ class RequestSamplingState:
 
 @dataclass(slots=True)
 class SamplingMetadata:
-    """One step's sampling options as tensors; a field is None when no row needs that stage.
+    """One step's sampling options as tensors; a stage is absent when no row needs it.
 
     Stages that shape the distribution (temperature onwards) cover random rows only; the
     penalty-like stages (bans, bias, allow-lists, penalties, DRY, no-repeat-ngram, logits
-    processors) cover greedy rows too.
+    processors, and any registered stage with ``covers_greedy``) cover greedy rows too.
     """
 
     num_rows: int
@@ -77,78 +74,53 @@ class SamplingMetadata:
     banned: tuple[torch.Tensor, torch.Tensor] | None  # (rows, ids) set to -inf
     logit_bias: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None  # (rows, ids, bias)
     allowed: AllowedTokens | None
-    # the ordered stages (SamplerID)
-    penalties: PenaltyTensors | None
-    processor_rows: dict[str, list[int]]  # processor name -> rows naming it
-    dry: DryTensors | None
-    no_repeat_ngram: NgramTensors | None
-    temperature: RowValues | None  # (temperature,) for rows with a static T != 1
-    dynatemp: RowValues | None  # (min, max, exponent)
-    top_k: torch.Tensor | None  # [B] int64, V where off
-    max_top_k: int  # largest top-k among rows using it
-    top_p: torch.Tensor | None  # [B] float32, 1.0 where off
-    min_p: torch.Tensor | None  # [B] float32, 0.0 where off
-    top_a: RowValues | None
-    tfs: RowValues | None
-    typical_p: RowValues | None
-    eta_cutoff: RowValues | None
-    epsilon_cutoff: RowValues | None
-    top_nsigma: RowValues | None
-    quadratic: RowValues | None  # (factor, curve)
-    xtc: XtcTensors | None
-    # after the ordered stages
-    mirostat: MirostatTensors | None
+    # the registered stages some row uses: name -> what its build returned; None: none is used
+    stage_tensors: dict[str, Any] | None
+    final_stages: tuple[SamplerStage, ...] | None  # those of them after the ordered stages, in order
+    # after the stages, on probabilities
     skew: RowValues | None
-    order_groups: list[tuple[tuple[SamplerID, ...], list[int]]]  # (stage order, rows); one for most batches
+    order_groups: list[tuple[tuple[SamplerStage, ...], list[int]]]  # (stage order, rows); one for most batches
     states: list[RequestSamplingState]
 
     @property
     def edits_logits(self) -> bool:
         """Whether any stage changes the logits (else greedy is a plain argmax)."""
-        return any(
-            value is not None
-            for value in (
-                self.banned, self.logit_bias, self.allowed, self.penalties, self.dry, self.no_repeat_ngram,
-                self.temperature, self.dynatemp, self.top_k, self.top_p, self.min_p, self.top_a, self.tfs,
-                self.typical_p, self.eta_cutoff, self.epsilon_cutoff, self.top_nsigma, self.quadratic,
-                self.xtc, self.mirostat,
-            )
-        ) or bool(self.processor_rows)  # fmt: skip
+        return bool(self.stage_tensors) or any(value is not None for value in (self.banned, self.logit_bias, self.allowed))
 
     @classmethod
     def build(
         cls, states: list[RequestSamplingState], vocab_size: int, device: torch.device
     ) -> "SamplingMetadata":
         """Pack the options of ``states`` (one per logits row, in order) into tensors."""
+        from sonar.registry import sampler_stages
+
+        table = sampler_stages()
         num_rows = len(states)
         params = [s.params for s in states]
         greedy = [p.greedy for p in params]
         all_greedy, all_random = all(greedy), not any(greedy)
-
-        def rows(pick) -> RowValues | None:
-            return build_row_values(params, pick, device, skip=greedy)
-
-        # top-k / top-p / min-p: full-batch tensors with neutral values
-        top_k = [vocab_size if g or p.top_k <= 0 else min(p.top_k, vocab_size) for g, p in zip(greedy, params)]
-        top_p = [1.0 if g else p.top_p for g, p in zip(greedy, params)]
-        min_p = [0.0 if g else p.min_p for g, p in zip(greedy, params)]
-        on_top_k = [k for k in top_k if k < vocab_size]
-
-        def floats(values: list[float]) -> torch.Tensor:
-            return to_device(torch.tensor(values, dtype=torch.float32), device)
-
+        random_rows = [i for i, g in enumerate(greedy) if not g]
         requested = [p.logprobs for p in params if p.logprobs is not None]
-        processor_rows: dict[str, list[int]] = {}
-        for row, p in enumerate(params):
-            for name in p.logits_processors:
-                processor_rows.setdefault(name, []).append(row)
+
+        stage_tensors: dict[str, Any] = {}
+        for stage in table.stages:
+            candidates = range(num_rows) if stage.covers_greedy else random_rows
+            uses = stage.uses
+            rows = [row for row in candidates if uses(params[row])]
+            if rows:
+                tensors = stage.build(states, rows, vocab_size, device)
+                if tensors is not None:
+                    stage_tensors[stage.name] = tensors
 
         # stage order groups: rows sharing one order run together
-        groups: dict[tuple[SamplerID, ...], list[int]] = {}
-        for row, p in enumerate(params):
-            groups.setdefault(resolve_order(p.sampler_priority, p.temperature_last), []).append(row)
+        if all(p.sampler_priority is None and not p.temperature_last for p in params):
+            order_groups = [(table.ordered, list(range(num_rows)))]
+        else:
+            groups: dict[tuple[SamplerStage, ...], list[int]] = {}
+            for row, p in enumerate(params):
+                groups.setdefault(table.order(p.sampler_priority, p.temperature_last), []).append(row)
+            order_groups = list(groups.items())
 
-        random_rows = [i for i, g in enumerate(greedy) if not g]
         return cls(
             num_rows=num_rows,
             all_greedy=all_greedy,
@@ -159,51 +131,12 @@ class SamplingMetadata:
             banned=build_banned(states, vocab_size, device),
             logit_bias=build_logit_bias(states, vocab_size, device),
             allowed=build_allowed(states, vocab_size, device),
-            penalties=build_penalties(states, vocab_size, device),
-            processor_rows=processor_rows,
-            dry=build_dry(states, [False] * num_rows, vocab_size, device),
-            no_repeat_ngram=build_no_repeat_ngram(states, [False] * num_rows, vocab_size, device),
-            temperature=rows(lambda p: None if p.temperature == 1.0 or p.uses_dynatemp else (p.temperature,)),
-            dynatemp=rows(lambda p: (p.dynatemp_min, p.dynatemp_max, p.dynatemp_exponent) if p.uses_dynatemp else None),
-            top_k=to_device(torch.tensor(top_k, dtype=torch.int64), device) if on_top_k else None,
-            max_top_k=max(on_top_k, default=0),
-            top_p=None if all(p >= 1.0 for p in top_p) else floats(top_p),
-            min_p=None if all(p <= 0.0 for p in min_p) else floats(min_p),
-            top_a=rows(lambda p: (p.top_a,) if p.top_a > 0.0 else None),
-            tfs=rows(lambda p: (p.tfs,) if p.tfs < 1.0 else None),
-            typical_p=rows(lambda p: (p.typical_p,) if p.typical_p < 1.0 else None),
-            eta_cutoff=rows(lambda p: (p.eta_cutoff,) if p.eta_cutoff > 0.0 else None),
-            epsilon_cutoff=rows(lambda p: (p.epsilon_cutoff,) if p.epsilon_cutoff > 0.0 else None),
-            top_nsigma=rows(lambda p: (p.nsigma,) if p.nsigma > 0.0 else None),
-            quadratic=rows(lambda p: (p.smoothing_factor, p.smoothing_curve) if p.smoothing_factor > 0.0 else None),
-            xtc=_build_xtc(states, rows(lambda p: (p.xtc_threshold, p.xtc_probability) if p.xtc_probability > 0.0 else None)),
-            mirostat=_build_mirostat(states, greedy, device),
-            skew=rows(lambda p: (p.skew,) if p.skew != 0.0 else None),
-            order_groups=list(groups.items()),
+            stage_tensors=stage_tensors or None,
+            final_stages=tuple(stage for stage in table.final if stage.name in stage_tensors) or None,
+            skew=build_row_values(params, lambda p: (p.skew,) if p.skew != 0.0 else None, device, skip=greedy),
+            order_groups=order_groups,
             states=states,
         )
-
-
-def _build_xtc(states: list[RequestSamplingState], values: RowValues | None) -> XtcTensors | None:
-    if values is None:
-        return None
-    return XtcTensors(values=values, generators=[states[row].generator for row in values.rows])
-
-
-def _build_mirostat(states: list[RequestSamplingState], greedy: list[bool], device: torch.device) -> MirostatTensors | None:
-    rows = [row for row, s in enumerate(states) if not greedy[row] and s.params.mirostat_mode != 0]
-    if not rows:
-        return None
-    columns = []
-    for row in rows:
-        state, p = states[row], states[row].params
-        mu = 2.0 * p.mirostat_tau if state.mirostat_mu is None else state.mirostat_mu
-        columns.append((float(p.mirostat_mode), p.mirostat_tau, p.mirostat_eta, mu))
-    values = to_device(torch.tensor(columns, dtype=torch.float32).T.contiguous(), device)  # [4, R]
-    index = None if len(rows) == len(states) else to_device(torch.tensor(rows, dtype=torch.int64), device)
-    return MirostatTensors(
-        values=RowValues(rows=rows, index=index, values=tuple(values)), states=[states[row] for row in rows]
-    )
 
 
 def check_token_ids(params: SamplingParams, vocab_size: int) -> None:

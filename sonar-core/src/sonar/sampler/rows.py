@@ -49,8 +49,13 @@ def build_row_values(
             columns.append(picked)
     if not rows:
         return None
+    return row_values(rows, columns, len(params), device)
+
+
+def row_values(rows: list[int], columns: list[tuple[float, ...]], num_rows: int, device: torch.device) -> RowValues:
+    """``RowValues`` for ``rows`` (ascending) of a batch of ``num_rows``, one tuple of options each."""
     values = to_device(torch.tensor(columns, dtype=torch.float32).T.contiguous(), device)  # [num_values, R]
-    index = None if len(rows) == len(params) else to_device(torch.tensor(rows, dtype=torch.int64), device)
+    index = None if len(rows) == num_rows else to_device(torch.tensor(rows, dtype=torch.int64), device)
     return RowValues(rows=rows, index=index, values=tuple(values))
 
 

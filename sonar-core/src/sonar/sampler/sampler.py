@@ -3,38 +3,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 import torch
 
 from sonar import ops
-from sonar.sampler.dry import apply_dry, apply_no_repeat_ngram
 from sonar.sampler.logits_processor import LogitsProcessor
 from sonar.sampler.logprobs import LogprobsTensors, compute_logprobs
 from sonar.sampler.metadata import SamplingMetadata
-from sonar.sampler.mirostat import apply_mirostat, update_mirostat
-from sonar.sampler.penalties import apply_penalties
 from sonar.sampler.rows import row_exponentials
-from sonar.sampler.sampler_ids import SamplerID
-from sonar.sampler.shaping import apply_quadratic, apply_skew
-from sonar.sampler.temperature import apply_dynatemp, apply_temperature
+from sonar.sampler.shaping import apply_skew
+from sonar.sampler.stage import SamplerStage, StageContext
 from sonar.sampler.token_masks import apply_allowed, apply_banned, apply_logit_bias
-from sonar.sampler.topk_topp import apply_min_p, apply_top_k_top_p
-from sonar.sampler.truncation import (
-    apply_epsilon_cutoff,
-    apply_eta_cutoff,
-    apply_tfs,
-    apply_top_a,
-    apply_top_nsigma,
-    apply_typical_p,
-)
-from sonar.sampler.xtc import run_xtc
 from sonar.tensors import to_device
 
 __all__ = ["LogprobsTensors", "Sampler", "SamplerOutput", "compute_logprobs"]
-
-Stage = Callable[["Sampler", torch.Tensor, SamplingMetadata, list[int]], torch.Tensor]
-
 
 @dataclass(slots=True)
 class SamplerOutput:
@@ -46,12 +27,13 @@ class Sampler:
     """Samples one token per row of a ``[B, V]`` logits batch, vectorized over the batch.
 
     Stages, each skipped when no row of the batch uses it and applied only to the rows that do:
-    bans (min_tokens, bad_words), logit_bias, allowed_token_ids; then the ordered stages
-    (``SamplerID``; default order DRY → penalties and registered logits processors →
-    no-repeat-ngram → temperature/dynatemp → top-nσ → top-k/top-p → top-a → min-p → TFS → eta
-    → epsilon → typical-p → smoothing → XTC; a request may reorder them with
-    ``sampler_priority`` or ``temperature_last``); then mirostat, softmax, skew, and the draw.
-    Greedy rows take the argmax of the logits after the penalty-like stages.
+    the fixed hard constraints first (bans from min_tokens and bad_words, logit_bias,
+    allowed_token_ids); then the registered ``SamplerStage``\\ s in their order (Sonar's own:
+    DRY → penalties and registered logits processors → no-repeat-ngram → temperature/dynatemp
+    → top-nσ → top-k/top-p → top-a → min-p → TFS → eta → epsilon → typical-p → smoothing → XTC,
+    with plugins' stages where they slot in; a request may reorder them with
+    ``sampler_priority`` or ``temperature_last``); then the final stages (mirostat), softmax,
+    skew, and the draw. Greedy rows take the argmax of the logits after the penalty-like stages.
 
     Random rows are sampled with the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)``:
     unseeded rows draw in one batched call, each seeded row from its own generator (as does
@@ -78,10 +60,8 @@ class Sampler:
             q = row_exponentials(probs.shape, meta.generators, probs.device)
             random_ids = ops.argmax(probs / q)
             sampled = random_ids if greedy_ids is None else torch.where(meta.greedy_mask, greedy_ids, random_ids)
-            if meta.mirostat is not None:
-                rows = meta.mirostat.values.index
-                chosen = probs.gather(1, sampled.unsqueeze(1)).squeeze(1)
-                update_mirostat(meta.mirostat, chosen if rows is None else chosen[rows])
+            for name, tensors in (meta.stage_tensors or {}).items():
+                self._stage(name).on_sampled(tensors, probs, sampled)
 
         logprobs = None
         if meta.max_num_logprobs is not None:
@@ -144,31 +124,34 @@ class Sampler:
         return torch.where(dead[:, None], fallback, processed)
 
     def final_probabilities(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-        """Mirostat truncation, softmax and skew on processed logits (modified in place)."""
-        if meta.mirostat is not None:
-            mode, _, _, mu = meta.mirostat.values.values
-            logits = meta.mirostat.values.apply(logits, lambda sub, *_: apply_mirostat(sub, mode, mu))
+        """The final stages (mirostat), softmax and skew on processed logits (modified in place)."""
+        if meta.final_stages is not None and meta.stage_tensors is not None:
+            context = StageContext(meta.states, list(range(meta.num_rows)), self._processor)
+            for stage in meta.final_stages:
+                logits = stage.apply(logits, meta.stage_tensors[stage.name], context)
         probs = logits.softmax(dim=-1)
         if meta.skew is not None:
             probs = meta.skew.apply(probs, apply_skew)
         return probs
 
     def _run_ordered(
-        self, logits: torch.Tensor, meta: SamplingMetadata, order: tuple[SamplerID, ...], batch_rows: list[int]
+        self, logits: torch.Tensor, meta: SamplingMetadata, order: tuple[SamplerStage, ...], batch_rows: list[int]
     ) -> torch.Tensor:
+        tensors = meta.stage_tensors
+        if not tensors:
+            return logits
+        context = StageContext(meta.states, batch_rows, self._processor)
         for stage in order:
-            logits = _STAGES[stage](self, logits, meta, batch_rows)
+            built = tensors.get(stage.name)
+            if built is not None:
+                logits = stage.apply(logits, built, context)
         return logits
 
-    def _penalties(self, logits: torch.Tensor, meta: SamplingMetadata, batch_rows: list[int]) -> torch.Tensor:
-        if meta.penalties is not None:
-            logits = apply_penalties(logits, meta.penalties)
-        for name, rows in meta.processor_rows.items():
-            processor = self._processor(name)
-            index = torch.tensor(rows, dtype=torch.int64, device=logits.device)
-            states = [meta.states[row] for row in rows]
-            logits[index] = processor(logits[index], [batch_rows[row] for row in rows], states).to(logits.dtype)
-        return logits
+    @staticmethod
+    def _stage(name: str) -> SamplerStage:
+        from sonar import registry
+
+        return registry.sampler_stages().by_name[name]
 
     def _processor(self, name: str) -> LogitsProcessor:
         if name not in self._processors:
@@ -183,56 +166,3 @@ class Sampler:
             self._processors[name] = factories[name]()
         return self._processors[name]
 
-
-def _temperature(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-    if meta.temperature is not None:
-        logits = meta.temperature.apply(logits, apply_temperature)
-    if meta.dynatemp is not None:
-        logits = meta.dynatemp.apply(logits, apply_dynatemp)
-    return logits
-
-
-def _row_stage(field: str, fn: Callable[..., torch.Tensor]) -> Stage:
-    def stage(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-        values = getattr(meta, field)
-        return logits if values is None else values.apply(logits, fn)
-
-    return stage
-
-
-def _top_k_top_p(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-    return apply_top_k_top_p(logits, meta.top_k, meta.max_top_k, meta.top_p)
-
-
-def _min_p(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-    return logits if meta.min_p is None else apply_min_p(logits, meta.min_p)
-
-
-def _dry(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-    return logits if meta.dry is None else apply_dry(logits, meta.dry)
-
-
-def _no_repeat_ngram(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-    return logits if meta.no_repeat_ngram is None else apply_no_repeat_ngram(logits, meta.no_repeat_ngram)
-
-
-def _xtc(sampler: Sampler, logits: torch.Tensor, meta: SamplingMetadata, rows: list[int]) -> torch.Tensor:
-    return logits if meta.xtc is None else run_xtc(logits, meta.xtc)
-
-
-_STAGES: dict[SamplerID, Stage] = {
-    SamplerID.DRY: _dry,
-    SamplerID.PENALTIES: Sampler._penalties,
-    SamplerID.NO_REPEAT_NGRAM: _no_repeat_ngram,
-    SamplerID.TEMPERATURE: _temperature,
-    SamplerID.TOP_NSIGMA: _row_stage("top_nsigma", apply_top_nsigma),
-    SamplerID.TOP_P_TOP_K: _top_k_top_p,
-    SamplerID.TOP_A: _row_stage("top_a", apply_top_a),
-    SamplerID.MIN_P: _min_p,
-    SamplerID.TFS: _row_stage("tfs", apply_tfs),
-    SamplerID.ETA_CUTOFF: _row_stage("eta_cutoff", apply_eta_cutoff),
-    SamplerID.EPSILON_CUTOFF: _row_stage("epsilon_cutoff", apply_epsilon_cutoff),
-    SamplerID.TYPICAL_P: _row_stage("typical_p", apply_typical_p),
-    SamplerID.QUADRATIC: _row_stage("quadratic", apply_quadratic),
-    SamplerID.XTC: _xtc,
-}

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from sonar.sampler.param_names import sampling_params_from_kobold
 from sonar.sampling_params import SamplingParams
 from sonar.structured_output import GuidedDecodingParams
 
 from sonar_server.errors import ApiError
 from sonar_server.sampling import build_sampling_params
+from sonar_server.surfaces.kobold.field_names import sampling_params_from_kobold
 from sonar_server.surfaces.kobold.protocol import GenerateRequest
 
 
@@ -24,7 +24,7 @@ def _grammar(grammar: str | None) -> GuidedDecodingParams | None:
 
 def kobold_sampling_params(body: GenerateRequest, max_tokens: int) -> SamplingParams:
     """Kobold's native sampler names (``rep_pen``, ``typical``, ``dry_*``, ``sampler_order``,
-    ...) through the engine's own Kobold mapping; ``max_tokens`` is the caller's clamped
+    ...) through the Kobold field mapping; ``max_tokens`` is the caller's clamped
     ``max_length``."""
     try:
         mapped: dict[str, Any] = sampling_params_from_kobold(body.model_dump())
