@@ -133,8 +133,9 @@ class SamplerStage:
         return extra is not None and any(name in extra for name in self.params)
 
     def validate(self, params: "SamplingParams") -> None:
-        """Checks across parameters, for a request that uses the stage (each parameter's own
-        type and ``check`` are already verified). Raise ValueError naming the field."""
+        """Checks across parameters, for a request that sets any of the stage's ``params`` (each
+        parameter's own type and ``check`` are already verified). Raise ValueError naming the
+        field."""
 
     def param(self, params: "SamplingParams", name: str) -> Any:
         """The request's value of the stage parameter ``name``, or its declared default."""

@@ -82,8 +82,8 @@ class StageTable:
 
     def check_extra_args(self, params: "SamplingParams") -> None:
         """Raise ValueError naming the field when a namespaced ``extra_args`` key belongs to no
-        registered stage or its value does not fit; then run the ``validate`` of each stage the
-        request uses. Keys without a dot are left alone (free-form extra arguments)."""
+        registered stage or its value does not fit; then run the ``validate`` of each stage whose
+        parameters the request sets. Keys without a dot are left alone (free-form extra arguments)."""
         for name, value in (params.extra_args or {}).items():
             if "." not in name:
                 continue
@@ -94,8 +94,9 @@ class StageTable:
                 )
             _, spec = self.params[name]
             spec.validate(name, value)
+        extra = params.extra_args or {}
         for stage in self.param_stages:
-            if stage.uses(params):
+            if any(name in extra for name in stage.params):
                 stage.validate(params)
 
     def reads_output_tokens(self, params: "SamplingParams") -> bool:

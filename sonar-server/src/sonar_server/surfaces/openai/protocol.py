@@ -5,18 +5,31 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
+class _GenerationBody(_Body):
+    """A body that samples: ``extra_args`` (the parameters of plugins' sampler stages, by
+    namespaced name) also comes under vLLM's name for it, ``vllm_xargs``."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _vllm_xargs_alias(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "vllm_xargs" in data and "extra_args" not in data:
+            data = {**data, "extra_args": data["vllm_xargs"]}
+            del data["vllm_xargs"]
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(_Body):
+class CompletionRequest(_GenerationBody):
     """``POST /v1/completions``; any ``SamplingParams`` field may be added (``top_k``,
     ``min_p``, ``repetition_penalty``, ``ignore_eos``, ...)."""
 
@@ -51,7 +64,7 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
-class ChatCompletionRequest(_Body):
+class ChatCompletionRequest(_GenerationBody):
     """``POST /v1/chat/completions``; any ``SamplingParams`` field may be added."""
 
     model: str | None = None

@@ -1,0 +1,1 @@
+"""An example Sonar plugin that adds a sampler stage: ``example_boost``."""
