@@ -67,3 +67,81 @@ def test_mistral_sliding_window_matches_transformers(tmp_path) -> None:
     oracle = HFOracle(path)
     for prompt, output in zip(prompts, outputs):
         assert output.outputs[0].token_ids == oracle.greedy(prompt, 16)[0]
+
+
+def _greedy_step_by_step(path, prompts: list[list[int]], num_tokens: int, on_step) -> list[list[int]]:
+    """Greedy outputs from an in-process engine (block size 4), calling ``on_step(kv_cache,
+    running_requests)`` after every step."""
+    from sonar.config import EngineArgs
+    from sonar.engine.llm_engine import LLMEngine
+
+    args = EngineArgs(
+        model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=32, max_model_len=256,
+        kv_cache_memory_bytes=2 << 20,
+    )
+    engine = LLMEngine(args)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    core = engine.core
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0].token_ids
+        on_step(core.kv_cache, core.scheduler.running)
+    stats = engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks  # every block returned
+    return [done[str(i)] for i in range(len(prompts))]
+
+
+def test_mistral_window_shorter_than_the_prompt_frees_blocks_and_matches_transformers(tmp_path) -> None:
+    """Window 16, blocks of 4, prompts of 70-100 tokens: while decoding, a request holds only
+    the blocks of its last 16 positions (and the next one's), never its whole context."""
+    from sonar.engine.kv_cache_spec import SlidingWindowSpec
+    from sonar_models.testing import build_tiny_model
+
+    window, block = 16, 4
+    path = build_tiny_model("mistral", tmp_path / "mistral-window16", sliding_window=window)
+    prompts = random_prompts(3, seed=41, min_len=70, max_len=100)
+    decode_checks = []
+
+    def on_step(kv_cache, running) -> None:
+        assert set(kv_cache.layer_specs) == {SlidingWindowSpec(window)}
+        for request in running:
+            computed = request.num_computed_tokens
+            if computed > request.num_prompt_tokens:  # decoding: the last step computed position computed - 1
+                held = kv_cache.num_held_blocks(request.request_id)
+                assert held == -(-computed // block) - (computed - window) // block
+                decode_checks.append(held < kv_cache.num_blocks_for(computed))
+
+    outputs = _greedy_step_by_step(path, prompts, 24, on_step)
+    assert decode_checks and all(decode_checks)  # blocks were given back on every decode step
+    oracle = HFOracle(path)
+    for prompt, tokens in zip(prompts, outputs):
+        assert tokens == oracle.greedy(prompt, 24)[0]
+
+
+def test_qwen2_sliding_layers_from_max_window_layers_match_transformers(tmp_path) -> None:
+    """``use_sliding_window`` with ``max_window_layers=1``: transformers slides layers 1 and up
+    (its ``layer_types``), layer 0 attends fully; the full layer keeps every block."""
+    from sonar.engine.kv_cache_spec import FullAttentionSpec, SlidingWindowSpec
+    from sonar_models.testing import build_tiny_model
+
+    window = 8
+    path = build_tiny_model("qwen2", tmp_path / "qwen2-window8", use_sliding_window=True, sliding_window=window, max_window_layers=1)
+    full_path = build_tiny_model("qwen2", tmp_path / "qwen2-full", use_sliding_window=False)
+    prompts = random_prompts(3, seed=43, min_len=30, max_len=60)
+
+    def on_step(kv_cache, running) -> None:
+        assert set(kv_cache.layer_specs) == {FullAttentionSpec(), SlidingWindowSpec(window)}
+        for request in running:
+            assert kv_cache.num_held_blocks(request.request_id) == kv_cache.num_blocks_for(request.num_computed_tokens)
+
+    outputs = _greedy_step_by_step(path, prompts, 16, on_step)
+    oracle, full_oracle = HFOracle(path), HFOracle(full_path)
+    assert oracle.model.config.layer_types == ["full_attention", "sliding_attention"]
+    expected = [oracle.greedy(prompt, 16)[0] for prompt in prompts]
+    assert outputs == expected
+    # the window changes transformers' answer: the test sees it applied, not ignored
+    assert expected != [full_oracle.greedy(prompt, 16)[0] for prompt in prompts]

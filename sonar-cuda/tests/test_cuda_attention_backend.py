@@ -139,3 +139,34 @@ def test_sliding_window_large(dtype: torch.dtype, device: torch.device) -> None:
 def test_a_window_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="sliding_window=0"):
         TritonAttentionBackend(4, 2, 64, 0.125, sliding_window=0)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("arch, overrides", [
+    ("mistral", dict(sliding_window=32)),  # every layer slides: blocks are given back
+    ("qwen2", dict(use_sliding_window=True, sliding_window=24, max_window_layers=1)),  # layer 0 full, layer 1 slides
+])
+def test_sliding_window_engine_greedy_equals_transformers(tmp_path, arch: str, overrides: dict) -> None:
+    """Windows shorter than the prompts, float32, through the decode graphs and chunked
+    prefills: greedy equals transformers, and every block comes back."""
+    from engine_helpers import HFOracle, generate, random_prompts, use_tokenizer_folder_if_needed
+
+    from sonar.sampling_params import SamplingParams
+    from sonar_cuda.platform import CudaPlatform
+    from sonar_models.testing import build_tiny_model
+
+    use_tokenizer_folder_if_needed()
+    path = build_tiny_model(arch, tmp_path / arch, **overrides)
+    prompts = random_prompts(12, seed=5, min_len=40, max_len=140)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    oracle = HFOracle(path)
+    expected = [oracle.greedy(prompt, 40) for prompt in prompts]
+    for budget in (None, 48):  # 48: prefill chunks mixed with decodes
+        outputs, engine = generate(
+            CudaPlatform, path, prompts, params,
+            dtype="float32", max_model_len=512, max_num_batched_tokens=budget, kv_cache_memory_bytes=64 << 20,
+        )
+        assert engine.core.executor.worker.model_runner.graphs.graphs, "decode graphs were captured"
+        assert [output.outputs[0].token_ids for output in outputs] == expected
+        stats = engine.get_stats()
+        assert stats.num_free_blocks == stats.num_total_blocks
