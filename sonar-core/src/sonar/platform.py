@@ -71,13 +71,36 @@ class Platform:
     #: Host-memory platforms set one so that a default run does not reserve most of the RAM.
     max_default_kv_cache_bytes: int | None = None
 
+    #: Whether ``reset_peak_memory`` / ``peak_memory_bytes`` measure this device's memory (the
+    #: worker then profiles the largest step before sizing the KV cache).
+    measures_memory: bool = False
+
     @classmethod
-    def kv_cache_budget_bytes(cls, utilization: float) -> int:
+    def reset_peak_memory(cls) -> None:
+        """Start a new peak-memory measurement (where ``measures_memory``)."""
+
+    @classmethod
+    def allocated_memory_bytes(cls) -> int:
+        """Bytes this process's tensors hold on the device now (where ``measures_memory``)."""
+        return 0
+
+    @classmethod
+    def peak_memory_bytes(cls) -> int:
+        """The most bytes this process's tensors held since ``reset_peak_memory``."""
+        return 0
+
+    @classmethod
+    def release_cached_memory(cls) -> None:
+        """Give memory the allocator caches but no tensor holds back to the device."""
+
+    @classmethod
+    def kv_cache_budget_bytes(cls, utilization: float, reserved_bytes: int = 0) -> int:
         """Bytes the KV cache may take once weights are loaded: ``utilization`` of the device's
-        memory, minus what is already in use."""
+        memory, minus what is already in use, minus ``reserved_bytes`` (what the largest step
+        needs beyond it)."""
         total = cls.total_memory_bytes()
         in_use = total - cls.available_memory_bytes()
-        budget = max(0, int(total * utilization) - in_use)
+        budget = max(0, int(total * utilization) - in_use - reserved_bytes)
         if cls.max_default_kv_cache_bytes is not None:
             budget = min(budget, cls.max_default_kv_cache_bytes)
         return budget

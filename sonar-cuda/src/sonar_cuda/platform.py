@@ -48,6 +48,28 @@ class CudaPlatform(Platform):
         """Free memory of the current device right now (other processes' use counted too)."""
         return torch.cuda.mem_get_info()[0]
 
+    measures_memory = True
+
+    @classmethod
+    def reset_peak_memory(cls) -> None:
+        """Start a new peak measurement of the caching allocator."""
+        torch.cuda.reset_peak_memory_stats()
+
+    @classmethod
+    def allocated_memory_bytes(cls) -> int:
+        """Bytes held by this process's tensors on the current device."""
+        return torch.cuda.memory_allocated()
+
+    @classmethod
+    def peak_memory_bytes(cls) -> int:
+        """The allocator's peak since ``reset_peak_memory``."""
+        return torch.cuda.max_memory_allocated()
+
+    @classmethod
+    def release_cached_memory(cls) -> None:
+        """Return the allocator's cached, unused blocks to the driver."""
+        torch.cuda.empty_cache()
+
     @classmethod
     def describe(cls) -> str:
         """``cuda: NVIDIA H200 (sm_90), 139.8 GiB`` for ``sonar plugins``."""

@@ -46,6 +46,7 @@ class _AddCommand:
     prompt: Prompt
     params: SamplingParams
     done: concurrent.futures.Future[None]
+    priority: int = 0
 
 
 class RequestStream:
@@ -121,8 +122,9 @@ class AsyncLLM:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> RequestStream:
-        """Hand a request to the engine and return its output stream.
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> RequestStream:
+        """Hand a request to the engine and return its output stream (``priority``: lower runs
+        first, with the priority scheduling policy).
 
         A string prompt is tokenized here, in a worker thread, not in the step loop.
 
@@ -149,7 +151,7 @@ class AsyncLLM:
                 raise QueueFull(f"{len(self._streams)} requests are in flight, the limit is {self.max_in_flight}; retry later")
             self._streams[request_id] = stream
             self._stream_loops[request_id] = loop
-            self._adds.append(_AddCommand(request_id, prompt, params, done))
+            self._adds.append(_AddCommand(request_id, prompt, params, done, priority))
             self._wakeup.notify()
         try:
             await asyncio.wrap_future(done)
@@ -158,10 +160,12 @@ class AsyncLLM:
             raise
         return stream
 
-    async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
+    ) -> AsyncIterator[RequestOutput]:
         """Stream a request's cumulative outputs; stopping early (or being cancelled, as when an
         HTTP client disconnects) aborts it."""
-        stream = await self.add_request(request_id, prompt, params)
+        stream = await self.add_request(request_id, prompt, params, priority)
         try:
             async for output in stream:
                 yield output
@@ -250,7 +254,7 @@ class AsyncLLM:
                 command.done.set_result(None)
                 return
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params)
+            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority)
         except Exception as exc:  # bad input (ValueError): the caller gets it, the loop lives on
             self._forget(command.request_id)
             command.done.set_exception(exc)

@@ -63,7 +63,7 @@ class AsyncMPLLM:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> RequestStream:
         """Hand a request to an engine core and return its output stream.
 
         :raises ValueError: the request is invalid (the message says why).
@@ -72,7 +72,9 @@ class AsyncMPLLM:
         """
         self._check_accepting()
         loop = self._bind_loop()
-        processed = await loop.run_in_executor(None, self.input_processor.process, request_id, prompt, params, self.client.client_index)
+        processed = await loop.run_in_executor(
+            None, self.input_processor.process, request_id, prompt, params, self.client.client_index, priority
+        )
         self._check_accepting()
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")

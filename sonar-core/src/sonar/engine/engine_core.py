@@ -6,14 +6,17 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from sonar.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from sonar import registry
+from sonar.config import CacheConfig, EngineConfig
 from sonar.engine.kv_cache import KVCacheManager
 from sonar.engine.request import Request, RequestStatus
 from sonar.engine.scheduler import Scheduler
 from sonar.engine.scheduler_output import SchedulerOutput
 from sonar.engine.wire import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from sonar.executor.uniproc import UniprocExecutor
+from sonar.executor.base import Executor
+from sonar.structured_output.manager import StructuredOutputManager
 from sonar.platform import Platform
+from sonar.registry import load_registered
 
 logger = logging.getLogger(__name__)
 
@@ -27,56 +30,54 @@ class _InFlightStep:
 
 
 class EngineCore:
-    def __init__(
-        self,
-        platform: type[Platform],
-        model_config: ModelConfig,
-        scheduler_config: SchedulerConfig,
-        block_size: int,
-        enable_prefix_caching: bool,
-        kv_cache_memory_bytes: int | None,
-        gpu_memory_utilization: float,
-        async_scheduling: bool,
-    ) -> None:
-        self.model_config = model_config
-        self.executor = UniprocExecutor(platform, model_config, block_size)
-        num_blocks = self.executor.determine_num_blocks(kv_cache_memory_bytes, gpu_memory_utilization)
-        blocks_per_seq = -(-scheduler_config.max_model_len // block_size)
-        if num_blocks < blocks_per_seq:
-            raise ValueError(
-                f"the KV cache holds {num_blocks * block_size} tokens ({num_blocks} blocks of {block_size}), "
-                f"fewer than max_model_len={scheduler_config.max_model_len}: raise kv_cache_memory_bytes "
-                f"(or gpu_memory_utilization) or lower max_model_len"
-            )
-        if kv_cache_memory_bytes is None:  # no point in more than every sequence at full length
-            num_blocks = min(num_blocks, blocks_per_seq * scheduler_config.max_num_seqs)
-        self.cache_config = CacheConfig(block_size, num_blocks, enable_prefix_caching)
-        self.executor.init_kv_cache(num_blocks)
-        self.kv_cache = KVCacheManager(num_blocks, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache)
+    """One engine replica: the scheduler, the KV-cache manager and the executor, built from the
+    engine configuration and the plugins it names (scheduling policy, KV-cache manager,
+    executor), driven one ``step()`` at a time."""
+
+    def __init__(self, config: EngineConfig, platform: type[Platform]) -> None:
+        from sonar.engine.resolve import model_config_of
+
+        self.config = config
+        self.model_config = model_config_of(config)
+        executor_cls = load_registered("executor", config.executor, registry.executors())
+        self.executor: Executor = executor_cls(config, self.model_config, platform)
+        self.cache_config = self._size_kv_cache(config)
+        self.executor.init_kv_cache(self.cache_config.num_blocks)
+        manager_cls = load_registered("KV-cache manager", config.kv_cache_manager, registry.kv_cache_managers())
+        self.kv_cache: KVCacheManager = manager_cls(
+            self.cache_config.num_blocks, config.block_size, config.enable_prefix_caching, specs=self.executor.kv_cache_specs()
+        )
+        policy_cls = load_registered("scheduling policy", config.scheduling_policy, registry.scheduler_policies())
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache, policy_cls())
+        self.structured_output = StructuredOutputManager(self.model_config)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_failed_steps = 0
-        self.async_scheduling = async_scheduling
+        self.async_scheduling = config.async_scheduling
         self.num_steps_launched = 0
         self._in_flight: _InFlightStep | None = None
-        logger.info("KV cache: %d blocks of %d tokens", num_blocks, block_size)
+        logger.info("KV cache: %d blocks of %d tokens", self.cache_config.num_blocks, config.block_size)
 
     @classmethod
     def from_config(cls, config: EngineConfig, platform: type[Platform]) -> EngineCore:
         """Load the model and size the KV cache as ``config`` says."""
-        from sonar.engine.resolve import model_config_of
+        return cls(config, platform)
 
-        return cls(
-            platform,
-            model_config_of(config),
-            config.scheduler_config,
-            config.block_size,
-            config.enable_prefix_caching,
-            config.kv_cache_memory_bytes,
-            config.gpu_memory_utilization,
-            config.async_scheduling,
-        )
+    def _size_kv_cache(self, config: EngineConfig) -> CacheConfig:
+        """As many blocks as the executor's memory budget holds (after its profile of the
+        largest step), and no more than every sequence at full length needs."""
+        num_blocks = self.executor.available_kv_cache_bytes() // self.executor.kv_bytes_per_block()
+        blocks_per_seq = -(-config.max_model_len // config.block_size)
+        if num_blocks < blocks_per_seq:
+            raise ValueError(
+                f"the KV cache holds {num_blocks * config.block_size} tokens ({num_blocks} blocks of {config.block_size}), "
+                f"fewer than max_model_len={config.max_model_len}: raise kv_cache_memory_bytes "
+                f"(or gpu_memory_utilization), lower max_model_len, or lower max_num_seqs / max_num_batched_tokens "
+                f"(the largest step's own memory comes first)"
+            )
+        if config.kv_cache_memory_bytes is None:  # no point in more than every sequence at full length
+            num_blocks = min(num_blocks, blocks_per_seq * config.max_num_seqs)
+        return CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
 
     def add_request(self, request: Request | EngineCoreRequest) -> None:
         if isinstance(request, EngineCoreRequest):
@@ -87,7 +88,9 @@ class EngineCore:
                 self.model_config.eos_token_ids,
                 request.max_tokens,
                 arrival_time=request.arrival_time,
+                priority=request.priority,
             )
+        self.structured_output.add_request(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -118,6 +121,7 @@ class EngineCore:
             outputs = self._collect(previous)
             previous = None
         scheduled = self.scheduler.schedule()
+        self._attach_grammar_bitmask(scheduled)
         if not scheduled.is_empty:
             try:
                 handle = self.executor.launch(scheduled)
@@ -135,6 +139,17 @@ class EngineCore:
             self._in_flight = None
         return outputs
 
+    def _attach_grammar_bitmask(self, scheduled: SchedulerOutput) -> None:
+        """Drop the matchers of finished requests; give the step the bitmask of the
+        constrained requests that sample in it."""
+        manager = self.structured_output
+        if not manager.grammars:
+            return
+        manager.remove(scheduled.finished_req_ids - scheduled.preempted_req_ids)
+        masked = manager.grammar_bitmask(scheduled.sampling_req_ids)
+        if masked is not None:
+            scheduled.grammar_req_ids, scheduled.grammar_bitmask = masked
+
     def _collect(self, step: _InFlightStep) -> list[EngineCoreOutput]:
         """Wait for a launched step's results and advance the requests by them."""
         scheduled = step.scheduled
@@ -146,6 +161,10 @@ class EngineCore:
         self.num_prompt_tokens += scheduled.num_prompt_tokens
         # looked up before the update, which forgets the requests it finishes
         requests = [self.scheduler.requests.get(req_id) for req_id in result.req_ids]
+        if scheduled.grammar_req_ids:  # the matchers follow the tokens their requests accept
+            for req_id, request, token_id in zip(result.req_ids, requests, result.sampled_token_ids):
+                if token_id is not None and request is not None and not request.is_finished:
+                    self.structured_output.accept(req_id, token_id)
         self.scheduler.update_from_output(scheduled, result)
         outputs = []
         for req_id, request, token_id, logprobs in zip(result.req_ids, requests, result.sampled_token_ids, result.logprobs):

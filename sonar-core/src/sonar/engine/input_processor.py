@@ -34,13 +34,17 @@ class InputProcessor:
         self.config = config
         self.tokenizer = tokenizer
 
-    def process(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, client_index: int = 0) -> ProcessedRequest:
-        """Check and prepare one request.
+    def process(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, client_index: int = 0, priority: int = 0
+    ) -> ProcessedRequest:
+        """Check and prepare one request (``priority``: lower runs first under the priority
+        scheduling policy; any other policy accepts only 0).
 
         :raises ValueError: the prompt or the parameters are invalid for this model (the
             message says why), or its grammar does not compile.
         """
         params = params or SamplingParams()
+        self.check_priority(priority)
         text, prompt_token_ids = self.tokenize_prompt(prompt)
         params = self.resolve_word_lists(params)
         max_tokens = self.validate(prompt_token_ids, params)
@@ -52,10 +56,25 @@ class InputProcessor:
             child_params = [params.clone(n=1, seed=None if params.seed is None else params.seed + i) for i in range(params.n)]
         now = time.monotonic()  # one clock for every process of the host
         core_requests = [
-            EngineCoreRequest(child_id, prompt_token_ids, cparams, max_tokens, now, client_index)
+            EngineCoreRequest(child_id, prompt_token_ids, cparams, max_tokens, now, client_index, priority)
             for child_id, cparams in zip(child_ids, child_params)
         ]
         return ProcessedRequest(request_id, text, prompt_token_ids, params, child_ids, child_params, core_requests)
+
+    def check_priority(self, priority: int) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool) or not -(2**63) <= priority < 2**63:
+            raise ValueError(f"priority must be a 64-bit integer, got {priority!r}")
+        if priority != 0 and not self._policy_uses_priority():
+            raise ValueError(
+                f"priority={priority} needs the priority scheduling policy (this engine runs "
+                f"{self.config.scheduling_policy!r}; start it with --scheduling-policy priority)"
+            )
+
+    def _policy_uses_priority(self) -> bool:
+        from sonar import registry
+
+        policy = registry.load_registered("scheduling policy", self.config.scheduling_policy, registry.scheduler_policies())
+        return bool(getattr(policy, "uses_priority", False))
 
     def encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

@@ -50,10 +50,10 @@ class LLMEngine:
 
     # -- input ---------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0) -> None:
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        processed = self.input_processor.process(request_id, prompt, params)
+        processed = self.input_processor.process(request_id, prompt, params, priority=priority)
         self.output_processor.add(
             request_id, processed.prompt, processed.prompt_token_ids, processed.params, processed.child_ids, processed.child_params
         )

@@ -25,6 +25,22 @@ class RequestStatus(enum.Enum):
 _FINISHED_VALUES = frozenset({"stop", "length", "abort"})
 
 
+def token_at(prompt_token_ids: list[int], output_token_ids: list[int], index: int) -> int:
+    """The token at position ``index`` of a sequence: its prompt, then its output."""
+    n = len(prompt_token_ids)
+    return prompt_token_ids[index] if index < n else output_token_ids[index - n]
+
+
+def token_ids_in(prompt_token_ids: list[int], output_token_ids: list[int], start: int, end: int) -> list[int]:
+    """The tokens at positions ``start`` to ``end - 1`` of a sequence: its prompt, then its output."""
+    n = len(prompt_token_ids)
+    if end <= n:
+        return prompt_token_ids[start:end]
+    if start >= n:
+        return output_token_ids[start - n : end - n]
+    return prompt_token_ids[start:] + output_token_ids[: end - n]
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
@@ -33,6 +49,7 @@ class Request:
     eos_token_ids: list[int]
     max_tokens: int  # resolved against the context
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # with the priority policy: lower runs first
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # advanced when scheduled
@@ -40,7 +57,7 @@ class Request:
     num_cached_tokens: int = -1  # prefix-cache hit of the first schedule; -1 until scheduled
     num_preemptions: int = 0
     stop_reason: int | str | None = None
-    block_hashes: list[int] = field(default_factory=list)  # hash chain of full blocks
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain of full blocks
     first_token_time: float | None = None
     reads_output_tokens: bool = field(init=False)  # its sampling needs earlier tokens' values
 
@@ -63,17 +80,8 @@ class Request:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
-
     def tokens_range(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_token_ids)
-        if end <= n:
-            return self.prompt_token_ids[start:end]
-        if start >= n:
-            return self.output_token_ids[start - n : end - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+        return token_ids_in(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def is_finished(self) -> bool:

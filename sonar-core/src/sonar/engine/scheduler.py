@@ -4,20 +4,33 @@ by recompute when KV blocks run out."""
 from __future__ import annotations
 
 import logging
-from collections import deque
+from dataclasses import dataclass
 
 from sonar.config import SchedulerConfig
 from sonar.engine.kv_cache import KVCacheManager
 from sonar.engine.request import Request, RequestStatus
 from sonar.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from sonar.engine.scheduling_policy import FcfsPolicy, SchedulingPolicy
 
 logger = logging.getLogger(__name__)
 
 
+@dataclass(slots=True)
+class _Scheduled:
+    """What scheduling one running request this step changed, to undo it if it is preempted
+    later in the same step."""
+
+    request: Request
+    num_new: int
+    num_prompt_tokens: int
+    samples: bool
+
+
 class Scheduler:
-    """First come, first served. Running requests are served first, oldest first; when a
-    running request needs a block and none is free, the newest running request is preempted
-    (its blocks freed, to be recomputed later, mostly from the prefix cache).
+    """Running requests are served first, in admission order; when a running request needs a
+    block and none is free, the policy's victim is preempted (its blocks freed, to be
+    recomputed later, mostly from the prefix cache). Waiting requests are then admitted in the
+    policy's order (first come, first served by default; ``priority``: lower values first).
 
     A request's ``num_computed_tokens`` advances when it is scheduled, so the next step can be
     scheduled before this one's results are back (asynchronous scheduling): a token scheduled
@@ -27,11 +40,12 @@ class Scheduler:
     reaches ``max_tokens`` with its pending token is not scheduled again.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, policy: SchedulingPolicy | None = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.policy = policy or FcfsPolicy()
         self.requests: dict[str, Request] = {}
-        self.waiting: deque[Request] = deque()
+        self.waiting = self.policy.new_waiting_queue()
         self.running: list[Request] = []
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
@@ -42,7 +56,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a validated request; it is admitted by a later ``schedule()``."""
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self.waiting.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
         """Finish these requests as aborted and free their blocks now; unknown or already
@@ -81,13 +95,13 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Choose this step's work: every running request's next tokens (a decode, or the next
-        chunk of its prefill) oldest first, preempting the newest running request when blocks
-        run out; then waiting requests in arrival order while the token budget, the sequence
-        cap and the free blocks allow (their prompts chunked to fit the budget)."""
+        chunk of its prefill) in admission order, preempting the policy's victim when blocks
+        run out; then waiting requests in the policy's order while the token budget, the
+        sequence cap and the free blocks allow (their prompts chunked to fit the budget)."""
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         budget = self.config.max_num_batched_tokens
-        scheduled_running: list[Request] = []
+        scheduled: dict[str, _Scheduled] = {}
 
         # running: decodes and unfinished prefill chunks
         index = 0
@@ -99,26 +113,30 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             while not self.kv_cache.allocate_slots(request, num_new):
-                victim = self.running.pop()
+                victim = self.policy.select_victim(self.running)
+                position = self.running.index(victim)
+                self.running.pop(position)
+                if victim.request_id in scheduled:  # scheduled earlier this step: undone
+                    budget += self._unschedule(scheduled.pop(victim.request_id), out)
+                if position < index:
+                    index -= 1
                 self._preempt(victim)
                 out.finished_req_ids.add(victim.request_id)
                 out.preempted_req_ids.add(victim.request_id)
                 if victim is request:
                     break
             else:
-                scheduled_running.append(request)
                 out.cached_reqs.append(
                     CachedRequestData(request.request_id, self._new_block_ids(request), request.num_computed_tokens)
                 )
-                self._advance(request, num_new, out)
+                scheduled[request.request_id] = self._advance(request, num_new, out)
                 budget -= num_new
                 index += 1
-                continue
-            break  # the request preempted itself: nothing more fits
+            # else the request preempted itself; the next one (now at index) goes on
 
-        # waiting: new and preempted requests, in arrival order
+        # waiting: new and preempted requests, in the policy's order
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             if request.num_pending_tokens:
                 break  # preempted with a token on the way: prefilled again once it is known
             computed_blocks, num_cached = ([], 0)
@@ -127,7 +145,7 @@ class Scheduler:
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             if request.num_computed_tokens == 0 and self.kv_cache.enable_prefix_caching:
                 self.kv_cache.record_lookup(request.num_tokens, num_cached)
             if request.num_cached_tokens < 0:
@@ -152,16 +170,33 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _advance(request: Request, num_new: int, out: SchedulerOutput) -> None:
+    def _advance(request: Request, num_new: int, out: SchedulerOutput) -> _Scheduled:
         """Count ``num_new`` scheduled tokens as computed; one that completes the known tokens
         samples the next, which stays pending until its value comes back."""
         computed = request.num_computed_tokens
+        num_prompt = max(0, min(computed + num_new, request.num_prompt_tokens) - computed)
         out.num_scheduled_tokens[request.request_id] = num_new
-        out.num_prompt_tokens += max(0, min(computed + num_new, request.num_prompt_tokens) - computed)
+        out.num_prompt_tokens += num_prompt
         out.reads_output_tokens |= request.reads_output_tokens
         request.num_computed_tokens = computed + num_new
-        if request.num_computed_tokens == request.num_tokens + request.num_pending_tokens:
+        samples = request.num_computed_tokens == request.num_tokens + request.num_pending_tokens
+        if samples:
             request.num_pending_tokens += 1
+            out.sampling_req_ids.append(request.request_id)
+        return _Scheduled(request, num_new, num_prompt, samples)
+
+    @staticmethod
+    def _unschedule(entry: _Scheduled, out: SchedulerOutput) -> int:
+        """Take a running request back out of this step (it is being preempted); returns the
+        tokens it gives back to the budget."""
+        request = entry.request
+        del out.num_scheduled_tokens[request.request_id]
+        out.cached_reqs = [c for c in out.cached_reqs if c.req_id != request.request_id]
+        out.num_prompt_tokens -= entry.num_prompt_tokens
+        if entry.samples:
+            request.num_pending_tokens -= 1
+            out.sampling_req_ids.remove(request.request_id)
+        return entry.num_new
 
     def _new_block_ids(self, request: Request) -> list[int]:
         sent = self._sent_blocks.get(request.request_id, 0)
@@ -176,7 +211,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.add_preempted(request)
         logger.debug("preempted %s (%d tokens)", request.request_id, request.num_tokens)
 
     # -- results -------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from sonar.sampling_params import SamplingParams
 
@@ -38,6 +39,11 @@ class SchedulerOutput:
     preempted_req_ids: set[str] = field(default_factory=set)  # subset of finished: they come back
     num_prompt_tokens: int = 0  # of the scheduled tokens, those that are prompt tokens
     reads_output_tokens: bool = False  # a scheduled request samples from its earlier tokens' values
+    sampling_req_ids: list[str] = field(default_factory=list)  # scheduled requests that sample a token
+    # structured output: the constrained sampling requests and their allowed-token bitmask
+    # ([len(grammar_req_ids), ceil(V / 32)] int32, host), filled by the engine core
+    grammar_req_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: Any = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

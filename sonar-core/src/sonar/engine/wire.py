@@ -43,6 +43,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=T
     max_tokens: int  # resolved against the context
     arrival_time: float
     client_index: int = 0  # which API server's socket its outputs go to
+    priority: int = 0  # with the priority policy: lower runs first
 
 
 class AbortRequests(msgspec.Struct, array_like=True):

@@ -8,6 +8,8 @@ import numpy as np
 import torch
 
 from sonar.attention import AttentionMetadata
+from sonar.worker.block_table import BlockTable
+from sonar.engine.request import token_at, token_ids_in
 from sonar.sampler.metadata import RequestSamplingState
 from sonar.tensors import to_device
 
@@ -16,7 +18,6 @@ from sonar.tensors import to_device
 class CachedRequestState:
     req_id: str
     prompt_token_ids: list[int]
-    block_ids: list[int]
     num_computed_tokens: int
     sampling: RequestSamplingState  # holds params, generator and output_token_ids
 
@@ -29,14 +30,10 @@ class CachedRequestState:
         return len(self.prompt_token_ids) + len(self.sampling.output_token_ids)
 
     def token_ids(self, start: int, end: int) -> list[int]:
-        prompt = self.prompt_token_ids
-        n = len(prompt)
-        if end <= n:
-            return prompt[start:end]
-        output = self.sampling.output_token_ids
-        if start >= n:
-            return output[start - n : end - n]
-        return prompt[start:] + output[: end - n]
+        return token_ids_in(self.prompt_token_ids, self.sampling.output_token_ids, start, end)
+
+    def token_at(self, index: int) -> int:
+        return token_at(self.prompt_token_ids, self.sampling.output_token_ids, index)
 
 
 @dataclass(slots=True)
@@ -51,7 +48,7 @@ class StepBatch:
 
 
 def build_step_batch(
-    states: list[CachedRequestState], num_scheduled: list[int], block_size: int, device: torch.device
+    states: list[CachedRequestState], num_scheduled: list[int], block_table: BlockTable, block_size: int, device: torch.device
 ) -> StepBatch:
     # decode first
     order = sorted(range(len(states)), key=lambda i: num_scheduled[i] != 1)
@@ -63,7 +60,6 @@ def build_step_batch(
     query_start_loc = [0]
     seq_lens: list[int] = []
     sample_rows: list[int] = []
-    max_blocks = 0
     for row, (state, n) in enumerate(zip(states, num_scheduled)):
         start = state.num_computed_tokens
         token_ids.extend(state.token_ids(start, start + n))
@@ -71,7 +67,6 @@ def build_step_batch(
         seq_lens.append(start + n)
         if start + n == state.num_tokens:
             sample_rows.append(row)
-        max_blocks = max(max_blocks, len(state.block_ids))
 
     num_tokens = query_start_loc[-1]
     qsl = np.asarray(query_start_loc, dtype=np.int64)
@@ -80,10 +75,10 @@ def build_step_batch(
     # positions: context_len .. seq_len-1 per sequence
     seq_of_token = np.repeat(np.arange(len(states)), q_lens)
     positions = np.arange(num_tokens) - qsl[:-1][seq_of_token] + (lens - q_lens)[seq_of_token]
-    block_table = np.zeros((len(states), max(max_blocks, 1)), dtype=np.int32)
-    for row, state in enumerate(states):
-        block_table[row, : len(state.block_ids)] = state.block_ids
-    slot_mapping = block_table[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    req_ids = [s.req_id for s in states]
+    max_blocks = max((block_table.num_blocks_of[r] for r in req_ids), default=1)
+    tables = block_table.gather(req_ids, max(max_blocks, 1))
+    slot_mapping = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
     as_tensor = lambda a, dtype: to_device(a, device, dtype)
     metadata = AttentionMetadata(
@@ -91,7 +86,7 @@ def build_step_batch(
         num_decode_tokens=num_decodes,
         query_start_loc=as_tensor(qsl, torch.int32),
         seq_lens=as_tensor(lens, torch.int32),
-        block_tables=as_tensor(block_table, torch.int32),
+        block_tables=as_tensor(tables, torch.int32),
         slot_mapping=as_tensor(slot_mapping, torch.int64),
         max_query_len=int(q_lens.max()) if len(q_lens) else 0,
         max_seq_len=int(lens.max()) if len(lens) else 0,

@@ -11,19 +11,22 @@ import numpy as np
 import torch
 
 from sonar.attention import AttentionBackend, ForwardContext
-from sonar.config import ModelConfig
+from sonar.config import EngineConfig, ModelConfig
 from sonar.engine.scheduler_output import ModelRunnerOutput, RequestLogprobs, SchedulerOutput
 from sonar.model_interface import make_attention_factory
 from sonar.registry import import_class, resolve_model_class, weight_formats
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
 from sonar.sampler.sampler import LogprobsTensors, Sampler, compute_logprobs
-from sonar.structured_output.runner import StructuredOutputRunner
+from sonar.sampling_params import SamplingParams
+from sonar.structured_output.bitmask import apply_grammar_bitmask
 from sonar.tensors import to_device
+from sonar.worker.block_table import BlockTable
 from sonar.worker.input_batch import CachedRequestState, StepBatch, build_step_batch
 
 logger = logging.getLogger(__name__)
 
 PLACEHOLDER = -1  # an output token sampled by a step whose results are not back yet
+PROMPT_LOGPROBS_ROWS = 512  # prompt logprobs are computed this many positions at a time
 
 
 @dataclass(slots=True, eq=False)
@@ -53,17 +56,22 @@ def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: i
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, block_size: int, device: torch.device, attention_backend_cls: str) -> None:
+    """Runs steps of one model on one device. Platform runners subclass it and override
+    ``build_batch`` (inputs into their own buffers), ``init_kv_cache`` (what depends on the
+    cache, such as graphs) and ``profile_peak_bytes`` (memory their extras need)."""
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, device: torch.device, attention_backend_cls: str) -> None:
         self.model_config = model_config
-        self.block_size = block_size
+        self.config = config
+        self.block_size = block_size = config.block_size
         self.device = device
         self.backend_cls: type[AttentionBackend] | None = import_class(attention_backend_cls) if attention_backend_cls else None
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
         self.requests: dict[str, CachedRequestState] = {}
         self.preempted_samplings: dict[str, RequestSamplingState] = {}
+        self.block_table = BlockTable(-(-model_config.max_model_len // block_size) + 1)
         self.sampler = Sampler()
-        self.structured_output = StructuredOutputRunner(model_config)
         self._last_sampling: LaunchedStep | None = None  # the last launched step that sampled
 
     # -- setup ---------------------------------------------------------------------------
@@ -82,12 +90,28 @@ class ModelRunner:
             torch.set_default_dtype(previous_dtype)
 
     def load_model(self) -> None:
+        """Build the model on the device and load its weights: streamed from the checkpoint,
+        or drawn in place where the weight format initializes weights itself (random ones)."""
         config = self.model_config
         started = time.perf_counter()
         model = self.build_model()
-        model.load_weights(weight_formats()[config.load_format].iter_weights(Path(config.model), config.hf_config))
+        fmt = weight_formats()[config.load_format]
+        if hasattr(fmt, "init_weights"):
+            fmt.init_weights(model)
+        else:
+            model.load_weights(fmt.iter_weights(Path(config.model), config.hf_config))
         self.model = model.to(self.device).eval()
         logger.info("loaded %s in %.1f s", type(model).__name__, time.perf_counter() - started)
+
+    def profile_peak_bytes(self, platform: type) -> int:
+        """Device memory the largest step the configuration allows needs beyond what is
+        allocated now (run once, on dummy inputs, before the KV cache exists)."""
+        return profile_peak_bytes(self, platform)
+
+    def kv_cache_specs(self) -> list | None:
+        """The model's ``KVCacheSpec`` per layer; None where it declares none (full attention)."""
+        specs = getattr(self.model, "kv_cache_specs", None)
+        return specs() if callable(specs) else None
 
     def kv_bytes_per_block(self) -> int:
         model = self.model
@@ -111,8 +135,8 @@ class ModelRunner:
     # -- request state -------------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:
-        self.structured_output.update(so)  # grammar matchers: dropped, made, or rebuilt after preemption
         for req_id in so.finished_req_ids:
+            self.block_table.remove(req_id)
             state = self.requests.pop(req_id, None)
             if req_id in so.preempted_req_ids:
                 if state is not None:  # it comes back: keep its generator and sampler state
@@ -138,14 +162,13 @@ class ModelRunner:
             self.requests[new.req_id] = CachedRequestState(
                 req_id=new.req_id,
                 prompt_token_ids=new.prompt_token_ids,
-                block_ids=list(new.block_ids),
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=sampling,
             )
+            self.block_table.add(new.req_id, new.block_ids)
         for cached in so.cached_reqs:
-            state = self.requests[cached.req_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+            self.requests[cached.req_id].num_computed_tokens = cached.num_computed_tokens
+            self.block_table.append(cached.req_id, cached.new_block_ids)
 
     # -- one step ------------------------------------------------------------------------
 
@@ -186,7 +209,10 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab]
             sampling_states = [batch.states[row].sampling for row in batch.sample_rows]
             sample_req_ids = [batch.states[row].req_id for row in batch.sample_rows]
-            self.structured_output.apply_bitmask(logits, sample_req_ids)  # structured output
+            if so.grammar_req_ids:  # structured output: the engine core's bitmask
+                row_of = {req_id: i for i, req_id in enumerate(sample_req_ids)}
+                rows = [row_of[req_id] for req_id in so.grammar_req_ids]
+                apply_grammar_bitmask(logits, so.grammar_bitmask, rows, self.model_config.vocab_size)
             meta = SamplingMetadata.build(sampling_states, logits.shape[-1], self.device)
             result = self.sampler(logits, meta)
             sampled = result.sampled_token_ids
@@ -227,7 +253,6 @@ class ModelRunner:
         token_ids = step.sampled.tolist() if step.sampled is not None else []
         for (outputs, index), token_id in zip(step.placeholders, token_ids):
             outputs[index] = token_id
-        self.structured_output.accept(step.sample_req_ids, token_ids)
         sampled: list[int | None] = [None] * len(step.req_ids)
         logprobs: list[RequestLogprobs | None] = [None] * len(step.req_ids)
         for i, row in enumerate(step.sample_rows):
@@ -263,7 +288,7 @@ class ModelRunner:
 
     def build_batch(self, states: list[CachedRequestState], num_scheduled: list[int]) -> StepBatch:
         """One step's device inputs (hook: platform runners build them into static buffers)."""
-        return build_step_batch(states, num_scheduled, self.block_size, self.device)
+        return build_step_batch(states, num_scheduled, self.block_table, self.block_size, self.device)
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, RequestLogprobs]:
         results: dict[str, RequestLogprobs] = {}
@@ -280,8 +305,78 @@ class ModelRunner:
                 results[state.req_id] = RequestLogprobs([], [], [])
                 continue
             first = qsl[row]
-            logits = self.model.compute_logits(hidden[first : first + end - start])
-            targets = torch.tensor(state.prompt_token_ids[start + 1 : end + 1], device=self.device)
-            tensors = compute_logprobs(logits, targets, k)
+            parts = []
+            for offset in range(0, end - start, PROMPT_LOGPROBS_ROWS):  # bounded logits memory
+                count = min(PROMPT_LOGPROBS_ROWS, end - start - offset)
+                logits = self.model.compute_logits(hidden[first + offset : first + offset + count])
+                targets = state.prompt_token_ids[start + offset + 1 : start + offset + count + 1]
+                parts.append(compute_logprobs(logits, torch.tensor(targets, device=self.device), k))
+            tensors = parts[0] if len(parts) == 1 else LogprobsTensors(
+                *(torch.cat([getattr(part, name) for part in parts]) for name in ("token_ids", "logprobs", "ranks"))
+            )
             results[state.req_id] = _to_request_logprobs(tensors, slice(None), k)
         return results
+
+
+def profile_states(config: EngineConfig, vocab_size: int) -> tuple[list[CachedRequestState], list[int]]:
+    """Dummy requests shaped like the largest step ``config`` allows: ``max_num_batched_tokens``
+    prompt tokens over ``min(max_num_seqs, tokens)`` sequences, every one sampling with
+    truncation, penalties and ``max_logprobs``."""
+    num_tokens = config.max_num_batched_tokens
+    num_seqs = max(1, min(config.max_num_seqs, num_tokens))
+    lengths = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
+    params = SamplingParams(
+        temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.1,
+        presence_penalty=0.1, logprobs=config.max_logprobs, max_tokens=1,
+    )
+    states = []
+    for i, length in enumerate(lengths):
+        prompt = [(i + j) % vocab_size for j in range(length)]
+        sampling = RequestSamplingState(params=params, prompt_token_ids=prompt, output_token_ids=[], generator=None, eos_token_ids=[])
+        states.append(CachedRequestState(req_id=f"profile-{i}", prompt_token_ids=prompt, num_computed_tokens=0, sampling=sampling))
+    return states, lengths
+
+
+def profile_step_peak_bytes(runner: ModelRunner, platform: type, states: list[CachedRequestState], num_scheduled: list[int]) -> int:
+    """Run one step of ``states`` (prefills from position 0) on a scratch KV cache, sampling
+    every sequence and computing one chunk of prompt logprobs, and return the device memory it
+    took above what was allocated before it (the scratch cache not counted)."""
+    model = runner.model
+    block_size = runner.block_size
+    num_blocks = sum(-(-n // block_size) for n in num_scheduled)
+    shape = (2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    scratch = [runner._zeros(shape) for _ in range(model.num_layers)]
+    next_block = 0
+    for state, n in zip(states, num_scheduled):
+        count = -(-n // block_size)
+        runner.block_table.add(state.req_id, list(range(next_block, next_block + count)))
+        next_block += count
+    platform.synchronize()
+    baseline = platform.allocated_memory_bytes()
+    platform.reset_peak_memory()
+    try:
+        with torch.inference_mode():
+            batch = runner.build_batch(states, num_scheduled)
+            if runner.backend_cls is not None:
+                runner.backend_cls.prepare_metadata(batch.attn_metadata)
+            hidden = model(batch.input_ids, batch.positions, ForwardContext(batch.attn_metadata, scratch))
+            logits = model.compute_logits(hidden[batch.logits_indices])
+            meta = SamplingMetadata.build([s.sampling for s in batch.states], logits.shape[-1], runner.device)
+            runner.sampler(logits, meta)
+            del logits, meta
+            rows = min(PROMPT_LOGPROBS_ROWS, hidden.shape[0])
+            prompt_logits = model.compute_logits(hidden[:rows])
+            targets = batch.input_ids[:rows]
+            compute_logprobs(prompt_logits, targets, runner.config.max_logprobs)
+        platform.synchronize()
+        return max(0, platform.peak_memory_bytes() - baseline)
+    finally:
+        for state in states:
+            runner.block_table.remove(state.req_id)
+        del scratch
+
+
+def profile_peak_bytes(runner: ModelRunner, platform: type) -> int:
+    """The device memory the largest step the configuration allows needs above the weights."""
+    states, lengths = profile_states(runner.config, runner.model_config.vocab_size)
+    return profile_step_peak_bytes(runner, platform, states, lengths)

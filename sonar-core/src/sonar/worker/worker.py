@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from sonar import ops
-from sonar.config import ModelConfig
+from sonar.config import EngineConfig, ModelConfig
 from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sonar.platform import Platform
 from sonar.worker.model_runner import LaunchedStep, ModelRunner
@@ -17,14 +19,16 @@ class Worker:
 
     model_runner_cls = ModelRunner
 
-    def __init__(self, platform: type[Platform], model_config: ModelConfig, block_size: int, rank: int = 0) -> None:
+    def __init__(self, platform: type[Platform], model_config: ModelConfig, config: EngineConfig, rank: int = 0) -> None:
         self.platform = platform
         self.model_config = model_config
+        self.config = config
         self.rank = rank
         self.device = platform.device(rank)
         self.init_device()
         ops.install_platform_ops(platform)
-        self.model_runner = self.model_runner_cls(model_config, block_size, self.device, platform.attention_backend_cls)
+        self.model_runner = self.model_runner_cls(model_config, config, self.device, platform.attention_backend_cls)
+        self._profile: dict[str, int] = {}
 
     def init_device(self) -> None:
         """Prepare the device before the model is loaded."""
@@ -33,12 +37,27 @@ class Worker:
         torch.manual_seed(0)
         self.model_runner.load_model()
 
+    def kv_cache_specs(self) -> list[Any] | None:
+        return self.model_runner.kv_cache_specs()
+
     def kv_bytes_per_block(self) -> int:
         return self.model_runner.kv_bytes_per_block()
 
     def available_kv_cache_bytes(self, utilization: float) -> int:
-        """How much memory the KV cache may take, after the model's weights are loaded."""
-        return self.platform.kv_cache_budget_bytes(utilization)
+        """How much memory the KV cache may take: ``utilization`` of the device, less what the
+        weights hold and what the largest step needs on top of them (measured by running it
+        where the platform can measure device memory)."""
+        platform = self.platform
+        step_bytes = 0
+        if platform.measures_memory:
+            step_bytes = self.model_runner.profile_peak_bytes(platform)
+            platform.release_cached_memory()
+        budget = platform.kv_cache_budget_bytes(utilization, reserved_bytes=step_bytes)
+        self._profile = {"largest_step_bytes": step_bytes, "kv_cache_budget_bytes": budget}
+        return budget
+
+    def profile_report(self) -> dict[str, int]:
+        return dict(self._profile)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.init_kv_cache(num_blocks)

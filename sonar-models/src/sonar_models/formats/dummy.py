@@ -1,10 +1,9 @@
 """Random weights from a config alone (``load_format="dummy"``), for benchmarks and tests.
 
-``iter_weights`` builds the Hugging Face model for the config on the ``meta`` device (no memory)
-to learn every parameter's name and shape, then yields a freshly drawn tensor for each, one at
-a time: norm weights 1, biases 0, everything else normal(0, 0.02) from a fixed seed. The model
-loads them through its ordinary ``load_weights``, so fused projections and tied embeddings
-are handled exactly as for a real checkpoint.
+The engine calls ``init_weights``: it draws every parameter of the built model in place, on
+the model's own device (nothing is streamed from host memory): norm weights 1, biases 0,
+everything else normal(0, 0.02) from a fixed seed. ``iter_weights`` yields the same kind of
+tensors under Hugging Face names, for tools that load weights by name.
 """
 
 from __future__ import annotations
@@ -46,6 +45,19 @@ class DummyFormat:
         if GGUFFormat().detect(model_path):
             return GGUFFormat().load_tokenizer(model_path)
         return load_folder_tokenizer(model_path)
+
+    def init_weights(self, model: torch.nn.Module) -> None:
+        """Fill the built model's parameters in place on their device, from a fixed seed."""
+        device = next(model.parameters()).device
+        generator = torch.Generator(device=device).manual_seed(SEED)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("bias"):
+                    param.zero_()
+                elif param.dim() == 1 and "norm" in name:
+                    param.fill_(1.0)
+                else:
+                    param.normal_(0.0, INIT_STD, generator=generator)
 
     def iter_weights(self, model_path: Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """A random float32 tensor for every parameter of the config's Hugging Face model."""

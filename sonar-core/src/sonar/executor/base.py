@@ -1,0 +1,68 @@
+"""The executor interface: what runs the workers of one engine core."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sonar.config import EngineConfig, ModelConfig
+from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sonar.platform import Platform
+
+
+class Executor:
+    """Runs an engine core's workers: one in-process worker, or one worker per device of a
+    parallel group in processes of their own. Registered through ``sonar_register_executors``
+    and selected by ``distributed_executor_backend``.
+
+    The engine core drives it in this order: construction (the workers load the model), then
+    ``kv_cache_specs`` and ``available_kv_cache_bytes`` (after profiling a step of the
+    largest shape the configuration allows), ``init_kv_cache`` with the block count the core
+    chose, then ``launch``/``fetch`` once per step, and ``shutdown`` at the end. Every worker
+    sees the same ``SchedulerOutput``; ``fetch`` returns the output of the worker that
+    samples (rank 0).
+
+    :param config: the engine configuration, resolved once.
+    :param model_config: the model the workers load.
+    :param platform: the platform the workers run on.
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, platform: type[Platform]) -> None:
+        self.config = config
+        self.model_config = model_config
+        self.platform = platform
+
+    def kv_cache_specs(self) -> list[Any] | None:
+        """The model's ``KVCacheSpec`` per layer (None: full attention in every layer)."""
+        raise NotImplementedError
+
+    def kv_bytes_per_block(self) -> int:
+        """Bytes one KV block takes across the layers a worker holds."""
+        raise NotImplementedError
+
+    def available_kv_cache_bytes(self) -> int:
+        """Bytes each worker can give its KV cache: profiles the largest step, then applies
+        ``gpu_memory_utilization`` (or returns ``kv_cache_memory_bytes`` where set)."""
+        raise NotImplementedError
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        """Allocate ``num_blocks`` blocks in every worker (and whatever depends on them)."""
+        raise NotImplementedError
+
+    def launch(self, scheduler_output: SchedulerOutput) -> Any:
+        """Start one step on the workers and return a handle without waiting for it."""
+        raise NotImplementedError
+
+    def fetch(self, handle: Any) -> ModelRunnerOutput:
+        """Wait for a launched step and return its output."""
+        raise NotImplementedError
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step and wait for its output."""
+        return self.fetch(self.launch(scheduler_output))
+
+    def profile_report(self) -> dict[str, int]:
+        """What the memory profile measured, in bytes (``{}`` where nothing was profiled)."""
+        return {}
+
+    def shutdown(self) -> None:
+        """Release the workers."""
