@@ -6,16 +6,19 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
+# dtype names users pass -> torch's (torch is imported only where a dtype object is needed,
+# so parsing options and checking them stays fast)
 _DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "float32": "float32", "fp32": "float32", "float": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
 }
 
 
@@ -37,8 +40,12 @@ def default_model_path() -> str:
 class EngineArgs:
     """Everything a user can set on the engine, with vLLM's names."""
 
-    model: str | None = None  # None: the embedded default model
+    model: str | None = None  # None: the embedded default model; a folder, a .gguf file or a Hub id
     tokenizer: str | None = None
+    revision: str | None = None  # of a Hub id: a branch, tag or commit
+    download_dir: str | None = None  # where Hub models are cached (default: the Hugging Face cache)
+    trust_remote_code: bool = False  # allow a model that ships its own code
+    generation_config: str = "auto"  # default sampling: "auto" (the model's), "vllm" (none), or a folder
     served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -76,15 +83,18 @@ class EngineArgs:
 
 
 def resolve_dtype(requested: str | torch.dtype, hf_config: Any, supported: tuple[torch.dtype, ...]) -> torch.dtype:
+    import torch
+
     if isinstance(requested, torch.dtype):
         return requested
     if requested != "auto":
         if requested not in _DTYPES:
             raise ValueError(f"unknown dtype {requested!r}; choose one of auto, {', '.join(sorted(_DTYPES))}")
-        return _DTYPES[requested]
-    config_dtype = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
+        return getattr(torch, _DTYPES[requested])
+    # transformers >= 4.56 names it dtype (reading torch_dtype warns); older ones store torch_dtype
+    config_dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "__dict__", {}).get("torch_dtype")
     if isinstance(config_dtype, str):
-        config_dtype = _DTYPES.get(config_dtype)
+        config_dtype = getattr(torch, _DTYPES[config_dtype]) if config_dtype in _DTYPES else None
     if config_dtype in supported:
         return config_dtype
     return supported[0]
@@ -120,10 +130,13 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     kv_cache_manager: str = "paged"
     executor: str = "uni"
+    default_sampling: dict[str, float | int] = field(default_factory=dict)  # the model's recommended SamplingParams fields
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _DTYPES[self.dtype]
+        import torch
+
+        return getattr(torch, _DTYPES[self.dtype])
 
     @property
     def scheduler_config(self) -> SchedulerConfig:

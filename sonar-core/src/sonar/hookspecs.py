@@ -198,3 +198,22 @@ def sonar_register_reasoning_parsers(register: Callable[..., None]) -> None:
         ``sonar_server.parsers.ReasoningParser`` subclass or its ``"package.module:Class"``
         path; it separates a model's reasoning from its answer.
     """
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+# ---------------------------------------------------------------------------------------------
+
+
+@hookspec
+def sonar_register_cli_commands(register: Callable[..., None]) -> None:
+    """Register ``sonar`` subcommands (sonar-core's own ``chat``, ``generate``, ``bench`` and
+    ``plugins`` come through this hook too; sonar-server adds ``serve`` and ``bench serve``).
+
+    :param register: ``register(name: str, add_parser: str | Callable)``. ``name`` is the
+        command as typed, ``"serve"``, or a subcommand of one, ``"bench serve"``.
+        ``add_parser(subparsers)`` (or its ``"package.module:function"`` path) adds the command
+        to the ``argparse`` subparsers it is given and returns the parser it added, with
+        ``func`` set as a default; it runs on every ``sonar`` invocation, so it imports nothing
+        heavy (the command's ``func`` imports what it needs).
+    """

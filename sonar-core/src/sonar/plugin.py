@@ -36,3 +36,24 @@ _BUILTIN_SAMPLER_STAGES = (
 def sonar_register_sampler_stages(register: Callable[..., None]) -> None:
     for name in _BUILTIN_SAMPLER_STAGES:
         register(f"sonar.sampler.builtin_stages:{name}")
+
+
+@hookimpl
+def sonar_register_cli_commands(register: Callable[..., None]) -> None:
+    register("chat", "sonar.cli.chat:add_parser")
+    register("generate", "sonar.cli.generate:add_parser")
+    register("bench", "sonar.cli.bench:add_parser")
+    register("plugins", "sonar.cli.plugins:add_parser")
+
+
+_BUILTIN_SAMPLER_STAGES = (
+    "DryStage", "PenaltiesStage", "NoRepeatNgramStage", "TemperatureStage", "TopNSigmaStage", "TopKTopPStage",
+    "TopAStage", "MinPStage", "TfsStage", "EtaCutoffStage", "EpsilonCutoffStage", "TypicalPStage", "QuadraticStage",
+    "XtcStage", "MirostatStage",
+)  # fmt: skip
+
+
+@hookimpl
+def sonar_register_sampler_stages(register: Callable[..., None]) -> None:
+    for name in _BUILTIN_SAMPLER_STAGES:
+        register(f"sonar.sampler.builtin_stages:{name}")

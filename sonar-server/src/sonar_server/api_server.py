@@ -39,7 +39,7 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
     from sonar.engine.async_mp import AsyncMPLLM
     from sonar.engine.resolve import load_tokenizer
     from sonar_server.app import build_app
-    from sonar_server.launcher import DrainingServer
+    from sonar_server.draining import DrainingServer
     from sonar_server.state import ServerState
 
     if tokenizer is None:

@@ -26,7 +26,7 @@ def _api_list(text: str) -> list[str]:
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """Add every ``sonar serve`` argument to ``parser``."""
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, server=True)
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     group.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
@@ -51,7 +51,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest request body accepted (413 above it); accepts 8MiB-style sizes",
     )
     group.add_argument(
-        "--api-server-count", type=int, default=1,
+        "--api-server-count", "-asc", type=int, default=1,
         help="HTTP server processes sharing the port, each talking to every engine core",
     )
     group.add_argument(
@@ -72,10 +72,24 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
     group.add_argument("--access-log", action="store_true", help="also log uvicorn's line per HTTP request")
+    group.add_argument("--disable-uvicorn-access-log", dest="access_log", action="store_false", help="no line per HTTP request (the default; vLLM's name)")
+    group.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM command lines: Sonar does not log requests")
+    group.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM command lines: Sonar does not log periodic stats")
 
 
-def settings_from(args: argparse.Namespace, default_model_name: str) -> ServerSettings:
-    """The ``ServerSettings`` of parsed arguments."""
+def check_server_args(args: argparse.Namespace) -> None:
+    """Everything about the server's arguments that can be checked without the model: flag
+    combinations, counts, parser names. Raises ValueError naming the flag."""
+    if args.api_server_count < 1:
+        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if not 0 < args.port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    _check_parsers(args)
+
+
+def settings_from(args: argparse.Namespace, default_model_name: str, default_sampling: dict[str, float | int] | None = None) -> ServerSettings:
+    """The ``ServerSettings`` of parsed arguments (``default_sampling``: the model's
+    recommended sampling, resolved with the engine's configuration)."""
     import os
 
     api_keys = list(args.api_key)
@@ -83,6 +97,7 @@ def settings_from(args: argparse.Namespace, default_model_name: str) -> ServerSe
         api_keys = [os.environ["SONAR_API_KEY"]]
     _check_parsers(args)
     return ServerSettings(
+        default_sampling=dict(default_sampling or {}),
         served_model_names=list(args.served_model_name or [default_model_name]),
         api_keys=api_keys,
         apis=args.api,

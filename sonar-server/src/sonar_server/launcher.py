@@ -1,6 +1,10 @@
-"""``sonar serve``: resolve the configuration, bind the port, start the engine cores, then
-serve HTTP from this process (one API server) or from ``--api-server-count`` child processes
-sharing the listening socket; on SIGTERM drain every process, then stop the engine cores."""
+"""``sonar serve``: check every option that needs no model loaded, bind the port, resolve the
+configuration, start the engine cores, then serve HTTP from this process (one API server) or
+from ``--api-server-count`` child processes sharing the listening socket; on SIGTERM drain
+every process, then stop the engine cores.
+
+The checks and the bind come first and import neither torch nor the engine, so a bad option or
+a port in use fails within a second or two."""
 
 from __future__ import annotations
 
@@ -17,52 +21,14 @@ import tempfile
 import threading
 import time
 from types import FrameType
-
-import msgspec
-import uvicorn
+from typing import Any
 
 from sonar.cli.engine_args import engine_args_from
-from sonar.engine.core_client import EngineProcesses, client_addresses, new_ipc_dir
-from sonar.engine.process_util import set_process_title
-from sonar.engine.resolve import resolve_engine_config
-from sonar.platform import current_platform
-from sonar_server.api_server import ApiServerLaunch, run_api_server
-from sonar_server.args import settings_from
-from sonar_server.state import ServerState
+from sonar.cli.preflight import check_before_loading
+from sonar.config import EngineArgs
+from sonar_server.args import check_server_args, settings_from
 
 logger = logging.getLogger("sonar_server")
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn, except that the first SIGTERM/SIGINT drains: /health turns 503, new work gets
-    503, running requests get up to ``shutdown_timeout`` seconds to finish (then are
-    aborted), and only then does the server stop. A second signal stops it at once."""
-
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
-        super().__init__(config)
-        self.state = state
-        self._draining = False
-
-    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self._draining:
-            super().handle_exit(sig, frame)
-            self.force_exit = True
-            return
-        self._draining = True
-        self.state.draining = True
-        logger.info("%s received: draining %d request(s), at most %.0fs", signal.Signals(sig).name, self.state.client.num_in_flight, self.state.settings.shutdown_timeout)
-        threading.Thread(target=self._drain, name="sonar-drain", daemon=True).start()
-
-    def _drain(self) -> None:
-        client = self.state.client
-        deadline = time.monotonic() + self.state.settings.shutdown_timeout
-        while client.num_in_flight and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if client.num_in_flight:
-            logger.warning("shutdown timeout: aborting %d request(s)", client.num_in_flight)
-            client.abort_all()
-            time.sleep(0.2)  # let the streams send their last event
-        self.should_exit = True
 
 
 def _configure_logging() -> None:
@@ -95,12 +61,25 @@ def serve(args: argparse.Namespace) -> int:
     engine_args = engine_args_from(args)
     if args.served_model_name:
         engine_args = dataclasses.replace(engine_args, served_model_name=args.served_model_name[0])
-    if args.api_server_count < 1:
-        raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    check_server_args(args)
+    check_before_loading(engine_args)
+    listener = bind_listener(args.host, args.port)
+    try:
+        return _serve_on(args, engine_args, listener)
+    finally:
+        listener.close()
+
+
+def _serve_on(args: argparse.Namespace, engine_args: EngineArgs, listener: socket.socket) -> int:
+    from sonar.engine.core_client import EngineProcesses, client_addresses, new_ipc_dir
+    from sonar.engine.process_util import set_process_title
+    from sonar.engine.resolve import resolve_engine_config
+    from sonar.platform import current_platform
+    from sonar_server.api_server import ApiServerLaunch, run_api_server
+
     platform = current_platform()
     config, tokenizer = resolve_engine_config(engine_args, platform)
-    settings = settings_from(args, config.served_name)
-    listener = bind_listener(args.host, args.port)
+    settings = settings_from(args, config.served_name, config.default_sampling)
     ipc_dir = new_ipc_dir()
     count = args.api_server_count
     clients = [client_addresses(ipc_dir, i) for i in range(count)]
@@ -129,12 +108,14 @@ def serve(args: argparse.Namespace) -> int:
         return _supervise(launches, listener, engines)
     finally:
         engines.terminate()
-        listener.close()
         shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
-def _supervise(launches: list[ApiServerLaunch], listener: socket.socket, engines: EngineProcesses) -> int:
-    """Run the API servers as children; forward one SIGTERM to each on the first signal."""
+def _supervise(launches: list[Any], listener: socket.socket, engines: Any) -> int:
+    """Run the API servers (``ApiServerLaunch`` each) as children of this process, watching the
+    ``EngineProcesses``; forward one SIGTERM to each child on the first signal."""
+    import msgspec
+
     metrics_dir = tempfile.mkdtemp(prefix="sonar-metrics-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     children: list[subprocess.Popen] = []

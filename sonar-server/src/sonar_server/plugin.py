@@ -38,3 +38,9 @@ def sonar_register_tool_parsers(register: Callable[..., None]) -> None:
 def sonar_register_reasoning_parsers(register: Callable[..., None]) -> None:
     register("qwen3", "sonar_server.parsers.reasoning:Qwen3ReasoningParser")
     register("deepseek_r1", "sonar_server.parsers.reasoning:DeepSeekR1ReasoningParser")
+
+
+@hookimpl
+def sonar_register_cli_commands(register: Callable[..., None]) -> None:
+    register("serve", "sonar_server.cli:add_serve_parser")
+    register("bench serve", "sonar_server.cli:add_bench_serve_parser")

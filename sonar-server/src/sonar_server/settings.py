@@ -24,6 +24,7 @@ class ServerSettings:
     tool_call_parser: str | None = None  # --tool-call-parser: a registered tool-call parser
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser: a registered reasoning parser
+    default_sampling: dict[str, float | int] = field(default_factory=dict)  # the model's recommended sampling (--generation-config)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -1,5 +1,6 @@
 """``sonar bench throughput|latency``: measure the engine, with transformers as the peer.
-``sonar bench serve``: measure a server over HTTP (in the ``sonar-server`` distribution)."""
+``sonar bench serve`` (measuring a server over HTTP) is sonar-server's, registered as
+``"bench serve"`` through ``sonar_register_cli_commands``."""
 
 from __future__ import annotations
 
@@ -45,7 +46,7 @@ def _range(text: str) -> tuple[int, int]:
     return low_value, high_value
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("bench", help="benchmark the engine")
     kinds = parser.add_subparsers(dest="bench_kind", metavar="KIND", required=True)
 
@@ -59,7 +60,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     throughput.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="run a few of the prompts briefly first, untimed (kernel compiles, allocator)")
     throughput.add_argument("--compare-hf", action="store_true", help="also run transformers' batched generate() on the same prompts")
     throughput.add_argument("--output-json", default=None)
-    throughput.set_defaults(func=run_throughput)
+    throughput.set_defaults(func=run_throughput, _command_parser=throughput)
 
     latency = kinds.add_parser("latency", help="time per output token of one batch")
     add_engine_arguments(latency)
@@ -68,38 +69,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     latency.add_argument("--output-len", type=int, default=128)
     latency.add_argument("--num-iters", type=int, default=3)
     latency.add_argument("--output-json", default=None)
-    latency.set_defaults(func=run_latency)
+    latency.set_defaults(func=run_latency, _command_parser=latency)
 
     from sonar.cli.bench_suite import add_suite_parser  # here: it imports this module
 
     add_suite_parser(kinds)
-    _add_serve_parser(kinds)
-
-
-_SERVE_HELP = "a running server (or one started here) under streaming load, vLLM's bench serve flags"
-_SERVE_INSTALL_HINT = "sonar bench serve needs the sonar-server package: pip install sonar-server"
-
-
-def _add_serve_parser(kinds: argparse._SubParsersAction) -> None:
-    try:
-        from sonar_server.bench_serve import add_bench_serve_arguments
-    except ImportError:
-        serve = kinds.add_parser("serve", help=f"{_SERVE_HELP} [needs sonar-server]", add_help=False)
-        serve.add_argument("rest", nargs=argparse.REMAINDER)
-        serve.set_defaults(func=run_serve)
-        return
-    serve = kinds.add_parser("serve", help=_SERVE_HELP, description=_SERVE_HELP)
-    add_bench_serve_arguments(serve)
-    serve.set_defaults(func=run_serve)
-
-
-def run_serve(args: argparse.Namespace) -> int:
-    try:
-        from sonar_server.bench_serve import run
-    except ImportError as exc:
-        print(f"{_SERVE_INSTALL_HINT} ({exc})", file=sys.stderr)
-        return 2
-    return run(args)
+    return parser
 
 
 def _vocab_size(llm) -> int:

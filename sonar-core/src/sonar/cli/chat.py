@@ -12,12 +12,13 @@ from sonar.cli.sampling_args import add_sampling_arguments, sampling_params_from
 from sonar.sampling_params import SamplingParams
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("chat", help="chat with a model in the terminal")
     add_engine_arguments(parser)
     parser.add_argument("--system", default=None, help="system prompt")
     add_sampling_arguments(parser, max_tokens=512)
     parser.set_defaults(func=run)
+    return parser
 
 
 def stream_completion(llm: Any, prompt: Any, params: SamplingParams, out=sys.stdout) -> str:

@@ -4,15 +4,29 @@ from __future__ import annotations
 
 import argparse
 
+from sonar.cli.unsupported_flags import add_unsupported_flags
 from sonar.config import EngineArgs
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = True) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = True, server: bool = False) -> None:
+    """Add the engine's options (vLLM's names and short forms) to ``parser``, and vLLM's flags
+    Sonar has not built yet, each refusing itself (with its frontend flags too when ``server``)."""
     defaults = EngineArgs()
-    if with_model:
-        parser.add_argument("model", nargs="?", default=None, help="Hugging Face folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     group = parser.add_argument_group("engine")
-    group.add_argument("--tokenizer", default=None, help="tokenizer folder, when not the model's own")
+    if with_model:
+        parser.add_argument(
+            "model", nargs="?", default=None,
+            help="Hugging Face folder, .gguf file or Hub id (org/name) (default: the embedded SmolLM2-135M-Instruct)",
+        )
+        group.add_argument("--model", dest="model_option", default=None, metavar="MODEL", help="the model, as vLLM takes it (instead of the positional MODEL)")
+    group.add_argument("--revision", default=None, help="of a Hub id: the branch, tag or commit to use")
+    group.add_argument("--download-dir", default=None, help="where Hub models are cached and downloaded (default: the Hugging Face cache)")
+    group.add_argument("--trust-remote-code", action="store_true", help="allow a model whose config names code shipped with it (auto_map)")
+    group.add_argument(
+        "--generation-config", default=defaults.generation_config,
+        help="default sampling: auto (the model's generation_config.json; for the embedded model its authors' recommendation), vllm (none), or a folder holding a generation_config.json",
+    )
+    group.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id, when not the model's own")
     group.add_argument("--dtype", default=defaults.dtype, help="auto, float32, bfloat16 or float16")
     group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="most sequences in one step")
@@ -42,12 +56,26 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         help="what runs the engine core's workers: uni (one worker in the engine core's process), or a plugin's",
     )
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs, help="largest logprobs / prompt_logprobs a request may ask for")
+    group.add_argument("--enforce-eager", action="store_true", help="accepted for vLLM command lines: Sonar captures no CUDA graphs yet, so it always runs eagerly")
+    add_unsupported_flags(parser, server=server)
+
+
+def model_of(args: argparse.Namespace) -> str | None:
+    """The model named by the positional MODEL or ``--model`` (both: they must agree)."""
+    positional, option = getattr(args, "model", None), getattr(args, "model_option", None)
+    if positional and option and positional != option:
+        raise ValueError(f"two models given: {positional!r} and --model {option!r}; give one")
+    return positional or option
 
 
 def engine_args_from(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(
-        model=getattr(args, "model", None),
+        model=model_of(args),
         tokenizer=args.tokenizer,
+        revision=args.revision,
+        download_dir=args.download_dir,
+        trust_remote_code=args.trust_remote_code,
+        generation_config=args.generation_config,
         served_model_name=getattr(args, "served_model_name", None),
         dtype=args.dtype,
         max_model_len=args.max_model_len,

@@ -9,12 +9,13 @@ from sonar.cli.engine_args import add_engine_arguments, engine_args_from
 from sonar.cli.sampling_args import add_sampling_arguments, sampling_params_from
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("generate", help="complete prompts with a model")
     add_engine_arguments(parser)
     parser.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for several)")
     add_sampling_arguments(parser)
     parser.set_defaults(func=run)
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:

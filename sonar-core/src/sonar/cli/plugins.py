@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("plugins", help="list discovered plugins and the selected platform")
     parser.set_defaults(func=run)
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:

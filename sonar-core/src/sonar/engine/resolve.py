@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from sonar.config import EngineArgs, EngineConfig, ModelConfig, default_model_path, dtype_name, resolve_dtype
+from sonar.engine.generation_defaults import default_sampling_of
+from sonar.engine.model_source import check_remote_code, resolve_model_path
 from sonar.platform import Platform
 from sonar.registry import executors, kv_cache_managers, scheduler_policies, weight_formats
 
@@ -73,9 +75,8 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
             f"quantization={args.quantization!r} is not available: no quantization method is executed yet "
             f"(registered: {sorted(quantization_methods()) or 'none'}); GGUF files are dequantized at load without it"
         )
-    model_path = Path(args.model or default_model_path()).expanduser()
-    if not model_path.exists():
-        raise ValueError(f"model {str(model_path)!r} does not exist (give a Hugging Face folder or a .gguf file)")
+    model_path = resolve_model_path(args.model or default_model_path(), args.revision, args.download_dir)
+    check_remote_code(model_path, args.trust_remote_code)
     format_name, fmt = select_weight_format(model_path, args.load_format)
     hf_config = fmt.load_hf_config(model_path)
     tokenizer = None
@@ -114,6 +115,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         scheduling_policy=_registered("scheduling_policy", args.scheduling_policy, scheduler_policies()),
         kv_cache_manager=_registered("kv_cache_manager", args.kv_cache_manager, kv_cache_managers()),
         executor=_registered("distributed_executor_backend", args.distributed_executor_backend or "uni", executors()),
+        default_sampling=default_sampling_of(model_path, args.generation_config),
     )
     return config, tokenizer
 

@@ -16,9 +16,13 @@ Message = dict[str, Any]
 class LLM:
     """Generate from a model in this process, batching every prompt of a call together.
 
-    ``LLM()`` with no model loads the embedded SmolLM2-135M-Instruct. Keyword arguments are
-    those of ``EngineArgs`` (vLLM's names: ``dtype``, ``max_model_len``,
+    ``LLM()`` with no model loads the embedded SmolLM2-135M-Instruct; ``model`` is a folder, a
+    ``.gguf`` file or a Hugging Face Hub id (``revision``, ``download_dir``). Keyword arguments
+    are those of ``EngineArgs`` (vLLM's names: ``dtype``, ``max_model_len``,
     ``kv_cache_memory_bytes``, ``enable_prefix_caching``, ``load_format``, ...).
+
+    Calls without ``sampling_params`` use ``get_default_sampling_params()``: the model's
+    recommended sampling (``generation_config="auto"``), else ``SamplingParams()``.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
@@ -35,6 +39,11 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams`` with the model's recommended fields (its ``generation_config.json``,
+        or for the embedded model its authors' recommendation) over Sonar's defaults."""
+        return SamplingParams(**self.llm_engine.config.default_sampling)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -45,7 +54,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

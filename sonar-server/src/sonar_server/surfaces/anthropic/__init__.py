@@ -125,7 +125,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     stop_sequences = list(body.stop_sequences or [])
     params = build_sampling_params(
         body,
-        {
+        defaults=state.settings.default_sampling,
+        mapped={
             "max_tokens": body.max_tokens,
             "temperature": body.temperature,
             "top_p": body.top_p,

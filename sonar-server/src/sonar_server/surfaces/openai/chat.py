@@ -70,7 +70,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         max_tokens = max(state.max_model_len - len(prompt_ids), 1)
     params = build_sampling_params(
         body,
-        {
+        defaults=state.settings.default_sampling,
+        mapped={
             "n": body.n,
             "max_tokens": max_tokens,
             "temperature": body.temperature,

@@ -52,7 +52,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     echo_logprobs = body.echo and body.logprobs is not None
     params = build_sampling_params(
         body,
-        {
+        defaults=state.settings.default_sampling,
+        mapped={
             "n": body.n,
             "max_tokens": body.max_tokens,
             "temperature": body.temperature,

@@ -1,0 +1,119 @@
+"""vLLM's command-line flags that Sonar does not have yet, in one table.
+
+Each is still added to the parser, so that a vLLM user's command line fails at once with
+``--X is not supported yet`` and the feature (and the issue that brings it) named, instead of
+argparse's generic usage. A value that means "off" (``-tp 1``) is accepted silently.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class UnsupportedFlag:
+    flag: str
+    feature: str
+    issue: int | None = None  # the open issue that brings it; None: not planned yet
+    short: str | None = None
+    takes_value: bool = True
+    accepted: frozenset[str] = field(default_factory=frozenset)  # values that mean "off"
+    server_only: bool = False  # a flag of vLLM's HTTP frontend, not of its engine
+
+    @property
+    def planned(self) -> str:
+        return f"issue {self.issue} brings it" if self.issue else "no open issue plans it yet"
+
+    @property
+    def message(self) -> str:
+        return f"{self.flag} is not supported yet ({self.feature}; {self.planned})"
+
+
+def _flag(flag: str, feature: str, issue: int | None = None, **kwargs) -> UnsupportedFlag:
+    accepted = kwargs.pop("accepted", ())
+    return UnsupportedFlag(flag, feature, issue, accepted=frozenset(accepted), **kwargs)
+
+
+QUANTIZATION, SPECULATIVE, KV_TRANSFER, LORA, PARALLELISM = 14, 15, 17, 18, 19
+
+UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
+    # quantization
+    _flag("--quantization", "quantization methods", QUANTIZATION, short="-q", accepted=("None", "none")),
+    _flag("--kv-cache-dtype", "FP8 KV cache", QUANTIZATION, accepted=("auto",)),
+    _flag("--calculate-kv-scales", "FP8 KV-cache scales", QUANTIZATION, takes_value=False),
+    # speculative decoding
+    _flag("--speculative-config", "speculative decoding", SPECULATIVE),
+    _flag("--num-lookahead-slots", "speculative decoding", SPECULATIVE, accepted=("0",)),
+    # KV transfer
+    _flag("--kv-transfer-config", "KV connectors and prefill/decode disaggregation", KV_TRANSFER),
+    _flag("--kv-events-config", "KV-cache events", KV_TRANSFER),
+    _flag("--cpu-offload-gb", "offloading weights to CPU memory", KV_TRANSFER, accepted=("0",)),
+    _flag("--swap-space", "swapping preempted KV blocks to CPU memory", KV_TRANSFER),
+    # LoRA
+    _flag("--enable-lora", "LoRA adapters", LORA, takes_value=False),
+    _flag("--max-loras", "LoRA adapters", LORA),
+    _flag("--max-lora-rank", "LoRA adapters", LORA),
+    _flag("--max-cpu-loras", "LoRA adapters", LORA),
+    _flag("--fully-sharded-loras", "LoRA adapters", LORA, takes_value=False),
+    _flag("--lora-dtype", "LoRA adapters", LORA),
+    _flag("--lora-modules", "LoRA adapters", LORA, server_only=True),
+    # parallelism
+    _flag("--tensor-parallel-size", "tensor parallelism", PARALLELISM, short="-tp", accepted=("1",)),
+    _flag("--pipeline-parallel-size", "pipeline parallelism", PARALLELISM, short="-pp", accepted=("1",)),
+    _flag("--decode-context-parallel-size", "decode context parallelism", PARALLELISM, short="-dcp", accepted=("1",)),
+    _flag("--enable-expert-parallel", "expert parallelism", PARALLELISM, short="-ep", takes_value=False),
+    _flag("--enable-eplb", "expert-parallel load balancing", PARALLELISM, takes_value=False),
+    _flag("--data-parallel-size-local", "multi-node data parallelism", PARALLELISM, short="-dpl"),
+    _flag("--data-parallel-rank", "multi-node data parallelism", PARALLELISM, short="-dpn"),
+    _flag("--data-parallel-start-rank", "multi-node data parallelism", PARALLELISM, short="-dpr"),
+    _flag("--data-parallel-address", "multi-node data parallelism", PARALLELISM, short="-dpa"),
+    _flag("--data-parallel-rpc-port", "multi-node data parallelism", PARALLELISM, short="-dpp"),
+    _flag("--data-parallel-backend", "multi-node data parallelism", PARALLELISM, short="-dpb"),
+    _flag("--headless", "multi-node data parallelism", PARALLELISM, takes_value=False, server_only=True),
+    _flag("--disable-custom-all-reduce", "tensor parallelism", PARALLELISM, takes_value=False),
+    # not planned in an open issue yet
+    _flag("--compilation-config", "torch.compile and CUDA-graph settings", short="-O"),
+    _flag("--hf-overrides", "overriding the model's config"),
+    _flag("--rope-scaling", "overriding the model's RoPE scaling"),
+    _flag("--tokenizer-mode", "tokenizer modes (Sonar uses the fast tokenizer)", accepted=("auto",)),
+    _flag("--limit-mm-per-prompt", "multimodal inputs"),
+    _flag("--mm-processor-kwargs", "multimodal inputs"),
+    _flag("--enable-prompt-embeds", "prompt embeddings", takes_value=False),
+    _flag("--enable-sleep-mode", "sleep mode", takes_value=False),
+    _flag("--override-generation-config", "overriding the model's generation config"),
+    _flag("--chat-template", "a chat template given on the command line", server_only=True),
+    _flag("--response-role", "renaming the assistant role", server_only=True),
+    _flag("--ssl-keyfile", "HTTPS (put a TLS proxy in front)", server_only=True),
+    _flag("--ssl-certfile", "HTTPS (put a TLS proxy in front)", server_only=True),
+    _flag("--uds", "serving on a Unix socket", server_only=True),
+    _flag("--root-path", "serving under a path prefix", server_only=True),
+    _flag("--allowed-origins", "CORS", server_only=True),
+    _flag("--middleware", "extra ASGI middleware", server_only=True),
+    _flag("--tool-parser-plugin", "tool parsers from a file (Sonar's come from plugins' entry points)", server_only=True),
+    _flag("--return-tokens-as-token-ids", "tokens as token ids in logprobs", takes_value=False, server_only=True),
+)
+
+
+class _RefuseFlag(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, entry: UnsupportedFlag, **kwargs) -> None:
+        self.entry = entry
+        super().__init__(option_strings, dest, nargs=None if entry.takes_value else 0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: str | Sequence[str] | None, option_string: str | None = None) -> None:
+        if isinstance(values, str) and values in self.entry.accepted:
+            return
+        parser.exit(2, f"{parser.prog}: error: {self.entry.message}\n")
+
+
+def add_unsupported_flags(parser: argparse.ArgumentParser, server: bool = False) -> None:
+    """Add the table's flags to ``parser`` (the frontend's too when ``server``), each refusing
+    itself with its message when given."""
+    group = parser.add_argument_group("vLLM flags not supported yet (each fails at once, naming its feature)")
+    for entry in UNSUPPORTED_FLAGS:
+        if entry.server_only and not server:
+            continue
+        names = [entry.flag] + ([entry.short] if entry.short else [])
+        help_text = f"not supported yet: {entry.feature} ({entry.planned})"
+        group.add_argument(*names, action=_RefuseFlag, entry=entry, metavar="VALUE", help=help_text)

@@ -1,0 +1,47 @@
+"""uvicorn with a graceful drain on the first SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from types import FrameType
+
+import uvicorn
+
+from sonar_server.state import ServerState
+
+logger = logging.getLogger("sonar_server")
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, except that the first SIGTERM/SIGINT drains: /health turns 503, new work gets
+    503, running requests get up to ``shutdown_timeout`` seconds to finish (then are
+    aborted), and only then does the server stop. A second signal stops it at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+        super().__init__(config)
+        self.state = state
+        self._draining = False
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining:
+            super().handle_exit(sig, frame)
+            self.force_exit = True
+            return
+        self._draining = True
+        self.state.draining = True
+        logger.info("%s received: draining %d request(s), at most %.0fs", signal.Signals(sig).name, self.state.client.num_in_flight, self.state.settings.shutdown_timeout)
+        threading.Thread(target=self._drain, name="sonar-drain", daemon=True).start()
+
+    def _drain(self) -> None:
+        client = self.state.client
+        deadline = time.monotonic() + self.state.settings.shutdown_timeout
+        while client.num_in_flight and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if client.num_in_flight:
+            logger.warning("shutdown timeout: aborting %d request(s)", client.num_in_flight)
+            client.abort_all()
+            time.sleep(0.2)  # let the streams send their last event
+        self.should_exit = True
