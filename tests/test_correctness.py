@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Callable
+
 import pytest
 
 from conftest import ARCHS, HFOracle, random_prompts
 from sonar import LLM, SamplingParams
+from sonar.engine.kv_cache import KVCacheManager
+from sonar.engine.request import Request
 
 NUM_PROMPTS = 16
 NUM_TOKENS = 32
@@ -69,7 +74,9 @@ def test_mistral_sliding_window_matches_transformers(tmp_path) -> None:
         assert output.outputs[0].token_ids == oracle.greedy(prompt, 16)[0]
 
 
-def _greedy_step_by_step(path, prompts: list[list[int]], num_tokens: int, on_step) -> list[list[int]]:
+def _greedy_step_by_step(
+    path: Path, prompts: list[list[int]], num_tokens: int, on_step: Callable[[KVCacheManager, list[Request]], None]
+) -> list[list[int]]:
     """Greedy outputs from an in-process engine (block size 4), calling ``on_step(kv_cache,
     running_requests)`` after every step."""
     from sonar.config import EngineArgs
@@ -106,7 +113,7 @@ def test_mistral_window_shorter_than_the_prompt_frees_blocks_and_matches_transfo
     prompts = random_prompts(3, seed=41, min_len=70, max_len=100)
     decode_checks = []
 
-    def on_step(kv_cache, running) -> None:
+    def on_step(kv_cache: KVCacheManager, running: list[Request]) -> None:
         assert set(kv_cache.layer_specs) == {SlidingWindowSpec(window)}
         for request in running:
             computed = request.num_computed_tokens
@@ -133,7 +140,7 @@ def test_qwen2_sliding_layers_from_max_window_layers_match_transformers(tmp_path
     full_path = build_tiny_model("qwen2", tmp_path / "qwen2-full", use_sliding_window=False)
     prompts = random_prompts(3, seed=43, min_len=30, max_len=60)
 
-    def on_step(kv_cache, running) -> None:
+    def on_step(kv_cache: KVCacheManager, running: list[Request]) -> None:
         assert set(kv_cache.layer_specs) == {FullAttentionSpec(), SlidingWindowSpec(window)}
         for request in running:
             assert kv_cache.num_held_blocks(request.request_id) == kv_cache.num_blocks_for(request.num_computed_tokens)

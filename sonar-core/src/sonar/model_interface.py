@@ -15,8 +15,8 @@ token attend only to the last ``W`` positions (itself included).
 
 ``kv_cache_specs()`` tells the KV-cache manager what each layer reads from the cache
 (``FullAttentionSpec``, or ``SlidingWindowSpec(W)`` for a layer built with
-``sliding_window=W``); a model without the method is taken as full attention in every layer
-(``kv_cache_specs_of``).
+``sliding_window=W``, see ``kv_cache_spec_for``); a model without the method is taken as
+full attention in every layer.
 """
 
 from __future__ import annotations
@@ -53,12 +53,6 @@ AttentionFactory = Callable[..., PagedAttention]
 def kv_cache_spec_for(sliding_window: int | None) -> KVCacheSpec:
     """The spec of a layer built with ``attention(..., sliding_window=sliding_window)``."""
     return FullAttentionSpec() if sliding_window is None else SlidingWindowSpec(sliding_window)
-
-
-def kv_cache_specs_of(model: Any) -> list[KVCacheSpec] | None:
-    """The model's per-layer specs, or None where the model declares none (full attention)."""
-    specs = getattr(model, "kv_cache_specs", None)
-    return None if specs is None else list(specs())
 
 
 def make_attention_factory(backend_cls: type[AttentionBackend] | None) -> AttentionFactory:
