@@ -196,6 +196,7 @@ async def start_generation(
     params: SamplingParams,
     arrival: float,
     prompt_text: str | None = None,
+    priority: int = 0,
 ) -> Generation:
     """Admit a request into the engine; raises ValueError (bad input), QueueFull or
     EngineDeadError before anything is streamed."""
@@ -203,7 +204,7 @@ async def start_generation(
     prompt: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
     if prompt_text is not None:
         prompt["prompt"] = prompt_text
-    stream = await state.client.add_request(request_id, prompt, params)
+    stream = await state.client.add_request(request_id, prompt, params, priority)
     state.metrics.update_in_flight()
     return Generation(state, api, stream, params, prompt_token_ids, arrival)
 

@@ -73,7 +73,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     generations: list[Generation] = []
     try:
         for i, (text, token_ids) in enumerate(prompts):
-            generations.append(await start_generation(state, API, f"{request_id}-{i}", token_ids, params, arrival, text))
+            generations.append(await start_generation(state, API, f"{request_id}-{i}", token_ids, params, arrival, text, body.priority))
     except BaseException:
         for generation in generations:
             await generation.close()

@@ -24,6 +24,9 @@ class _GenerationBody(_Body):
             del data["vllm_xargs"]
         return data
 
+    # with --scheduling-policy priority: lower runs first (vLLM's extension of the OpenAI API)
+    priority: int = Field(0, ge=-(2**63), lt=2**63)
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
