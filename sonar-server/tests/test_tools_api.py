@@ -82,10 +82,12 @@ def test_openai_auto_tool_choice_parses_the_models_text(tools_client: openai.Ope
     assert plain.choices[0].message.tool_calls is None and plain.choices[0].message.content
 
 
-def test_openai_auto_needs_the_flags(server) -> None:
+def test_openai_tools_alone_mean_auto_without_any_flag(server) -> None:
     plain = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-    with pytest.raises(openai.BadRequestError, match="enable-auto-tool-choice"):
-        plain.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=4)
+    forced = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+    response = plain.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, max_tokens=60, temperature=0, extra_body={"guided_choice": [forced]})
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in response.choices[0].message.tool_calls] == [("get_time", {"zone": "UTC"})]
+    assert response.choices[0].finish_reason == "tool_calls"
     named = {"type": "function", "function": {"name": "get_time"}}
     response = plain.chat.completions.create(model="tiny", messages=MESSAGES, tools=TOOLS, tool_choice=named, max_tokens=60, temperature=0)
     check_calls(response.choices[0].message.tool_calls, {"get_time"})

@@ -166,37 +166,19 @@ def sonar_register_sampler_stages(register: Callable[..., None]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Server
+# Packages' own hookspecs
 # ---------------------------------------------------------------------------------------------
 
 
-@hookspec
-def sonar_register_api_surfaces(register: Callable[..., None]) -> None:
-    """Register HTTP API surfaces for ``sonar serve``.
+@hookspec(historic=True)
+def sonar_add_hookspecs(manager: pluggy.PluginManager) -> None:
+    """Add a package's own hookspecs to the plugin manager (as pytest's ``pytest_addhooks``).
 
-    :param register: ``register(name: str, install: Callable[[Any, Any], None])``. The server
-        calls ``install(app, state)`` for each surface selected by ``--api`` (all by default),
-        with the FastAPI app and the server state (engine client, tokenizer, settings).
-    """
+    Called once for every plugin, as it is registered, so a package defines hooks for its own
+    concepts (sonar-server: API surfaces, tool-call and reasoning parsers) without sonar-core
+    naming them.
 
-
-@hookspec
-def sonar_register_tool_parsers(register: Callable[..., None]) -> None:
-    """Register tool-call parsers (``sonar serve --tool-call-parser NAME``).
-
-    :param register: ``register(name: str, parser: str | type)``. ``parser`` is a
-        ``sonar_server.parsers.ToolParser`` subclass or its ``"package.module:Class"`` path
-        (imported only when selected); it splits a model's output into text and tool calls.
-    """
-
-
-@hookspec
-def sonar_register_reasoning_parsers(register: Callable[..., None]) -> None:
-    """Register reasoning parsers (``sonar serve --reasoning-parser NAME``).
-
-    :param register: ``register(name: str, parser: str | type)``. ``parser`` is a
-        ``sonar_server.parsers.ReasoningParser`` subclass or its ``"package.module:Class"``
-        path; it separates a model's reasoning from its answer.
+    :param manager: the plugin manager; call ``manager.add_hookspecs(module)``.
     """
 
 

@@ -52,6 +52,7 @@ def get_plugin_manager() -> pluggy.PluginManager:
             return _manager
         manager = pluggy.PluginManager(hookspecs.PROJECT_NAME)
         manager.add_hookspecs(hookspecs)
+        manager.hook.sonar_add_hookspecs.call_historic(kwargs={"manager": manager})  # each plugin adds its own specs as it registers
         from sonar import plugin as core_plugin
 
         manager.register(core_plugin, name="sonar-core")  # the engine's own parts, whatever SONAR_PLUGINS says

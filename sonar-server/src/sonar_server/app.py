@@ -8,8 +8,10 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from sonar.plugins import collect
 from sonar_server import __version__
+from sonar_server.docs_ui import install_docs
+from sonar_server.plugin import collect_server_hook
+from sonar_server.route_errors import install_route_errors
 from sonar_server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -24,7 +26,7 @@ With `--api-key`, every route answers 401 without a key (`Authorization: Bearer 
 def api_surfaces() -> dict[str, Callable[[Any, Any], None]]:
     """Every API surface registered through ``sonar_register_api_surfaces``, by name."""
     surfaces: dict[str, Callable[[Any, Any], None]] = {}
-    for name, install in collect("sonar_register_api_surfaces"):
+    for name, install in collect_server_hook("sonar_register_api_surfaces"):
         if name in surfaces:
             logger.warning("API surface %r is registered twice; keeping the first", name)
             continue
@@ -33,8 +35,11 @@ def api_surfaces() -> dict[str, Callable[[Any, Any], None]]:
 
 
 def build_app(state: ServerState) -> FastAPI:
-    """A FastAPI app serving the surfaces ``state.settings.apis`` selects (all by default)."""
-    app = FastAPI(title="Sonar", version=__version__, description=DESCRIPTION)
+    """A FastAPI app serving the surfaces ``state.settings.apis`` selects (all by default),
+    ``/docs`` from local assets, and 404/405 in the format of the API a path belongs to."""
+    app = FastAPI(title="Sonar", version=__version__, description=DESCRIPTION, docs_url=None, redoc_url=None)
+    install_docs(app)
+    install_route_errors(app)
     app.state.sonar = state
     surfaces = api_surfaces()
     selected = state.settings.apis or list(surfaces)

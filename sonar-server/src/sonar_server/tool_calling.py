@@ -1,7 +1,8 @@
 """Tools and reasoning for chat surfaces: how a request's ``tools`` / ``tool_choice`` become a
 grammar or a parser, and how a choice's text becomes reasoning, content and tool calls (whole
 or streamed). Parsing never fails a request: what does not parse (``NaN`` and ``Infinity``
-included: they are not JSON) is returned as content."""
+included: they are not JSON) is returned as content; a call cut off by ``max_tokens`` is
+returned as a call with its partial arguments."""
 
 from __future__ import annotations
 
@@ -24,9 +25,12 @@ from sonar_server.parsers import (
     make_tool_parser,
 )
 from sonar_server.parsers.base import call_from_object, decode_json_prefix
+from sonar_server.parsers.partial import partial_call_list, with_cut_call
 from sonar_server.settings import ServerSettings
+from sonar_server.tool_prompt import PARSER as SONAR_PROMPT_PARSER
+from sonar_server.tool_prompt import auto_tool_grammar, messages_with_tools, template_renders_tools
 
-AUTO_NEEDS_FLAGS = '"auto" tool choice needs the server started with --enable-auto-tool-choice and --tool-call-parser'
+DEFAULT_TOOL_PARSER = "hermes"  # for tool_choice "auto" without --tool-call-parser; the format of Sonar's tool prompt
 
 
 @dataclass(slots=True)
@@ -36,9 +40,10 @@ class ToolSpec:
     parameters: dict[str, Any]
 
     def openai(self) -> dict[str, Any]:
-        function: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        function: dict[str, Any] = {"name": self.name}
         if self.description:
             function["description"] = self.description
+        function["parameters"] = self.parameters
         return {"type": "function", "function": function}
 
 
@@ -48,7 +53,9 @@ class ToolPlan:
 
     ``mode``: ``none`` (tools shown to the template, output is text), ``auto`` (the configured
     parser finds calls in the text), ``required`` (a grammar forces a JSON list of calls) or
-    ``named`` (a grammar forces the arguments of ``named``).
+    ``named`` (a grammar forces the arguments of ``named``). ``sonar_prompt``: the model's
+    chat template does not render tools, so Sonar's tool prompt does (``tool_prompt``), read
+    by the ``hermes`` parser, with ``auto_guide`` as the grammar of ``auto``.
     """
 
     mode: str = "none"
@@ -56,6 +63,8 @@ class ToolPlan:
     named: str | None = None
     parser: ToolParser | None = None
     parallel: bool = True
+    sonar_prompt: bool = False
+    auto_guide: GuidedDecodingParams | None = None
 
     @property
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -80,30 +89,69 @@ class ToolPlan:
             if not self.parallel:
                 schema["maxItems"] = 1
             return GuidedDecodingParams(json=schema)
-        return None
+        return self.auto_guide if self.mode == "auto" else None
+
+    def adapt_to(self, tokenizer: Any) -> None:
+        """Use Sonar's tool prompt when the tokenizer's chat template has no place for tools."""
+        if self.mode == "none" or not self.tools or template_renders_tools(tokenizer):
+            return
+        self.sonar_prompt = True
+        if self.mode == "auto":
+            self.parser = make_tool_parser(SONAR_PROMPT_PARSER)
+            try:
+                self.auto_guide = auto_tool_grammar([tool.openai() for tool in self.tools], self.parallel)
+            except (RuntimeError, ValueError) as exc:  # xgrammar's word on a schema it cannot compile
+                raise ApiError(400, f"a tool's parameters are not a JSON schema Sonar can follow: {exc}", param="tools") from exc
+
+    def render_inputs(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[dict[str, Any]]:
+        """The messages for the chat template, with the tools in ``template_kwargs`` or, under
+        Sonar's prompt, in the messages."""
+        if self.sonar_prompt:
+            return messages_with_tools(messages, [tool.openai() for tool in self.tools])
+        if self.template_tools:
+            template_kwargs.setdefault("tools", self.template_tools)
+        return messages
+
+    def constraint(self, requested: GuidedDecodingParams | None) -> GuidedDecodingParams | None:
+        """The request's grammar: a forced call's, or the one ``requested`` (response_format,
+        guided_*), which also replaces ``auto``'s; a forced call with another constraint is a 400."""
+        if self.mode in ("named", "required"):
+            if requested is not None:
+                raise ApiError(400, f"tool_choice {self.mode!r} already constrains the output; leave out response_format and guided_*", param="tool_choice")
+            return self.guide
+        return requested or self.guide
 
     @property
     def needs_special_tokens(self) -> bool:
         return self.mode == "auto" and self.parser is not None and self.parser.needs_special_tokens
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(tool.name for tool in self.tools)
+
     def _tool(self, name: str | None) -> ToolSpec:
         return next(tool for tool in self.tools if tool.name == name)
 
-    def parse(self, text: str) -> ToolCallResult:
-        """Split a whole output into content and calls."""
+    def parse(self, text: str, truncated: bool = False) -> ToolCallResult:
+        """Split a whole output into content and calls (``truncated``: cut by ``max_tokens``)."""
         if self.mode == "named":
             decoded = decode_json_prefix(text)
+            if truncated and decoded is None and text.strip():
+                return ToolCallResult("", [ToolCall(self.named or "", text.strip())])
             if decoded is None or text[decoded[1]:].strip():
                 return ToolCallResult(text)
             return ToolCallResult("", [ToolCall(self.named or "", text.strip())])
         if self.mode == "required":
-            return _parse_required(text)
+            return _parse_required(text, truncated, self.names)
         if self.mode == "auto" and self.parser is not None:
-            return self.parser.extract(text)
+            result = self.parser.extract(text)
+            return with_cut_call(self.parser, result) if truncated else result
         return ToolCallResult(text)
 
 
-def _parse_required(text: str) -> ToolCallResult:
+def _parse_required(text: str, truncated: bool = False, names: tuple[str, ...] = ()) -> ToolCallResult:
+    if truncated and decode_json_prefix(text) is None:
+        return ToolCallResult("", partial_call_list(text, names))  # forced calls are never text
     decoded = decode_json_prefix(text)
     if decoded is None or not isinstance(decoded[0], list) or text[decoded[1]:].strip():
         return ToolCallResult(text)
@@ -135,9 +183,7 @@ def _tool_specs(tools: list[dict[str, Any]], anthropic: bool) -> list[ToolSpec]:
 
 
 def _auto_parser(settings: ServerSettings) -> ToolParser:
-    if not (settings.enable_auto_tool_choice and settings.tool_call_parser):
-        raise ApiError(400, AUTO_NEEDS_FLAGS, param="tool_choice")
-    return make_tool_parser(settings.tool_call_parser)
+    return make_tool_parser(settings.tool_call_parser or DEFAULT_TOOL_PARSER)
 
 
 def openai_tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool | None, settings: ServerSettings) -> ToolPlan:
@@ -216,10 +262,10 @@ class OutputParser:
         self._text = ""
         self._named_started = False
 
-    def parse(self, text: str) -> ParsedOutput:
-        """A whole output."""
+    def parse(self, text: str, truncated: bool = False) -> ParsedOutput:
+        """A whole output (``truncated``: cut by ``max_tokens``)."""
         reasoning, content = (None, text) if self.reasoning is None else self.reasoning.extract(text)
-        result = self.plan.parse(content)
+        result = self.plan.parse(content, truncated)
         return ParsedOutput(reasoning, result.content, result.tool_calls)
 
     def feed(self, delta: str) -> list[StreamEvent]:
@@ -229,17 +275,17 @@ class OutputParser:
         pieces = self._reasoning_stream.feed(delta) if self._reasoning_stream is not None else [("content", delta)]
         return self._content_events(pieces)
 
-    def finish(self) -> list[StreamEvent]:
-        """Events held back until the output is complete."""
+    def finish(self, truncated: bool = False) -> list[StreamEvent]:
+        """Events held back until the output is complete (``truncated``: cut by ``max_tokens``)."""
         events = self._content_events(self._reasoning_stream.finish()) if self._reasoning_stream is not None else []
         if self._tool_stream is not None:
-            events += self._tool_stream.finish()
+            events += self._tool_stream.finish(truncated)
         elif self.plan.mode == "required":
-            result = _parse_required(self._text)
+            result = _parse_required(self._text, truncated, self.plan.names)
             if result.tool_calls:
                 events += [StreamEvent("tool_call", call.arguments, i, call) for i, call in enumerate(result.tool_calls)]
-            elif self._text:
-                events.append(StreamEvent("content", self._text))
+            elif result.content:
+                events.append(StreamEvent("content", result.content))
         return events
 
     def _content_events(self, pieces: list[tuple[str, str]]) -> list[StreamEvent]:

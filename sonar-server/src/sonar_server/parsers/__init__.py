@@ -1,8 +1,8 @@
 """Tool-call and reasoning parsers, found through plugins.
 
 A package registers its parsers with the ``sonar_register_tool_parsers`` and
-``sonar_register_reasoning_parsers`` hooks (``register(name, class_path)``); ``sonar serve
---tool-call-parser NAME`` / ``--reasoning-parser NAME`` pick one. sonar-server registers its
+``sonar_register_reasoning_parsers`` hooks of ``sonar_server.hookspecs`` (``register(name,
+class_path)``); ``sonar serve --tool-call-parser NAME`` / ``--reasoning-parser NAME`` pick one. sonar-server registers its
 built-in ones the same way: ``hermes`` (alias ``qwen``), ``llama3_json`` and ``mistral`` tool
 parsers, ``qwen3`` and ``deepseek_r1`` reasoning parsers.
 """
@@ -35,10 +35,10 @@ __all__ = [
 
 
 def _registered(hook_name: str) -> dict[str, str | type]:
-    from sonar.plugins import collect
+    from sonar_server.plugin import collect_server_hook
 
     found: dict[str, str | type] = {}
-    for name, target in collect(hook_name):
+    for name, target in collect_server_hook(hook_name):
         found.setdefault(name, target)
     return found
 

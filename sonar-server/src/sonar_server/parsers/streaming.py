@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sonar_server.parsers.base import ReasoningParser, ToolCall, ToolParser, held_prefix
+from sonar_server.parsers.partial import with_cut_call
 
 
 @dataclass(slots=True)
@@ -100,12 +101,16 @@ class ToolCallStream:
         self._emitted = end
         return [StreamEvent("content", piece)]
 
-    def finish(self) -> list[StreamEvent]:
+    def finish(self, truncated: bool = False) -> list[StreamEvent]:
+        """The calls (and content) of the complete text; ``truncated``: the output was cut by
+        ``max_tokens``, so a call it began is returned as a call with its partial arguments."""
         if self._tool_start < 0:
             rest = self._text[self._emitted:]
             self._emitted = len(self._text)
             return [StreamEvent("content", rest)] if rest else []
         result = self.parser.extract(self._text)
+        if truncated:
+            result = with_cut_call(self.parser, result)
         events: list[StreamEvent] = []
         sent = self._text[: self._emitted]
         rest = result.content[len(sent):] if result.content.startswith(sent) else result.content[self._emitted:]

@@ -119,9 +119,11 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     state: ServerState = request.app.state.sonar
     state.check_model(body.model)
     plan = anthropic_tool_plan(body.tools, body.tool_choice, state.settings)
-    guide = plan.guide or body_guide(body)
-    template_kwargs = {"tools": plan.template_tools} if plan.template_tools else None
-    prompt_text, prompt_ids = await render_chat(state, chat_messages(body.system, body.messages), template_kwargs=template_kwargs)
+    plan.adapt_to(state.require_tokenizer())
+    guide = plan.constraint(body_guide(body))
+    template_kwargs: dict[str, Any] = {}
+    messages = plan.render_inputs(chat_messages(body.system, body.messages), template_kwargs)
+    prompt_text, prompt_ids = await render_chat(state, messages, template_kwargs=template_kwargs)
     stop_sequences = list(body.stop_sequences or [])
     params = build_sampling_params(
         body,
@@ -144,7 +146,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         return EventStreamResponse(_stream(state, body, generation, stop_sequences, parser), closer([generation]))
     await unless_disconnected(request, generation.collect())
     choice = generation.choices[0]
-    parsed = OutputParser(plan, reasoning_parser(state.settings), json_constrained(guide)).parse(choice.text)
+    parsed = OutputParser(plan, reasoning_parser(state.settings), json_constrained(guide)).parse(choice.text, choice.finish_reason == "length")
     stop_reason, stop_sequence = _stop_reason(choice.finish_reason, choice.stop_reason, stop_sequences, bool(parsed.tool_calls))
     return StrictJSONResponse(
         {
@@ -189,7 +191,7 @@ async def _stream(
                 events = parser.feed(delta.text)
                 if delta.finish_reason is not None:
                     finish_reason, stop_reason = delta.finish_reason, delta.stop_reason
-                    events += parser.finish()
+                    events += parser.finish(delta.finish_reason == "length")
                 for event in events:
                     for line in blocks.write(event):
                         yield line

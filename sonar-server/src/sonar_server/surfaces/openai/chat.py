@@ -54,17 +54,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     plan = openai_tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings)
-    guide = body_guide(body, body.response_format)
-    if plan.guide is not None:
-        if guide is not None:
-            raise ApiError(400, f"tool_choice {plan.mode!r} already constrains the output; leave out response_format and guided_*", param="tool_choice")
-        guide = plan.guide
+    plan.adapt_to(state.require_tokenizer())
+    guide = plan.constraint(body_guide(body, body.response_format))
     template_kwargs = dict(body.chat_template_kwargs or {})
-    if plan.template_tools:
-        template_kwargs.setdefault("tools", plan.template_tools)
-    prompt_text, prompt_ids = await render_chat(
-        state, message_dicts(body.messages), body.add_generation_prompt, body.continue_final_message, template_kwargs
-    )
+    messages = plan.render_inputs(message_dicts(body.messages), template_kwargs)
+    prompt_text, prompt_ids = await render_chat(state, messages, body.add_generation_prompt, body.continue_final_message, template_kwargs)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = max(state.max_model_len - len(prompt_ids), 1)
@@ -101,8 +95,8 @@ def _usage(generation: Generation) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _message(state: ServerState, text: str, plan: ToolPlan, constrained: bool) -> dict[str, Any]:
-    parsed = OutputParser(plan, reasoning_parser(state.settings), constrained).parse(text)
+def _message(state: ServerState, text: str, plan: ToolPlan, constrained: bool, truncated: bool) -> dict[str, Any]:
+    parsed = OutputParser(plan, reasoning_parser(state.settings), constrained).parse(text, truncated)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.reasoning is not None:
         message["reasoning_content"] = parsed.reasoning
@@ -124,7 +118,7 @@ def _response(state: ServerState, body: ChatCompletionRequest, generation: Gener
         logprobs = None
         if body.logprobs:
             logprobs = chat_logprobs(state, choice.token_ids, list(choice.logprobs or []), body.top_logprobs or 0)
-        message = _message(state, choice.text, plan, constrained)
+        message = _message(state, choice.text, plan, constrained, choice.finish_reason == "length")
         choices.append(
             {
                 "index": choice.index,
@@ -170,7 +164,7 @@ async def _stream(
                     logprobs = chat_logprobs(state, delta.token_ids, list(delta.logprobs), body.top_logprobs or 0)
                 events = parsers[delta.index].feed(delta.text)
                 if delta.finish_reason is not None:
-                    events += parsers[delta.index].finish()
+                    events += parsers[delta.index].finish(delta.finish_reason == "length")
                 for number, event in enumerate(events):
                     yield chunk([{"index": delta.index, "delta": _event_delta(event), "logprobs": logprobs if number == 0 else None, "finish_reason": None}])
                     num_calls[delta.index] += event.kind == "tool_call"
