@@ -233,8 +233,10 @@ class MistralForCausalLM(LlamaForCausalLM):
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    """Qwen2: biases on q/k/v (never on o_proj); with ``use_sliding_window``, a window in the
-    layers from ``max_window_layers`` on (see ``sliding_windows_of``)."""
+    """Qwen2: biases on q/k/v (never on o_proj).
+
+    With ``use_sliding_window``, the layers from ``max_window_layers`` on slide (see
+    ``sliding_windows_of``)."""
 
     qkv_bias = True
     o_bias = False
