@@ -90,7 +90,7 @@ def example_stage() -> Iterator[Path]:
 def offline(example_stage: Path, tiny_model_dir) -> dict[str, Any]:
     args = [str(tiny_model_dir("llama")), json.dumps(PROMPT), str(BOOSTED_TOKEN), str(NUM_TOKENS)]
     result = subprocess.run(
-        [sys.executable, "-c", PROBE, *args], capture_output=True, text=True, timeout=300,
+        [sys.executable, "-c", PROBE, *args], check=False, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

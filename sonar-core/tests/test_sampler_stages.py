@@ -4,15 +4,20 @@ parameters under ``extra_args``, and what a batch pays for a stage nobody uses."
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
-
 from sonar import registry
 from sonar.hookspecs import hookimpl
 from sonar.plugins import get_plugin_manager
-from sonar.sampler import RequestSamplingState, Sampler, SamplerStage, SamplingMetadata, StageParam
+from sonar.sampler import (
+    RequestSamplingState,
+    Sampler,
+    SamplerStage,
+    SamplingMetadata,
+    StageParam,
+)
 from sonar.sampler.stage_table import build_stage_table
 from sonar.sampling_params import SamplingParams
 
@@ -29,7 +34,7 @@ class Shift(SamplerStage):
 
     name = "test_shift"
     after = "min_p"
-    params = {"test.shift": StageParam(float, check=lambda v: v >= 0, requirement="must be >= 0"), "test.note": str}
+    params: ClassVar[dict[str, Any]] = {"test.shift": StageParam(float, check=lambda v: v >= 0, requirement="must be >= 0"), "test.note": str}
 
     def __init__(self) -> None:
         self.built_rows: list[list[int]] = []

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from sonar.sampler.sampler_ids import SamplerID
 from sonar.sampling_params import SamplingParams
 from sonar_server.surfaces.kobold.field_names import sampling_params_from_kobold

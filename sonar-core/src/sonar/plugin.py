@@ -25,19 +25,6 @@ def sonar_register_executors(register: Callable[..., None]) -> None:
     register("uni", "sonar.executor.uniproc:UniprocExecutor")
 
 
-_BUILTIN_SAMPLER_STAGES = (
-    "DryStage", "PenaltiesStage", "NoRepeatNgramStage", "TemperatureStage", "TopNSigmaStage", "TopKTopPStage",
-    "TopAStage", "MinPStage", "TfsStage", "EtaCutoffStage", "EpsilonCutoffStage", "TypicalPStage", "QuadraticStage",
-    "XtcStage", "MirostatStage",
-)  # fmt: skip
-
-
-@hookimpl
-def sonar_register_sampler_stages(register: Callable[..., None]) -> None:
-    for name in _BUILTIN_SAMPLER_STAGES:
-        register(f"sonar.sampler.builtin_stages:{name}")
-
-
 @hookimpl
 def sonar_register_cli_commands(register: Callable[..., None]) -> None:
     register("chat", "sonar.cli.chat:add_parser")

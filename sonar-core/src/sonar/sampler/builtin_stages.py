@@ -6,7 +6,8 @@ epsilon → typical-p → smoothing → XTC, with mirostat after them all."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ClassVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 

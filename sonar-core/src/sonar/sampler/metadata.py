@@ -48,7 +48,7 @@ class RequestSamplingState:
             blocked += self.eos_token_ids
         return blocked
 
-    def carry_over(self, previous: "RequestSamplingState") -> None:
+    def carry_over(self, previous: RequestSamplingState) -> None:
         """Continue ``previous`` (the same request before a preemption): its generator and the
         samplers' running state."""
         self.generator = previous.generator
@@ -90,7 +90,7 @@ class SamplingMetadata:
     @classmethod
     def build(
         cls, states: list[RequestSamplingState], vocab_size: int, device: torch.device
-    ) -> "SamplingMetadata":
+    ) -> SamplingMetadata:
         """Pack the options of ``states`` (one per logits row, in order) into tensors."""
         from sonar.registry import sampler_stages
 

@@ -11,8 +11,9 @@ validated when the request is created, and a bad value is a ValueError naming th
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -85,9 +86,9 @@ class StageContext:
     :param logits_processor: the sampler's instance of a registered logits processor, by name.
     """
 
-    states: list["RequestSamplingState"]
+    states: list[RequestSamplingState]
     batch_rows: list[int]
-    logits_processor: Callable[[str], "LogitsProcessor"]
+    logits_processor: Callable[[str], LogitsProcessor]
 
 
 class SamplerStage:
@@ -126,18 +127,18 @@ class SamplerStage:
     reads_output_tokens: ClassVar[bool] = False
     params: ClassVar[Mapping[str, StageParam | type]] = {}
 
-    def uses(self, params: "SamplingParams") -> bool:
+    def uses(self, params: SamplingParams) -> bool:
         """Whether a request uses this stage; by default, whether its ``extra_args`` sets one
         of the stage's parameters. Called for every row of every step: keep it cheap."""
         extra = params.extra_args
         return extra is not None and any(name in extra for name in self.params)
 
-    def validate(self, params: "SamplingParams") -> None:
+    def validate(self, params: SamplingParams) -> None:
         """Checks across parameters, for a request that sets any of the stage's ``params`` (each
         parameter's own type and ``check`` are already verified). Raise ValueError naming the
         field."""
 
-    def param(self, params: "SamplingParams", name: str) -> Any:
+    def param(self, params: SamplingParams, name: str) -> Any:
         """The request's value of the stage parameter ``name``, or its declared default."""
         extra = params.extra_args
         if extra is not None and name in extra:
@@ -145,7 +146,7 @@ class SamplerStage:
         return as_stage_param(self.params[name]).default
 
     def build(
-        self, states: list["RequestSamplingState"], rows: list[int], vocab_size: int, device: torch.device
+        self, states: list[RequestSamplingState], rows: list[int], vocab_size: int, device: torch.device
     ) -> Any | None:
         """This step's tensors for the stage.
 

@@ -80,7 +80,7 @@ class StageTable:
         self._orders[key] = order
         return order
 
-    def check_extra_args(self, params: "SamplingParams") -> None:
+    def check_extra_args(self, params: SamplingParams) -> None:
         """Raise ValueError naming the field when a namespaced ``extra_args`` key belongs to no
         registered stage or its value does not fit; then run the ``validate`` of each stage whose
         parameters the request sets. Keys without a dot are left alone (free-form extra arguments)."""
@@ -99,7 +99,7 @@ class StageTable:
             if any(name in extra for name in stage.params):
                 stage.validate(params)
 
-    def reads_output_tokens(self, params: "SamplingParams") -> bool:
+    def reads_output_tokens(self, params: SamplingParams) -> bool:
         """Whether a stage this request uses through ``extra_args`` reads earlier sampled tokens."""
         return any(stage.reads_output_tokens and stage.uses(params) for stage in self.param_stages)
 
@@ -120,7 +120,7 @@ def build_stage_table(registered: list[Any]) -> StageTable:
             names = [stage.name.lower(), *(alias.lower() for alias in stage.aliases)]
             specs = {name: as_stage_param(spec) for name, spec in stage.params.items()}
             _check_unique(stage, names, specs, by_name, by_id, params)
-        except Exception as exc:  # a broken stage never takes the others down
+        except Exception as exc:  # noqa: BLE001 - a broken stage never takes the others down
             logger.warning("sampler stage %r was skipped: %s", entry, exc)
             continue
         stages.append(stage)

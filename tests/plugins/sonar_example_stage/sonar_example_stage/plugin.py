@@ -7,10 +7,10 @@ rows too (like a logit bias); ``sampler_priority`` can move it.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
-
 from sonar.hookspecs import hookimpl
 from sonar.sampler import RequestSamplingState, SamplerStage, StageContext, StageParam
 from sonar.sampling_params import SamplingParams
@@ -22,7 +22,7 @@ class ExampleBoost(SamplerStage):
     name = "example_boost"
     rank = 550
     covers_greedy = True
-    params = {
+    params: ClassVar[dict[str, StageParam]] = {
         "example.boost_token": StageParam(int, check=lambda v: v >= 0, requirement="must be a token id >= 0"),
         "example.boost": StageParam(float, default=10.0, doc="added to the token's logit"),
     }
