@@ -1,0 +1,1 @@
+"""An example Sonar plugin: the ``shortest-first`` scheduling policy."""
