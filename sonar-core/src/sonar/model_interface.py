@@ -88,3 +88,6 @@ class WeightFormat(Protocol):
 
     def iter_weights(self, model_path: Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
         """Tensors under their Hugging Face names (``model.layers.0.self_attn.q_proj.weight``)."""
+
+    # optional: ``init_weights(model)`` fills a built model's parameters in place on its device
+    # instead of streaming ``iter_weights`` (the engine calls it where a format defines it)

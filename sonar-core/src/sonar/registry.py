@@ -76,15 +76,35 @@ def load_registered(kind: str, name: str, registered: dict[str, Any]) -> Any:
     return import_class(target) if isinstance(target, str) else target
 
 
-def resolve_model_class(architectures: list[str]) -> type:
+def architecture_of(hf_config: Any) -> str:
+    """The registered architecture that runs ``hf_config``: the first of its ``architectures``
+    list that is registered, or, for a config saved without that list (a bare
+    ``Qwen3Config()``), the causal-LM class transformers' auto classes map its ``model_type`` to.
+
+    :raises ValueError: no registered architecture runs it (the message lists those that are).
+    """
     known = model_architectures()
+    architectures = list(getattr(hf_config, "architectures", None) or [])
     for arch in architectures:
         if arch in known:
-            return import_class(known[arch])
+            return arch
+    model_type = getattr(hf_config, "model_type", None)
+    if not architectures and model_type:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        arch = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        if arch in known:
+            return arch
+    named = architectures or f"model_type {model_type!r}"
     raise ValueError(
-        f"model architectures {architectures} are not supported; "
+        f"model architectures {named} are not supported; "
         f"registered architectures: {sorted(known)} (install a plugin that provides one)"
     )
+
+
+def resolve_model_class(hf_config: Any) -> type:
+    """The model class registered for ``hf_config``'s architecture (see ``architecture_of``)."""
+    return import_class(model_architectures()[architecture_of(hf_config)])
 
 
 def clear_caches() -> None:

@@ -116,7 +116,7 @@ def load_sonar_model(model_path: str | Path, weight_format: Any = None) -> torch
             raise ValueError(f"no registered weight format reads {model_path}")
         weight_format = detected[0]
     config = weight_format.load_hf_config(model_path)
-    model = resolve_model_class(config.architectures)(config, make_attention_factory(None))
+    model = resolve_model_class(config)(config, make_attention_factory(None))
     model.load_weights(weight_format.iter_weights(model_path, config))
     return model.eval()
 

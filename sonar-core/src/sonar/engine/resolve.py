@@ -12,7 +12,7 @@ from sonar.config import EngineArgs, EngineConfig, ModelConfig, default_model_pa
 from sonar.engine.generation_defaults import default_sampling_of
 from sonar.engine.model_source import check_remote_code, resolve_model_path
 from sonar.platform import Platform
-from sonar.registry import executors, kv_cache_managers, scheduler_policies, weight_formats
+from sonar.registry import architecture_of, executors, kv_cache_managers, scheduler_policies, weight_formats
 
 
 def _registered(option: str, name: str, registered: dict[str, Any]) -> str:
@@ -79,6 +79,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
     check_remote_code(model_path, args.trust_remote_code)
     format_name, fmt = select_weight_format(model_path, args.load_format)
     hf_config = fmt.load_hf_config(model_path)
+    architecture_of(hf_config)  # an unsupported model fails here, before anything loads
     tokenizer = None
     if not args.skip_tokenizer_init:
         if args.tokenizer:

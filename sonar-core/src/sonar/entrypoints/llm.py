@@ -49,7 +49,12 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
+        """Generate for every prompt and return the finished outputs, in the prompts' order.
+
+        ``priority`` (one per prompt; needs ``scheduling_policy="priority"``): lower runs first.
+        """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -61,11 +66,14 @@ class LLM:
             params_list = list(sampling_params)
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
         engine = self.llm_engine
         request_ids = [str(next(self._ids)) for _ in prompts]
         try:
-            for request_id, prompt, params in zip(request_ids, prompts, params_list):
-                engine.add_request(request_id, prompt, params.clone(output_kind="final_only"))
+            for request_id, prompt, params, prio in zip(request_ids, prompts, params_list, priorities):
+                engine.add_request(request_id, prompt, params.clone(output_kind="final_only"), priority=prio)
             return self._run(request_ids, use_tqdm)
         except BaseException:
             engine.abort_request(request_ids)

@@ -80,7 +80,7 @@ class ModelRunner:
         """The registered architecture's module, built on the device in the model's dtype,
         its weights not yet loaded."""
         config = self.model_config
-        model_cls = resolve_model_class(list(getattr(config.hf_config, "architectures", None) or []))
+        model_cls = resolve_model_class(config.hf_config)
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
