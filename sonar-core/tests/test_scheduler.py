@@ -59,8 +59,13 @@ def test_preemption_frees_blocks_and_everything_finishes() -> None:
             break
         _step(scheduler)
         preempted |= scheduler.num_preemptions > 0
-        used = 6 - scheduler.kv_cache.num_free_blocks
-        assert used <= 6
+        kv = scheduler.kv_cache
+        # every block in use is held by a running request, which holds exactly what its
+        # computed tokens need: nothing leaks, nothing is held twice
+        assert 6 - kv.num_free_blocks == sum(kv.num_held_blocks(r.request_id) for r in scheduler.running)
+        for r in scheduler.running:
+            assert kv.num_held_blocks(r.request_id) == kv.num_blocks_for(r.num_computed_tokens)
+        assert all(kv.num_held_blocks(r.request_id) == 0 for r in scheduler.waiting)
     assert preempted
     assert all(r.status is RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 10 for r in requests)
     assert scheduler.kv_cache.num_free_blocks == 6

@@ -51,13 +51,23 @@ def test_no_driver_means_no_torch_query(monkeypatch: pytest.MonkeyPatch) -> None
     assert plugin.detect_cuda() is None
 
 
-def test_platform_names_its_classes() -> None:
-    assert CudaPlatform.name == "cuda" and CudaPlatform.device_type == "cuda"
-    assert CudaPlatform.dist_backend == "nccl"
-    assert CudaPlatform.supported_dtypes[0] == torch.bfloat16
+def test_platform_classes_import_and_fit_the_core() -> None:
+    """The dotted paths the platform names resolve to the classes the engine needs."""
+    from sonar.attention import AttentionBackend
+    from sonar.registry import import_class
+    from sonar.worker.worker import Worker
+
+    assert issubclass(import_class(CudaPlatform.attention_backend_cls), AttentionBackend)
+    assert issubclass(import_class(CudaPlatform.worker_cls), Worker)
     assert CudaPlatform.device(1) == torch.device("cuda", 1)
-    assert CudaPlatform.attention_backend_cls == "sonar_cuda.attention:TritonAttentionBackend"
-    assert CudaPlatform.worker_cls == "sonar_cuda.worker:CudaWorker"
+    assert CudaPlatform.replica_env(0, 1) == {}
+
+
+def test_replicas_get_one_visible_gpu_each(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert [CudaPlatform.replica_env(i, 2) for i in range(2)] == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    with pytest.raises(ValueError, match="needs 3 GPUs; 2 are visible"):
+        CudaPlatform.replica_env(0, 3)
 
 
 @pytest.mark.cuda
