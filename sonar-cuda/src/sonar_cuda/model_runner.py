@@ -74,6 +74,22 @@ class CudaModelRunner(ModelRunner):
             num_heads = self.model_config.hf_config.num_attention_heads
             warm_up_decode_attention(kv[0], kv[1], num_heads, self.model_config.dtype)
 
+    def device_benchmarks(self) -> dict[str, float]:
+        """The device time of one replay of the largest decode graph (CUDA events, no host
+        work; it rewrites the last step's keys and values with the same values)."""
+        graphs = self.graphs
+        if graphs is None or not graphs.graphs or self.device.type != "cuda":
+            return {}
+        size = graphs.max_size
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        graphs.run(size)
+        start.record()
+        for _ in range(10):
+            graphs.run(size)
+        end.record()
+        torch.cuda.synchronize()
+        return {f"device: one decode-graph replay at batch {size}": round(start.elapsed_time(end) / 10, 3)}
+
     # -- one step ------------------------------------------------------------------------
 
     def _is_plain_decode(self, states: list[CachedRequestState], num_scheduled: list[int]) -> bool:

@@ -157,10 +157,8 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in output_lens]
     engine = llm.llm_engine
-    targets = _step_phases(engine) if phases is not None else []
-    totals: dict[str, float] = {}
-    steps_before, memory_before, compiled_before = engine.core.num_steps_launched, _memory_stats(), _triton_cache_entries()
-    with _timing(targets, totals):
+    steps_before, memory_before, compiled_before = engine.get_stats().num_steps, _memory_stats(), _triton_cache_entries()
+    with _phase_timing(engine, phases is not None) as totals:
         _sync()
         started = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -168,54 +166,25 @@ def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dic
         elapsed = time.perf_counter() - started
     if phases is not None:
         phases.update(totals)
-        phases["steps"] = engine.core.num_steps_launched - steps_before
+        phases["steps"] = engine.get_stats().num_steps - steps_before
         phases.update({k: v - memory_before.get(k, 0) for k, v in _memory_stats().items()})
         phases["triton_compiles"] = _triton_cache_entries() - compiled_before
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
 
 
-def _step_phases(engine: Any) -> list[tuple[Any, str, str]]:
-    """The parts of an engine step timed on the host: ``(object, method, label)`` (the
-    ``launch:`` ones happen inside ``launch``)."""
-    from sonar.sampler.metadata import SamplingMetadata
-
-    runner = engine.core.executor.worker.model_runner
-    return [
-        (engine.core.executor, "launch", "launch"),
-        (engine.core.executor, "fetch", "fetch_wait"),
-        (engine.core.scheduler, "schedule", "schedule"),
-        (engine.core.scheduler, "update_from_output", "update"),
-        (engine.output_processor, "process", "output_processing"),
-        (runner, "_update_states", "  launch: update_states"),
-        (runner, "build_batch", "  launch: build_batch"),
-        (runner, "_feed_pending_tokens", "  launch: feed_pending"),
-        (runner.model, "forward", "  launch: forward"),
-        (runner, "sampler", "  launch: sampler"),
-        (runner.model, "compute_logits", "  launch: compute_logits"),
-        (runner, "_prompt_logprobs", "  launch: prompt_logprobs"),
-        (SamplingMetadata, "build", "  launch: sampling_metadata"),
-    ]
-
-
 @contextlib.contextmanager
-def _timing(targets: list[tuple[Any, str, str]], totals: dict[str, float]) -> Iterator[None]:
-    """While inside, add the host seconds spent in each ``obj.attr`` to ``totals[label]``."""
-    originals = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in targets]
-    for obj, attr, label in targets:
-
-        def timed(*args: Any, _original: Any = getattr(obj, attr), _label: str = label, **kwargs: Any) -> Any:
-            started = time.perf_counter()
-            try:
-                return _original(*args, **kwargs)
-            finally:
-                totals[_label] = totals.get(_label, 0.0) + time.perf_counter() - started
-
-        setattr(obj, attr, timed)
+def _phase_timing(engine: Any, enabled: bool = True) -> Iterator[dict[str, float]]:
+    """While inside, the engine times the parts of its steps; the dict yielded holds the host
+    seconds per part once the block ends."""
+    totals: dict[str, float] = {}
+    if enabled:
+        engine.set_phase_timing(True)
     try:
-        yield
+        yield totals
     finally:
-        for obj, attr, original in originals:
-            setattr(obj, attr, original)
+        if enabled:
+            totals.update(engine.phase_times())
+            engine.set_phase_timing(False)
 
 
 def _triton_cache_entries() -> int:
@@ -357,8 +326,9 @@ def _profile_decode(llm, name: str, batch: int = 256, steps: int = 8) -> dict[st
     params = SamplingParams(max_tokens=steps * 3 + 16, temperature=0.0, ignore_eos=True, detokenize=False)
     for i, prompt in enumerate(workload.prompts):
         engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt}, params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.core.scheduler.running) or engine.core.scheduler.waiting:
-        engine.step()
+    decoding: set[str] = set()  # requests that produced a token: their prompts are prefilled
+    while len(decoding) < batch:
+        decoding.update(o.request_id for o in engine.step() if o.outputs and o.outputs[0].token_ids)
     for _ in range(3):
         engine.step()
     _sync()
@@ -438,32 +408,18 @@ def _profile_prefill(llm, name: str, prompt_len: int = 1024) -> dict[str, Any]:
 
 
 def _time_phases(engine: Any, steps: int) -> dict[str, float]:
-    """Host time per step of each phase (timers wrapped around the engine's parts), and the
-    device time of one decode-graph replay at the same batch (CUDA events, no host work)."""
-    import torch
-
-    totals: dict[str, float] = {}
-    runner = engine.core.executor.worker.model_runner
-    targets = _step_phases(engine)
-    with _timing(targets, totals):
+    """Host time per step of each phase (timed by the engine), and the device-only timings its
+    workers take (one decode-graph replay at the largest captured batch)."""
+    with _phase_timing(engine) as totals:
         _sync()
         started = time.perf_counter()
         for _ in range(steps):
             engine.step()
         _sync()
-        totals["whole step"] = time.perf_counter() - started
+        whole = time.perf_counter() - started
+    totals["whole step"] = whole
     result = {label: round(1000 * seconds / steps, 3) for label, seconds in totals.items()}
-    graphs = getattr(runner, "graphs", None)
-    if graphs is not None and graphs.graphs and torch.cuda.is_available():
-        size = graphs.max_size
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        graphs.run(size)  # rewrites the last step's keys and values with the same values
-        start.record()
-        for _ in range(10):
-            graphs.run(size)
-        end.record()
-        torch.cuda.synchronize()
-        result[f"device: one decode-graph replay at batch {size}"] = round(start.elapsed_time(end) / 10, 3)
+    result.update(engine.device_benchmarks())
     return result
 
 

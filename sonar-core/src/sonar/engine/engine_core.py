@@ -15,6 +15,7 @@ from sonar.engine.scheduler_output import SchedulerOutput
 from sonar.engine.wire import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from sonar.executor.base import Executor
 from sonar.structured_output.manager import StructuredOutputManager
+from sonar.worker.phase_timer import PhaseTimer
 from sonar.platform import Platform
 from sonar.registry import load_registered
 
@@ -56,6 +57,7 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling
         self.num_steps_launched = 0
         self._in_flight: _InFlightStep | None = None
+        self._timer = PhaseTimer()
         logger.info("KV cache: %d blocks of %d tokens", self.cache_config.num_blocks, config.block_size)
 
     @classmethod
@@ -201,6 +203,24 @@ class EngineCore:
             for r in aborted
         ]
 
+    def set_phase_timing(self, enabled: bool) -> None:
+        """Time the parts of each step (scheduling, launch and its pieces, the wait for
+        results, the update) until turned off; ``phase_times`` reads them."""
+        if enabled:
+            self._timer.enable([
+                (self.executor, "launch", "launch"),
+                (self.executor, "fetch", "fetch_wait"),
+                (self.scheduler, "schedule", "schedule"),
+                (self.scheduler, "update_from_output", "update"),
+            ])
+        else:
+            self._timer.disable()
+        self.executor.set_phase_timing(enabled)
+
+    def phase_times(self) -> dict[str, float]:
+        """Host seconds per step part since the last call."""
+        return self._timer.take() | self.executor.phase_times()
+
     def get_stats(self) -> SchedulerStats:
         kv = self.kv_cache
         return SchedulerStats(
@@ -214,4 +234,5 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
+            num_steps=self.num_steps_launched,
         )

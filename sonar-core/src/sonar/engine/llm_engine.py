@@ -17,6 +17,7 @@ from sonar.engine.wire import EngineCoreOutput, EngineCoreOutputs, SchedulerStat
 from sonar.outputs import RequestOutput
 from sonar.platform import Platform, current_platform
 from sonar.sampling_params import SamplingParams
+from sonar.worker.phase_timer import PhaseTimer
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.scheduler_config = self.config.scheduler_config
+        self._timer = PhaseTimer()
         self.core: EngineCore | None = None
         if self.config.data_parallel_size == 1:
             self.core = EngineCore.from_config(self.config, self.platform)
@@ -92,6 +94,42 @@ class LLMEngine:
 
     def get_stats(self) -> SchedulerStats:
         return self.client.get_stats()
+
+    # -- benchmarks ----------------------------------------------------------------------
+
+    def set_phase_timing(self, enabled: bool) -> None:
+        """Time the host's part of each step, piece by piece (``phase_times`` reads them):
+        the engine core's scheduling, launch, wait and update, the worker's parts of the
+        launch, and the output processing here. In-process engine cores only."""
+        core = self._local_core("phase timing")
+        core.set_phase_timing(enabled)
+        if enabled:
+            self._timer.enable([(self.output_processor, "process", "output_processing")])
+        else:
+            self._timer.disable()
+
+    def phase_times(self) -> dict[str, float]:
+        """Host seconds per step part since the last call."""
+        return self._local_core("phase timing").phase_times() | self._timer.take()
+
+    def device_benchmarks(self) -> dict[str, float]:
+        """Device-only timings the engine core's workers can take (e.g. a decode-graph
+        replay), in milliseconds by label."""
+        return self._local_core("device benchmarks").executor.device_benchmarks()
+
+    def memory_profile(self) -> dict[str, int]:
+        """What the workers measured before sizing the KV cache (bytes by label) and the cache
+        they sized."""
+        core = self._local_core("the memory profile")
+        report = dict(core.executor.profile_report())
+        report["kv_cache_blocks"] = core.cache_config.num_blocks
+        report["kv_cache_bytes"] = core.cache_config.num_blocks * core.executor.kv_bytes_per_block()
+        return report
+
+    def _local_core(self, what: str) -> EngineCore:
+        if self.core is None:
+            raise RuntimeError(f"{what} needs the engine core in this process (data_parallel_size=1)")
+        return self.core
 
     def shutdown(self) -> None:
         self.client.close()

@@ -75,6 +75,7 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    num_steps: int = 0  # steps launched
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):

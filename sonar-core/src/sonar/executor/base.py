@@ -60,6 +60,17 @@ class Executor:
         """Run one step and wait for its output."""
         return self.fetch(self.launch(scheduler_output))
 
+    def set_phase_timing(self, enabled: bool) -> None:
+        """Turn on (or off) timing of the parts of each step in the workers, for benchmarks."""
+
+    def phase_times(self) -> dict[str, float]:
+        """Host seconds per step part since the last call (``{}`` when not timing)."""
+        return {}
+
+    def device_benchmarks(self) -> dict[str, float]:
+        """Device-only timings the workers can take (milliseconds by label; may be empty)."""
+        return {}
+
     def profile_report(self) -> dict[str, int]:
         """What the memory profile measured, in bytes (``{}`` where nothing was profiled)."""
         return {}

@@ -9,6 +9,7 @@ from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sonar.executor.base import Executor
 from sonar.platform import Platform
 from sonar.registry import import_class
+from sonar.worker.phase_timer import PhaseTimer
 
 
 class UniprocExecutor(Executor):
@@ -19,6 +20,7 @@ class UniprocExecutor(Executor):
         worker_cls = import_class(platform.worker_cls)
         self.worker = worker_cls(platform, model_config, config)
         self.worker.load_model()
+        self._timer = PhaseTimer()
 
     def kv_cache_specs(self) -> list[Any] | None:
         return self.worker.kv_cache_specs()
@@ -42,6 +44,18 @@ class UniprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
+
+    def set_phase_timing(self, enabled: bool) -> None:
+        if enabled:
+            self._timer.enable(self.worker.model_runner.phase_targets())
+        else:
+            self._timer.disable()
+
+    def phase_times(self) -> dict[str, float]:
+        return self._timer.take()
+
+    def device_benchmarks(self) -> dict[str, float]:
+        return self.worker.model_runner.device_benchmarks()
 
     def profile_report(self) -> dict[str, int]:
         return self.worker.profile_report()

@@ -108,6 +108,23 @@ class ModelRunner:
         allocated now (run once, on dummy inputs, before the KV cache exists)."""
         return profile_peak_bytes(self, platform)
 
+    def phase_targets(self) -> list[tuple[object, str, str]]:
+        """The parts of ``launch`` a benchmark may time: ``(object, method, label)``."""
+        return [
+            (self, "_update_states", "launch: update_states"),
+            (self, "build_batch", "launch: build_batch"),
+            (self, "_feed_pending_tokens", "launch: feed_pending"),
+            (self.model, "forward", "launch: forward"),
+            (self, "sampler", "launch: sampler"),
+            (self.model, "compute_logits", "launch: compute_logits"),
+            (self, "_prompt_logprobs", "launch: prompt_logprobs"),
+            (SamplingMetadata, "build", "launch: sampling_metadata"),
+        ]
+
+    def device_benchmarks(self) -> dict[str, float]:
+        """Device-only timings this runner can take (none here; platform runners add theirs)."""
+        return {}
+
     def kv_cache_specs(self) -> list | None:
         """The model's ``KVCacheSpec`` per layer; None where it declares none (full attention)."""
         specs = getattr(self.model, "kv_cache_specs", None)
@@ -320,10 +337,12 @@ class ModelRunner:
 
 def profile_states(config: EngineConfig, vocab_size: int) -> tuple[list[CachedRequestState], list[int]]:
     """Dummy requests shaped like the largest step ``config`` allows: ``max_num_batched_tokens``
-    prompt tokens over ``min(max_num_seqs, tokens)`` sequences, every one sampling with
-    truncation, penalties and ``max_logprobs``."""
-    num_tokens = config.max_num_batched_tokens
-    num_seqs = max(1, min(config.max_num_seqs, num_tokens))
+    prompt tokens (as many as ``max_num_seqs`` sequences of ``max_model_len`` hold) over
+    ``min(max_num_seqs, tokens)`` sequences, every one sampling with truncation, penalties
+    and ``max_logprobs``."""
+    # a step holds at most max_num_seqs sequences, none longer than max_model_len
+    num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
+    num_seqs = max(1, min(config.max_num_seqs, num_tokens), -(-num_tokens // config.max_model_len))
     lengths = [num_tokens // num_seqs + (1 if i < num_tokens % num_seqs else 0) for i in range(num_seqs)]
     params = SamplingParams(
         temperature=0.8, top_p=0.9, top_k=50, min_p=0.05, repetition_penalty=1.1, frequency_penalty=0.1,
