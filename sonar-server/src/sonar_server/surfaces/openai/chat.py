@@ -81,7 +81,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         },
     )
     request_id = state.new_request_id("chatcmpl")
-    generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text)
+    generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text, body.priority)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(_stream(state, body, generation, include_usage, plan, json_constrained(guide)), closer([generation]))
