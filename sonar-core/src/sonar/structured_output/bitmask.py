@@ -4,10 +4,12 @@ request, one call applies it to the logits rows it constrains."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
-from sonar.structured_output.matcher import RequestGrammar
+if TYPE_CHECKING:
+    from sonar.structured_output.matcher import RequestGrammar
 
 
 class GrammarBitmask:
