@@ -13,6 +13,7 @@ from sonar.structured_output import GuidedDecodingParams
 
 from sonar_server import strict_json
 from sonar_server.errors import ApiError
+from sonar_server.json_closer import closing_suffix
 from sonar_server.parsers import (
     ReasoningParser,
     ReasoningStream,
@@ -235,6 +236,12 @@ def json_constrained(guide: GuidedDecodingParams | None) -> bool:
     return guide is not None and guide.kind in ("json", "json_object")
 
 
+def output_parser(plan: ToolPlan, settings: ServerSettings, guide: GuidedDecodingParams | None) -> OutputParser:
+    """The parser of one choice of a request with this plan and constraint."""
+    closes_json = guide is not None and guide.kind == "json_object"
+    return OutputParser(plan, reasoning_parser(settings), json_constrained(guide), closes_json)
+
+
 def reasoning_parser(settings: ServerSettings) -> ReasoningParser | None:
     return make_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser else None
 
@@ -252,10 +259,14 @@ class OutputParser:
     :param plan: the request's tool plan.
     :param reasoning: the server's reasoning parser (None: no reasoning separation).
     :param constrained: the output is JSON by grammar, so it holds no reasoning block.
+    :param closes_json: the output is a ``json_object``: one cut by ``max_tokens`` is closed
+        (``json_closer``) so its content parses.
     """
 
-    def __init__(self, plan: ToolPlan, reasoning: ReasoningParser | None, constrained: bool) -> None:
+    def __init__(self, plan: ToolPlan, reasoning: ReasoningParser | None, constrained: bool, closes_json: bool = False) -> None:
         self.plan = plan
+        self.closes_json = closes_json
+        self._json_text = ""
         self.reasoning = None if constrained else reasoning
         self._reasoning_stream = ReasoningStream(self.reasoning) if self.reasoning is not None else None
         self._tool_stream = ToolCallStream(plan.parser) if plan.mode == "auto" and plan.parser is not None else None
@@ -266,6 +277,8 @@ class OutputParser:
         """A whole output (``truncated``: cut by ``max_tokens``)."""
         reasoning, content = (None, text) if self.reasoning is None else self.reasoning.extract(text)
         result = self.plan.parse(content, truncated)
+        if self.closes_json and truncated and not result.tool_calls:
+            result.content += closing_suffix(result.content) or ""
         return ParsedOutput(reasoning, result.content, result.tool_calls)
 
     def feed(self, delta: str) -> list[StreamEvent]:
@@ -273,6 +286,8 @@ class OutputParser:
         if not delta:
             return []
         pieces = self._reasoning_stream.feed(delta) if self._reasoning_stream is not None else [("content", delta)]
+        if self.closes_json:
+            self._json_text += "".join(text for kind, text in pieces if kind == "content")
         return self._content_events(pieces)
 
     def finish(self, truncated: bool = False) -> list[StreamEvent]:
@@ -286,6 +301,10 @@ class OutputParser:
                 events += [StreamEvent("tool_call", call.arguments, i, call) for i, call in enumerate(result.tool_calls)]
             elif result.content:
                 events.append(StreamEvent("content", result.content))
+        if self.closes_json and truncated:
+            suffix = closing_suffix(self._json_text)
+            if suffix:
+                events.append(StreamEvent("content", suffix))
         return events
 
     def _content_events(self, pieces: list[tuple[str, str]]) -> list[StreamEvent]:

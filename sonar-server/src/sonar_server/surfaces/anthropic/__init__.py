@@ -22,7 +22,7 @@ from sonar_server.streaming import EventStreamResponse, sse_event, unless_discon
 from sonar_server.strict_json import StrictJSONResponse
 from sonar_server.structured import body_guide
 from sonar_server.surfaces.anthropic.protocol import ContentBlock, CountTokensRequest, Message, MessagesRequest
-from sonar_server.tool_calling import OutputParser, ParsedOutput, anthropic_tool_plan, json_constrained, reasoning_parser
+from sonar_server.tool_calling import OutputParser, ParsedOutput, anthropic_tool_plan, output_parser
 
 API = "anthropic.messages"
 _STATUS_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}
@@ -142,11 +142,11 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     message_id = state.new_request_id("msg")
     generation = await start_generation(state, API, message_id, prompt_ids, params, arrival, prompt_text)
     if body.stream:
-        parser = OutputParser(plan, reasoning_parser(state.settings), json_constrained(guide))
+        parser = output_parser(plan, state.settings, guide)
         return EventStreamResponse(_stream(state, body, generation, stop_sequences, parser), closer([generation]))
     await unless_disconnected(request, generation.collect())
     choice = generation.choices[0]
-    parsed = OutputParser(plan, reasoning_parser(state.settings), json_constrained(guide)).parse(choice.text, choice.finish_reason == "length")
+    parsed = output_parser(plan, state.settings, guide).parse(choice.text, choice.finish_reason == "length")
     stop_reason, stop_sequence = _stop_reason(choice.finish_reason, choice.stop_reason, stop_sequences, bool(parsed.tool_calls))
     return StrictJSONResponse(
         {

@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from sonar.structured_output import GuidedDecodingParams
 from starlette.requests import Request
 from starlette.responses import Response
 
@@ -21,7 +22,7 @@ from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
 from sonar_server.surfaces.openai.logprobs import chat_logprobs
 from sonar_server.surfaces.openai.protocol import ChatCompletionRequest, ChatMessage
-from sonar_server.tool_calling import OutputParser, ToolPlan, json_constrained, openai_tool_plan, reasoning_parser, template_message_tool_calls
+from sonar_server.tool_calling import ToolPlan, openai_tool_plan, output_parser, template_message_tool_calls
 
 API = "openai.chat"
 
@@ -84,9 +85,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text, body.priority)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_stream(state, body, generation, include_usage, plan, json_constrained(guide)), closer([generation]))
+        return EventStreamResponse(_stream(state, body, generation, include_usage, plan, guide), closer([generation]))
     await unless_disconnected(request, generation.collect())
-    return StrictJSONResponse(_response(state, body, generation, plan, json_constrained(guide)))
+    return StrictJSONResponse(_response(state, body, generation, plan, guide))
 
 
 def _usage(generation: Generation) -> dict[str, int]:
@@ -95,8 +96,8 @@ def _usage(generation: Generation) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _message(state: ServerState, text: str, plan: ToolPlan, constrained: bool, truncated: bool) -> dict[str, Any]:
-    parsed = OutputParser(plan, reasoning_parser(state.settings), constrained).parse(text, truncated)
+def _message(state: ServerState, text: str, plan: ToolPlan, guide: GuidedDecodingParams | None, truncated: bool) -> dict[str, Any]:
+    parsed = output_parser(plan, state.settings, guide).parse(text, truncated)
     message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
     if parsed.reasoning is not None:
         message["reasoning_content"] = parsed.reasoning
@@ -112,13 +113,13 @@ def _finish_reason(finish_reason: str | None, message: dict[str, Any]) -> str | 
     return "tool_calls" if message.get("tool_calls") and finish_reason == "stop" else finish_reason
 
 
-def _response(state: ServerState, body: ChatCompletionRequest, generation: Generation, plan: ToolPlan, constrained: bool) -> dict[str, Any]:
+def _response(state: ServerState, body: ChatCompletionRequest, generation: Generation, plan: ToolPlan, guide: GuidedDecodingParams | None) -> dict[str, Any]:
     choices = []
     for choice in generation.choices:
         logprobs = None
         if body.logprobs:
             logprobs = chat_logprobs(state, choice.token_ids, list(choice.logprobs or []), body.top_logprobs or 0)
-        message = _message(state, choice.text, plan, constrained, choice.finish_reason == "length")
+        message = _message(state, choice.text, plan, guide, choice.finish_reason == "length")
         choices.append(
             {
                 "index": choice.index,
@@ -139,7 +140,7 @@ def _response(state: ServerState, body: ChatCompletionRequest, generation: Gener
 
 
 async def _stream(
-    state: ServerState, body: ChatCompletionRequest, generation: Generation, include_usage: bool, plan: ToolPlan, constrained: bool
+    state: ServerState, body: ChatCompletionRequest, generation: Generation, include_usage: bool, plan: ToolPlan, guide: GuidedDecodingParams | None
 ) -> AsyncIterator[str]:
     created = int(time.time())
     model = body.model or state.model_name
@@ -151,8 +152,7 @@ async def _stream(
         return sse_data(payload)
 
     deltas = generation.deltas()
-    reasoning = reasoning_parser(state.settings)
-    parsers = [OutputParser(plan, reasoning, constrained) for _ in range(body.n)]
+    parsers = [output_parser(plan, state.settings, guide) for _ in range(body.n)]
     num_calls = [0] * body.n
     try:
         for index in range(body.n):
