@@ -81,12 +81,13 @@ class Platform:
 
     @classmethod
     def allocated_memory_bytes(cls) -> int:
-        """Bytes this process's tensors hold on the device now (where ``measures_memory``)."""
+        """Bytes this process's allocator holds on the device now, cached blocks included
+        (where ``measures_memory``)."""
         return 0
 
     @classmethod
     def peak_memory_bytes(cls) -> int:
-        """The most bytes this process's tensors held since ``reset_peak_memory``."""
+        """The most bytes the allocator held since ``reset_peak_memory``."""
         return 0
 
     @classmethod

@@ -57,13 +57,14 @@ class CudaPlatform(Platform):
 
     @classmethod
     def allocated_memory_bytes(cls) -> int:
-        """Bytes held by this process's tensors on the current device."""
-        return torch.cuda.memory_allocated()
+        """Bytes the caching allocator holds on the current device (reserved: what tensors
+        use plus the blocks it keeps cached, as the device sees it)."""
+        return torch.cuda.memory_reserved()
 
     @classmethod
     def peak_memory_bytes(cls) -> int:
-        """The allocator's peak since ``reset_peak_memory``."""
-        return torch.cuda.max_memory_allocated()
+        """The allocator's peak of reserved bytes since ``reset_peak_memory``."""
+        return torch.cuda.max_memory_reserved()
 
     @classmethod
     def release_cached_memory(cls) -> None:

@@ -371,6 +371,7 @@ def profile_step_peak_bytes(runner: ModelRunner, platform: type, states: list[Ca
         runner.block_table.add(state.req_id, list(range(next_block, next_block + count)))
         next_block += count
     platform.synchronize()
+    platform.release_cached_memory()  # measured from what live tensors hold, nothing cached
     baseline = platform.allocated_memory_bytes()
     platform.reset_peak_memory()
     try:
