@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -75,7 +75,11 @@ def test_mistral_sliding_window_matches_transformers(tmp_path) -> None:
 
 
 def _greedy_step_by_step(
-    path: Path, prompts: list[list[int]], num_tokens: int, on_step: Callable[[KVCacheManager, list[Request]], None]
+    path: Path,
+    prompts: list[list[int]],
+    num_tokens: int,
+    on_step: Callable[[KVCacheManager, list[Request]], None],
+    kv_cache_memory_bytes: int = 2 << 20,
 ) -> list[list[int]]:
     """Greedy outputs from an in-process engine (block size 4), calling ``on_step(kv_cache,
     running_requests)`` after every step."""
@@ -83,8 +87,8 @@ def _greedy_step_by_step(
     from sonar.engine.llm_engine import LLMEngine
 
     args = EngineArgs(
-        model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=32, max_model_len=256,
-        kv_cache_memory_bytes=2 << 20,
+        model=str(path), dtype="float32", block_size=4, max_num_batched_tokens=32, max_model_len=128,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
     )
     engine = LLMEngine(args)
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
@@ -103,27 +107,36 @@ def _greedy_step_by_step(
 
 
 def test_mistral_window_shorter_than_the_prompt_frees_blocks_and_matches_transformers(tmp_path) -> None:
-    """Window 16, blocks of 4, prompts of 70-100 tokens: while decoding, a request holds only
-    the blocks of its last 16 positions (and the next one's), never its whole context."""
+    """Window 16, blocks of 4, prompts of 70-100 tokens, 40 blocks for 4 requests: while
+    decoding, a request holds only the blocks of its last 16 positions (and the next one's);
+    the blocks it gave back serve other requests while its block table still names them."""
     from sonar.engine.kv_cache_spec import SlidingWindowSpec
     from sonar_models.testing import build_tiny_model
 
     window, block = 16, 4
     path = build_tiny_model("mistral", tmp_path / "mistral-window16", sliding_window=window)
-    prompts = random_prompts(3, seed=41, min_len=70, max_len=100)
+    prompts = random_prompts(4, seed=41, min_len=70, max_len=100)
     decode_checks = []
+    stale_ids_reused = []
 
     def on_step(kv_cache: KVCacheManager, running: list[Request]) -> None:
         assert set(kv_cache.layer_specs) == {SlidingWindowSpec(window)}
+        live = {rid: kv_cache.block_ids(rid, kv_cache.num_slid_out.get(rid, 0)) for rid in kv_cache.req_blocks}
+        for rid in kv_cache.req_blocks:
+            stale = set(kv_cache.block_ids(rid)[: kv_cache.num_slid_out.get(rid, 0)])
+            stale_ids_reused.extend(b for other, ids in live.items() if other != rid for b in ids if b in stale)
         for request in running:
             computed = request.num_computed_tokens
-            if computed > request.num_prompt_tokens:  # decoding: the last step computed position computed - 1
+            # decoding (never recomputed after a preemption): the last step computed position computed - 1
+            if computed > request.num_prompt_tokens and not request.num_preemptions:
                 held = kv_cache.num_held_blocks(request.request_id)
                 assert held == -(-computed // block) - (computed - window) // block
                 decode_checks.append(held < kv_cache.num_blocks_for(computed))
 
-    outputs = _greedy_step_by_step(path, prompts, 24, on_step)
+    block_bytes = 2 * 2 * 4 * 2 * 16 * 4  # K and V, 2 layers, 4 slots, 2 KV heads of 16, float32
+    outputs = _greedy_step_by_step(path, prompts, 24, on_step, kv_cache_memory_bytes=40 * block_bytes)
     assert decode_checks and all(decode_checks)  # blocks were given back on every decode step
+    assert stale_ids_reused  # a stale block-table entry named another request's block
     oracle = HFOracle(path)
     for prompt, tokens in zip(prompts, outputs):
         assert tokens == oracle.greedy(prompt, 24)[0]

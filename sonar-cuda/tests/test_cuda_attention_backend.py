@@ -143,8 +143,8 @@ def test_a_window_below_one_is_refused() -> None:
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("arch, overrides", [
-    ("mistral", dict(sliding_window=32)),  # every layer slides: blocks are given back
-    ("qwen2", dict(use_sliding_window=True, sliding_window=24, max_window_layers=1)),  # layer 0 full, layer 1 slides
+    ("mistral", {"sliding_window": 32}),  # every layer slides: blocks are given back
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 24, "max_window_layers": 1}),  # layer 0 full, layer 1 slides
 ])
 def test_sliding_window_engine_greedy_equals_transformers(tmp_path, arch: str, overrides: dict) -> None:
     """Windows shorter than the prompts, float32, through the decode graphs and chunked

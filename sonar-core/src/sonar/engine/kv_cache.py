@@ -85,7 +85,8 @@ class KVCacheManager:
         return 1.0 - len(self.free_blocks) / self.num_blocks
 
     def block_ids(self, request_id: str, start: int = 0) -> list[int]:
-        """The request's block ids from its ``start``-th block on."""
+        """The request's block ids from its ``start``-th block on (those that slid out of its
+        window included: stale ids, never read again by its attention)."""
         blocks = self.req_blocks.get(request_id)
         if not blocks or start >= len(blocks):
             return []
@@ -95,7 +96,7 @@ class KVCacheManager:
         """Blocks needed to hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def num_needed_blocks_skipped(self, num_computed_tokens: int) -> int:
+    def num_blocks_out_of_window(self, num_computed_tokens: int) -> int:
         """Leading blocks that no layer reads again once a request has ``num_computed_tokens``
         tokens computed (0 unless every layer slides)."""
         if not self.layer_specs:
@@ -167,7 +168,7 @@ class KVCacheManager:
         total_tokens = num_computed + num_new_tokens
         num_needed = self.num_blocks_for(total_tokens) - len(held) - len(computed_blocks)
         # cached blocks taken from the free list also count against it, unless they slide out at once
-        num_kept = len(computed_blocks) - min(self.num_needed_blocks_skipped(num_computed), len(computed_blocks))
+        num_kept = len(computed_blocks) - min(self.num_blocks_out_of_window(num_computed), len(computed_blocks))
         num_reused_free = sum(1 for b in computed_blocks[len(computed_blocks) - num_kept :] if b.ref_cnt == 0)
         if num_needed + num_reused_free > len(self.free_blocks):
             return False
@@ -216,7 +217,7 @@ class KVCacheManager:
         if not blocks:
             return
         first = self.num_slid_out.get(request_id, 0)
-        last = min(self.num_needed_blocks_skipped(num_computed_tokens), len(blocks))
+        last = min(self.num_blocks_out_of_window(num_computed_tokens), len(blocks))
         if last <= first:
             return
         for block in blocks[first:last]:
