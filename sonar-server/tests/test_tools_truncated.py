@@ -6,10 +6,9 @@ from __future__ import annotations
 import anthropic
 import openai
 import pytest
-from test_tools_api import ANTHROPIC_TOOLS, MESSAGES, TOOLS, streamed_calls
-
 from sonar_server.parsers.partial import partial_call, partial_call_list, with_cut_call
 from sonar_server.parsers.tools import HermesToolParser
+from test_tools_api import ANTHROPIC_TOOLS, MESSAGES, TOOLS, streamed_calls
 
 
 def test_partial_calls_are_read_from_cut_json() -> None:

@@ -11,7 +11,7 @@ implementation may accept fewer arguments than its spec: specs grow, they don't 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pluggy
 

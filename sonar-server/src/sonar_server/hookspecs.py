@@ -8,7 +8,7 @@ core's hooks.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from sonar.hookspecs import hookspec
 

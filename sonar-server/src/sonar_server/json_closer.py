@@ -36,10 +36,7 @@ def closing_suffix(prefix: str) -> str | None:
         if char in " \t\r\n":
             continue
         if expect in ("value", "key_or_close", "value_or_close"):
-            if char == "]" and expect == "value_or_close" and stack[-1] == "[":
-                stack.pop()
-                expect = "comma"
-            elif char == "}" and expect == "key_or_close":
+            if (char == "]" and expect == "value_or_close") or (char == "}" and expect == "key_or_close"):
                 stack.pop()
                 expect = "comma"
             elif expect == "key_or_close" and char == '"':

@@ -29,7 +29,11 @@ from sonar_server.parsers.base import call_from_object, decode_json_prefix
 from sonar_server.parsers.partial import partial_call_list, with_cut_call
 from sonar_server.settings import ServerSettings
 from sonar_server.tool_prompt import PARSER as SONAR_PROMPT_PARSER
-from sonar_server.tool_prompt import auto_tool_grammar, messages_with_tools, template_renders_tools
+from sonar_server.tool_prompt import (
+    auto_tool_grammar,
+    messages_with_tools,
+    template_renders_tools,
+)
 
 DEFAULT_TOOL_PARSER = "hermes"  # for tool_choice "auto" without --tool-call-parser; the format of Sonar's tool prompt
 

@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import re
 
-from sonar_server.parsers.base import ToolCall, ToolCallResult, ToolParser, call_from_object, decode_json_prefix
+from sonar_server.parsers.base import (
+    ToolCall,
+    ToolCallResult,
+    ToolParser,
+    call_from_object,
+    decode_json_prefix,
+)
 
 _NAME = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
 _NAME_BEGUN = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]*)$')

@@ -21,8 +21,18 @@ from sonar_server.state import ServerState
 from sonar_server.streaming import EventStreamResponse, sse_event, unless_disconnected
 from sonar_server.strict_json import StrictJSONResponse
 from sonar_server.structured import body_guide
-from sonar_server.surfaces.anthropic.protocol import ContentBlock, CountTokensRequest, Message, MessagesRequest
-from sonar_server.tool_calling import OutputParser, ParsedOutput, anthropic_tool_plan, output_parser
+from sonar_server.surfaces.anthropic.protocol import (
+    ContentBlock,
+    CountTokensRequest,
+    Message,
+    MessagesRequest,
+)
+from sonar_server.tool_calling import (
+    OutputParser,
+    ParsedOutput,
+    anthropic_tool_plan,
+    output_parser,
+)
 
 API = "anthropic.messages"
 _STATUS_KINDS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}

@@ -22,7 +22,12 @@ from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
 from sonar_server.surfaces.openai.logprobs import chat_logprobs
 from sonar_server.surfaces.openai.protocol import ChatCompletionRequest, ChatMessage
-from sonar_server.tool_calling import ToolPlan, openai_tool_plan, output_parser, template_message_tool_calls
+from sonar_server.tool_calling import (
+    ToolPlan,
+    openai_tool_plan,
+    output_parser,
+    template_message_tool_calls,
+)
 
 API = "openai.chat"
 
