@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -21,7 +20,7 @@ import torch
 from sonar.attention import AttentionMetadata
 from sonar.engine.scheduler_output import SchedulerOutput
 from sonar.worker.input_batch import CachedRequestState, StepBatch
-from sonar.worker.model_runner import ModelRunner, profile_states, profile_step_peak_bytes
+from sonar.worker.model_runner import ModelRunner
 from sonar_cuda.decode_graphs import DecodeBuffers, DecodeGraphs, GraphedModel, default_capture_sizes, fill_padding
 from sonar_cuda.kernels.decode_attention import warm_up_decode_attention
 
@@ -47,16 +46,33 @@ class CudaModelRunner(ModelRunner):
     # -- setup ---------------------------------------------------------------------------
 
     def profile_peak_bytes(self, platform: type) -> int:
-        """The core runner's largest step, plus the memory the decode graphs will keep in their
-        private pool: a decode step of the largest captured batch, measured eagerly."""
+        """The core runner's largest step, plus what the decode graphs keep in their private
+        pool: they are captured once over a one-block scratch cache, measured, and dropped."""
         step_bytes = super().profile_peak_bytes(platform)
         if not self.use_graphs:
             return step_bytes
-        num_seqs = min(self.max_graph_batch_size, self.config.max_num_seqs)
-        states, lengths = profile_states(replace(self.config, max_num_batched_tokens=num_seqs), self.model_config.vocab_size)
-        graph_bytes = profile_step_peak_bytes(self, platform, states, lengths)
+        graph_bytes = self._profile_graph_bytes(platform)
+        self.profile_parts = {"largest_step_bytes": step_bytes, "decode_graph_bytes": graph_bytes}
         logger.info("profiled the largest step at %.2f GiB, decode graphs at %.2f GiB", step_bytes / 2**30, graph_bytes / 2**30)
         return step_bytes + graph_bytes
+
+    def _profile_graph_bytes(self, platform: type) -> int:
+        model = self.model
+        shape = (2, 1, self.block_size, model.num_kv_heads, model.head_dim)
+        scratch = [self._zeros(shape) for _ in range(model.num_layers)]
+        platform.synchronize()
+        platform.release_cached_memory()
+        before = platform.allocated_memory_bytes()
+        buffers = DecodeBuffers.allocate(self.max_graph_batch_size, self.max_blocks_per_seq, self.device)
+        graphs = DecodeGraphs(
+            model, scratch, buffers, default_capture_sizes(self.max_graph_batch_size), self.model_config.max_model_len, True
+        )
+        graphs.capture()
+        platform.synchronize()
+        used = platform.allocated_memory_bytes() - before
+        del graphs, buffers, scratch
+        platform.release_cached_memory()
+        return max(0, used)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then the decode buffers and graphs over it."""
@@ -67,7 +83,10 @@ class CudaModelRunner(ModelRunner):
         self.graphs = DecodeGraphs(
             model, self.kv_caches, buffers, default_capture_sizes(max_batch), self.model_config.max_model_len, self.use_graphs
         )
+        reserved_before = torch.cuda.memory_reserved() if self.device.type == "cuda" else 0
         self.graphs.capture()
+        if self.device.type == "cuda":
+            self.profile_parts["captured_graph_bytes"] = torch.cuda.memory_reserved() - reserved_before
         self.model = GraphedModel(model, self.graphs)
         if self.device.type == "cuda":  # compile the eager decode path's split-KV variants now
             kv = self.kv_caches[0]

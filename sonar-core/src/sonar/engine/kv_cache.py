@@ -71,6 +71,7 @@ class KVCacheManager:
         self.num_slid_out: dict[str, int] = {}  # leading blocks of a request given back early
         self.stats = PrefixCacheStats()
         self.layer_specs: tuple[KVCacheSpec, ...] = tuple(set(specs or ()))  # distinct kinds of layer
+        self.gives_back_blocks = self.num_blocks_out_of_window(1 << 62) > 0  # every layer slides
 
     # -- queries -------------------------------------------------------------------------
 
@@ -161,6 +162,18 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] | None = None) -> bool:
         """Make room for ``num_new_tokens`` more tokens after ``request.num_computed_tokens``
         (plus ``computed_blocks`` from the prefix cache for a newly scheduled request)."""
+        if not computed_blocks and not self.gives_back_blocks:  # a running request's next tokens
+            held = self.req_blocks.get(request.request_id)
+            if held is not None:
+                total_tokens = request.num_computed_tokens + num_new_tokens
+                num_needed = -(-total_tokens // self.block_size) - len(held)
+                if num_needed > len(self.free_blocks):
+                    return False
+                for _ in range(num_needed):
+                    held.append(self._pop_free_block())
+                if self.enable_prefix_caching:
+                    self._cache_full_blocks(request, held, total_tokens)
+                return True
         computed_blocks = computed_blocks or []
         self._slide_out(request.request_id, request.num_computed_tokens)
         held = self.req_blocks.get(request.request_id, [])

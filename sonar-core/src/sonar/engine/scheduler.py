@@ -174,15 +174,18 @@ class Scheduler:
         """Count ``num_new`` scheduled tokens as computed; one that completes the known tokens
         samples the next, which stays pending until its value comes back."""
         computed = request.num_computed_tokens
-        num_prompt = max(0, min(computed + num_new, request.num_prompt_tokens) - computed)
-        out.num_scheduled_tokens[request.request_id] = num_new
+        num_prompt_left = request.num_prompt_tokens - computed
+        num_prompt = 0 if num_prompt_left <= 0 else min(num_new, num_prompt_left)
+        req_id = request.request_id
+        out.num_scheduled_tokens[req_id] = num_new
         out.num_prompt_tokens += num_prompt
-        out.reads_output_tokens |= request.reads_output_tokens
-        request.num_computed_tokens = computed + num_new
-        samples = request.num_computed_tokens == request.num_tokens + request.num_pending_tokens
+        if request.reads_output_tokens:
+            out.reads_output_tokens = True
+        request.num_computed_tokens = computed = computed + num_new
+        samples = computed == request.num_tokens + request.num_pending_tokens
         if samples:
             request.num_pending_tokens += 1
-            out.sampling_req_ids.append(request.request_id)
+            out.sampling_req_ids.append(req_id)
         return _Scheduled(request, num_new, num_prompt, samples)
 
     @staticmethod

@@ -71,6 +71,7 @@ class ModelRunner:
         self.requests: dict[str, CachedRequestState] = {}
         self.preempted_samplings: dict[str, RequestSamplingState] = {}
         self.block_table = BlockTable(-(-model_config.max_model_len // block_size) + 1)
+        self.profile_parts: dict[str, int] = {}  # what the memory profile measured, by part
         self.sampler = Sampler()
         self._last_sampling: LaunchedStep | None = None  # the last launched step that sampled
 

@@ -53,11 +53,11 @@ class Worker:
             step_bytes = self.model_runner.profile_peak_bytes(platform)
             platform.release_cached_memory()
         budget = platform.kv_cache_budget_bytes(utilization, reserved_bytes=step_bytes)
-        self._profile = {"largest_step_bytes": step_bytes, "kv_cache_budget_bytes": budget}
+        self._profile = {"reserved_for_steps_bytes": step_bytes, "kv_cache_budget_bytes": budget}
         return budget
 
     def profile_report(self) -> dict[str, int]:
-        return dict(self._profile)
+        return self._profile | self.model_runner.profile_parts
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.init_kv_cache(num_blocks)
