@@ -13,4 +13,7 @@ for p in sonar-core sonar-cpu sonar-models sonar-server sonar-cuda; do
     [ -f "$p/pyproject.toml" ] && packages+=("-e" "./$p")
 done
 python -m pip install --quiet "${packages[@]}"
+# what the README's commands need beyond the packages: accelerate for transformers' GGUF loading
+# (`sonar bench throughput --compare-hf`)
+python -m pip install --quiet accelerate
 echo "ready: . .venv/bin/activate"
