@@ -265,9 +265,11 @@ def test_anthropic_call_with_a_non_finite_number_stays_text(tools_url: str, numb
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}], ids=["required", "named"])
 def test_grammar_forced_calls_with_top_logprobs_are_strict(tools_url: str, tool_choice: Any) -> None:
     body = {**CHAT, "tools": TOOLS, "tool_choice": tool_choice, "parallel_tool_calls": False, "max_tokens": 60}
-    message = json_body(httpx.post(f"{tools_url}/v1/chat/completions", json=body, timeout=60))["choices"][0]["message"]
+    choice = json_body(httpx.post(f"{tools_url}/v1/chat/completions", json=body, timeout=60))["choices"][0]
+    message = choice["message"]
     for call in message.get("tool_calls") or []:
-        assert isinstance(strict_loads(call["function"]["arguments"]), dict)
+        if choice["finish_reason"] != "length":  # a call cut by max_tokens carries its partial arguments
+            assert isinstance(strict_loads(call["function"]["arguments"]), dict)
     chunks = sse_payloads(httpx.post(f"{tools_url}/v1/chat/completions", json={**body, **USAGE}, timeout=60))
     arguments = "".join(
         part["function"].get("arguments", "") for chunk in chunks for choice in chunk["choices"] for part in choice["delta"].get("tool_calls", [])
