@@ -41,12 +41,16 @@ def _attend_tile(
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
+    WINDOWED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # gather BLOCK_N keys and values through the block table: [BLOCK_N, BLOCK_D]; nothing before
     # kv_start (the earliest window start of the tile's rows) is read
     tokens = tile_start + tl.arange(0, BLOCK_N)
-    token_mask = (tokens >= kv_start) & (tokens < kv_end)
+    if WINDOWED:
+        token_mask = (tokens >= kv_start) & (tokens < kv_end)
+    else:
+        token_mask = tokens < kv_end
     pages = tl.load(block_table + tokens // PAGE_SIZE, mask=token_mask, other=0).to(tl.int64)
     kv_offsets = pages * stride_cache_block + (tokens % PAGE_SIZE) * stride_cache_slot + kv_head_offset
     kv_mask = token_mask[:, None] & dim_mask[None, :]
@@ -57,11 +61,13 @@ def _attend_tile(
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
     if MASKED:
         # causal, and inside the window: q - window < key <= q
-        visible = (tokens[None, :] <= q_positions[:, None]) & (tokens[None, :] > q_positions[:, None] - window)
+        visible = tokens[None, :] <= q_positions[:, None]
+        if WINDOWED:
+            visible = visible & (tokens[None, :] > q_positions[:, None] - window)
         scores = tl.where(visible & token_mask[None, :], scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     m_ref = m_new
-    if MASKED:
+    if MASKED and WINDOWED:
         # a row that has seen no key yet (its window starts later) keeps m = -inf: no -inf - -inf
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)
@@ -101,6 +107,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    WINDOWED: tl.constexpr,  # False: full attention, compiled without any window arithmetic
     DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -137,27 +144,30 @@ def _prefill_kernel(
     first_q = context_len + q_block * BLOCK_M
     last_q = tl.minimum(first_q + BLOCK_M, seq_len) - 1
     unmasked_end = first_q // BLOCK_N * BLOCK_N
-    kv_start = tl.maximum(first_q - window + 1, 0)
-    window_lo = kv_start // BLOCK_N * BLOCK_N
-    full_lo = tl.minimum(tl.cdiv(tl.maximum(last_q - window + 1, 0), BLOCK_N) * BLOCK_N, unmasked_end)
-    for tile_start in range(window_lo, full_lo, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(
-            q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, seq_len,
-            q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
-            PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
-        )
+    kv_start = 0
+    full_lo = 0
+    if WINDOWED:
+        kv_start = tl.maximum(first_q - window + 1, 0)
+        window_lo = kv_start // BLOCK_N * BLOCK_N
+        full_lo = tl.minimum(tl.cdiv(tl.maximum(last_q - window + 1, 0), BLOCK_N) * BLOCK_N, unmasked_end)
+        for tile_start in range(window_lo, full_lo, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(
+                q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, seq_len,
+                q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
+                PAGE_SIZE, BLOCK_N, True, WINDOWED, DOT_PRECISION,
+            )
     for tile_start in range(full_lo, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, seq_len,
             q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
-            PAGE_SIZE, BLOCK_N, False, DOT_PRECISION,
+            PAGE_SIZE, BLOCK_N, False, WINDOWED, DOT_PRECISION,
         )
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_M)
     for tile_start in range(unmasked_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, kv_end,
             q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
-            PAGE_SIZE, BLOCK_N, True, DOT_PRECISION,
+            PAGE_SIZE, BLOCK_N, True, WINDOWED, DOT_PRECISION,
         )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # rows past the sequence may have seen no key
@@ -231,6 +241,7 @@ def prefill_attention(
         BLOCK_D=block_d,
         BLOCK_M=block_m,
         BLOCK_N=block_n,
+        WINDOWED=sliding_window is not None,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
