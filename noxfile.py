@@ -42,7 +42,7 @@ def tests(session: nox.Session, package: str) -> None:
     the models, which most tests run on)."""
     needs = {"sonar-core": ["sonar-core", "sonar-cpu", "sonar-models"]}.get(package, ["sonar-core", "sonar-cpu", "sonar-models", package])
     _install(session, _existing(needs) + ([TRITON] if package == "sonar-cuda" else []))
-    session.run("pytest", "-m", "not cuda", f"{package}/tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
+    session.run("pytest", "-m", "not cuda", "--durations=10", f"{package}/tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
 
 
 @nox.session(name="tests-cpu", python="3.11")
@@ -52,8 +52,8 @@ def tests_cpu(session: nox.Session) -> None:
     session.install(TRITON)
     _install(session, _existing(PACKAGES))
     for package in _existing(PACKAGES):
-        session.run("pytest", "-m", "not cuda", f"{package}/tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
-    session.run("pytest", "tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
+        session.run("pytest", "-m", "not cuda", "--durations=10", f"{package}/tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
+    session.run("pytest", "--durations=15", "tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
 
 
 @nox.session(name="tests-cuda", python=False)

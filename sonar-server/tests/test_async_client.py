@@ -27,7 +27,7 @@ class FakeEngine:
         self.fail_on_step = fail_on_step
         self.thread_names: set[str] = set()
 
-    def add_request(self, request_id: str, prompt, params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt, params: SamplingParams, priority: int = 0) -> None:
         self.thread_names.add(threading.current_thread().name)
         if params.max_tokens is not None and params.max_tokens > 100:
             raise ValueError(f"max_tokens={params.max_tokens} exceeds the model's context of 100 tokens")

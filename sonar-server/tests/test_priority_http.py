@@ -47,7 +47,8 @@ def test_a_later_lower_priority_value_finishes_first(priority_server: ServerProc
         return finished
 
     order = asyncio.run(run())
-    assert order.index("urgent") < order.index("early1") and order.index("urgent") < order.index("early2")
+    # one early request was running when the urgent one came; the other two were waiting
+    assert order[1] == "urgent", order
 
 
 def test_priority_on_an_fcfs_server_is_a_400(server: ServerProcess) -> None:

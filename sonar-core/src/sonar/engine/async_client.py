@@ -91,8 +91,9 @@ class RequestStream:
 class AsyncLLM:
     """Runs an ``LLMEngine`` step loop in a background thread and serves it to asyncio code.
 
-    :param engine: an ``LLMEngine`` (anything with ``add_request``, ``abort_request``, ``step``,
-        ``has_unfinished_requests`` and ``get_stats``).
+    :param engine: an ``LLMEngine`` (anything with ``add_request(request_id, prompt, params,
+        priority=0)``, ``abort_request``, ``step``, ``has_unfinished_requests`` and
+        ``get_stats``).
     :param max_in_flight: requests admitted at once (running plus waiting); one more raises
         ``QueueFull``. None: unbounded.
     """
