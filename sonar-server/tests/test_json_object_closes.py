@@ -34,3 +34,19 @@ def test_json_object_cut_by_max_tokens_parses(tools_client: openai.OpenAI, max_t
             streamed += choice.delta.content or ""
             finish = choice.finish_reason or finish
     assert finish == "length" and streamed == content
+
+
+@pytest.mark.parametrize("max_tokens", [4, 9])
+def test_json_object_completion_cut_by_max_tokens_parses(tools_client: openai.OpenAI, max_tokens: int) -> None:
+    body = {"model": "tiny", "prompt": "A person as JSON:", "max_tokens": max_tokens, "temperature": 0}
+    extra = {"response_format": {"type": "json_object"}}
+    response = tools_client.completions.create(**body, extra_body=extra)
+    assert response.choices[0].finish_reason == "length"
+    text = response.choices[0].text
+    assert isinstance(json.loads(text), dict)
+    streamed, finish = "", None
+    for chunk in tools_client.completions.create(**body, extra_body=extra, stream=True):
+        for choice in chunk.choices:
+            streamed += choice.text or ""
+            finish = choice.finish_reason or finish
+    assert finish == "length" and streamed == text

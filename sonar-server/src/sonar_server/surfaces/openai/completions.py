@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from sonar_server.errors import ApiError, to_api_error
 from sonar_server.generation import Generation, closer, start_generation
+from sonar_server.json_closer import closing_suffix
 from sonar_server.prompts import decode_tokens, encode_prompt
 from sonar_server.sampling import build_sampling_params
 from sonar_server.state import ServerState
@@ -86,6 +87,17 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     return StrictJSONResponse(_response(state, body, request_id, generations, echo_texts))
 
 
+def _closes_json(body: CompletionRequest) -> bool:
+    return bool(body.response_format) and body.response_format.get("type") == "json_object"
+
+
+def _json_closing(body: CompletionRequest, text: str, finish_reason: str | None) -> str:
+    """What closes a ``json_object`` completion that ``max_tokens`` cut short (as on chat)."""
+    if finish_reason != "length" or not _closes_json(body):
+        return ""
+    return closing_suffix(text) or ""
+
+
 async def _echo_text(state: ServerState, text: str | None, token_ids: list[int]) -> str:
     return text if text is not None else await decode_tokens(state, token_ids)
 
@@ -115,7 +127,7 @@ def _response(
             choices.append(
                 {
                     "index": position * body.n + choice.index,
-                    "text": echo + choice.text,
+                    "text": echo + choice.text + _json_closing(body, choice.text, choice.finish_reason),
                     "logprobs": logprobs,
                     "finish_reason": choice.finish_reason,
                     "stop_reason": choice.stop_reason,
@@ -142,6 +154,8 @@ async def _stream(
     created = int(time.time())
     model = body.model or state.model_name
     text_offsets: dict[int, int] = {}
+    texts: dict[int, str] = {}  # the generated text so far, for closing a json_object cut short
+    closes_json = _closes_json(body)
 
     def chunk(index: int, text: str, logprobs: Any = None, finish_reason: str | None = None, stop_reason: Any = None) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
@@ -164,7 +178,11 @@ async def _stream(
                 if body.logprobs is not None and delta.logprobs is not None:
                     logprobs = completion_logprobs(state, delta.token_ids, list(delta.logprobs), body.logprobs, text_offsets.get(index, 0))
                 text_offsets[index] = text_offsets.get(index, 0) + len(delta.text)
-                yield chunk(index, delta.text, logprobs, delta.finish_reason, delta.stop_reason)
+                text = delta.text
+                if closes_json:
+                    texts[index] = texts.get(index, "") + text
+                    text += _json_closing(body, texts[index], delta.finish_reason)
+                yield chunk(index, text, logprobs, delta.finish_reason, delta.stop_reason)
         if include_usage:
             yield sse_data({"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": _usage(generations)})
     except Exception as exc:
