@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any
+from typing import Any, Callable
 
 from sonar.plugins import collect
 
@@ -15,49 +15,26 @@ def import_class(path: str) -> Any:
     return getattr(module, attr) if attr else module
 
 
-@functools.cache
-def model_architectures() -> dict[str, str]:
-    return {arch: path for arch, path in collect("sonar_register_models")}
+def _by_name(hook_name: str) -> Callable[[], dict[str, Any]]:
+    """A cached ``name -> registered thing`` lookup over a ``register(name, thing)`` hook."""
+
+    @functools.cache
+    def lookup() -> dict[str, Any]:
+        return {name: target for name, target in collect(hook_name)}
+
+    lookup.__name__ = hook_name.removeprefix("sonar_register_")
+    return lookup
 
 
-@functools.cache
-def weight_formats() -> dict[str, Any]:
-    return {name: fmt for name, fmt in collect("sonar_register_weight_formats")}
-
-
-@functools.cache
-def quantization_methods() -> dict[str, str]:
-    return {name: path for name, path in collect("sonar_register_quantization_methods")}
-
-
-@functools.cache
-def logits_processors() -> dict[str, Any]:
-    return {name: factory for name, factory in collect("sonar_register_logits_processors")}
-
-
-@functools.cache
-def scheduler_policies() -> dict[str, Any]:
-    return {name: policy for name, policy in collect("sonar_register_scheduler_policies")}
-
-
-@functools.cache
-def kv_cache_managers() -> dict[str, Any]:
-    return {name: manager for name, manager in collect("sonar_register_kv_cache_managers")}
-
-
-@functools.cache
-def executors() -> dict[str, Any]:
-    return {name: executor for name, executor in collect("sonar_register_executors")}
-
-
-@functools.cache
-def speculative_proposers() -> dict[str, Any]:
-    return {method: proposer for method, proposer in collect("sonar_register_speculative_proposers")}
-
-
-@functools.cache
-def kv_connectors() -> dict[str, Any]:
-    return {name: connector for name, connector in collect("sonar_register_kv_connectors")}
+model_architectures = _by_name("sonar_register_models")  # architecture -> "package.module:Class"
+weight_formats = _by_name("sonar_register_weight_formats")
+quantization_methods = _by_name("sonar_register_quantization_methods")
+logits_processors = _by_name("sonar_register_logits_processors")
+scheduler_policies = _by_name("sonar_register_scheduler_policies")
+kv_cache_managers = _by_name("sonar_register_kv_cache_managers")
+executors = _by_name("sonar_register_executors")
+speculative_proposers = _by_name("sonar_register_speculative_proposers")  # method -> proposer
+kv_connectors = _by_name("sonar_register_kv_connectors")
 
 
 @functools.cache
