@@ -131,6 +131,7 @@ class EngineConfig:
     kv_cache_manager: str = "paged"
     executor: str = "uni"
     default_sampling: dict[str, float | int] = field(default_factory=dict)  # the model's recommended SamplingParams fields
+    quantization: str | None = None  # the registered quantization method the linear layers run (None: unquantized)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -157,6 +158,7 @@ class ModelConfig:
     vocab_size: int
     load_format: str
     eos_token_ids: list[int] = field(default_factory=list)
+    quantization: str | None = None  # the registered quantization method (None: unquantized)
 
 
 @dataclass(slots=True)

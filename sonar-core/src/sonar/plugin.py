@@ -26,6 +26,11 @@ def sonar_register_executors(register: Callable[..., None]) -> None:
 
 
 @hookimpl
+def sonar_register_quantization_methods(register: Callable[..., None]) -> None:
+    register("unquantized", "sonar.quantization:UnquantizedMethod")
+
+
+@hookimpl
 def sonar_register_cli_commands(register: Callable[..., None]) -> None:
     register("chat", "sonar.cli.chat:add_parser")
     register("generate", "sonar.cli.generate:add_parser")

@@ -68,7 +68,7 @@ def quantization_rows() -> list[str]:
     dequantizable = sorted(t.name for t in GGMLQuantizationType if t in _type_traits or t.name in ("F32", "F16"))
     rows = ["| format | tensor types | executed as |", "|---|---|---|"]
     rows.append(f"| GGUF | {', '.join(dequantizable)} | dequantized at load to the model's dtype |")
-    methods = quantization_methods()
+    methods = {name: path for name, path in quantization_methods().items() if name != "unquantized"}
     if methods:
         for name, path in sorted(methods.items()):
             rows.append(f"| `quantization={name}` | — | `{path}` |")

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from sonar import ops
+from sonar.quantization import linear_method_for
 
 
 class RMSNorm(nn.Module):
@@ -27,21 +28,41 @@ class RMSNorm(nn.Module):
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` through ``sonar.ops.linear``, so a platform's kernel serves the shapes it
-    does better (same parameters and state-dict names as ``nn.Linear``)."""
+class Linear(nn.Module):
+    """A linear layer run by the ``sonar.quantization.LinearMethod`` it holds.
+
+    Unquantized (the default outside a quantized build), it has ``nn.Linear``'s parameters and
+    state-dict names and runs through ``sonar.ops.linear``, so a platform's kernel serves the
+    shapes it does better. ``prefix`` is the layer's checkpoint module name
+    (``model.layers.0.mlp.down_proj``): a quantization method may treat layers differently.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, prefix: str = "") -> None:
+        super().__init__()
+        self._build(in_features, [out_features], bias, prefix)
+
+    def _build(self, in_features: int, output_sizes: list[int], bias: bool, prefix: str) -> None:
+        self.in_features = in_features
+        self.out_features = sum(output_sizes)
+        self.prefix = prefix
+        self.linear_method = linear_method_for(prefix)
+        self.linear_method.create_weights(self, in_features, output_sizes, bias, torch.get_default_dtype())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.linear(x, self.weight, self.bias)
+        return self.linear_method.apply(self, x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, method={type(self.linear_method).__name__}"
 
 
 class MergedLinear(Linear):
     """A Linear whose output rows are several checkpoint projections stacked in order
     (``{"q": 576, "k": 192, "v": 192}``); the weight loader fills each part separately."""
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(parts.values()), bias=bias)
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, prefix: str = "") -> None:
+        nn.Module.__init__(self)
         self.parts = dict(parts)
+        self._build(in_features, list(self.parts.values()), bias, prefix)
 
     def part_rows(self, part: str) -> slice:
         """The output rows that hold ``part``."""

@@ -76,8 +76,10 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias)
+        prefix = f"model.layers.{layer_idx}.self_attn"
+        parts = {"q": q_size, "k": kv_size, "v": kv_size}
+        self.qkv_proj = MergedLinear(config.hidden_size, parts, bias=qkv_bias, prefix=f"{prefix}.qkv_proj")
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias, prefix=f"{prefix}.o_proj")
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -101,13 +103,13 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: Any, bias: bool) -> None:
+    def __init__(self, config: Any, bias: bool, prefix: str = "") -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
-        self.down_proj = Linear(size, config.hidden_size, bias=bias)
+        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias, prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = Linear(size, config.hidden_size, bias=bias, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -189,13 +191,13 @@ class LlamaForCausalLM(nn.Module):
         layers = [
             DecoderLayer(
                 DecoderAttention(config, attention, i, qkv_bias, o_bias, self.qk_norm, self.sliding_windows[i]),
-                GatedMLP(config, mlp_bias),
+                GatedMLP(config, mlp_bias, prefix=f"model.layers.{i}.mlp"),
                 config,
             )
             for i in range(self.num_layers)
         ]
         self.model = DecoderModel(layers, config, self.head_dim)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, prefix="lm_head")
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

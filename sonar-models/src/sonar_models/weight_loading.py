@@ -8,7 +8,7 @@ from typing import Iterable
 import torch
 from torch import nn
 
-from sonar_models.layers import MergedLinear
+from sonar_models.layers import Linear, MergedLinear
 
 
 @dataclass(slots=True, frozen=True)
@@ -27,7 +27,8 @@ def load_hf_weights(
     ignored_suffixes: tuple[str, ...] = (),
     skipped_names: frozenset[str] = frozenset(),
 ) -> None:
-    """Copy each ``(name, tensor)`` into ``model``; tensors stream through one at a time.
+    """Copy each ``(name, tensor)`` into ``model``; tensors stream through one at a time, into
+    a linear layer through its ``LinearMethod`` (which knows how a quantized tensor packs).
 
     ``ignored_suffixes`` (``rotary_emb.inv_freq``) and ``skipped_names`` (``lm_head.weight`` of a
     tied model) are dropped. Raises ``ValueError`` on a name the model has no place for, a shape
@@ -47,22 +48,31 @@ def load_hf_weights(
                 f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__} "
                 f"(is the config's architecture right for this checkpoint?)"
             )
-        dest = params[target].data
-        if part is not None:
-            owner = modules[target.rpartition(".")[0]]
-            dest = dest[owner.part_rows(part)]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                f"but the model expects {tuple(dest.shape)} (does config.json match the weights?)"
-            )
-        with torch.no_grad():
-            dest.copy_(tensor)
+        owner_name, _, leaf = target.rpartition(".")
+        owner = modules[owner_name]
+        rows = owner.part_rows(part) if part is not None else None
+        if isinstance(owner, Linear):
+            try:
+                owner.linear_method.load_checkpoint_tensor(owner, leaf, tensor, rows)
+            except ValueError as error:
+                raise ValueError(f"checkpoint tensor {name!r} {error} (does config.json match the weights?)") from None
+        else:
+            _copy_into(name, params[target].data if rows is None else params[target].data[rows], tensor)
         loaded.add((target, part))
     missing = sorted(f"{p}[{part}]" if part else p for p, part in expected - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" and {len(missing) - 8} more" if len(missing) > 8 else "")
         raise ValueError(f"the checkpoint did not provide {len(missing)} parameters: {shown}")
+
+
+def _copy_into(name: str, dest: torch.Tensor, tensor: torch.Tensor) -> None:
+    if tuple(dest.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+            f"but the model expects {tuple(dest.shape)} (does config.json match the weights?)"
+        )
+    with torch.no_grad():
+        dest.copy_(tensor)
 
 
 def _resolve(name: str, fused: list[FusedProjection]) -> tuple[str, str | None]:

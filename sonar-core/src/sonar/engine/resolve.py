@@ -50,6 +50,37 @@ def _eos_token_ids(model_path: Path, hf_config: Any, tokenizer: Any) -> list[int
     return ids
 
 
+def resolve_quantization(forced: str | None, hf_config: Any, platform: str) -> str | None:
+    """The quantization method the model runs: ``forced`` (``quantization=``) or the
+    checkpoint's ``quantization_config.quant_method``; None where neither names one (a GGUF
+    file is dequantized at load and names none).
+
+    :raises ValueError: the method is not registered (the message lists those that are), or
+        ``platform`` cannot run it (the message names the platforms that can).
+    """
+    from sonar.quantization import quant_config_of
+    from sonar.registry import load_registered, quantization_methods
+
+    declared = (quant_config_of(hf_config) or {}).get("quant_method")
+    name = forced if forced is not None and forced.lower() != "none" else declared
+    if name is None:
+        return None
+    registered = quantization_methods()
+    if name not in registered:
+        source = f"quantization={name!r}" if name == forced else f"the checkpoint's quantization_config.quant_method {name!r}"
+        raise ValueError(
+            f"{source} is not a registered quantization method; registered: {', '.join(sorted(registered))} "
+            f"(install the plugin that provides it)"
+        )
+    method_cls = load_registered("quantization method", name, registered)
+    if not method_cls.runs_on(platform):
+        raise ValueError(
+            f"quantization method {name!r} does not run on the {platform!r} platform; "
+            f"platforms that run it: {', '.join(method_cls.platforms)}"
+        )
+    return name
+
+
 def load_tokenizer(config: EngineConfig) -> Any:
     """The tokenizer the frontend tokenizes and detokenizes with (None: skip_tokenizer_init)."""
     if config.skip_tokenizer_init:
@@ -68,18 +99,12 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
     Reads the model's config and tokenizer files only, never its weights, so a bad argument
     is refused before anything heavy is loaded.
     """
-    if args.quantization is not None:
-        from sonar.registry import quantization_methods
-
-        raise ValueError(
-            f"quantization={args.quantization!r} is not available: no quantization method is executed yet "
-            f"(registered: {sorted(quantization_methods()) or 'none'}); GGUF files are dequantized at load without it"
-        )
     model_path = resolve_model_path(args.model or default_model_path(), args.revision, args.download_dir)
     check_remote_code(model_path, args.trust_remote_code)
     format_name, fmt = select_weight_format(model_path, args.load_format)
     hf_config = fmt.load_hf_config(model_path)
     architecture_of(hf_config)  # an unsupported model fails here, before anything loads
+    quantization = resolve_quantization(args.quantization, hf_config, platform.name)
     tokenizer = None
     if not args.skip_tokenizer_init:
         if args.tokenizer:
@@ -117,6 +142,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         kv_cache_manager=_registered("kv_cache_manager", args.kv_cache_manager, kv_cache_managers()),
         executor=_registered("distributed_executor_backend", args.distributed_executor_backend or "uni", executors()),
         default_sampling=default_sampling_of(model_path, args.generation_config),
+        quantization=quantization,
     )
     return config, tokenizer
 
@@ -134,4 +160,5 @@ def model_config_of(config: EngineConfig) -> ModelConfig:
         vocab_size=config.vocab_size,
         load_format=config.load_format,
         eos_token_ids=list(config.eos_token_ids),
+        quantization=config.quantization,
     )

@@ -14,6 +14,7 @@ from sonar.attention import AttentionBackend, ForwardContext
 from sonar.config import EngineConfig, ModelConfig
 from sonar.engine.scheduler_output import ModelRunnerOutput, RequestLogprobs, SchedulerOutput
 from sonar.model_interface import make_attention_factory
+from sonar.quantization import building_with, quantization_method_of
 from sonar.registry import import_class, resolve_model_class, weight_formats
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
 from sonar.sampler.sampler import LogprobsTensors, Sampler, compute_logprobs
@@ -85,7 +86,7 @@ class ModelRunner:
         previous_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), building_with(quantization_method_of(config)):
                 return model_cls(config.hf_config, make_attention_factory(self.backend_cls))
         finally:
             torch.set_default_dtype(previous_dtype)

@@ -1,0 +1,154 @@
+"""Quantization methods: how a checkpoint's tensors map to a linear layer's runtime tensors, and
+how the layer runs them.
+
+Every linear layer of a Sonar model holds a ``LinearMethod``; the unquantized one is a method
+like any other, so a model stays plain PyTorch and a third-party format is a plugin that
+registers a ``QuantizationMethod`` through ``sonar_register_quantization_methods``.
+
+A model learns its method from the context it is built in (``building_with``): the model
+runner builds every model inside ``building_with(method)``, and a layer asks
+``linear_method_for(prefix)`` when it is constructed. Outside that context (a model built by
+hand, in a test) every layer is unquantized.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, ClassVar, Iterator
+
+import torch
+from torch import nn
+
+from sonar import ops
+
+
+class LinearMethod:
+    """How one linear layer holds and runs its weights.
+
+    ``create_weights`` registers the layer's runtime parameters on it; ``load_checkpoint_tensor``
+    copies one checkpoint tensor (or one fused part of it) into them; ``apply`` computes the
+    layer's output. Parameters stacked from several checkpoint projections (fused q/k/v,
+    gate/up) hold each part's rows in order along dimension 0, as ``layer.part_rows(part)``
+    says.
+    """
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        """Register ``layer``'s parameters for ``in_features`` inputs and ``sum(output_sizes)``
+        outputs (one size per fused part, in order), in ``dtype`` where they are floating."""
+        raise NotImplementedError
+
+    def load_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, rows: slice | None) -> None:
+        """Copy the checkpoint tensor that fills ``layer``'s parameter ``param_name`` (the
+        checkpoint's own leaf name, ``weight``, ``weight_scale``, ``bias``), into output rows
+        ``rows`` (None: the whole parameter).
+
+        :raises ValueError: the tensor's shape does not fit.
+        """
+        param = getattr(layer, param_name)
+        dest = param.data if rows is None else param.data[rows]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"has shape {tuple(tensor.shape)}, but the model expects {tuple(dest.shape)}")
+        with torch.no_grad():
+            dest.copy_(tensor)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``layer``'s output for input ``x`` ``[..., in_features]``."""
+        raise NotImplementedError
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """Floating-point ``weight [out, in]`` and optional ``bias [out]``, run by ``sonar.ops.linear``
+    (so a platform's GEMM serves it); the parameters and names of ``nn.Linear``."""
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        out_features = sum(output_sizes)
+        layer.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype))
+        layer.bias = nn.Parameter(torch.empty(out_features, dtype=dtype)) if bias else None
+        nn.init.kaiming_uniform_(layer.weight, a=5**0.5)  # as nn.Linear, for models built without a checkpoint
+        if layer.bias is not None:
+            nn.init.zeros_(layer.bias)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, layer.weight, layer.bias)
+
+
+class QuantizationMethod:
+    """A quantization format: which platforms run it and which ``LinearMethod`` each layer gets.
+
+    Subclasses set ``name`` (what ``quantization=`` takes and what a checkpoint's
+    ``config.json`` carries in ``quantization_config.quant_method``) and ``platforms`` (the
+    platform names, as ``SONAR_PLATFORM`` takes them, that run it; None: every platform), and
+    build themselves from the checkpoint's ``quantization_config`` in ``from_config``.
+    """
+
+    name: ClassVar[str]
+    platforms: ClassVar[tuple[str, ...] | None] = None
+
+    @classmethod
+    def from_config(cls, quant_config: dict[str, Any]) -> QuantizationMethod:
+        """The method for a checkpoint whose ``config.json`` has ``quantization_config``
+        ``quant_config`` (``{}`` when ``quantization=`` forces a method on a checkpoint without one)."""
+        return cls()
+
+    @classmethod
+    def runs_on(cls, platform: str) -> bool:
+        """Whether the platform named ``platform`` runs this format."""
+        return cls.platforms is None or platform in cls.platforms
+
+    def linear_method(self, layer_prefix: str) -> LinearMethod:
+        """The ``LinearMethod`` of the linear layer at ``layer_prefix``: its module name in the
+        model (``model.layers.0.mlp.down_proj``, fused ones ``...self_attn.qkv_proj``), ``""``
+        where the model did not name it."""
+        raise NotImplementedError
+
+
+class UnquantizedMethod(QuantizationMethod):
+    """Every linear layer in floating point (registered as ``"unquantized"``)."""
+
+    name = "unquantized"
+
+    def linear_method(self, layer_prefix: str) -> LinearMethod:
+        return UnquantizedLinearMethod()
+
+
+_building_with: contextvars.ContextVar[QuantizationMethod | None] = contextvars.ContextVar("sonar_quantization", default=None)
+
+
+@contextlib.contextmanager
+def building_with(method: QuantizationMethod) -> Iterator[None]:
+    """Models built inside this context give their linear layers ``method``'s linear methods."""
+    token = _building_with.set(method)
+    try:
+        yield
+    finally:
+        _building_with.reset(token)
+
+
+def linear_method_for(layer_prefix: str) -> LinearMethod:
+    """The ``LinearMethod`` a linear layer at ``layer_prefix`` built now holds (unquantized
+    outside ``building_with``)."""
+    method = _building_with.get()
+    return UnquantizedLinearMethod() if method is None else method.linear_method(layer_prefix)
+
+
+def quant_config_of(hf_config: Any) -> dict[str, Any] | None:
+    """The checkpoint's ``quantization_config`` as a dict (None: the checkpoint declares none)."""
+    quant_config = getattr(hf_config, "quantization_config", None)
+    if quant_config is None:
+        return None
+    return quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
+
+
+def quantization_method_of(model_config: Any) -> QuantizationMethod:
+    """The method a ``ModelConfig``'s model is built with: its registered ``quantization``,
+    built from the checkpoint's ``quantization_config`` (``UnquantizedMethod`` when None)."""
+    from sonar.registry import load_registered, quantization_methods
+
+    name = model_config.quantization or "unquantized"
+    method_cls = load_registered("quantization method", name, quantization_methods())
+    return method_cls.from_config(quant_config_of(model_config.hf_config) or {})
