@@ -72,7 +72,8 @@ def sonar_register_quantization_methods(register: Callable[..., None]) -> None:
     """Register quantization methods (how quantized checkpoint tensors map to runtime tensors and
     which linear layer runs them).
 
-    :param register: ``register(name: str, class_path: str)``; ``name`` is what users pass as
+    :param register: ``register(name: str, method: type[sonar.quantization.QuantizationMethod] | str)``
+        (the class or its ``"module:Class"`` path); ``name`` is what users pass as
         ``quantization=`` and what checkpoints carry in ``quantization_config.quant_method``.
     """
 

@@ -17,6 +17,14 @@ token attend only to the last ``W`` positions (itself included).
 (``FullAttentionSpec``, or ``SlidingWindowSpec(W)`` for a layer built with
 ``sliding_window=W``, see ``kv_cache_spec_for``); a model without the method is taken as
 full attention in every layer.
+
+Quantization: the engine builds the model inside ``sonar.quantization.building_with(method)``
+(the constructor's signature stays as above). Each linear layer asks
+``sonar.quantization.linear_method_for(prefix)`` for its ``LinearMethod`` while it is built,
+lets it ``create_weights`` on the layer, loads checkpoint tensors through its
+``load_checkpoint_tensor`` and runs through its ``apply`` (``sonar_models.layers.Linear`` does
+all three). A model whose layers never ask is unquantized, and refuses a quantized checkpoint
+when its ``load_weights`` meets a tensor it has no place for.
 """
 
 from __future__ import annotations
