@@ -138,3 +138,19 @@ def test_an_unregistered_method_is_refused_listing_the_registered_ones(int8_chec
         LLM(str(quantized))
     with pytest.raises(ValueError, match=r"quantization='gptq' is not a registered quantization method; registered: unquantized"):
         LLM(str(quantized), quantization="gptq")
+
+
+def test_the_command_line_forces_a_method_with_quantization(int8_plugin, int8_checkpoints) -> None:
+    import argparse
+
+    from sonar.cli.engine_args import add_engine_arguments, engine_args_from
+    from sonar.engine.resolve import resolve_engine_config
+    from sonar.platform import current_platform
+
+    quantized, _ = int8_checkpoints
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    config, _ = resolve_engine_config(engine_args_from(parser.parse_args([str(quantized)])), current_platform())
+    assert config.quantization == "test-int8"
+    with pytest.raises(ValueError, match="platforms that run it: cuda, rocm"):
+        resolve_engine_config(engine_args_from(parser.parse_args([str(quantized), "-q", "test-int8-cuda"])), current_platform())

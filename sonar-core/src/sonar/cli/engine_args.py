@@ -35,6 +35,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     group.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="exact KV-cache budget in bytes")
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization, help="fraction of device memory for weights and KV cache")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prefixes")
+    group.add_argument(
+        "--quantization", "-q", default=None,
+        help="the quantization method the linear layers run (default: the checkpoint's quantization_config.quant_method; none: unquantized)",
+    )
     group.add_argument("--load-format", default=defaults.load_format, help="auto, safetensors, gguf or dummy (random weights)")
     group.add_argument("--skip-tokenizer-init", action="store_true", help="serve token ids only")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed for random weights (load_format=dummy) and engine-level randomness")
@@ -86,6 +90,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         gpu_memory_utilization=args.gpu_memory_utilization,
         enable_prefix_caching=args.enable_prefix_caching,
         load_format=args.load_format,
+        quantization=args.quantization,
         skip_tokenizer_init=args.skip_tokenizer_init,
         seed=args.seed,
         max_logprobs=args.max_logprobs,

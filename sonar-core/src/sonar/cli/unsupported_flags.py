@@ -40,7 +40,6 @@ QUANTIZATION, SPECULATIVE, KV_TRANSFER, LORA, PARALLELISM = 14, 15, 17, 18, 19
 
 UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     # quantization
-    _flag("--quantization", "quantization methods", QUANTIZATION, short="-q", accepted=("None", "none")),
     _flag("--kv-cache-dtype", "FP8 KV cache", QUANTIZATION, accepted=("auto",)),
     _flag("--calculate-kv-scales", "FP8 KV-cache scales", QUANTIZATION, takes_value=False),
     # speculative decoding
