@@ -20,13 +20,27 @@ import torch
 #: device type -> operation name -> platform implementation
 _OVERRIDES: dict[str, dict[str, Callable[..., Any]]] = {}
 OP_NAMES = ("linear", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_tables", "apply_rotary", "argmax")
+#: operations declared outside this module (a quantization method's GEMM, say)
+_DECLARED: set[str] = set()
+
+
+def declare_op(name: str) -> None:
+    """Let platforms register a kernel for the operation ``name``, which a module outside this
+    one defines and dispatches through :func:`platform_op` (a quantized GEMM, say)."""
+    _DECLARED.add(name)
+
+
+def platform_op(x: torch.Tensor, name: str) -> Callable[..., Any] | None:
+    """The platform kernel registered for ``name`` on ``x``'s device type (None: run the torch version)."""
+    return _override(x, name)
 
 
 def register_ops(device_type: str, ops: dict[str, Callable[..., Any]]) -> None:
-    """Use ``ops`` (a subset of :data:`OP_NAMES`) for tensors on ``device_type``."""
-    unknown = set(ops) - set(OP_NAMES)
+    """Use ``ops`` (names from :data:`OP_NAMES` or declared with :func:`declare_op`) for
+    tensors on ``device_type``."""
+    unknown = set(ops) - set(OP_NAMES) - _DECLARED
     if unknown:
-        raise ValueError(f"unknown operations {sorted(unknown)}; known: {OP_NAMES}")
+        raise ValueError(f"unknown operations {sorted(unknown)}; known: {sorted(set(OP_NAMES) | _DECLARED)}")
     _OVERRIDES.setdefault(device_type, {}).update(ops)
 
 
