@@ -109,6 +109,8 @@ def add_suite_parser(kinds: argparse._SubParsersAction) -> None:
     suite.add_argument("--profile", action="store_true", help="profile decode steps of each model at batch 256 and print where time goes")
     suite.add_argument("--gpu-memory-utilization", type=float, default=0.88)
     suite.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (default: each workload's)")
+    suite.add_argument("--quantization", "-q", default=None, help="run the engine with this quantization method (fp8 quantizes the bf16 weights at load)")
+    suite.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV-cache dtype (auto: the model's; fp8)")
     suite.add_argument("--output-json", default=None)
     suite.set_defaults(func=run_suite)
 
@@ -138,14 +140,24 @@ def _sync() -> None:
 # -- the engine ---------------------------------------------------------------------------
 
 
-def _engine(folder: Path, name: str, utilization: float, max_num_seqs: int):
+def _engine(folder: Path, name: str, utilization: float, max_num_seqs: int, **options: Any):
     from sonar.entrypoints.llm import LLM
 
     return LLM(
         str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
         max_model_len=MAX_MODEL_LEN[name], gpu_memory_utilization=utilization, enable_prefix_caching=False,
-        max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=max_num_seqs, **options,
     )
+
+
+def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine arguments the command line adds to every workload's engine."""
+    options: dict[str, Any] = {}
+    if args.quantization:
+        options["quantization"] = args.quantization
+    if args.kv_cache_dtype != "auto":
+        options["kv_cache_dtype"] = args.kv_cache_dtype
+    return options
 
 
 def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dict[str, float] | None = None) -> tuple[float, int]:
@@ -463,7 +475,7 @@ def run_suite(args: argparse.Namespace) -> int:
                 group = [s for s in model_specs if (args.max_num_seqs or s.max_num_seqs) == max_num_seqs]
                 print(f"sonar: {name}, max_num_seqs {max_num_seqs}...", file=sys.stderr, flush=True)
                 started = time.perf_counter()
-                llm = _engine(folder, name, args.gpu_memory_utilization, max_num_seqs)
+                llm = _engine(folder, name, args.gpu_memory_utilization, max_num_seqs, **_engine_options(args))
                 print(f"  engine ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
                 _run_engine_rows(llm, name, group, args.scale, rows)
                 if args.profile and index == 0:
@@ -475,10 +487,12 @@ def run_suite(args: argparse.Namespace) -> int:
                 _release()
     ordered = list(rows.values())
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    print(f"\nsonar bench suite on {device} (bf16 random weights, greedy, ignore_eos; scale {args.scale})")
+    weights = f"bf16 random weights{', quantization ' + args.quantization if args.quantization else ''}"
+    cache = f", KV cache {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
+    print(f"\nsonar bench suite on {device} ({weights}{cache}, greedy, ignore_eos; scale {args.scale})")
     print_table(ordered)
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"device": device, "scale": args.scale, "rows": [asdict(r) for r in ordered], "profile": profile_result}, f, indent=1)
+            json.dump({"device": device, "scale": args.scale, "options": _engine_options(args), "rows": [asdict(r) for r in ordered], "profile": profile_result}, f, indent=1)
     return 0
 
