@@ -3,7 +3,7 @@
 ``python -m sonar_models.docs_gen`` rewrites ``docs/models.md``; ``--check`` exits 1 when the
 file is stale. Everything in the tables is read from the code: the registered architectures
 and their classes, the registered weight formats, the GGUF architectures the reader maps, and
-the tensor types the ``gguf`` package can dequantize.
+the registered quantization methods with, per platform, how they run and which test checks them.
 """
 
 from __future__ import annotations
@@ -61,20 +61,28 @@ def gguf_rows() -> list[str]:
 
 
 def quantization_rows() -> list[str]:
-    from gguf.constants import GGMLQuantizationType
-    from gguf.quants import _type_traits
-    from sonar.registry import quantization_methods
+    """One row per registered quantization method, one column per platform: how a linear
+    layer runs there and the test that checks it end to end (or that none does)."""
+    from sonar.registry import import_class, quantization_methods
 
-    dequantizable = sorted(t.name for t in GGMLQuantizationType if t in _type_traits or t.name in ("F32", "F16"))
-    rows = ["| format | tensor types | executed as |", "|---|---|---|"]
-    rows.append(f"| GGUF | {', '.join(dequantizable)} | dequantized at load to the model's dtype |")
-    methods = {name: path for name, path in quantization_methods().items() if name != "unquantized"}
-    if methods:
-        for name, path in sorted(methods.items()):
-            rows.append(f"| `quantization={name}` | — | `{path}` |")
-    else:
-        rows.append("| `quantization=` (FP8, GPTQ, AWQ, ...) | — | no quantization method is registered yet |")
+    methods = {name: import_class(path) if isinstance(path, str) else path for name, path in quantization_methods().items()}
+    platforms = sorted({p for cls in methods.values() for p in (*(cls.platforms or ()), *cls.execution)})
+    rows = [
+        "| `quantization=` | reads | " + " | ".join(platforms) + " |",
+        "|---|---|" + "---|" * len(platforms),
+    ]
+    for name, cls in sorted(methods.items(), key=lambda item: (item[0] != "unquantized", item[0])):
+        cells = [_platform_cell(cls, platform) for platform in platforms]
+        rows.append(f"| `{name}` | {cls.reads or _first_line(cls)} | " + " | ".join(cells) + " |")
     return rows
+
+
+def _platform_cell(cls: type, platform: str) -> str:
+    if not cls.runs_on(platform):
+        return "refused at load"
+    how = cls.execution.get(platform, "runs")
+    test = cls.tested_by.get(platform)
+    return f"{how}; tested by `{test}`" if test else f"{how}; untested"
 
 
 def render() -> str:

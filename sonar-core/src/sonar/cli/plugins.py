@@ -41,6 +41,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"selected platform: {chosen} ({selection.reason})")
     print(f"model architectures: {', '.join(sorted(registry.model_architectures())) or 'none'}")
     print(f"weight formats: {', '.join(registry.weight_formats()) or 'none'}")
-    print(f"quantization methods: {', '.join(sorted(registry.quantization_methods())) or 'none'}")
+    print("quantization methods (platform: how it runs, tested or not):")
+    for name, path in sorted(registry.quantization_methods().items()):
+        print(f"  {name:<20} {_quantization_platforms(registry.load_registered('quantization method', name, {name: path}))}")
     print(f"logits processors: {', '.join(sorted(registry.logits_processors())) or 'none'}")
     return 0
+
+
+def _quantization_platforms(method: type) -> str:
+    platforms = sorted({*(method.platforms or ()), *method.execution}) or ["every platform"]
+    shown = []
+    for platform in platforms:
+        how = method.execution.get(platform, "runs")
+        shown.append(f"{platform}: {how} ({'tested' if platform in method.tested_by else 'untested'})")
+    return "; ".join(shown)

@@ -88,6 +88,13 @@ class QuantizationMethod:
 
     name: ClassVar[str]
     platforms: ClassVar[tuple[str, ...] | None] = None
+    #: the checkpoint layouts it reads, one line (the generated quantization matrix shows it)
+    reads: ClassVar[str] = ""
+    #: platform name -> how a linear layer runs there, one line ("Triton int4 GEMM", "dequantized per layer")
+    execution: ClassVar[dict[str, str]] = {}
+    #: platform name -> the test that runs this format end to end there, greedy against
+    #: transformers ("sonar-core/tests/test_quant_gptq.py"); a platform absent here is untested
+    tested_by: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def from_config(cls, quant_config: dict[str, Any]) -> QuantizationMethod:
@@ -111,6 +118,9 @@ class UnquantizedMethod(QuantizationMethod):
     """Every linear layer in floating point (registered as ``"unquantized"``)."""
 
     name = "unquantized"
+    reads = "floating-point checkpoints (float32, bfloat16, float16)"
+    execution = {"cpu": "torch matmul", "cuda": "library GEMM; Triton GEMV for one row"}
+    tested_by = {"cpu": "sonar-models/tests/test_llama_vs_hf.py", "cuda": "sonar-cuda/tests/test_cuda_engine.py"}
 
     def linear_method(self, layer_prefix: str) -> LinearMethod:
         return UnquantizedLinearMethod()
