@@ -136,8 +136,8 @@ def test_an_unregistered_method_is_refused_listing_the_registered_ones(int8_chec
     quantized, _ = int8_checkpoints
     with pytest.raises(ValueError, match=r"quant_method 'test-int8' is not a registered quantization method; registered: .*unquantized"):
         LLM(str(quantized))
-    with pytest.raises(ValueError, match=r"quantization='gptq' is not a registered quantization method; registered: .*unquantized"):
-        LLM(str(quantized), quantization="gptq")
+    with pytest.raises(ValueError, match=r"quantization='bitsandbytes-nf5' is not a registered quantization method; registered: .*unquantized"):
+        LLM(str(quantized), quantization="bitsandbytes-nf5")
 
 
 def test_the_command_line_forces_a_method_with_quantization(int8_plugin, int8_checkpoints) -> None:
