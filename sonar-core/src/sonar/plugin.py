@@ -28,6 +28,8 @@ def sonar_register_executors(register: Callable[..., None]) -> None:
 @hookimpl
 def sonar_register_quantization_methods(register: Callable[..., None]) -> None:
     register("unquantized", "sonar.quantization:UnquantizedMethod")
+    register("gptq", "sonar.quantization.gptq:GPTQMethod")
+    register("awq", "sonar.quantization.awq:AWQMethod")
 
 
 @hookimpl
