@@ -6,6 +6,9 @@ tokens appended after an already-cached context, which may come from the prefix 
 earlier chunk). Each layer's KV cache is one tensor
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values); token ``i``
 of the step is written to flat slot ``slot_mapping[i]`` = ``block_id * block_size + offset``.
+
+An FP8 cache (``kv_cache_dtype="fp8"``, ``torch.float8_e4m3fn``) stores ``key / k_scale`` and
+``value / v_scale``, saturated to +-448, with the layer's scales (see ``quantize_for_cache``).
 """
 
 from __future__ import annotations
@@ -14,6 +17,29 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+
+FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether a KV cache of ``dtype`` holds scaled FP8 values."""
+    return dtype == torch.float8_e4m3fn
+
+
+def quantize_for_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """``x`` as a cache of ``cache_dtype`` stores it: ``x / scale`` saturated to the FP8 range
+    and rounded to nearest for an FP8 cache, a plain cast (``scale`` unused) otherwise."""
+    if not is_fp8(cache_dtype):
+        return x.to(cache_dtype)
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_dtype)
+
+
+def dequantize_from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:
+    """Cached values back in ``dtype``: times ``scale`` for an FP8 cache, a plain cast otherwise."""
+    if not is_fp8(x.dtype):
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
 
 
 @dataclass(slots=True)
@@ -77,9 +103,13 @@ class AttentionBackend:
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write ``key``/``value`` into the cache at ``slot_mapping``, then attend each new token
-        causally over its sequence's cached context plus the new tokens before it."""
+        causally over its sequence's cached context plus the new tokens before it.
+
+        ``k_scale`` / ``v_scale``: the layer's scales of an FP8 cache (ignored by other caches)."""
         raise NotImplementedError
 
 
@@ -91,14 +121,16 @@ def reference_attention(
     metadata: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
-    """A slow, obviously-correct paged attention in float32, for tests."""
+    """A slow, obviously-correct paged attention in float32, for tests (any cache dtype)."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_blocks, block_size = k_cache.shape[:2]
     flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
     flat_v = v_cache.view(num_blocks * block_size, *v_cache.shape[2:])
-    flat_k[metadata.slot_mapping] = key.to(flat_k.dtype)
-    flat_v[metadata.slot_mapping] = value.to(flat_v.dtype)
+    flat_k[metadata.slot_mapping] = quantize_for_cache(key, flat_k.dtype, k_scale)
+    flat_v[metadata.slot_mapping] = quantize_for_cache(value, flat_v.dtype, v_scale)
     out = torch.empty_like(query)
     num_heads, num_kv_heads = query.shape[1], key.shape[1]
     group = num_heads // num_kv_heads
@@ -109,8 +141,8 @@ def reference_attention(
         num_blocks_used = (seq_len + block_size - 1) // block_size
         blocks = metadata.block_tables[i, :num_blocks_used].long()
         slots = (blocks[:, None] * block_size + torch.arange(block_size, device=blocks.device)).flatten()[:seq_len]
-        k = flat_k[slots].float().repeat_interleave(group, dim=1)  # [seq_len, num_heads, d]
-        v = flat_v[slots].float().repeat_interleave(group, dim=1)
+        k = dequantize_from_cache(flat_k[slots], torch.float32, k_scale).repeat_interleave(group, dim=1)  # [seq_len, num_heads, d]
+        v = dequantize_from_cache(flat_v[slots], torch.float32, v_scale).repeat_interleave(group, dim=1)
         q = query[start:end].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)

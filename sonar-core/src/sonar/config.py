@@ -20,6 +20,8 @@ _DTYPES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
+# KV-cache dtype names users pass -> the canonical one ("auto": the model's dtype)
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
 
 
 def default_model_path() -> str:
@@ -60,6 +62,7 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1
     quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" / "fp8_e4m3" (scaled FP8 E4M3)
     max_logprobs: int = 20
     async_scheduling: bool | None = None  # schedule and launch step N+1 while step N runs; None: the platform's default
     data_parallel_size: int = 1  # engine-core replicas, each in its own process with its own device
@@ -80,6 +83,8 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 def resolve_dtype(requested: str | torch.dtype, hf_config: Any, supported: tuple[torch.dtype, ...]) -> torch.dtype:
@@ -132,6 +137,7 @@ class EngineConfig:
     executor: str = "uni"
     default_sampling: dict[str, float | int] = field(default_factory=dict)  # the model's recommended SamplingParams fields
     quantization: str | None = None  # the registered quantization method the linear layers run (None: unquantized)
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8_e4m3"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -140,8 +146,20 @@ class EngineConfig:
         return getattr(torch, _DTYPES[self.dtype])
 
     @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """What the KV cache stores: the model's dtype, or ``float8_e4m3fn`` (scaled per layer)."""
+        return kv_cache_torch_dtype(self.kv_cache_dtype, self.torch_dtype)
+
+    @property
     def scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.scheduling_policy)
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The torch dtype of a KV cache of ``kv_cache_dtype`` (a name ``EngineArgs`` takes)."""
+    import torch
+
+    return torch.float8_e4m3fn if KV_CACHE_DTYPES[kv_cache_dtype] == "fp8_e4m3" else model_dtype
 
 
 def dtype_name(dtype: torch.dtype) -> str:

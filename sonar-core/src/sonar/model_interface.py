@@ -29,6 +29,8 @@ when its ``load_weights`` meets a tensor it has no place for.
 
 from __future__ import annotations
 
+import logging
+import math
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
@@ -37,9 +39,15 @@ import torch
 from sonar.attention import AttentionBackend, ForwardContext, reference_attention
 from sonar.engine.kv_cache_spec import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
 
+logger = logging.getLogger(__name__)
+
 
 class PagedAttention(torch.nn.Module):
-    """One layer's attention over its slice of the paged KV cache."""
+    """One layer's attention over its slice of the paged KV cache.
+
+    ``k_scale`` / ``v_scale`` dequantize an FP8 cache (``stored = value / scale``); a model sets
+    them from its checkpoint with ``set_kv_scales`` (1.0 otherwise; other caches ignore them).
+    """
 
     def __init__(self, backend: AttentionBackend | None, layer_idx: int, scale: float, sliding_window: int | None = None) -> None:
         super().__init__()
@@ -47,12 +55,37 @@ class PagedAttention(torch.nn.Module):
         self.layer_idx = layer_idx
         self.scale = scale
         self.sliding_window = sliding_window
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+        self.has_checkpoint_kv_scales = False
+
+    def set_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """Use the checkpoint's KV-cache scales for this layer (positive, finite)."""
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not (value > 0.0 and math.isfinite(value)):
+                raise ValueError(f"layer {self.layer_idx}: {name}={value} must be a positive finite number")
+        self.k_scale, self.v_scale = float(k_scale), float(v_scale)
+        self.has_checkpoint_kv_scales = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         kv_cache = ctx.kv_caches[self.layer_idx]
         if self.backend is None:
-            return reference_attention(q, k, v, kv_cache, ctx.attn_metadata, self.scale, self.sliding_window)
-        return self.backend.forward(q, k, v, kv_cache, ctx.attn_metadata)
+            return reference_attention(
+                q, k, v, kv_cache, ctx.attn_metadata, self.scale, self.sliding_window, self.k_scale, self.v_scale
+            )
+        return self.backend.forward(q, k, v, kv_cache, ctx.attn_metadata, k_scale=self.k_scale, v_scale=self.v_scale)
+
+
+def warn_unscaled_fp8_layers(model: torch.nn.Module) -> None:
+    """Log one warning when some attention layers of ``model`` got no KV-cache scales from the
+    checkpoint (an FP8 cache then stores them with scale 1.0)."""
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    unscaled = [m.layer_idx for m in layers if not m.has_checkpoint_kv_scales]
+    if unscaled:
+        logger.warning(
+            "FP8 KV cache: the checkpoint has no k_scale/v_scale for %d of %d attention layers; they use 1.0 "
+            "(keys and values beyond +-448 saturate)", len(unscaled), len(layers),
+        )
 
 
 AttentionFactory = Callable[..., PagedAttention]

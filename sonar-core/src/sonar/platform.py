@@ -37,6 +37,9 @@ class Platform:
     #: dtypes this platform can run, first is the default for ``dtype="auto"`` when the
     #: checkpoint's own dtype is not supported.
     supported_dtypes: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+    #: ``kv_cache_dtype`` values (canonical names) this platform's attention backend reads and
+    #: writes; "auto" is the model's dtype.
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
     #: torch.distributed backend for multi-device runs.
     dist_backend: str = "gloo"
     #: Whether the engine schedules and launches each step before reading the last one's

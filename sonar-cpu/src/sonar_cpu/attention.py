@@ -5,6 +5,10 @@ decodes are attended in a few batched calls over their blocks gathered from the 
 by length and sized to stay in the CPU's caches, see ``attention_plan``); each prefill chunk is
 one call. Grouped-query attention never repeats K/V: a decode's query heads are laid out as
 ``[kv_heads, group]`` so that each KV head serves its group as a short query block.
+
+An FP8 cache stores ``key / k_scale`` and ``value / v_scale``; the scales are folded into the
+attention (``k_scale`` into the softmax scale, ``v_scale`` into the output), so dequantizing is
+only the cast to the compute dtype that every cache dtype already pays.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sonar.attention import AttentionBackend, AttentionMetadata
+from sonar.attention import AttentionBackend, AttentionMetadata, is_fp8, quantize_for_cache
 
 from sonar_cpu.attention_plan import BUCKET_CALL_COST_TOKENS, CpuAttentionPlan, DecodeBucket, PrefillChunk, build_plan
 
@@ -24,7 +28,8 @@ UPCAST_HALF_PREFILL = "AMX" not in torch.backends.cpu.get_cpu_capability()
 
 class CpuAttentionBackend(AttentionBackend):
     """Attention over the paged KV cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-    for float32, bfloat16 and float16 (the cache may hold another dtype than the activations)."""
+    for float32, bfloat16, float16 and scaled FP8 E4M3 (the cache may hold another dtype than
+    the activations)."""
 
     #: The cost of one more decode call, in gathered tokens, when grouping decodes by length.
     bucket_call_cost_tokens: int = BUCKET_CALL_COST_TOKENS
@@ -48,9 +53,12 @@ class CpuAttentionBackend(AttentionBackend):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Write ``key``/``value`` at ``slot_mapping``, then attend each new token causally over its
-        sequence's cached context and the new tokens up to itself."""
+        sequence's cached context and the new tokens up to itself (``k_scale`` / ``v_scale``:
+        the layer's FP8 scales, ignored by other caches)."""
         if not isinstance(metadata.extra, CpuAttentionPlan):
             self.prepare_metadata(metadata)
         plan: CpuAttentionPlan = metadata.extra
@@ -58,22 +66,33 @@ class CpuAttentionBackend(AttentionBackend):
 
         # cache write: [2, num_blocks * block_size, num_kv_heads, head_dim]
         flat_cache = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
-        key, value = key.to(kv_cache.dtype), value.to(kv_cache.dtype)
-        flat_cache[0].index_copy_(0, metadata.slot_mapping, key)
-        flat_cache[1].index_copy_(0, metadata.slot_mapping, value)
+        fp8 = is_fp8(kv_cache.dtype)
+        key, value = quantize_for_cache(key, kv_cache.dtype, k_scale), quantize_for_cache(value, kv_cache.dtype, v_scale)
+        if fp8:  # torch has no FP8 index_copy_ on the CPU: copy the bytes
+            flat_cache, key_rows, value_rows = flat_cache.view(torch.uint8), key.view(torch.uint8), value.view(torch.uint8)
+        else:
+            key_rows, value_rows = key, value
+        flat_cache[0].index_copy_(0, metadata.slot_mapping, key_rows)
+        flat_cache[1].index_copy_(0, metadata.slot_mapping, value_rows)
+        scales = (k_scale, v_scale) if fp8 else (1.0, 1.0)
 
         if not plan.prefills and len(plan.decode_buckets) == 1:
-            return self._decode(query, kv_cache, plan, plan.decode_buckets[0])
+            return self._decode(query, kv_cache, plan, plan.decode_buckets[0], scales)
         out = torch.empty_like(query)
         decode_out = out[: metadata.num_decodes]
         for bucket in plan.decode_buckets:
-            decode_out[bucket.rows] = self._decode(query[: metadata.num_decodes][bucket.rows], kv_cache, plan, bucket)
+            decode_out[bucket.rows] = self._decode(query[: metadata.num_decodes][bucket.rows], kv_cache, plan, bucket, scales)
         for chunk in plan.prefills:
-            out[chunk.start : chunk.end] = self._prefill(query, key, value, kv_cache, plan, chunk)
+            out[chunk.start : chunk.end] = self._prefill(query, key, value, kv_cache, plan, chunk, scales)
         return out
 
     def _decode(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, plan: CpuAttentionPlan, bucket: DecodeBucket
+        self,
+        query: torch.Tensor,
+        kv_cache: torch.Tensor,
+        plan: CpuAttentionPlan,
+        bucket: DecodeBucket,
+        scales: tuple[float, float],
     ) -> torch.Tensor:  # [n, num_heads, head_dim]
         n = query.shape[0]
         group = self.num_heads // self.num_kv_heads
@@ -83,10 +102,12 @@ class CpuAttentionBackend(AttentionBackend):
         keys = gathered[0].transpose(1, 2)  # [n, num_kv_heads, padded_len, head_dim]
         values = gathered[1].transpose(1, 2)
         grouped_query = query.view(n, self.num_kv_heads, group, self.head_dim)
+        k_scale, v_scale = scales
         out = F.scaled_dot_product_attention(
-            grouped_query, keys, values, attn_mask=plan.decode_mask(bucket, self.sliding_window, query.dtype), scale=self.scale
+            grouped_query, keys, values, attn_mask=plan.decode_mask(bucket, self.sliding_window, query.dtype),
+            scale=self.scale * k_scale,
         )
-        return out.view(n, self.num_heads, self.head_dim)
+        return _times(out, v_scale).view(n, self.num_heads, self.head_dim)
 
     def _prefill(
         self,
@@ -96,7 +117,9 @@ class CpuAttentionBackend(AttentionBackend):
         kv_cache: torch.Tensor,
         plan: CpuAttentionPlan,
         chunk: PrefillChunk,
+        scales: tuple[float, float],
     ) -> torch.Tensor:  # [q_len, num_heads, head_dim]
+        k_scale, v_scale = scales
         compute_dtype = torch.float32 if UPCAST_HALF_PREFILL and query.element_size() == 2 else query.dtype
         q = query[chunk.start : chunk.end].transpose(0, 1).to(compute_dtype)  # [num_heads, q_len, head_dim]
         if chunk.context_len == 0:
@@ -107,17 +130,19 @@ class CpuAttentionBackend(AttentionBackend):
                 # 4-d inputs: PyTorch's CPU flash kernel takes only those (3-d falls back to the
                 # math path, about 10x slower)
                 out = F.scaled_dot_product_attention(
-                    q[None], keys[None], values[None], is_causal=True, scale=self.scale, enable_gqa=True
+                    q[None], keys[None], values[None], is_causal=True, scale=self.scale * k_scale, enable_gqa=True
                 )
-                return out[0].transpose(0, 1)
+                return _times(out[0].transpose(0, 1), v_scale)
         else:
             # [2, seq_len, num_kv_heads, head_dim] from the cache, new tokens included
             gathered = self._gather(kv_cache, chunk.gather_ids).view(2, -1, self.num_kv_heads, self.head_dim)
             gathered = gathered[:, : chunk.seq_len].to(compute_dtype)
             keys, values = gathered[0].transpose(0, 1), gathered[1].transpose(0, 1)
         mask = plan.prefill_mask(chunk, self.sliding_window, compute_dtype, query.device)
-        out = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
+        out = F.scaled_dot_product_attention(
+            q[None], keys[None], values[None], attn_mask=mask, scale=self.scale * k_scale, enable_gqa=True
+        )
+        return _times(out[0].transpose(0, 1), v_scale)
 
     def _gather(self, kv_cache: torch.Tensor, gather_ids: torch.Tensor) -> torch.Tensor:
         """Keys then values of some blocks (``gather_ids`` from ``key_and_value_rows``), into the
@@ -131,3 +156,7 @@ class CpuAttentionBackend(AttentionBackend):
             workspace = self._workspace = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
         rows = kv_cache.view(-1, *kv_cache.shape[2:])  # [2 * num_cache_blocks, block_size, kv_heads, head_dim]
         return torch.index_select(rows, 0, gather_ids, out=workspace[:numel].view(shape))
+
+
+def _times(x: torch.Tensor, factor: float) -> torch.Tensor:
+    return x if factor == 1.0 else x * factor

@@ -49,6 +49,7 @@ class CpuPlatform(Platform):
     worker_cls = "sonar_cpu.worker:CpuWorker"
     attention_backend_cls = "sonar_cpu.attention:CpuAttentionBackend"
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    kv_cache_dtypes = ("auto", "fp8_e4m3")  # fp8_e4m3: scaled per layer, see the attention backend
     dist_backend = "gloo"
     #: ``gpu_memory_utilization`` sizes the cache from host RAM; without a bound a default run
     #: would reserve most of it. ``kv_cache_memory_bytes`` sets any size exactly.

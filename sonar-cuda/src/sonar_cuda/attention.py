@@ -35,7 +35,10 @@ class TritonAttentionBackend(AttentionBackend):
 
     With ``sliding_window=W`` both kernels read only each token's last ``W`` positions: blocks
     before that are skipped (their block-table entries may be stale, the KV-cache manager having
-    given those blocks back)."""
+    given those blocks back).
+
+    An FP8 cache (``float8_e4m3fn``) is written as ``key / k_scale``, ``value / v_scale`` and read
+    back as FP8 by both kernels, which dequantize in registers."""
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
@@ -72,13 +75,16 @@ class TritonAttentionBackend(AttentionBackend):
         value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
         kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
         metadata: AttentionMetadata,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write ``key``/``value`` at ``slot_mapping``, then attend causally over the paged cache."""
+        """Write ``key``/``value`` at ``slot_mapping``, then attend causally over the paged cache
+        (``k_scale`` / ``v_scale``: the layer's FP8 scales, ignored by other caches)."""
         if not isinstance(metadata.extra, TritonStepState):
             self.prepare_metadata(metadata)
         state: TritonStepState = metadata.extra
         k_cache, v_cache = kv_cache[0], kv_cache[1]
-        reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping)
+        reshape_and_cache(key, value, k_cache, v_cache, metadata.slot_mapping, k_scale, v_scale)
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         nd = state.num_decodes
         # decode
@@ -86,13 +92,13 @@ class TritonAttentionBackend(AttentionBackend):
             decode_attention(
                 query[:nd], k_cache, v_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], self.scale,
                 out=out[:nd], max_seq_len=state.decode_max_seq_len, num_splits=state.decode_num_splits,
-                sliding_window=self.sliding_window,
+                sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale,
             )
         # prefill and chunked prefill
         if state.prefill_max_query_len:
             prefill_attention(
                 query, k_cache, v_cache, state.prefill_block_tables, state.prefill_seq_lens,
                 state.prefill_query_start_loc, state.prefill_max_query_len, self.scale, out=out,
-                sliding_window=self.sliding_window,
+                sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale,
             )
         return out

@@ -39,6 +39,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         "--quantization", "-q", default=None,
         help="the quantization method the linear layers run (default: the checkpoint's quantization_config.quant_method; none: unquantized)",
     )
+    group.add_argument(
+        "--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=("auto", "fp8", "fp8_e4m3"),
+        help="what the KV cache stores: auto (the model's dtype) or fp8 / fp8_e4m3 (FP8 E4M3 scaled by the checkpoint's per-layer k_scale / v_scale, 1.0 where it has none): twice the tokens per GB of bf16",
+    )
     group.add_argument("--load-format", default=defaults.load_format, help="auto, safetensors, gguf or dummy (random weights)")
     group.add_argument("--skip-tokenizer-init", action="store_true", help="serve token ids only")
     group.add_argument("--seed", type=int, default=defaults.seed, help="seed for random weights (load_format=dummy) and engine-level randomness")
@@ -91,6 +95,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         enable_prefix_caching=args.enable_prefix_caching,
         load_format=args.load_format,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         skip_tokenizer_init=args.skip_tokenizer_init,
         seed=args.seed,
         max_logprobs=args.max_logprobs,

@@ -40,7 +40,6 @@ QUANTIZATION, SPECULATIVE, KV_TRANSFER, LORA, PARALLELISM = 14, 15, 17, 18, 19
 
 UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     # quantization
-    _flag("--kv-cache-dtype", "FP8 KV cache", QUANTIZATION, accepted=("auto",)),
     _flag("--calculate-kv-scales", "FP8 KV-cache scales", QUANTIZATION, takes_value=False),
     # speculative decoding
     _flag("--speculative-config", "speculative decoding", SPECULATIVE),

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from sonar.config import EngineArgs, EngineConfig, ModelConfig, default_model_path, dtype_name, resolve_dtype
+from sonar.config import KV_CACHE_DTYPES, EngineArgs, EngineConfig, ModelConfig, default_model_path, dtype_name, resolve_dtype
 from sonar.engine.generation_defaults import default_sampling_of
 from sonar.engine.model_source import check_remote_code, resolve_model_path
 from sonar.platform import Platform
@@ -81,6 +81,22 @@ def resolve_quantization(forced: str | None, hf_config: Any, platform: str) -> s
     return name
 
 
+def resolve_kv_cache_dtype(requested: str, platform: type[Platform]) -> str:
+    """The canonical KV-cache dtype (``"auto"`` or ``"fp8_e4m3"``) for ``kv_cache_dtype=requested``.
+
+    :raises ValueError: an unknown name, or one ``platform``'s attention backend cannot run.
+    """
+    if requested not in KV_CACHE_DTYPES:
+        raise ValueError(f"unknown kv_cache_dtype {requested!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+    canonical = KV_CACHE_DTYPES[requested]
+    if canonical not in platform.kv_cache_dtypes:
+        raise ValueError(
+            f"kv_cache_dtype={requested!r} is not supported on the {platform.name!r} platform; "
+            f"it supports {', '.join(platform.kv_cache_dtypes)}"
+        )
+    return canonical
+
+
 def load_tokenizer(config: EngineConfig) -> Any:
     """The tokenizer the frontend tokenizes and detokenizes with (None: skip_tokenizer_init)."""
     if config.skip_tokenizer_init:
@@ -143,6 +159,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         executor=_registered("distributed_executor_backend", args.distributed_executor_backend or "uni", executors()),
         default_sampling=default_sampling_of(model_path, args.generation_config),
         quantization=quantization,
+        kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, platform),
     )
     return config, tokenizer
 

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from sonar.attention import AttentionBackend, ForwardContext
-from sonar.config import EngineConfig, ModelConfig
+from sonar.config import EngineConfig, ModelConfig, kv_cache_torch_dtype
 from sonar.engine.scheduler_output import ModelRunnerOutput, RequestLogprobs, SchedulerOutput
-from sonar.model_interface import make_attention_factory
+from sonar.model_interface import make_attention_factory, warn_unscaled_fp8_layers
 from sonar.quantization import building_with, quantization_method_of
 from sonar.registry import import_class, resolve_model_class, weight_formats
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
@@ -132,18 +132,25 @@ class ModelRunner:
         specs = getattr(self.model, "kv_cache_specs", None)
         return specs() if callable(specs) else None
 
+    @property
+    def kv_cache_dtype(self) -> torch.dtype:
+        """What the KV cache stores (``kv_cache_dtype``: the model's dtype, or FP8 E4M3)."""
+        return kv_cache_torch_dtype(self.config.kv_cache_dtype, self.model_config.dtype)
+
     def kv_bytes_per_block(self) -> int:
         model = self.model
-        element = torch.empty(0, dtype=self.model_config.dtype).element_size()
+        element = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
         return 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * element
 
     def init_kv_cache(self, num_blocks: int) -> None:
         model = self.model
         shape = (2, num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
+        if self.kv_cache_dtype.itemsize == 1:
+            warn_unscaled_fp8_layers(model)
         self.kv_caches = [self._zeros(shape) for _ in range(model.num_layers)]
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
-        dtype = self.model_config.dtype
+        dtype = self.kv_cache_dtype
         if self.device.type != "cpu":
             return torch.zeros(shape, dtype=dtype, device=self.device)
         # host memory: calloc'd pages are zero without being touched, so a large cache costs

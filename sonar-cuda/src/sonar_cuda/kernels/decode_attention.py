@@ -5,6 +5,9 @@ the whole group) over one split of the sequence's context. With several splits, 
 partial output and its log-sum-exp, and a second kernel combines them; long contexts at small
 batch sizes so still fill the GPU. With a sliding window, the context is only the window's last
 tokens: the splits divide that, and nothing before it is read.
+
+An FP8 cache is read as FP8 and converted to the query's dtype in registers (the ``KV_FP8``
+specialisation); ``k_scale`` is folded into the softmax scale and ``v_scale`` into the output.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from sonar.attention import dequantize_from_cache
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
@@ -33,7 +38,8 @@ def _decode_split_kernel(
     out_ptr,  # [num_seqs, num_heads, head_dim] when not SPLIT
     part_out_ptr,  # [num_seqs, num_heads, num_splits, BLOCK_D] float32 when SPLIT
     part_lse_ptr,  # [num_seqs, num_heads, num_splits] float32 when SPLIT (log2 units)
-    scale_log2,
+    scale_log2,  # the softmax scale (times k_scale for an FP8 cache), in log2 units
+    v_scale,  # an FP8 cache's value scale (unused otherwise)
     window,  # the query sees its last `window` positions, itself included
     stride_q_token,
     stride_q_head,
@@ -50,6 +56,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache holds scaled float8_e4m3fn
     DOT_PRECISION: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -86,6 +93,9 @@ def _decode_split_kernel(
         kv_mask = token_mask[:, None] & dim_mask[None, :]
         k = tl.load(k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
 
         # online softmax in base 2: [GROUP_PAD, BLOCK_N]
         scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -99,6 +109,8 @@ def _decode_split_kernel(
 
     has_tokens = l_i > 0.0
     out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    if KV_FP8:
+        out = out * v_scale
     if SPLIT:
         part = (seq * GROUP * tl.num_programs(1) + heads).to(tl.int64) * num_splits + split
         tl.store(part_out_ptr + part[:, None] * BLOCK_D + dims[None, :], out, mask=row_mask[:, None])
@@ -173,6 +185,8 @@ def decode_attention(
     block_n: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attend each sequence's single new query token over its paged context: all of it, or
     with ``sliding_window=W`` its last ``W`` positions (the token's own included; blocks before
@@ -180,7 +194,8 @@ def decode_attention(
 
     The new token's key and value must already be in the cache. ``num_splits`` (the split-KV
     factor) defaults to a choice from the batch size and ``max_seq_len``; pass it explicitly to
-    keep the launch shape fixed (CUDA graphs). Returns ``out``.
+    keep the launch shape fixed (CUDA graphs). ``k_scale`` / ``v_scale`` dequantize an FP8
+    cache (unused otherwise). Returns ``out``.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -200,6 +215,7 @@ def decode_attention(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
     block_d = triton.next_power_of_2(head_dim)
     split = num_splits > 1
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     if split:
         part_out = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
@@ -214,7 +230,8 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        scale * LOG2E,
+        scale * LOG2E * (k_scale if kv_fp8 else 1.0),
+        v_scale,
         NO_WINDOW if sliding_window is None else sliding_window,
         query.stride(0),
         query.stride(1),
@@ -231,6 +248,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         SPLIT=split,
+        KV_FP8=kv_fp8,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
@@ -258,6 +276,8 @@ def reference_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain float32 torch version of :func:`decode_attention` (returns float32)."""
     num_seqs, num_heads, _ = query.shape
@@ -268,8 +288,9 @@ def reference_decode_attention(
         seq_len = int(seq_lens[i])
         positions = torch.arange(seq_len, device=query.device)
         pages = block_tables[i].long()[positions // page_size]
-        k = k_cache[pages, positions % page_size].float().repeat_interleave(group, dim=1)  # [seq_len, H, D]
-        v = v_cache[pages, positions % page_size].float().repeat_interleave(group, dim=1)
+        k = dequantize_from_cache(k_cache[pages, positions % page_size], torch.float32, k_scale)
+        v = dequantize_from_cache(v_cache[pages, positions % page_size], torch.float32, v_scale)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [seq_len, H, D]
         scores = torch.einsum("hd,khd->hk", query[i].float(), k) * scale
         out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
     return out

@@ -1,10 +1,29 @@
-"""KV-cache write: each new token's key and value go to its flat slot in the paged cache."""
+"""KV-cache write: each new token's key and value go to its flat slot in the paged cache.
+
+An FP8 cache (``torch.float8_e4m3fn``) stores ``key / k_scale`` and ``value / v_scale``,
+saturated to +-448 and rounded to nearest even; other caches store a plain cast.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from sonar.attention import quantize_for_cache
+
+FP8_E4M3_MAX = 448.0
+
+
+@triton.jit
+def _to_fp8_e4m3(x, inv_scale):
+    """``x * inv_scale`` saturated to +-448 and rounded to E4M3's 3 mantissa bits (nearest, ties
+    to even) in float32, so the final conversion is exact whichever way a backend rounds."""
+    x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    return bits.to(tl.float32, bitcast=True).to(tl.float8e4nv)
+
 
 
 @triton.jit
@@ -20,10 +39,13 @@ def _reshape_and_cache_kernel(
     stride_value_head,
     stride_cache_slot,
     stride_cache_head,
+    inv_k_scale,
+    inv_v_scale,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8: tl.constexpr,  # the cache is float8_e4m3fn: quantize with the scales
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -38,6 +60,9 @@ def _reshape_and_cache_kernel(
     dst = slot * stride_cache_slot + heads[:, None] * stride_cache_head + dims[None, :]
     k = tl.load(src_key, mask=mask)
     v = tl.load(src_value, mask=mask)
+    if FP8:
+        k = _to_fp8_e4m3(k, inv_k_scale)
+        v = _to_fp8_e4m3(v, inv_v_scale)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -48,11 +73,14 @@ def reshape_and_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping: torch.Tensor,  # [num_tokens] int64; negative slots are skipped
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write token ``i``'s key and value to flat slot ``slot_mapping[i]`` of the caches, in place.
 
     ``key``/``value`` may be strided views (of a fused qkv projection) as long as the last
-    dimension is contiguous; the caches must be contiguous per slot.
+    dimension is contiguous; the caches must be contiguous per slot. An FP8 cache stores
+    ``key / k_scale`` and ``value / v_scale`` (the scales are unused otherwise).
     """
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
@@ -72,21 +100,30 @@ def reshape_and_cache(
         value.stride(1),
         k_cache.stride(1),
         k_cache.stride(2),
+        1.0 / k_scale,
+        1.0 / v_scale,
         NUM_KV_HEADS=num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8=k_cache.dtype == torch.float8_e4m3fn,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 
 
 def reference_reshape_and_cache(
-    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Plain torch version of :func:`reshape_and_cache`."""
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    flat_k[slots] = key[keep].to(k_cache.dtype)
-    flat_v[slots] = value[keep].to(v_cache.dtype)
+    flat_k[slots] = quantize_for_cache(key[keep], k_cache.dtype, k_scale)
+    flat_v[slots] = quantize_for_cache(value[keep], v_cache.dtype, v_scale)

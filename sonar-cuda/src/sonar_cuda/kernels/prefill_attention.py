@@ -6,6 +6,9 @@ the cache. One program computes ``BLOCK_M`` query tokens of one head of one sequ
 tiles of keys that every query row sees need no mask; the diagonal (causal) and, with a sliding
 window, the window's leading edge are masked; tiles wholly before every row's window are
 skipped, never read.
+
+An FP8 cache is read as FP8 and converted to the query's dtype in registers (the ``KV_FP8``
+specialisation); ``k_scale`` is folded into the softmax scale and ``v_scale`` into the output.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from sonar.attention import dequantize_from_cache
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # the window a full-attention layer passes: longer than any context
@@ -42,6 +47,7 @@ def _attend_tile(
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     WINDOWED: tl.constexpr,
+    KV_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     # gather BLOCK_N keys and values through the block table: [BLOCK_N, BLOCK_D]; nothing before
@@ -56,6 +62,9 @@ def _attend_tile(
     kv_mask = token_mask[:, None] & dim_mask[None, :]
     k = tl.load(k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     v = tl.load(v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if KV_FP8:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
 
     # online softmax in base 2: [BLOCK_M, BLOCK_N]
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
@@ -91,7 +100,8 @@ def _prefill_kernel(
     seq_lens_ptr,
     query_start_loc_ptr,
     out_ptr,
-    scale_log2,
+    scale_log2,  # the softmax scale (times k_scale for an FP8 cache), in log2 units
+    v_scale,  # an FP8 cache's value scale (unused otherwise)
     window,  # each query sees its last `window` positions, itself included
     stride_q_token,
     stride_q_head,
@@ -108,6 +118,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,  # False: full attention, compiled without any window arithmetic
+    KV_FP8: tl.constexpr,  # the cache holds scaled float8_e4m3fn
     DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -154,23 +165,25 @@ def _prefill_kernel(
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, seq_len,
                 q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
-                PAGE_SIZE, BLOCK_N, True, WINDOWED, DOT_PRECISION,
+                PAGE_SIZE, BLOCK_N, True, WINDOWED, KV_FP8, DOT_PRECISION,
             )
     for tile_start in range(full_lo, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, seq_len,
             q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
-            PAGE_SIZE, BLOCK_N, False, WINDOWED, DOT_PRECISION,
+            PAGE_SIZE, BLOCK_N, False, WINDOWED, KV_FP8, DOT_PRECISION,
         )
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_M)
     for tile_start in range(unmasked_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, kv_end,
             q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
-            PAGE_SIZE, BLOCK_N, True, WINDOWED, DOT_PRECISION,
+            PAGE_SIZE, BLOCK_N, True, WINDOWED, KV_FP8, DOT_PRECISION,
         )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # rows past the sequence may have seen no key
+    if KV_FP8:
+        out = out * v_scale
     out_offsets = q_tokens[:, None] * stride_out_token + head * stride_out_head + dims[None, :]
     tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=io_mask)
 
@@ -190,6 +203,8 @@ def prefill_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context and themselves;
     with ``sliding_window=W`` each token sees only its last ``W`` positions (its own included),
@@ -197,7 +212,8 @@ def prefill_attention(
 
     ``query_start_loc`` holds absolute rows of ``query``/``out``, so the prefill part of a mixed
     batch passes slices (``query_start_loc[num_decodes:]``) with the whole ``query``. The new
-    tokens' keys and values must already be in the cache. Returns ``out``.
+    tokens' keys and values must already be in the cache. ``k_scale`` / ``v_scale`` dequantize
+    an FP8 cache (unused otherwise). Returns ``out``.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -211,6 +227,7 @@ def prefill_attention(
         return out
     block_d = triton.next_power_of_2(head_dim)
     fp32 = query.dtype == torch.float32
+    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     # tiles sized for the registers: fp32 and wide heads take smaller ones
     if block_m is None:
         block_m = 32 if fp32 else 64
@@ -225,7 +242,8 @@ def prefill_attention(
         seq_lens,
         query_start_loc,
         out,
-        scale * LOG2E,
+        scale * LOG2E * (k_scale if kv_fp8 else 1.0),
+        v_scale,
         NO_WINDOW if sliding_window is None else sliding_window,
         query.stride(0),
         query.stride(1),
@@ -242,6 +260,7 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         WINDOWED=sliding_window is not None,
+        KV_FP8=kv_fp8,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=num_warps,
         num_stages=num_stages,
@@ -257,6 +276,8 @@ def reference_prefill_attention(
     seq_lens: torch.Tensor,
     query_start_loc: torch.Tensor,
     scale: float,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Plain float32 torch version of :func:`prefill_attention`; rows outside every sequence are 0."""
     num_heads = query.shape[1]
@@ -268,8 +289,9 @@ def reference_prefill_attention(
         q_len = end - start
         positions = torch.arange(seq_len, device=query.device)
         pages = block_tables[i].long()[positions // page_size]
-        k = k_cache[pages, positions % page_size].float().repeat_interleave(group, dim=1)  # [seq_len, H, D]
-        v = v_cache[pages, positions % page_size].float().repeat_interleave(group, dim=1)
+        k = dequantize_from_cache(k_cache[pages, positions % page_size], torch.float32, k_scale)
+        v = dequantize_from_cache(v_cache[pages, positions % page_size], torch.float32, v_scale)
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [seq_len, H, D]
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), k) * scale
         q_positions = torch.arange(seq_len - q_len, seq_len, device=query.device)
         hidden = positions[None, :] > q_positions[:, None]
