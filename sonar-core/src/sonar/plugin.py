@@ -30,6 +30,8 @@ def sonar_register_quantization_methods(register: Callable[..., None]) -> None:
     register("unquantized", "sonar.quantization:UnquantizedMethod")
     register("gptq", "sonar.quantization.gptq:GPTQMethod")
     register("awq", "sonar.quantization.awq:AWQMethod")
+    register("fp8", "sonar.quantization.fp8:Fp8Method")
+    register("compressed-tensors", "sonar.quantization.compressed_tensors:CompressedTensorsMethod")
 
 
 @hookimpl

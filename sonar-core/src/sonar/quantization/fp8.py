@@ -1,0 +1,306 @@
+"""FP8 (E4M3) weights and activations, W8A8: the ``fp8`` method and the math every FP8 layout shares.
+
+Three ways an FP8 model arrives, one runtime form each:
+
+- per-output-row weight scales (``Fp8LinearMethod``): compressed-tensors checkpoints with a
+  per-tensor or per-channel ``weight_scale``, and ``quantization="fp8"`` on a floating-point
+  checkpoint, which quantizes each weight at load with one scale per output channel
+  (``Fp8OnlineLinearMethod``; vLLM's online FP8 uses one scale per tensor, a channel scale
+  loses less). Per-tensor scales are kept per output row, so a fused projection (q/k/v,
+  gate/up) holds each part's own scale exactly: nothing is requantized. Activations are
+  quantized per token at run time, or with the checkpoint's static ``input_scale`` (the
+  largest of the fused parts' scales, which clips none of them).
+- 128 x 128 block scales (``Fp8BlockLinearMethod``): the Hugging Face ``fp8`` layout, with
+  ``weight_scale_inv`` ``[ceil(out / 128), ceil(in / 128)]`` that multiplies despite its
+  name; activations quantized per token and group of 128 input features.
+
+The products run through ``sonar.ops`` operations ``fp8_linear`` and ``fp8_block_linear``; a
+platform without kernels for them runs the torch versions here, which keep the weight FP8 in
+memory, dequantize it per call and quantize the activations exactly as a kernel would, so
+every platform computes the same W8A8 math (exact FP8 products summed in float32).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+import torch
+from torch import nn
+
+from sonar import ops
+from sonar.quantization import LinearMethod, QuantizationMethod, UnquantizedLinearMethod
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite E4M3 value
+MIN_AMAX = 1e-10  # an all-zero row still gets a positive scale
+
+ops.declare_op("fp8_linear")
+ops.declare_op("fp8_block_linear")
+
+
+# -- the math ----------------------------------------------------------------------------
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """``x / scale`` saturated to the E4M3 range and rounded to FP8 (``scale`` broadcasts)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def per_token_scale(x: torch.Tensor) -> torch.Tensor:
+    """The dynamic scale of each row of ``x`` ``[M, K]``: ``amax(|row|) / 448``, ``[M, 1]`` float32."""
+    return x.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_AMAX) / FP8_MAX
+
+
+def quantize_per_row(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(fp8 weight, scale [rows] float32)`` with one scale per output row: ``W ~ q * scale[:, None]``."""
+    scale = per_token_scale(weight)
+    return to_fp8(weight, scale), scale[:, 0]
+
+
+def fake_quantize_per_token(x: torch.Tensor) -> torch.Tensor:
+    """``x`` after a round trip through FP8 with a dynamic scale per row, in float32."""
+    scale = per_token_scale(x)
+    return to_fp8(x, scale).float() * scale
+
+
+def fake_quantize_per_group(x: torch.Tensor, group: int) -> torch.Tensor:
+    """``x`` ``[M, K]`` after a round trip through FP8 with a dynamic scale per row and group of
+    ``group`` columns (the last group may be shorter), in float32."""
+    m, k = x.shape
+    padded = torch.nn.functional.pad(x.float(), (0, -k % group)).view(m, -1, group)
+    return fake_quantize_per_token(padded).view(m, -1)[:, :k]
+
+
+def dequantize_blocks(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """``weight`` ``[N, K]`` times its block's entry of ``scale`` ``[ceil(N/bn), ceil(K/bk)]``, float32."""
+    n, k = weight.shape
+    expanded = scale.float().repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
+    return weight.float() * expanded
+
+
+def reference_fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``fp8_linear`` in torch: ``x`` quantized per token (``input_scale`` None) or with the
+    static ``input_scale``, the FP8 product summed in float32, then both scales applied."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x_scale = per_token_scale(x2) if input_scale is None else input_scale.float().reshape(1, 1)
+    y = (to_fp8(x2, x_scale).float() @ weight.float().t()) * (x_scale * weight_scale.float()[None, :])
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def reference_fp8_block_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``fp8_block_linear`` in torch: ``x`` quantized per token and group of ``block[1]``
+    inputs, ``weight`` dequantized by its block scales, the product in float32."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = fake_quantize_per_group(x2, block[1]) @ dequantize_blocks(weight, weight_scale, block).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for an FP8 ``weight`` ``[N, K]`` with ``weight_scale`` ``[N]``
+    float32 per output row; ``x`` ``[..., K]`` quantized to FP8 per token, or with the static
+    scalar ``input_scale``. Returns ``x``'s dtype. A platform kernel runs it where registered."""
+    impl = ops.platform_op(x, "fp8_linear")
+    if impl is not None:
+        return impl(x, weight, weight_scale, input_scale, bias)
+    return reference_fp8_linear(x, weight, weight_scale, input_scale, bias)
+
+
+def fp8_block_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, block: tuple[int, int], bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for an FP8 ``weight`` ``[N, K]`` with one scale per ``block``
+    (``weight_scale`` ``[ceil(N/bn), ceil(K/bk)]``), ``x`` quantized per token and group of
+    ``block[1]``. A platform kernel runs it where registered."""
+    impl = ops.platform_op(x, "fp8_block_linear")
+    if impl is not None:
+        return impl(x, weight, weight_scale, block, bias)
+    return reference_fp8_block_linear(x, weight, weight_scale, block, bias)
+
+
+# -- linear methods ----------------------------------------------------------------------
+
+
+def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(tensor, requires_grad=False)
+
+
+def _check_fp8(tensor: torch.Tensor) -> None:
+    if tensor.dtype != FP8_DTYPE:
+        raise ValueError(f"is {tensor.dtype}, but this FP8 layout stores weights as {FP8_DTYPE}")
+
+
+class Fp8LinearMethod(LinearMethod):
+    """``weight`` FP8 ``[out, in]``, ``weight_scale`` float32 ``[out]`` (a checkpoint's per-tensor
+    ``[1]`` fills the rows of its part, a per-channel ``[out, 1]`` its own rows), ``input_scale``
+    float32 scalar where activations are static, optional ``bias``."""
+
+    def __init__(self, static_activations: bool = False) -> None:
+        self.static_activations = static_activations
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        out_features = sum(output_sizes)
+        layer.weight = _frozen(torch.zeros(out_features, in_features, dtype=FP8_DTYPE))
+        layer.weight_scale = _frozen(torch.ones(out_features, dtype=torch.float32))
+        layer.input_scale = _frozen(torch.zeros((), dtype=torch.float32)) if self.static_activations else None
+        layer.bias = _frozen(torch.zeros(out_features, dtype=dtype)) if bias else None
+
+    def load_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, rows: slice | None) -> None:
+        if param_name == "weight":
+            _check_fp8(tensor)
+        elif param_name == "weight_scale":
+            dest = layer.weight_scale.data if rows is None else layer.weight_scale.data[rows]
+            if tensor.numel() != 1 and tuple(tensor.shape) not in ((dest.numel(),), (dest.numel(), 1)):
+                raise ValueError(f"has shape {tuple(tensor.shape)}, but a per-tensor [1] or per-channel [{dest.numel()}, 1] scale fits")
+            dest.copy_(tensor.float().reshape(-1).expand(dest.numel()))
+            return
+        elif param_name == "input_scale":
+            if layer.input_scale is None or tensor.numel() != 1:
+                raise ValueError("is a static activation scale, but the scheme quantizes activations per token" if layer.input_scale is None else f"has shape {tuple(tensor.shape)}, but a per-tensor [1] scale fits")
+            layer.input_scale.data = torch.maximum(layer.input_scale.data, tensor.float().reshape(()).to(layer.input_scale.device))
+            return
+        super().load_checkpoint_tensor(layer, param_name, tensor, rows)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
+
+
+class Fp8OnlineLinearMethod(Fp8LinearMethod):
+    """A floating-point checkpoint's ``weight`` quantized at load to FP8 with one scale per
+    output row (a buffer, so the checkpoint need not carry it); activations per token."""
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        super().create_weights(layer, in_features, output_sizes, bias, dtype)
+        del layer.weight_scale
+        layer.register_buffer("weight_scale", torch.ones(sum(output_sizes), dtype=torch.float32))
+
+    def load_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, rows: slice | None) -> None:
+        if param_name != "weight":
+            return super().load_checkpoint_tensor(layer, param_name, tensor, rows)
+        dest = layer.weight.data if rows is None else layer.weight.data[rows]
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(f"has shape {tuple(tensor.shape)}, but the model expects {tuple(dest.shape)}")
+        quantized, scale = quantize_per_row(tensor.to(dest.device))
+        dest.copy_(quantized)
+        (layer.weight_scale if rows is None else layer.weight_scale[rows]).copy_(scale)
+
+
+class Fp8BlockLinearMethod(LinearMethod):
+    """``weight`` FP8 ``[out, in]`` and ``weight_scale_inv`` float32 ``[ceil(out/bn), ceil(in/bk)]``
+    (the Hugging Face ``fp8`` layout); a fused part must start on a block boundary."""
+
+    def __init__(self, block: tuple[int, int]) -> None:
+        self.block = block
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        out_features = sum(output_sizes)
+        scale_shape = (math.ceil(out_features / self.block[0]), math.ceil(in_features / self.block[1]))
+        layer.weight = _frozen(torch.zeros(out_features, in_features, dtype=FP8_DTYPE))
+        layer.weight_scale_inv = _frozen(torch.ones(scale_shape, dtype=torch.float32))
+        layer.bias = _frozen(torch.zeros(out_features, dtype=dtype)) if bias else None
+
+    def load_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, rows: slice | None) -> None:
+        if param_name == "weight":
+            _check_fp8(tensor)
+        if param_name == "weight_scale_inv" and rows is not None:
+            if rows.start % self.block[0]:
+                raise ValueError(f"fills rows from {rows.start}, which is not a multiple of the block size {self.block[0]}")
+            rows = slice(rows.start // self.block[0], math.ceil(rows.stop / self.block[0]))
+        super().load_checkpoint_tensor(layer, param_name, tensor.float() if param_name == "weight_scale_inv" else tensor, rows)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block, layer.bias)
+
+
+# -- which layers stay in floating point -----------------------------------------------
+
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _checkpoint_names(layer_prefix: str) -> list[str]:
+    # a fused layer is named after its parts in the checkpoint's ignore lists
+    parent, _, leaf = layer_prefix.rpartition(".")
+    parts = _FUSED_PARTS.get(leaf)
+    return [f"{parent}.{part}" if parent else part for part in parts] if parts else [layer_prefix]
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+def is_ignored(layer_prefix: str, ignore: list[str]) -> bool:
+    """Whether the checkpoint left the layer at ``layer_prefix`` unquantized (``lm_head``
+    always is): ``ignore`` holds module names, dotted suffixes of them, or ``re:`` patterns.
+
+    :raises ValueError: some parts of a fused layer are ignored and others not.
+    """
+    if layer_prefix in ("", "lm_head"):
+        return True
+    names = _checkpoint_names(layer_prefix)
+    ignored = [any(_matches(name, pattern) for pattern in ignore) for name in names]
+    if any(ignored) and not all(ignored):
+        raise ValueError(f"the checkpoint quantizes only some of {names}, which Sonar runs as one fused layer {layer_prefix!r}")
+    return all(ignored)
+
+
+class Fp8Method(QuantizationMethod):
+    """``fp8``: the Hugging Face FP8 layout (``weight_block_size`` block scales, or per-tensor
+    ``weight_scale`` with ``activation_scheme`` static or dynamic), or, forced on a checkpoint
+    without a ``quantization_config``, FP8 weights quantized at load (per output channel,
+    dynamic per-token activations). ``lm_head`` and ``modules_to_not_convert`` stay unquantized."""
+
+    name = "fp8"
+    platforms = ("cpu", "cuda")
+
+    def __init__(self, serialized: bool, block: tuple[int, int] | None, static_activations: bool, ignore: list[str]) -> None:
+        self.serialized = serialized
+        self.block = block
+        self.static_activations = static_activations
+        self.ignore = ignore
+
+    @classmethod
+    def from_config(cls, quant_config: dict[str, Any]) -> Fp8Method:
+        serialized = quant_config.get("quant_method") == "fp8"
+        block = quant_config.get("weight_block_size")
+        scheme = quant_config.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise ValueError(f"fp8 activation_scheme {scheme!r} is not supported; supported: 'dynamic', 'static'")
+        if block is not None and (len(block) != 2 or scheme != "dynamic"):
+            raise ValueError(f"fp8 weight_block_size {block} with activation_scheme {scheme!r} is not supported; supported: [bn, bk] with 'dynamic'")
+        return cls(serialized, tuple(block) if block else None, serialized and scheme == "static", list(quant_config.get("modules_to_not_convert") or []))
+
+    def linear_method(self, layer_prefix: str) -> LinearMethod:
+        if is_ignored(layer_prefix, self.ignore):
+            return UnquantizedLinearMethod()
+        if not self.serialized:
+            return Fp8OnlineLinearMethod()
+        if self.block is not None:
+            return Fp8BlockLinearMethod(self.block)
+        return Fp8LinearMethod(static_activations=self.static_activations)
