@@ -12,9 +12,11 @@ from typing import Any, Callable
 
 import torch
 
+import sonar.quantization.int4_packing  # noqa: F401  (declares "int4_linear")
 from sonar_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from sonar_cuda.kernels.argmax import argmax as _argmax
 from sonar_cuda.kernels.gemv import gemv, gemv_pays, gemv_supported
+from sonar_cuda.kernels.int4_gemm import int4_linear
 from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
 from sonar_cuda.kernels.layernorm import rms_norm as _rms_norm
 from sonar_cuda.kernels.rotary import rotary_embedding
@@ -81,4 +83,5 @@ OPS: dict[str, Callable[..., Any]] = {
     "silu_and_mul": silu_and_mul,
     "rotary_tables": rotary_tables,
     "apply_rotary": apply_rotary,
+    "int4_linear": int4_linear,
 }

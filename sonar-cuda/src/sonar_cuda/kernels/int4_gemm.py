@@ -1,0 +1,197 @@
+"""Products with int4 weights in Sonar's GPTQ/AWQ runtime layout, dequantized in registers.
+
+The layout (``sonar.quantization.int4_packing``): ``qweight`` int32 ``[N, K / 8]`` (8 inputs of
+an output row per word, low nibble first), ``scales`` and ``qzeros`` ``[K / group, N]`` in the
+activations' dtype, ``W[n, k] = (q[n, k] - zero[g, n]) * scale[g, n]`` with ``g = k // group``.
+
+- :func:`int4_gemv` (one row of activations, decode at batch 1): each program owns ``BLOCK_N``
+  output rows and streams them once; per group it sums ``q * x`` and applies the group's scale
+  and zero point once, ``y += s * (sum(q x) - z * sum(x))``, so a weight costs a shift, a mask,
+  a conversion and a multiply-add.
+- :func:`int4_gemm` (several rows): ``[BLOCK_M, BLOCK_N]`` tiles; each ``[BLOCK_N, BLOCK_K]``
+  weight tile is unpacked and dequantized to the activations' dtype, then one ``tl.dot``.
+
+Both are plain launches on preallocated outputs (no host sync), so decode graphs capture them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PACK = 8  # int4 values per int32 word
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
+    N,
+    K: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    words = tl.arange(0, BLOCK_K // 8)
+    nibbles = tl.arange(0, 8)
+    shifts = (nibbles * 4)[None, None, :]
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * (K // 8)
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for group in range(0, K // GROUP):
+        qx = tl.zeros([BLOCK_N], tl.float32)
+        x_sum = 0.0
+        for chunk in tl.static_range(0, GROUP // BLOCK_K):
+            k0 = group * GROUP + chunk * BLOCK_K
+            packed = tl.load(w_rows + (k0 // 8 + words)[None, :], mask=row_mask[:, None], other=0, eviction_policy="evict_first")
+            q = ((packed[:, :, None] >> shifts) & 0xF).to(tl.float32)  # [BLOCK_N, BLOCK_K / 8, 8]
+            x = tl.load(x_ptr + k0 + words[:, None] * 8 + nibbles[None, :]).to(tl.float32)  # [BLOCK_K / 8, 8]
+            qx += tl.sum(tl.sum(q * x[None, :, :], axis=2), axis=1)
+            x_sum += tl.sum(tl.sum(x, axis=1), axis=0)
+        scale = tl.load(s_ptr + group * N + rows, mask=row_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + group * N + rows, mask=row_mask, other=0.0).to(tl.float32)
+        acc += scale * (qx - zero * x_sum)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _int4_gemm_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr,
+    M, N, stride_xm, stride_ym,
+    K: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    words = tl.arange(0, BLOCK_K // 8)
+    shifts = (tl.arange(0, 8) * 4)[None, None, :]
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * (K // 8)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
+        packed = tl.load(w_rows + (k0 // 8 + words)[None, :], mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K / 8]
+        q = tl.reshape((packed[:, :, None] >> shifts) & 0xF, (BLOCK_N, BLOCK_K))
+        group = k0 // GROUP
+        scale = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        w = ((q.to(tl.float32) - zero[:, None]) * scale[:, None]).to(x.dtype)  # [BLOCK_N, BLOCK_K]
+        if IEEE:
+            acc += tl.dot(x, tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def block_k_for(in_features: int, group_size: int) -> int | None:
+    """The longest chunk of inputs (128, 64 or 32) that both the row and a group split into
+    evenly (None: the kernels do not take this shape)."""
+    for block_k in (128, 64, 32):
+        if in_features % block_k == 0 and group_size % block_k == 0:
+            return block_k
+    return None
+
+
+def int4_supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, group_size: int) -> bool:
+    """Whether :func:`int4_gemv` / :func:`int4_gemm` compute this product: a floating ``x`` of
+    the scales' dtype on their device, inputs that split into whole chunks and groups."""
+    k = qweight.shape[1] * PACK
+    return (
+        x.shape[-1] == k
+        and x.dtype == scales.dtype
+        and x.dtype.is_floating_point
+        and x.device == qweight.device
+        and qweight.is_contiguous()
+        and block_k_for(k, group_size) is not None
+    )
+
+
+def int4_gemv(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for one contiguous row ``x`` ``[1, K]``, accumulated in float32,
+    returned ``[1, N]`` in ``x``'s dtype."""
+    n, k = qweight.shape[0], qweight.shape[1] * PACK
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    block_n = 8 if n <= 8192 else 16
+    _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, qweight, scales, qzeros, bias if bias is not None else scales, y, n,
+        K=k, GROUP=group_size, BLOCK_N=block_n, BLOCK_K=block_k_for(k, group_size),
+        HAS_BIAS=bias is not None, num_warps=4,
+    )  # fmt: skip
+    return y
+
+
+def int4_gemm(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for ``x`` ``[M, K]`` (rows of stride ``x.stride(0)``, inputs
+    contiguous), accumulated in float32, returned ``[M, N]`` in ``x``'s dtype."""
+    m, n, k = x.shape[0], qweight.shape[0], qweight.shape[1] * PACK
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 32 if m <= 32 else 64 if m <= 256 else 128
+    block_k = min(block_k_for(k, group_size), 64 if m > 256 else 128)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    _int4_gemm_kernel[grid](
+        x, qweight, scales, qzeros, bias if bias is not None else scales, y, m, n, x.stride(0), y.stride(0),
+        K=k, GROUP=group_size, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        num_warps=4 if block_m * block_n <= 4096 else 8, num_stages=3,
+    )  # fmt: skip
+    return y
+
+
+def int4_linear(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    input_order: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The ``"int4_linear"`` operation (``sonar.quantization.int4_packing.int4_linear``) for
+    ``x`` ``[..., K]``: the GEMV for one row, the tiled GEMM for more; shapes the kernels do
+    not take are dequantized and run by the library."""
+    if input_order is not None:
+        x = x.index_select(-1, input_order)
+    if not int4_supported(x, qweight, scales, group_size):
+        from sonar.quantization.int4_packing import dequantize_int4
+
+        weight = dequantize_int4(qweight, scales, qzeros, group_size).to(x.dtype)
+        return torch.nn.functional.linear(x, weight, bias)
+    flat = x.reshape(-1, x.shape[-1])
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    if flat.shape[0] == 1 and flat.is_contiguous():
+        out = int4_gemv(flat, qweight, scales, qzeros, group_size, bias)
+    else:
+        out = int4_gemm(flat, qweight, scales, qzeros, group_size, bias)
+    return out.view(*x.shape[:-1], qweight.shape[0])
+
+
+def reference_int4_linear(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Plain float32 torch version (returns float32)."""
+    from sonar.quantization.int4_packing import dequantize_int4
+
+    y = x.float() @ dequantize_int4(qweight, scales, qzeros, group_size).t()
+    return y if bias is None else y + bias.float()
