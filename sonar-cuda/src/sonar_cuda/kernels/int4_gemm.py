@@ -121,33 +121,45 @@ def int4_supported(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
 
 
 def int4_gemv(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for one contiguous row ``x`` ``[1, K]``, accumulated in float32,
-    returned ``[1, N]`` in ``x``'s dtype."""
+    returned ``[1, N]`` in ``x``'s dtype (``block_n``, ``num_warps``: the launch, for tuning)."""
     n, k = qweight.shape[0], qweight.shape[1] * PACK
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n = 8 if n <= 8192 else 16
+    block_n = block_n or (8 if n <= 8192 else 16)
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, qweight, scales, qzeros, bias if bias is not None else scales, y, n,
         K=k, GROUP=group_size, BLOCK_N=block_n, BLOCK_K=block_k_for(k, group_size),
-        HAS_BIAS=bias is not None, num_warps=4,
+        HAS_BIAS=bias is not None, num_warps=num_warps,
     )  # fmt: skip
     return y
 
 
 def int4_gemm(
-    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor, group_size: int, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    blocks: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for ``x`` ``[M, K]`` (rows of stride ``x.stride(0)``, inputs
-    contiguous), accumulated in float32, returned ``[M, N]`` in ``x``'s dtype."""
+    contiguous), accumulated in float32, returned ``[M, N]`` in ``x``'s dtype (``blocks``:
+    ``(BLOCK_M, BLOCK_N, BLOCK_K)`` of the launch, for tuning)."""
     m, n, k = x.shape[0], qweight.shape[0], qweight.shape[1] * PACK
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = 32 if m <= 32 else 64 if m <= 256 else 128
-    block_k = min(block_k_for(k, group_size), 64 if m > 256 else 128)
+    block_m, block_n, block_k = blocks or gemm_blocks(m, k, group_size)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int4_gemm_kernel[grid](
         x, qweight, scales, qzeros, bias if bias is not None else scales, y, m, n, x.stride(0), y.stride(0),
@@ -156,6 +168,14 @@ def int4_gemm(
         num_warps=4 if block_m * block_n <= 4096 else 8, num_stages=3,
     )  # fmt: skip
     return y
+
+
+def gemm_blocks(m: int, k: int, group_size: int) -> tuple[int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K)`` of the tiled GEMM for ``m`` rows: few rows, narrow
+    tiles (enough programs to stream the weight); many rows, larger ones."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = 32 if m <= 32 else 64 if m <= 256 else 128
+    return block_m, block_n, min(block_k_for(k, group_size), 64 if m > 256 else 128)
 
 
 def int4_linear(
