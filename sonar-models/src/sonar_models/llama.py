@@ -17,6 +17,7 @@ from sonar import ops
 from sonar.attention import ForwardContext
 from sonar.engine.kv_cache_spec import KVCacheSpec
 from sonar.model_interface import AttentionFactory, kv_cache_spec_for
+from sonar_models.kv_scales import KVScaleCollector
 from sonar_models.layers import Linear, MergedLinear, RMSNorm, silu_and_mul
 from sonar_models.rope import RotaryEmbedding, rope_spec_from_config
 from sonar_models.weight_loading import FusedProjection, load_hf_weights
@@ -218,12 +219,16 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in (``model.layers.0.self_attn.q_proj.weight``, ...).
 
-        Raises ``ValueError`` on an unknown name, a shape mismatch or a parameter left unfilled.
+        KV-cache scales (``self_attn.k_scale`` / ``v_scale`` / ``kv_scale``), where present, go
+        to the layers' attention (see ``sonar_models.kv_scales``). Raises ``ValueError`` on an
+        unknown name, a shape mismatch or a parameter left unfilled.
         """
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # re-tie after e.g. to_empty()
         skipped = frozenset({"lm_head.weight"}) if self.tie_word_embeddings else frozenset()
-        load_hf_weights(self, weights, FUSED_PROJECTIONS, IGNORED_SUFFIXES, skipped)
+        kv_scales = KVScaleCollector()
+        load_hf_weights(self, kv_scales.without_scales(weights), FUSED_PROJECTIONS, IGNORED_SUFFIXES, skipped)
+        kv_scales.apply(self)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
