@@ -15,6 +15,7 @@ import torch
 import sonar.quantization.int4_packing  # noqa: F401  (declares "int4_linear")
 from sonar_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from sonar_cuda.kernels.argmax import argmax as _argmax
+from sonar_cuda.kernels.fp8_linear import fp8_linear
 from sonar_cuda.kernels.gemv import gemv, gemv_pays, gemv_supported
 from sonar_cuda.kernels.int4_gemm import int4_linear
 from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
@@ -84,4 +85,5 @@ OPS: dict[str, Callable[..., Any]] = {
     "rotary_tables": rotary_tables,
     "apply_rotary": apply_rotary,
     "int4_linear": int4_linear,
+    "fp8_linear": fp8_linear,  # declared by sonar.quantization.fp8
 }

@@ -65,6 +65,12 @@ class CompressedTensorsMethod(QuantizationMethod):
 
     name = "compressed-tensors"
     platforms = ("cpu", "cuda")
+    reads = "FP8 W8A8: float8_e4m3fn weight, per-tensor or per-channel weight_scale, static input_scale or dynamic per-token"
+    execution = {
+        "cpu": "FP8 in memory, dequantized per call; activations quantized as on the GPU",
+        "cuda": "fused Triton GEMV for one row, torch._scaled_mm row-wise otherwise",
+    }
+    tested_by = {"cpu": "tests/test_quant_fp8.py", "cuda": "sonar-cuda/tests/test_cuda_fp8.py"}
 
     def __init__(self, scheme: Fp8Scheme, ignore: list[str]) -> None:
         self.scheme = scheme

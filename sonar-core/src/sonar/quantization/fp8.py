@@ -278,6 +278,12 @@ class Fp8Method(QuantizationMethod):
 
     name = "fp8"
     platforms = ("cpu", "cuda")
+    reads = "HF fp8: float8_e4m3fn weight + weight_scale_inv 128x128 blocks (or per-tensor weight_scale); bf16/fp16 checkpoints quantized at load (per channel)"
+    execution = {
+        "cpu": "FP8 in memory, dequantized per call; activations quantized as on the GPU",
+        "cuda": "per channel: fused Triton GEMV for one row, torch._scaled_mm row-wise otherwise; blocks: dequantized per call",
+    }
+    tested_by = {"cpu": "tests/test_quant_fp8.py", "cuda": "sonar-cuda/tests/test_cuda_fp8.py"}
 
     def __init__(self, serialized: bool, block: tuple[int, int] | None, static_activations: bool, ignore: list[str]) -> None:
         self.serialized = serialized

@@ -1,0 +1,151 @@
+"""FP8 W8A8 on Llama-3.1-8B shapes: the GEMM choice per shape, and batch-1 decode against bf16.
+
+    python sonar-cuda/benchmarks/fp8_decode.py [--part gemm|tpot|all] [--out summary.json]
+
+gemm: for each projection of Llama-3.1-8B (qkv 6144x4096, o 4096x4096, gate_up 28672x4096,
+down 4096x14336) and M = 1, 16, 128, 1024 rows, microseconds per product (activation
+quantization included) of ``torch._scaled_mm`` (row-wise scales), the Triton tiled GEMM, the
+fused Triton GEMV (M = 1, a few tile shapes) and bf16 (``sonar_cuda.ops.linear``), each timed
+as a CUDA graph over copies of the weight that together exceed L2, as decode runs them.
+tpot: ``LLM`` on dummy Llama-3.1-8B weights, bf16 and ``quantization="fp8"`` in the same run:
+milliseconds per output token at batch 1 (a 32-token prompt; the time of 16 + 128 output
+tokens minus that of 16, over 128; best of 3). Prints one compact JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+ROWS = (1, 16, 128, 1024)
+BYTES_PER_CASE = 400e6  # the copies of one weight, together: beyond the 50 MB L2
+GEMV_TILES = ((1, 1024, 4), (2, 512, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 8), (8, 256, 4), (16, 256, 8))
+
+
+def graph_us(calls: list, repeats: int = 10) -> float:
+    """Microseconds per call of ``calls`` replayed as one CUDA graph."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return round(1000 * start.elapsed_time(end) / repeats / len(calls), 2)
+
+
+def gemm_sweep() -> dict:
+    from sonar_cuda import ops as cuda_ops
+    from sonar_cuda.kernels.fp8_gemm import fp8_gemm
+    from sonar_cuda.kernels.fp8_gemv import fp8_gemv
+    from sonar_cuda.kernels.fp8_linear import fp8_linear
+    from sonar_cuda.kernels.fp8_quant import quantize_rows
+
+    results: dict = {}
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, int(BYTES_PER_CASE // (n * k)))
+        weights = [(torch.randn(n, k, device="cuda") * 0.02).to(torch.float8_e4m3fn) for _ in range(copies)]
+        bf16 = [w.to(torch.bfloat16) for w in weights[: max(2, copies // 2)]]
+        scale = torch.full((n,), 0.01, device="cuda")
+        for m in ROWS:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+
+            def scaled_mm(w, x=x):
+                q, s = quantize_rows(x)
+                return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=scale.view(1, n), out_dtype=torch.bfloat16)
+
+            def triton_gemm(w, x=x):
+                q, s = quantize_rows(x)
+                return fp8_gemm(q, w, s, scale, None, torch.bfloat16)
+
+            case = {
+                "bf16": graph_us([lambda w=w, x=x: cuda_ops.linear(x, w) for w in bf16]),
+                "scaled_mm": graph_us([lambda w=w: scaled_mm(w) for w in weights]),
+                "triton_gemm": graph_us([lambda w=w: triton_gemm(w) for w in weights]),
+                "dispatch": graph_us([lambda w=w, x=x: fp8_linear(x, w, scale, None) for w in weights]),
+            }
+            if m == 1:
+                for bn, bk, warps in GEMV_TILES:
+                    case[f"gemv_{bn}x{bk}w{warps}"] = graph_us(
+                        [lambda w=w, x=x, bn=bn, bk=bk, warps=warps: fp8_gemv(x, w, scale, None, None, bn, bk, warps) for w in weights]
+                    )
+            case["gbps_dispatch"] = round(n * k / case["dispatch"] / 1e3, 1)
+            results[f"{name} M={m}"] = case
+            print(name, m, case, flush=True)
+        del weights, bf16
+        torch.cuda.empty_cache()
+    return results
+
+
+LLAMA_3_1_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+    "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16", "bos_token_id": 128000, "eos_token_id": 128001,
+}
+
+
+def tpot_ms(folder: Path, **options) -> float:
+    from sonar import LLM, SamplingParams
+
+    llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,
+              gpu_memory_utilization=0.85, max_num_seqs=4, enable_prefix_caching=False, **options)
+    prompt = [{"prompt_token_ids": list(range(1000, 1032))}]
+
+    def seconds(tokens: int) -> float:
+        started = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        return time.perf_counter() - started
+
+    seconds(16)
+    best = min(seconds(16 + 128) - seconds(16) for _ in range(3))
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return round(1000 * best / 128, 3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("gemm", "tpot", "all"), default="all")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    summary: dict = {"device": torch.cuda.get_device_name()}
+
+    def save() -> None:
+        if args.out:
+            args.out.write_text(json.dumps(summary, indent=1))
+
+    if args.part in ("tpot", "all"):
+        with tempfile.TemporaryDirectory() as root:
+            folder = Path(root)
+            (folder / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
+            summary["tpot_ms_fp8"] = tpot_ms(folder, quantization="fp8")
+            save()
+            summary["tpot_ms_bf16"] = tpot_ms(folder)
+            save()
+            print(json.dumps({k: summary[k] for k in ("tpot_ms_fp8", "tpot_ms_bf16")}), flush=True)
+    if args.part in ("gemm", "all"):
+        summary["gemm_us"] = gemm_sweep()
+        save()
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

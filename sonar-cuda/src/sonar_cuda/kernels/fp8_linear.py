@@ -1,0 +1,56 @@
+"""``sonar.ops`` operation ``fp8_linear`` on CUDA: the product kernel chosen per shape.
+
+One row of activations: the fused FP8 GEMV (activation quantization inside, one launch).
+More rows: the activations quantized by one Triton launch, then ``torch._scaled_mm`` with
+row-wise scales (CUTLASS on Hopper; bf16 output, K and N multiples of 16) from
+``SCALED_MM_MIN_ROWS`` rows, the Triton tiled GEMM below that and where ``_scaled_mm`` cannot
+run the shape. The thresholds are what ``sonar-cuda/benchmarks/fp8_decode.py`` measured on
+an H200. Nothing here synchronises with the host, so decode graphs capture it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from sonar_cuda.kernels.fp8_gemm import fp8_gemm
+from sonar_cuda.kernels.fp8_gemv import fp8_gemv, fp8_gemv_supported
+from sonar_cuda.kernels.fp8_quant import quantize_rows
+
+SCALED_MM_MIN_ROWS = 2
+
+
+def scaled_mm_runs(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
+    """Whether ``torch._scaled_mm`` with row-wise scales takes this product on this device."""
+    return dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0 and _capability() >= (9, 0)
+
+
+@functools.cache
+def _capability() -> tuple[int, int]:
+    return torch.cuda.get_device_capability()
+
+
+def fp8_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``sonar.quantization.fp8.fp8_linear`` on CUDA tensors: same arguments, same math."""
+    n, k = weight.shape
+    if fp8_gemv_supported(x, weight):
+        return fp8_gemv(x, weight, weight_scale, input_scale, bias)
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    q, x_scale = quantize_rows(x2, input_scale)
+    if m >= SCALED_MM_MIN_ROWS and x.is_cuda and scaled_mm_runs(m, n, k, x.dtype):
+        y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), out_dtype=x.dtype)
+        if bias is not None:
+            y = y + bias
+    else:
+        y = fp8_gemm(q, weight, x_scale, weight_scale, bias, x.dtype)
+    return y.view(*x.shape[:-1], n)
