@@ -13,7 +13,7 @@ from sonar.quantization.int4_packing import dequantize_int4, int4_linear, pack_i
 from sonar_cuda import ops as cuda_ops
 from sonar_cuda.kernels.int4_gemm import int4_gemm, int4_gemv, reference_int4_linear
 
-SMALL_CASES = [(1, 64, 128, 128, False), (1, 40, 256, 64, True), (5, 48, 256, -1, False), (17, 72, 128, 32, True)]  # (M, N, K, group, bias)
+SMALL_CASES = [(1, 64, 128, 128, False), (1, 24, 384, 128, True), (1, 40, 256, 64, True), (5, 48, 256, -1, False), (17, 72, 128, 32, True)]  # (M, N, K, group, bias)
 LARGE_CASES = [(1, 6144, 4096, 128), (1, 28672, 4096, 128), (1, 4096, 14336, 128), (16, 4096, 4096, 128), (16, 4096, 14336, -1), (300, 6144, 4096, 128)]
 
 

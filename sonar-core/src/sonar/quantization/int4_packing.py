@@ -34,9 +34,9 @@ def unpack_int4(packed: torch.Tensor, dim: int, order: tuple[int, ...] | None = 
     """The 4-bit values of int32 ``packed``, 8 per word along ``dim`` (``dim`` grows 8x), as
     int32. ``order[j]`` is the nibble that holds the word's ``j``-th value (None: nibble ``j``)."""
     dim = dim % packed.dim()
-    nibbles = (packed.unsqueeze(dim + 1) >> SHIFTS.view([8 if d == dim + 1 else 1 for d in range(packed.dim() + 1)])) & 0xF
+    nibbles = (packed.unsqueeze(dim + 1) >> SHIFTS.to(packed.device).view([8 if d == dim + 1 else 1 for d in range(packed.dim() + 1)])) & 0xF
     if order is not None:
-        nibbles = nibbles.index_select(dim + 1, torch.tensor(order))
+        nibbles = nibbles.index_select(dim + 1, torch.tensor(order, device=packed.device))
     return nibbles.flatten(dim, dim + 1)
 
 
@@ -52,9 +52,9 @@ def pack_int4(values: torch.Tensor, dim: int, order: tuple[int, ...] | None = No
         inverse = [0] * PACK_FACTOR
         for j, nibble in enumerate(order):
             inverse[nibble] = j
-        grouped = grouped.index_select(dim + 1, torch.tensor(inverse))
+        grouped = grouped.index_select(dim + 1, torch.tensor(inverse, device=values.device))
     # nibbles do not overlap, so their sum is their bitwise or (in int64: bit 31 is the sign of an int32)
-    total = (grouped << SHIFTS.to(torch.int64).view([8 if d == dim + 1 else 1 for d in range(grouped.dim())])).sum(dim + 1)
+    total = (grouped << SHIFTS.to(values.device, torch.int64).view([8 if d == dim + 1 else 1 for d in range(grouped.dim())])).sum(dim + 1)
     return torch.where(total >= 2**31, total - 2**32, total).to(torch.int32)
 
 

@@ -5,9 +5,10 @@ an output row per word, low nibble first), ``scales`` and ``qzeros`` ``[K / grou
 activations' dtype, ``W[n, k] = (q[n, k] - zero[g, n]) * scale[g, n]`` with ``g = k // group``.
 
 - :func:`int4_gemv` (one row of activations, decode at batch 1): each program owns ``BLOCK_N``
-  output rows and streams them once; per group it sums ``q * x`` and applies the group's scale
-  and zero point once, ``y += s * (sum(q x) - z * sum(x))``, so a weight costs a shift, a mask,
-  a conversion and a multiply-add.
+  output rows and streams them once, in unrolled chunks whose loads are all issued before any
+  is summed; per run of inputs inside one group it sums ``q * x`` and applies the group's
+  scale and zero point once, ``y += s * (sum(q x) - z * sum(x))``, so a weight costs a shift, a
+  mask, a conversion and a multiply-add.
 - :func:`int4_gemm` (several rows): ``[BLOCK_M, BLOCK_N]`` tiles; each ``[BLOCK_N, BLOCK_K]``
   weight tile is unpacked and dequantized to the activations' dtype, then one ``tl.dot``.
 
@@ -21,6 +22,8 @@ import triton
 import triton.language as tl
 
 PACK = 8  # int4 values per int32 word
+# the GEMV's launch: output rows per program, inputs per unrolled chunk, warps
+GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 4, 1024, 4
 
 
 @triton.jit
@@ -29,33 +32,38 @@ def _int4_gemv_kernel(
     N,
     K: tl.constexpr,
     GROUP: tl.constexpr,
+    SUB: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):  # fmt: skip
+    # a chunk of BLOCK_K inputs is NUM_SUB runs of SUB inputs, each inside one group; the chunk
+    # loop is unrolled so every chunk's loads are issued before any is summed
+    NUM_SUB: tl.constexpr = BLOCK_K // SUB
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    words = tl.arange(0, BLOCK_K // 8)
-    nibbles = tl.arange(0, 8)
-    shifts = (nibbles * 4)[None, None, :]
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * (K // 8)
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for group in range(0, K // GROUP):
-        qx = tl.zeros([BLOCK_N], tl.float32)
-        x_sum = 0.0
-        for chunk in tl.static_range(0, GROUP // BLOCK_K):
-            k0 = group * GROUP + chunk * BLOCK_K
-            packed = tl.load(w_rows + (k0 // 8 + words)[None, :], mask=row_mask[:, None], other=0, eviction_policy="evict_first")
-            q = ((packed[:, :, None] >> shifts) & 0xF).to(tl.float32)  # [BLOCK_N, BLOCK_K / 8, 8]
-            x = tl.load(x_ptr + k0 + words[:, None] * 8 + nibbles[None, :]).to(tl.float32)  # [BLOCK_K / 8, 8]
-            qx += tl.sum(tl.sum(q * x[None, :, :], axis=2), axis=1)
-            x_sum += tl.sum(tl.sum(x, axis=1), axis=0)
-        scale = tl.load(s_ptr + group * N + rows, mask=row_mask, other=0.0).to(tl.float32)
-        zero = tl.load(z_ptr + group * N + rows, mask=row_mask, other=0.0).to(tl.float32)
+    subs = tl.arange(0, NUM_SUB)
+    ks = subs[None, :, None] * SUB + tl.arange(0, SUB)[None, None, :]  # [1, NUM_SUB, SUB]
+    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * (K // 8)
+    acc = tl.zeros([BLOCK_N, NUM_SUB], tl.float32)
+    for start in tl.static_range(0, K, BLOCK_K):
+        k = start + ks
+        sub_mask = start + subs * SUB < K
+        packed = tl.load(w_rows + k // 8, mask=row_mask[:, None, None] & (k < K), other=0, eviction_policy="evict_first")
+        q = ((packed >> ((k % 8) * 4)) & 0xF).to(tl.float32)  # [BLOCK_N, NUM_SUB, SUB]
+        x = tl.load(x_ptr + k, mask=k < K, other=0.0).to(tl.float32)  # [1, NUM_SUB, SUB]
+        qx = tl.sum(q * x, axis=2)  # [BLOCK_N, NUM_SUB]
+        x_sum = tl.sum(x, axis=2)  # [1, NUM_SUB]
+        groups = (start + subs * SUB) // GROUP
+        sz_offsets = groups[None, :] * N + rows[:, None]
+        sz_mask = row_mask[:, None] & sub_mask[None, :]
+        scale = tl.load(s_ptr + sz_offsets, mask=sz_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + sz_offsets, mask=sz_mask, other=0.0).to(tl.float32)
         acc += scale * (qx - zero * x_sum)
+    y = tl.sum(acc, axis=1)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_mask)
+        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
 @triton.jit
@@ -74,15 +82,15 @@ def _int4_gemm_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_mask, n_mask = offs_m < M, offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    words = tl.arange(0, BLOCK_K // 8)
-    shifts = (tl.arange(0, 8) * 4)[None, None, :]
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * (K // 8)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         x = tl.load(x_rows + (k0 + offs_k)[None, :], mask=m_mask[:, None], other=0.0)  # [BLOCK_M, BLOCK_K]
-        packed = tl.load(w_rows + (k0 // 8 + words)[None, :], mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K / 8]
-        q = tl.reshape((packed[:, :, None] >> shifts) & 0xF, (BLOCK_N, BLOCK_K))
+        k = k0 + offs_k
+        # each value reads its word (8 neighbours share it, served by one transaction)
+        packed = tl.load(w_rows + (k // 8)[None, :], mask=n_mask[:, None], other=0)  # [BLOCK_N, BLOCK_K]
+        q = (packed >> ((k % 8) * 4)[None, :]) & 0xF
         group = k0 // GROUP
         scale = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -128,17 +136,21 @@ def int4_gemv(
     group_size: int,
     bias: torch.Tensor | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    block_k: int | None = None,
+    num_warps: int | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for one contiguous row ``x`` ``[1, K]``, accumulated in float32,
-    returned ``[1, N]`` in ``x``'s dtype (``block_n``, ``num_warps``: the launch, for tuning)."""
+    returned ``[1, N]`` in ``x``'s dtype (``block_n``, ``block_k``, ``num_warps``: the launch,
+    for tuning)."""
     n, k = qweight.shape[0], qweight.shape[1] * PACK
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n = block_n or (8 if n <= 8192 else 16)
+    sub = block_k_for(k, group_size)
+    block_n = block_n or GEMV_BLOCK_N
+    block_k = max(sub, min(block_k or GEMV_BLOCK_K, triton.next_power_of_2(k)))
     _int4_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, qweight, scales, qzeros, bias if bias is not None else scales, y, n,
-        K=k, GROUP=group_size, BLOCK_N=block_n, BLOCK_K=block_k_for(k, group_size),
-        HAS_BIAS=bias is not None, num_warps=num_warps,
+        K=k, GROUP=group_size, SUB=sub, BLOCK_N=block_n, BLOCK_K=block_k,
+        HAS_BIAS=bias is not None, num_warps=num_warps or GEMV_WARPS,
     )  # fmt: skip
     return y
 
