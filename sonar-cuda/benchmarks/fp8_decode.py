@@ -26,7 +26,8 @@ import torch
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 16, 128, 1024)
 BYTES_PER_CASE = 400e6  # the copies of one weight, together: beyond the 50 MB L2
-GEMV_TILES = ((1, 1024, 4), (2, 512, 4), (4, 512, 4), (4, 1024, 4), (8, 512, 8), (8, 256, 4), (16, 256, 8))
+GEMV_TILES = ((4, 1024, 4), (8, 1024, 8), (4, 2048, 8), (8, 1024, 4), (2, 2048, 4))
+GEMM_TILES = ((16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 32, 512, 4, 3), (16, 64, 128, 4, 6), (16, 128, 256, 4, 3))
 
 
 def graph_us(calls: list, repeats: int = 10) -> float:
@@ -78,6 +79,11 @@ def gemm_sweep() -> dict:
                 "triton_gemm": graph_us([lambda w=w: triton_gemm(w) for w in weights]),
                 "dispatch": graph_us([lambda w=w, x=x: fp8_linear(x, w, scale, None) for w in weights]),
             }
+            if m <= 16:
+                for tile in GEMM_TILES:
+                    case["triton_" + "x".join(map(str, tile))] = graph_us(
+                        [lambda w=w, x=x, tile=tile: (lambda q, s: fp8_gemm(q, w, s, scale, None, torch.bfloat16, tile))(*quantize_rows(x)) for w in weights]
+                    )
             if m == 1:
                 for bn, bk, warps in GEMV_TILES:
                     case[f"gemv_{bn}x{bk}w{warps}"] = graph_us(
@@ -121,9 +127,25 @@ def tpot_ms(folder: Path, **options) -> float:
     return round(1000 * best / 128, 3)
 
 
+def profile_decode(folder: Path) -> list[str]:
+    """The CUDA kernels of 32 batch-1 decode steps with ``quantization="fp8"``, by device time."""
+    from sonar import LLM, SamplingParams
+
+    llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,
+              gpu_memory_utilization=0.85, max_num_seqs=4, enable_prefix_caching=False, quantization="fp8")
+    prompt = [{"prompt_token_ids": list(range(1000, 1032))}]
+    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60).splitlines()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("gemm", "tpot", "all"), default="all")
+    parser.add_argument("--part", choices=("gemm", "tpot", "profile", "all"), default="all")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     summary: dict = {"device": torch.cuda.get_device_name()}
@@ -132,10 +154,13 @@ def main() -> None:
         if args.out:
             args.out.write_text(json.dumps(summary, indent=1))
 
-    if args.part in ("tpot", "all"):
+    if args.part in ("tpot", "profile", "all"):
         with tempfile.TemporaryDirectory() as root:
             folder = Path(root)
             (folder / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
+            if args.part == "profile":
+                print("\n".join(profile_decode(folder)), flush=True)
+                return
             summary["tpot_ms_fp8"] = tpot_ms(folder, quantization="fp8")
             save()
             summary["tpot_ms_bf16"] = tpot_ms(folder)
