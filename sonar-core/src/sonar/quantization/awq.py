@@ -49,6 +49,9 @@ class AWQMethod(QuantizationMethod):
     ``q_group_size``)."""
 
     name = "awq"
+    reads = "AWQ int4, GEMM packing (qweight/qzeros/scales; group 128, other multiples of 8 or -1; zero points)"
+    execution = {"cpu": "dequantized per layer, torch matmul", "cuda": "Triton int4 GEMV (one row) and tiled GEMM, dequantized in registers"}
+    tested_by = {"cpu": "tests/test_quant_int4.py"}
 
     def __init__(self, group_size: int = 128, unconverted: tuple[str, ...] = ()) -> None:
         self.group_size = group_size
