@@ -12,14 +12,12 @@ import triton.language as tl
 
 from sonar.attention import quantize_for_cache
 
-FP8_E4M3_MAX = 448.0
-
-
 @triton.jit
 def _to_fp8_e4m3(x, inv_scale):
-    """``x * inv_scale`` saturated to +-448 and rounded to E4M3's 3 mantissa bits (nearest, ties
-    to even) in float32, so the final conversion is exact whichever way a backend rounds."""
-    x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -FP8_E4M3_MAX), FP8_E4M3_MAX)
+    """``x * inv_scale`` saturated to +-448 (E4M3's largest finite value) and rounded to E4M3's
+    3 mantissa bits (nearest, ties to even) in float32, so the final conversion is exact
+    whichever way a backend rounds."""
+    x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -448.0), 448.0)
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
     return bits.to(tl.float32, bitcast=True).to(tl.float8e4nv)
