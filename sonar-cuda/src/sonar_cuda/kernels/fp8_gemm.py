@@ -45,10 +45,12 @@ def _fp8_gemm_kernel(
     tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
-def tile_config(m: int) -> tuple[int, int, int, int, int]:
-    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``m`` rows of activations."""
+def tile_config(m: int, n: int = 0) -> tuple[int, int, int, int, int]:
+    """``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``m`` rows of activations and
+    ``n`` outputs (H200, Llama-3.1-8B, M = 1 and 16: 16x128x256 for gate_up 28672 rows, 34-35 us;
+    16x32x512 for down 4096 x 14336, 30-31 us)."""
     if m <= 16:
-        return 16, 64, 256, 4, 4
+        return (16, 128, 256, 4, 3) if n >= 16384 else (16, 32, 512, 4, 3)
     if m <= 64:
         return 64, 64, 128, 4, 4
     return 128, 128, 128, 8, 3
@@ -66,7 +68,7 @@ def fp8_gemm(
     y = torch.empty(m, n, dtype=out_dtype, device=a.device)
     if m == 0 or n == 0:
         return y
-    block_m, block_n, block_k, num_warps, num_stages = config or tile_config(m)
+    block_m, block_n, block_k, num_warps, num_stages = config or tile_config(m, n)
     grid = (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),)
     _fp8_gemm_kernel[grid](
         a, weight, a_scale, weight_scale, bias if bias is not None else weight_scale, y, m, n, k,

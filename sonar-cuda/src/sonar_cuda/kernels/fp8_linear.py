@@ -1,6 +1,6 @@
 """``sonar.ops`` operation ``fp8_linear`` on CUDA: the product kernel chosen per shape.
 
-One row of activations and at most ``GEMV_MAX_ROWS`` output rows: the fused FP8 GEMV
+One row of activations, at most ``GEMV_MAX_ROWS`` outputs and ``GEMV_MAX_K`` inputs: the fused FP8 GEMV
 (activation quantization inside, one launch). Otherwise the activations are quantized by one
 Triton launch, then ``torch._scaled_mm`` with row-wise scales (CUTLASS on Hopper; bf16 output,
 K and N multiples of 16) from ``SCALED_MM_MIN_ROWS`` rows, the Triton tiled GEMM below that
@@ -23,7 +23,8 @@ from sonar_cuda.kernels.fp8_quant import quantize_rows
 
 SCALED_MM_MIN_ROWS = 17
 GEMV_MAX_ROWS = 8192
-GEMV_TILE = (4, 1024, 4)  # (rows per program, BLOCK_K, warps)
+GEMV_MAX_K = 8192  # down 4096 x 14336 at M = 1: Triton GEMM 31.0 us against GEMV 35.5
+GEMV_TILE = (8, 1024, 4)  # (rows per program, BLOCK_K, warps): qkv 13.1 us, o 8.85
 
 
 def scaled_mm_runs(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
@@ -45,7 +46,7 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``sonar.quantization.fp8.fp8_linear`` on CUDA tensors: same arguments, same math."""
     n, k = weight.shape
-    if n <= GEMV_MAX_ROWS and fp8_gemv_supported(x, weight):
+    if n <= GEMV_MAX_ROWS and k <= GEMV_MAX_K and fp8_gemv_supported(x, weight):
         return fp8_gemv(x, weight, weight_scale, input_scale, bias, *GEMV_TILE)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
