@@ -58,6 +58,8 @@ class DummyFormat:
                     param.fill_(1.0)
                 elif param.element_size() == 1 and param.is_floating_point():  # fp8: drawn in float32, rounded
                     param.copy_(torch.empty(param.shape, device=device).normal_(0.0, INIT_STD, generator=generator))
+                elif not param.is_floating_point():  # packed integer weights (int4 qweight): random bits
+                    param.random_(generator=generator)
                 else:
                     param.normal_(0.0, INIT_STD, generator=generator)
 
