@@ -28,3 +28,8 @@ def sonar_register_weight_formats(register: Callable[..., None]) -> None:
     register("safetensors", SafetensorsFormat())
     register("gguf", GGUFFormat())
     register("dummy", DummyFormat())
+
+
+@hookimpl
+def sonar_register_quantization_methods(register: Callable[..., None]) -> None:
+    register("gguf", "sonar_models.formats.gguf_quant:GGUFMethod")

@@ -102,12 +102,14 @@ def build_tiny_model(arch: str, path: str | Path, **config_overrides: Any) -> Pa
     return path
 
 
-def load_sonar_model(model_path: str | Path, weight_format: Any = None) -> torch.nn.Module:
+def load_sonar_model(model_path: str | Path, weight_format: Any = None, quantization: str | None = None) -> torch.nn.Module:
     """Build a registered model the way the engine does (config -> architecture -> streamed
     weights), float32, with the slow reference attention. ``weight_format`` defaults to the
-    first registered format that detects the path."""
+    first registered format that detects the path; ``quantization`` defaults to the method
+    the checkpoint declares (``"unquantized"``: floating weights)."""
     from sonar.model_interface import make_attention_factory
-    from sonar.registry import resolve_model_class, weight_formats
+    from sonar.quantization import building_with, quant_config_of
+    from sonar.registry import load_registered, quantization_methods, resolve_model_class, weight_formats
 
     model_path = Path(model_path)
     if weight_format is None:
@@ -116,7 +118,13 @@ def load_sonar_model(model_path: str | Path, weight_format: Any = None) -> torch
             raise ValueError(f"no registered weight format reads {model_path}")
         weight_format = detected[0]
     config = weight_format.load_hf_config(model_path)
-    model = resolve_model_class(config)(config, make_attention_factory(None))
+    if quantization == "unquantized":
+        config.quantization_config = None
+    quant_config = quant_config_of(config) or {}
+    name = quantization or quant_config.get("quant_method", "unquantized")
+    method = load_registered("quantization method", name, quantization_methods()).from_config(quant_config)
+    with building_with(method):
+        model = resolve_model_class(config)(config, make_attention_factory(None))
     model.load_weights(weight_format.iter_weights(model_path, config))
     return model.eval()
 

@@ -168,6 +168,8 @@ def model_config_of(config: EngineConfig) -> ModelConfig:
     """The model config the workers load from (reads the model's config file again)."""
     _, fmt = select_weight_format(Path(config.model), config.load_format)
     hf_config = fmt.load_hf_config(Path(config.model))
+    if config.quantization in (None, "unquantized"):
+        hf_config.quantization_config = None  # forced unquantized: the weights must come as floats
     return ModelConfig(
         model=config.model,
         served_name=config.served_name,

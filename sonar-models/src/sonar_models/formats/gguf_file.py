@@ -1,8 +1,10 @@
-"""A single ``.gguf`` file (llama.cpp): config, tokenizer and dequantized weights.
+"""A single ``.gguf`` file (llama.cpp): config, tokenizer and weights.
 
-Tensors are dequantized to float32 one at a time at load time (``gguf.quants``), renamed to
-Hugging Face names, and for llama-arch files the q/k rows are put back in Hugging Face's rotary
-layout.
+The config declares ``quantization_config = {"quant_method": "gguf"}``, so by default the
+linear layers run the file's quantized blocks natively (``gguf_quant``) and receive them as
+``GGUFBlocks``; run unquantized (``quantization="unquantized"``) every tensor is dequantized to
+float32 one at a time at load (``gguf.quants``). Tensors are renamed to Hugging Face names, and
+for llama-arch files the q/k rows are put back in Hugging Face's rotary layout.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from sonar.quantization import quant_config_of
+from sonar_models.formats.gguf_blocks import BLOCK_SIZES, GGUFBlocks
 from sonar_models.formats.gguf_metadata import architecture_of, config_from_gguf, field_value, open_gguf
+from sonar_models.formats.gguf_quant import TIED_HEAD_PARAM
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -35,6 +40,8 @@ LAYER_NAMES = {
     "ffn_down": "mlp.down_proj",
 }
 IGNORED_TENSORS = {"rope_freqs.weight"}  # folded into the config's rope scaling
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+EMBEDDING = "model.embed_tokens.weight"
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
@@ -49,8 +56,11 @@ class GGUFFormat:
         return model_path.is_file() and model_path.suffix.lower() == ".gguf"
 
     def load_hf_config(self, model_path: Path) -> Any:
-        """The Hugging Face config built from the file's metadata."""
-        return config_from_gguf(open_gguf(model_path))
+        """The Hugging Face config built from the file's metadata, declaring the ``gguf``
+        quantization method (``tied_lm_head``: the head reads the embedding's table)."""
+        config = config_from_gguf(open_gguf(model_path))
+        config.quantization_config = {"quant_method": "gguf", "tied_lm_head": bool(config.tie_word_embeddings)}
+        return config
 
     def load_tokenizer(self, model_path: Path) -> Any:
         """The tokenizer ``transformers`` builds from the file, with its chat template."""
@@ -63,15 +73,22 @@ class GGUFFormat:
             tokenizer.chat_template = template
         return tokenizer
 
-    def iter_weights(self, model_path: Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor, dequantized to float32, under its Hugging Face name."""
+    def iter_weights(self, model_path: Path, hf_config: Any) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+        """Every tensor under its Hugging Face name: dequantized to float32, except, where
+        ``hf_config`` declares the ``gguf`` method, a linear layer's quantized weight, which
+        comes as its ``GGUFBlocks`` (and a tied head's table once more, as ``lm_head.tied_weight``)."""
         reader = open_gguf(model_path)
         _, mapping = architecture_of(reader)
+        native = (quant_config_of(hf_config) or {}).get("quant_method") == "gguf"
         for tensor in reader.tensors:
             if tensor.name in IGNORED_TENSORS:
                 continue
             name = hf_name(tensor.name)
-            weight = dequantize(tensor)
+            quantized = int(tensor.tensor_type) in BLOCK_SIZES
+            if native and name == EMBEDDING and hf_config.tie_word_embeddings:
+                yield f"lm_head.{TIED_HEAD_PARAM}", raw_blocks(tensor) if quantized else dequantize(tensor)
+            is_linear = name.rpartition(".")[0].rpartition(".")[2] in LINEAR_MODULES
+            weight = raw_blocks(tensor) if native and quantized and is_linear and name.endswith(".weight") else dequantize(tensor)
             if mapping.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
                 weight = unpermute_rotary_rows(weight, hf_config.num_attention_heads)
             elif mapping.permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
@@ -102,13 +119,23 @@ def dequantize(tensor: Any) -> torch.Tensor:
     return torch.from_numpy(values)
 
 
-def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+def raw_blocks(tensor: Any) -> GGUFBlocks:
+    """A quantized GGUF matrix as its blocks, one row of blocks per output row."""
+    cols, rows = (int(dim) for dim in tensor.shape.tolist())
+    data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(rows, -1))
+    return GGUFBlocks(int(tensor.tensor_type), rows, cols, data)
+
+
+def unpermute_rotary_rows(weight: torch.Tensor | GGUFBlocks, num_heads: int) -> torch.Tensor | GGUFBlocks:
     """Undo llama.cpp's q/k row order.
 
     Hugging Face rotates the two halves of each head's dims as pairs; llama.cpp interleaves
     them (row ``2i`` and ``2i + 1`` form a pair), so its converter reordered each head's rows.
     Per head this regroups rows ``[pair][2]`` back into ``[2][pair]``.
     """
+    if isinstance(weight, GGUFBlocks):
+        order = unpermute_rotary_rows(torch.arange(weight.rows), num_heads)
+        return weight.select_rows(order)
     rows = weight.shape[0]
     pairs = rows // num_heads // 2
     per_head = weight.reshape(num_heads, pairs, 2, *weight.shape[1:])

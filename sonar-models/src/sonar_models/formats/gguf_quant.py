@@ -1,0 +1,165 @@
+"""The ``gguf`` quantization method: llama.cpp's quantized tensors kept quantized in memory.
+
+A GGUF file declares ``quantization_config = {"quant_method": "gguf"}`` (see ``gguf_file``), so
+its linear layers are built with ``GGUFLinearMethod``, and the file's reader hands them their
+tensors still in blocks (``GGUFBlocks``). At load each layer picks how to run them:
+
+- a platform kernel for 4-bit codes in groups of 32 (``sonar.ops`` operations
+  ``int4_group_pack`` / ``int4_group_linear``; the CPU's runs torch's int4 weight-packed matmul)
+  where the format maps onto it: Q4_0, Q4_1, Q4_K, and Q8_0 / Q5_K split into two nibbles;
+- otherwise the blocks stay as they are and each product dequantizes them a tile of rows at a
+  time (Q6_K, and every format on a platform without the kernel): correct everywhere, if slow;
+- F32 / F16 / BF16 tensors stay floating.
+
+Fused layers (q/k/v, gate/up) stack their parts' blocks when the parts share a format and run
+one product per run of parts otherwise. A tied ``lm_head`` (the embedding's table) receives the
+quantized table as ``tied_weight``; the embedding itself keeps a dequantized copy for lookups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from sonar import ops
+from sonar.quantization import LinearMethod, QuantizationMethod
+from sonar_models.formats.gguf_blocks import INT4_GROUP_TYPES, SPLIT_TYPES, GGUFBlocks, dequantize_blocks, int4_groups, stack_rows
+
+INT4_GROUP_PACK = "int4_group_pack"
+INT4_GROUP_LINEAR = "int4_group_linear"
+ops.declare_op(INT4_GROUP_PACK)
+ops.declare_op(INT4_GROUP_LINEAR)
+TIED_HEAD_PARAM = "tied_weight"
+DEQUANTIZE_TILE_ROWS = 4096  # rows dequantized at once by the blocks path
+
+
+@dataclass(slots=True)
+class _Packed:
+    """Rows run by the platform's int4 group kernel."""
+
+    linear: Callable[..., torch.Tensor]
+    packed: torch.Tensor
+    scales_and_zeros: torch.Tensor
+    input_repeats: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x, self.packed, self.scales_and_zeros, self.input_repeats)
+
+
+@dataclass(slots=True)
+class _Blocks:
+    """Rows kept in GGUF blocks, dequantized a tile at a time for each product."""
+
+    blocks: GGUFBlocks
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        tiles = []
+        for start in range(0, self.blocks.rows, DEQUANTIZE_TILE_ROWS):
+            tile = self.blocks.select_rows(slice(start, start + DEQUANTIZE_TILE_ROWS))
+            tiles.append(torch.nn.functional.linear(x, dequantize_blocks(tile, x.dtype)))
+        return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
+
+
+@dataclass(slots=True)
+class _Dense:
+    """Rows that were floating in the file."""
+
+    weight: torch.Tensor
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.linear(x, self.weight.to(x.dtype))
+
+
+@dataclass(slots=True)
+class _PendingParts:
+    """Checkpoint tensors received so far, by first output row."""
+
+    by_start: dict[int, GGUFBlocks | torch.Tensor] = field(default_factory=dict)
+
+    def num_rows(self) -> int:
+        return sum(part.shape[0] for part in self.by_start.values())
+
+
+def _runs_of_one_format(parts: list[GGUFBlocks | torch.Tensor]) -> list[list[GGUFBlocks | torch.Tensor]]:
+    runs: list[list[GGUFBlocks | torch.Tensor]] = []
+    for part in parts:
+        kind = part.ggml_type if isinstance(part, GGUFBlocks) else None
+        if runs and (runs[-1][0].ggml_type if isinstance(runs[-1][0], GGUFBlocks) else None) == kind:
+            runs[-1].append(part)
+        else:
+            runs.append([part])
+    return runs
+
+
+class GGUFLinearMethod(LinearMethod):
+    """A linear layer whose weight comes from a GGUF file, quantized or floating."""
+
+    def __init__(self, tied_head: bool = False) -> None:
+        self.tied_head = tied_head
+
+    def create_weights(
+        self, layer: nn.Module, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
+    ) -> None:
+        out_features = sum(output_sizes)
+        # placeholders the loader fills (their size is the format's, known only from the file)
+        layer.weight = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        if self.tied_head:
+            setattr(layer, TIED_HEAD_PARAM, nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False))
+        layer.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        layer.gguf_pending = _PendingParts()
+        layer.gguf_runs = []
+
+    def load_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: Any, rows: slice | None) -> None:
+        if param_name == "bias":
+            return super().load_checkpoint_tensor(layer, param_name, tensor, rows)
+        if param_name not in ("weight", TIED_HEAD_PARAM):
+            raise ValueError(f"is not a tensor a GGUF linear layer holds ({param_name!r})")
+        start, stop = (0, layer.out_features) if rows is None else (rows.start, rows.stop)
+        if tuple(tensor.shape) != (stop - start, layer.in_features):
+            raise ValueError(f"has shape {tuple(tensor.shape)}, but the model expects {(stop - start, layer.in_features)}")
+        layer.gguf_pending.by_start[start] = tensor
+        if layer.gguf_pending.num_rows() == layer.out_features:
+            self._finish(layer)
+
+    def _finish(self, layer: nn.Module) -> None:
+        device = layer.bias.device if layer.bias is not None else getattr(layer, TIED_HEAD_PARAM, layer.weight).device
+        parts = [layer.gguf_pending.by_start[start] for start in sorted(layer.gguf_pending.by_start)]
+        layer.gguf_runs = [self._prepare(run, device) for run in _runs_of_one_format(parts)]
+        layer.gguf_pending = _PendingParts()
+
+    def _prepare(self, run: list[GGUFBlocks | torch.Tensor], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+        if not isinstance(run[0], GGUFBlocks):
+            return _Dense(torch.cat(run).to(device))
+        blocks = stack_rows(run)
+        probe = torch.empty(0, device=device)
+        pack, linear = ops.platform_op(probe, INT4_GROUP_PACK), ops.platform_op(probe, INT4_GROUP_LINEAR)
+        if blocks.ggml_type in INT4_GROUP_TYPES and pack is not None and linear is not None:
+            codes, scales, zeros = int4_groups(blocks)
+            packed, scales_and_zeros = pack(codes.to(device), scales.to(device), zeros.to(device))
+            return _Packed(linear, packed, scales_and_zeros, 2 if blocks.ggml_type in SPLIT_TYPES else 1)
+        return _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        runs = layer.gguf_runs
+        out = runs[0](x) if len(runs) == 1 else torch.cat([run(x) for run in runs], dim=-1)
+        return out if layer.bias is None else out + layer.bias
+
+
+class GGUFMethod(QuantizationMethod):
+    """llama.cpp's block formats run natively (registered as ``"gguf"``; every platform)."""
+
+    name = "gguf"
+
+    def __init__(self, tied_lm_head: bool = False) -> None:
+        self.tied_lm_head = tied_lm_head
+
+    @classmethod
+    def from_config(cls, quant_config: dict[str, Any]) -> GGUFMethod:
+        """``quant_config["tied_lm_head"]``: the file has no ``output.weight`` (the head reads the embedding's table)."""
+        return cls(tied_lm_head=bool(quant_config.get("tied_lm_head", False)))
+
+    def linear_method(self, layer_prefix: str) -> LinearMethod:
+        return GGUFLinearMethod(tied_head=self.tied_lm_head and layer_prefix == "lm_head")
