@@ -13,6 +13,9 @@ activations' dtype, ``W[n, k] = (q[n, k] - zero[g, n]) * scale[g, n]`` with ``g 
   weight tile is unpacked and dequantized to the activations' dtype, then one ``tl.dot``.
 
 Both are plain launches on preallocated outputs (no host sync), so decode graphs capture them.
+:func:`int4_linear` prefers the split-K kernels of ``sonar_cuda.kernels.int4_splitk`` (no
+reshape of the nibbles) for one to 16 rows; ``LAUNCHES`` holds the launch per shape, where
+``None`` keeps the kernels here.
 """
 
 from __future__ import annotations
@@ -21,11 +24,24 @@ import torch
 import triton
 import triton.language as tl
 
+from sonar_cuda.kernels.int4_splitk import Int4Launch, int4_gemv_splitk, int4_skinny_gemm, run_inputs, skinny_takes
+
 PACK = 8  # int4 values per int32 word
 # the GEMV's launch: output rows per program, inputs per unrolled chunk, warps (the best of
 # int4_decode.py --sweep on an H200: 30-172 us per Llama-3.1-8B projection, still 1.6-2.5x
 # the bf16 GEMV; the unpacking, not the memory, bounds it)
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 2, 1024, 4
+SKINNY_MAX_ROWS = 16
+# (rows bucket 1 / 4 / 16, N, K) -> the split-K kernels' launch (None: the kernels here);
+# shapes not listed take DEFAULT_GEMV (one row) or DEFAULT_SKINNY (2 to 16 rows)
+LAUNCHES: dict[tuple[int, int, int], Int4Launch | None] = {}
+DEFAULT_GEMV = Int4Launch(block_n=4, runs_per_chunk=4)
+DEFAULT_SKINNY = Int4Launch(block_n=64, num_stages=3)
+
+
+def rows_bucket(m: int) -> int:
+    """The ``LAUNCHES`` key for ``m`` rows: 1, 4 (2 to 4) or 16 (5 to 16)."""
+    return 1 if m == 1 else 4 if m <= 4 else 16
 
 
 @triton.jit
@@ -214,7 +230,15 @@ def int4_linear(
     flat = x.reshape(-1, x.shape[-1])
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
-    if flat.shape[0] == 1 and flat.is_contiguous():
+    m, n, k = flat.shape[0], qweight.shape[0], flat.shape[1]
+    if 1 <= m <= SKINNY_MAX_ROWS:
+        default = DEFAULT_GEMV if m == 1 else DEFAULT_SKINNY
+        launch = LAUNCHES.get((rows_bucket(m), n, k), default)
+        if launch is not None and m == 1 and run_inputs(k, group_size) and flat.is_contiguous():
+            return int4_gemv_splitk(flat, qweight, scales, qzeros, group_size, bias, launch).view(*x.shape[:-1], n)
+        if launch is not None and m > 1 and skinny_takes(k, group_size):
+            return int4_skinny_gemm(flat, qweight, scales, qzeros, group_size, bias, launch).view(*x.shape[:-1], n)
+    if m == 1 and flat.is_contiguous():
         out = int4_gemv(flat, qweight, scales, qzeros, group_size, bias)
     else:
         out = int4_gemm(flat, qweight, scales, qzeros, group_size, bias)

@@ -1,0 +1,95 @@
+"""The split-K int4 kernels (one row: nibble-strided GEMV; 2 to 16 rows: per-nibble dots)
+against the dequantized product: split and unsplit, groups of 32/64/128 inputs and whole rows,
+output counts that no tile divides, bias, and through the ``int4_linear`` op with act-order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_batch import GPU_DTYPES, dtypes_for
+from test_cuda_int4 import random_int4
+
+from sonar.quantization.int4_packing import dequantize_int4
+from sonar_cuda import ops as cuda_ops
+from sonar_cuda.kernels.int4_gemm import reference_int4_linear
+from sonar_cuda.kernels.int4_splitk import Int4Launch, int4_gemv_splitk, int4_skinny_gemm
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+# (N, K, group, bias, launch)
+GEMV_CASES = [
+    (40, 512, 128, False, Int4Launch(block_n=4, runs_per_chunk=2, split_k=1)),
+    (33, 1024, 128, True, Int4Launch(block_n=8, runs_per_chunk=1, split_k=4)),
+    (24, 256, 64, True, Int4Launch(block_n=4, runs_per_chunk=2, split_k=2)),
+    (8, 384, 32, False, Int4Launch(block_n=2, runs_per_chunk=2, split_k=3)),  # 12 runs in 3 slices
+    (16, 256, -1, True, Int4Launch(block_n=4, runs_per_chunk=4)),  # split chosen from the shape
+]
+SKINNY_CASES = [  # (M, N, K, group, bias, launch)
+    (2, 40, 512, 128, True, Int4Launch(block_n=16, split_k=2)),
+    (16, 24, 256, -1, False, Int4Launch(block_n=16, split_k=1)),
+    (5, 70, 384, 128, False, Int4Launch(block_n=32)),
+]
+
+
+def assert_close_to_reference(out: torch.Tensor, x: torch.Tensor, operands: tuple, bias: torch.Tensor | None) -> None:
+    expected = reference_int4_linear(x, *operands, bias)
+    tol = TOLERANCE[x.dtype]
+    assert out.shape == expected.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out.float(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("n, k, group, with_bias, launch", GEMV_CASES)
+def test_split_k_gemv_matches_the_dequantized_product(n: int, k: int, group: int, with_bias: bool, launch: Int4Launch, device: torch.device) -> None:
+    for dtype in dtypes_for(device):
+        operands = random_int4(n, k, group, dtype, device)
+        gen = torch.Generator().manual_seed(n)
+        x = torch.randn(1, k, generator=gen).to(dtype).to(device)
+        bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
+        assert_close_to_reference(int4_gemv_splitk(x, *operands, bias, launch), x, operands, bias)
+
+
+@pytest.mark.parametrize("m, n, k, group, with_bias, launch", SKINNY_CASES)
+def test_skinny_gemm_matches_the_dequantized_product(m: int, n: int, k: int, group: int, with_bias: bool, launch: Int4Launch, device: torch.device) -> None:
+    for dtype in dtypes_for(device):
+        operands = random_int4(n, k, group, dtype, device)
+        gen = torch.Generator().manual_seed(m)
+        x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+        bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
+        assert_close_to_reference(int4_skinny_gemm(x, *operands, bias, launch), x, operands, bias)
+
+
+def test_the_op_takes_the_split_k_kernels_with_act_order(device: torch.device) -> None:
+    qweight, scales, qzeros, group = random_int4(48, 512, 128, torch.float32, device)
+    order = torch.randperm(512, generator=torch.Generator().manual_seed(5)).to(device)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(6)).to(device)
+    weight = dequantize_int4(qweight, scales, qzeros, group)
+    for rows in (1, 3):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(device)
+        out = cuda_ops.int4_linear(x, qweight, scales, qzeros, group, order, bias)
+        torch.testing.assert_close(out, x[:, order] @ weight.t() + bias, atol=1e-4, rtol=1e-4)
+
+
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("n, k", LLAMA_8B)
+def test_split_k_kernels_at_llama_8b_shapes(n: int, k: int, dtype: torch.dtype, device: torch.device) -> None:
+    operands = random_int4(n, k, 128, dtype, device)
+    for m in (1, 4, 16):
+        x = torch.randn(m, k, device=device).to(dtype)
+        assert_close_to_reference(cuda_ops.int4_linear(x, *operands), x, operands, None)
+
+
+@pytest.mark.cuda
+def test_split_k_kernels_replay_in_a_cuda_graph(device: torch.device) -> None:
+    operands = random_int4(4096, 14336, 128, torch.bfloat16, device)
+    for rows in (1, 16):
+        x = torch.randn(rows, 14336, device=device, dtype=torch.bfloat16)
+        cuda_ops.int4_linear(x, *operands)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = cuda_ops.int4_linear(x, *operands)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert_close_to_reference(out, x, operands, None)
