@@ -7,6 +7,7 @@ import pytest
 from conftest import HFOracle
 from sonar import LLM, SamplingParams
 
+NEAR_TIE = 0.1  # nats between transformers' top two tokens, where the quantized kernels may pick either
 PROMPTS = [
     "The capital of France is",
     "Here is a short poem about the sea:",
@@ -40,5 +41,9 @@ def test_greedy_equals_transformers_on_the_same_gguf(smollm2: LLM) -> None:
     gguf = smollm2_gguf_path()
     oracle = HFOracle(gguf.parent, gguf_file=gguf.name)
     for prompt, output in zip(prompts, outputs):
-        expected, _ = oracle.greedy(prompt, 32)
-        assert output.outputs[0].token_ids == expected
+        expected, rows = oracle.greedy(prompt, 32)
+        got = output.outputs[0].token_ids
+        diverged = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+        if diverged is not None:  # natively quantized: only where the oracle's top two are a near tie
+            top2 = rows[diverged].topk(2).values
+            assert float(top2[0] - top2[1]) < NEAR_TIE, (diverged, got, expected)

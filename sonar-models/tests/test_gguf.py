@@ -1,4 +1,5 @@
-"""The real SmolLM2-135M-Instruct GGUF (Q4_1/Q8_0) against transformers' own GGUF loader."""
+"""The real SmolLM2-135M-Instruct GGUF (Q4_1/Q8_0), natively quantized and dequantized, against
+transformers' own GGUF loader."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 from sonar_models.formats import GGUFFormat
 from sonar_models.formats.gguf_file import hf_name, unpermute_rotary_rows
 from sonar_models.testing import PagedCacheDriver, load_sonar_model, smollm2_gguf_path
+
+
+NATIVE_LOGIT_ATOL = 0.5  # logits span about 30
 
 
 @pytest.fixture(scope="module")
@@ -51,9 +55,14 @@ def test_logits_match_transformers_gguf_loader(gguf_model) -> None:
     reference.tie_weights()
     with torch.no_grad():
         expected = reference(torch.tensor([prompt])).logits[0].float()
-    logits = ours.compute_logits(PagedCacheDriver(ours).step(ours, [(0, prompt)]))
+    # dequantized at load (quantization="unquantized"): the same float32 numbers
+    dequantized = load_sonar_model(smollm2_gguf_path(), quantization="unquantized")
+    logits = dequantized.compute_logits(PagedCacheDriver(dequantized).step(dequantized, [(0, prompt)]))
     torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
-    assert tokenizer.decode(logits[-1].argmax()) == " Paris"
+    # natively quantized (the default): bfloat16 inside the int4 kernels
+    native = ours.compute_logits(PagedCacheDriver(ours).step(ours, [(0, prompt)]))
+    assert (native - expected).abs().max() < NATIVE_LOGIT_ATOL
+    assert tokenizer.decode(native[-1].argmax()) == " Paris"
 
 
 def test_tensor_names() -> None:

@@ -48,6 +48,10 @@ class _Packed:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x, self.packed, self.scales_and_zeros, self.input_repeats)
 
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
+
 
 @dataclass(slots=True)
 class _Blocks:
@@ -62,6 +66,10 @@ class _Blocks:
             tiles.append(torch.nn.functional.linear(x, dequantize_blocks(tile, x.dtype)))
         return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
 
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.data.nbytes
+
 
 @dataclass(slots=True)
 class _Dense:
@@ -71,6 +79,10 @@ class _Dense:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, self.weight.to(x.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
 
 
 @dataclass(slots=True)

@@ -1,0 +1,104 @@
+"""GGUF files of a tiny random Llama in each natively run format (written by Sonar's own
+quantizer) load quantized, multiply like their dequantized weights, and generate greedy tokens
+and top-5 logprobs equal to transformers on the dequantized model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from sonar import LLM, SamplingParams, ops
+from sonar_models.formats.gguf_blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, TYPE_NAMES
+from sonar_models.formats.gguf_quant import _Blocks, _Packed
+from sonar_models.formats.gguf_quantize import write_llama_gguf
+from sonar_models.testing import build_tiny_model, load_sonar_model
+
+TYPES = [Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K]
+SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2)
+LOGPROB_ATOL = 0.2  # nats; bfloat16 activations and scales inside the int4 kernel
+NEAR_TIE = 0.2  # nats between the oracle's top two tokens: greedy may pick either
+RELATIVE_ERROR = 0.02  # of a layer's output against the dequantized weights' product (float32)
+
+
+def transformers_greedy(model: torch.nn.Module, prompt: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
+    """Greedy tokens and each step's log-probabilities, recomputing the whole sequence."""
+    tokens, rows = list(prompt), []
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            logprobs = model(torch.tensor([tokens])).logits[0, -1].float().log_softmax(-1)
+            rows.append(logprobs)
+            tokens.append(int(logprobs.argmax()))
+    return tokens[len(prompt) :], rows
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_kernels():
+    from sonar_cpu import quant_ops
+
+    ops.register_ops("cpu", quant_ops.OPS)
+    yield
+    ops.unregister_ops("cpu")
+
+
+@pytest.fixture(scope="module", params=TYPES, ids=[TYPE_NAMES[t] for t in TYPES])
+def gguf_checkpoint(request, tmp_path_factory) -> tuple[int, Path, Path, dict[str, torch.Tensor]]:
+    """``(type, .gguf file, dequantized Hugging Face folder, dequantized tensors)``; Q8_0 ties
+    its quantized embedding to the head."""
+    ggml_type = request.param
+    tied = ggml_type == Q8_0
+    root = tmp_path_factory.mktemp(TYPE_NAMES[ggml_type])
+    folder = build_tiny_model("llama", root / "hf", tie_word_embeddings=tied, **SHAPE)
+    path = root / "model.gguf"
+    stored = write_llama_gguf(folder, path, ggml_type, quantize_embedding=tied)
+    dequantized = root / "dequantized"
+    shutil.copytree(folder, dequantized)
+    save_file({k: v.contiguous() for k, v in stored.items()}, str(dequantized / "model.safetensors"))
+    return ggml_type, path, dequantized, stored
+
+
+def test_layers_stay_quantized_and_multiply_like_the_dequantized_weights(gguf_checkpoint) -> None:
+    ggml_type, path, _, stored = gguf_checkpoint
+    model = load_sonar_model(path)
+    layer = model.model.layers[0]
+    cases = [
+        (layer.mlp.gate_up_proj, torch.cat([stored["model.layers.0.mlp.gate_proj.weight"], stored["model.layers.0.mlp.up_proj.weight"]])),
+        (layer.mlp.down_proj, stored["model.layers.0.mlp.down_proj.weight"]),
+        (layer.self_attn.qkv_proj, torch.cat([stored[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])),
+        (model.lm_head, stored["model.embed_tokens.weight" if ggml_type == Q8_0 else "lm_head.weight"]),
+    ]
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0))
+    for module, weight in cases:
+        (run,) = module.gguf_runs
+        assert isinstance(run, _Blocks if ggml_type == Q6_K else _Packed)
+        assert run.nbytes < weight.numel() * 4 / 2.5  # well under float32
+        x_in = x if weight.shape[1] == 256 else torch.randn(3, weight.shape[1])
+        expected = x_in @ weight.T
+        error = (module(x_in) - expected).norm() / expected.norm()
+        assert error < RELATIVE_ERROR, (module.prefix, float(error))
+
+
+def test_greedy_tokens_and_top5_logprobs_equal_transformers_on_the_dequantized_model(gguf_checkpoint) -> None:
+    ggml_type, path, dequantized, _ = gguf_checkpoint
+    llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    assert llm.llm_engine.config.quantization == "gguf"
+    rng = torch.Generator().manual_seed(ggml_type)
+    prompts = [torch.randint(100, 49152, (n,), generator=rng).tolist() for n in (5, 17, 24)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    oracle = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs):
+        expected, rows = transformers_greedy(oracle, prompt, 8)
+        got = output.outputs[0].token_ids
+        for step, (token, logprobs) in enumerate(zip(got, output.outputs[0].logprobs)):
+            for token_id, logprob in logprobs.items():
+                value = logprob.logprob if hasattr(logprob, "logprob") else logprob
+                assert abs(value - float(rows[step][token_id])) < LOGPROB_ATOL, (step, token_id)
+            if token != expected[step]:  # only where the oracle's top two are a near tie; the rest differs from here
+                top2 = rows[step].topk(2).values
+                assert float(top2[0] - top2[1]) < NEAR_TIE, (step, token, expected[step])
+                break
