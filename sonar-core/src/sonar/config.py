@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sonar.spec_decode.interface import SpeculativeConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -69,6 +71,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"  # a registered policy: "fcfs", "priority", or a plugin's
     kv_cache_manager: str = "paged"  # a registered KV-cache manager
     distributed_executor_backend: str | None = None  # a registered executor; None: "uni"
+    speculative_config: dict[str, Any] | None = None  # vLLM's keys: {"method": "ngram", "num_speculative_tokens": 3, ...}
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -138,6 +141,7 @@ class EngineConfig:
     default_sampling: dict[str, float | int] = field(default_factory=dict)  # the model's recommended SamplingParams fields
     quantization: str | None = None  # the registered quantization method the linear layers run (None: unquantized)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8_e4m3"
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -152,7 +156,11 @@ class EngineConfig:
 
     @property
     def scheduler_config(self) -> SchedulerConfig:
-        return SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.scheduling_policy)
+        spec = self.speculative_config
+        return SchedulerConfig(
+            self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.scheduling_policy,
+            spec_max_batch_size=0 if spec is None else spec.max_batch_size,
+        )
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
@@ -192,6 +200,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     policy: str = "fcfs"
+    spec_max_batch_size: int = 0  # drafts are verified while at most this many requests run (0: no speculation)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -26,6 +26,11 @@ def sonar_register_executors(register: Callable[..., None]) -> None:
 
 
 @hookimpl
+def sonar_register_speculative_proposers(register: Callable[..., None]) -> None:
+    register("ngram", "sonar.spec_decode.ngram:NgramProposer")
+
+
+@hookimpl
 def sonar_register_quantization_methods(register: Callable[..., None]) -> None:
     register("unquantized", "sonar.quantization:UnquantizedMethod")
     register("gptq", "sonar.quantization.gptq:GPTQMethod")

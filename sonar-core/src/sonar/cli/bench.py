@@ -133,7 +133,9 @@ def run_throughput(args: argparse.Namespace) -> int:
         run_engine(llm, Workload(workload.prompts[:few], [min(8, n) for n in workload.output_lens[:few]]), True)
         if llm.llm_engine.core is not None:
             llm.llm_engine.core.kv_cache.reset_prefix_cache()  # the timed run computes every prompt
+    stats_before = llm.llm_engine.get_stats()
     elapsed, num_output = run_engine(llm, workload, args.ignore_eos)
+    stats_after = llm.llm_engine.get_stats()
     total = workload.num_prompt_tokens + num_output
     result = {
         "engine": "sonar",
@@ -147,6 +149,13 @@ def run_throughput(args: argparse.Namespace) -> int:
     }
     print(f"sonar:        {result['requests_per_s']:.2f} requests/s, {result['output_tokens_per_s']:.1f} output tok/s, "
           f"{result['total_tokens_per_s']:.1f} total tok/s ({elapsed:.1f} s)")
+    if stats_before is not None and stats_after is not None and stats_after.spec_num_drafts > stats_before.spec_num_drafts:
+        drafts = stats_after.spec_num_drafts - stats_before.spec_num_drafts
+        draft_tokens = stats_after.spec_num_draft_tokens - stats_before.spec_num_draft_tokens
+        accepted = stats_after.spec_num_accepted_tokens - stats_before.spec_num_accepted_tokens
+        result["mean_acceptance_length"] = round(1 + accepted / drafts, 3)
+        print(f"speculative decoding: mean acceptance length {result['mean_acceptance_length']:.2f} "
+              f"({accepted} of {draft_tokens} draft tokens accepted over {drafts} verify steps)")
     if args.compare_hf:
         dtype = llm.llm_engine.model_config.dtype
         model_path = llm.llm_engine.model_config.model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from sonar.cli.unsupported_flags import add_unsupported_flags
 from sonar.config import EngineArgs
@@ -63,9 +64,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         "--distributed-executor-backend", default=None,
         help="what runs the engine core's workers: uni (one worker in the engine core's process), or a plugin's",
     )
+    group.add_argument(
+        "--speculative-config", type=_json_object, default=None, metavar="JSON",
+        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}\' (greedy output unchanged, sampled output distributed as without it)',
+    )
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs, help="largest logprobs / prompt_logprobs a request may ask for")
     group.add_argument("--enforce-eager", action="store_true", help="accepted for vLLM command lines: Sonar captures no CUDA graphs yet, so it always runs eagerly")
     add_unsupported_flags(parser, server=server)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
 
 
 def model_of(args: argparse.Namespace) -> str | None:
@@ -104,4 +119,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         scheduling_policy=args.scheduling_policy,
         kv_cache_manager=args.kv_cache_manager,
         distributed_executor_backend=args.distributed_executor_backend,
+        speculative_config=getattr(args, "speculative_config", None),
     )

@@ -42,7 +42,6 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     # quantization
     _flag("--calculate-kv-scales", "FP8 KV-cache scales", QUANTIZATION, takes_value=False),
     # speculative decoding
-    _flag("--speculative-config", "speculative decoding", SPECULATIVE),
     _flag("--num-lookahead-slots", "speculative decoding", SPECULATIVE, accepted=("0",)),
     # KV transfer
     _flag("--kv-transfer-config", "KV connectors and prefill/decode disaggregation", KV_TRANSFER),

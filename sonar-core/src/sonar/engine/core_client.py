@@ -25,6 +25,7 @@ import zmq
 from sonar.config import EngineConfig
 from sonar.engine import wire
 from sonar.engine.core_process import engine_identity
+from sonar.spec_decode.stats import sum_per_position
 from sonar.engine.wire import ClientAddresses, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 if TYPE_CHECKING:
@@ -262,7 +263,12 @@ class MPCoreClient:
         total = SchedulerStats()
         for stats in live:
             for name in SchedulerStats.__struct_fields__:
-                setattr(total, name, getattr(total, name) + getattr(stats, name))
+                value = getattr(stats, name)
+                if isinstance(value, list):  # counts by position: summed position by position
+                    value = sum_per_position(getattr(total, name), value)
+                    setattr(total, name, value)
+                else:
+                    setattr(total, name, getattr(total, name) + value)
         if live:
             total.kv_cache_usage /= len(live)
         return total

@@ -18,6 +18,7 @@ from sonar.structured_output.manager import StructuredOutputManager
 from sonar.worker.phase_timer import PhaseTimer
 from sonar.platform import Platform
 from sonar.registry import load_registered
+from sonar.spec_decode.stats import spec_decode_stats_fields, truncated_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -167,17 +168,22 @@ class EngineCore:
             for req_id, request, token_id in zip(result.req_ids, requests, result.sampled_token_ids):
                 if token_id is not None and request is not None and not request.is_finished:
                     self.structured_output.accept(req_id, token_id)
+        verified = result.verified_token_ids
+        num_before = {r.request_id: r.num_output_tokens for r in requests if r is not None and r.request_id in verified}
         self.scheduler.update_from_output(scheduled, result)
         outputs = []
         for req_id, request, token_id, logprobs in zip(result.req_ids, requests, result.sampled_token_ids, result.logprobs):
             if request is None:
                 continue  # aborted or finished while the step ran
-            if token_id is not None:
-                self.num_generation_tokens += 1
+            new_token_ids = [] if token_id is None else [token_id]
+            if req_id in num_before:  # a verify step: the tokens the scheduler kept (up to a stop)
+                new_token_ids = request.output_token_ids[num_before[req_id] :]
+                logprobs = truncated_logprobs(logprobs, len(new_token_ids))
+            self.num_generation_tokens += len(new_token_ids)
             outputs.append(
                 EngineCoreOutput(
                     req_id=req_id,
-                    new_token_ids=[] if token_id is None else [token_id],
+                    new_token_ids=new_token_ids,
                     new_logprobs=logprobs,
                     prompt_logprobs=result.prompt_logprobs.get(req_id),
                     finish_reason=request.status.value if request.is_finished else None,
@@ -235,4 +241,5 @@ class EngineCore:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps_launched,
+            **spec_decode_stats_fields(self.scheduler.spec_stats),
         )

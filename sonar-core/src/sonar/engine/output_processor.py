@@ -11,6 +11,7 @@ from sonar.engine.engine_core import EngineCoreOutput
 from sonar.engine.scheduler_output import RequestLogprobs
 from sonar.outputs import CompletionOutput, Logprob, RequestOutput
 from sonar.sampling_params import SamplingParams
+from sonar.spec_decode.outputs import append_until_stop
 
 
 @dataclass(slots=True, eq=False)
@@ -98,12 +99,16 @@ class OutputProcessor:
             if out.prompt_logprobs is not None and parent.prompt_logprobs is not None and child.index == 0:
                 parent.prompt_logprobs.extend(self._logprob_dicts(out.prompt_logprobs))
             if out.new_token_ids:
-                child.token_ids.extend(out.new_token_ids)
-                if child.logprobs is not None and out.new_logprobs is not None:
-                    entries = self._logprob_dicts(out.new_logprobs)
+                new_token_ids, new_logprobs = out.new_token_ids, out.new_logprobs
+                if len(new_token_ids) > 1 and child.detokenizer.stop_strings:  # a verify step's tokens
+                    new_token_ids, new_logprobs, stop = append_until_stop(child.detokenizer, new_token_ids, new_logprobs)
+                else:
+                    stop = child.detokenizer.append(new_token_ids)
+                child.token_ids.extend(new_token_ids)
+                if child.logprobs is not None and new_logprobs is not None:
+                    entries = self._logprob_dicts(new_logprobs)
                     child.logprobs.extend(entries)
-                    child.cumulative_logprob += sum(out.new_logprobs.logprobs[i][0] for i in range(len(entries)))
-                stop = child.detokenizer.append(out.new_token_ids)
+                    child.cumulative_logprob += sum(new_logprobs.logprobs[i][0] for i in range(len(entries)))
                 if stop is not None and out.finish_reason is None:
                     child.finish_reason, child.stop_reason = "stop", stop
                     to_stop.append((out.req_id, stop))

@@ -59,6 +59,7 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of full blocks
     first_token_time: float | None = None
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
     reads_output_tokens: bool = field(init=False)  # its sampling needs earlier tokens' values
 
     def __post_init__(self) -> None:

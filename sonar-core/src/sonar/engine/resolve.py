@@ -12,6 +12,7 @@ from sonar.config import KV_CACHE_DTYPES, EngineArgs, EngineConfig, ModelConfig,
 from sonar.engine.generation_defaults import default_sampling_of
 from sonar.engine.model_source import check_remote_code, resolve_model_path
 from sonar.platform import Platform
+from sonar.spec_decode.resolve import resolve_speculative_config
 from sonar.registry import architecture_of, executors, kv_cache_managers, scheduler_policies, weight_formats
 
 
@@ -133,6 +134,10 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
     max_model_len = args.max_model_len or derived_len
     if max_model_len > derived_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {derived_len} tokens")
+    speculative_config = resolve_speculative_config(args.speculative_config)
+    async_scheduling = platform.async_scheduling if args.async_scheduling is None else args.async_scheduling
+    if speculative_config is not None:
+        async_scheduling = False  # a step's drafts come from the tokens of the step before it
     config = EngineConfig(
         model=str(model_path),
         served_name=args.served_model_name or (args.model or "SmolLM2-135M-Instruct"),
@@ -149,7 +154,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,
-        async_scheduling=platform.async_scheduling if args.async_scheduling is None else args.async_scheduling,
+        async_scheduling=async_scheduling,
         max_logprobs=args.max_logprobs,
         seed=args.seed,
         data_parallel_size=args.data_parallel_size,
@@ -160,6 +165,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         default_sampling=default_sampling_of(model_path, args.generation_config),
         quantization=quantization,
         kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, platform),
+        speculative_config=speculative_config,
     )
     return config, tokenizer
 

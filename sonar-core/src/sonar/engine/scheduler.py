@@ -11,6 +11,7 @@ from sonar.engine.kv_cache import KVCacheManager
 from sonar.engine.request import Request, RequestStatus
 from sonar.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from sonar.engine.scheduling_policy import FcfsPolicy, SchedulingPolicy
+from sonar.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class Scheduler:
         self.finished_req_ids: set[str] = set()
         self.num_preemptions = 0
         self._sent_blocks: dict[str, int] = {}  # block ids already sent to the workers
+        self.spec_stats = SpecDecodeStats()
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -112,6 +114,10 @@ class Scheduler:
                 index += 1  # its last token is on the way: it finishes when that arrives
                 continue
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
+            drafts = request.spec_token_ids
+            if drafts:  # speculative decoding: the drafts ride along with the decode
+                drafts = self._drafts_to_verify(request, num_new, budget)
+                num_new += len(drafts)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.policy.select_victim(self.running)
                 position = self.running.index(victim)
@@ -129,7 +135,9 @@ class Scheduler:
                 out.cached_reqs.append(
                     CachedRequestData(request.request_id, self._new_block_ids(request), request.num_computed_tokens)
                 )
-                scheduled[request.request_id] = self._advance(request, num_new, out)
+                if drafts:
+                    out.scheduled_spec_decode_tokens[request.request_id] = drafts
+                scheduled[request.request_id] = self._advance(request, num_new, out, len(drafts))
                 budget -= num_new
                 index += 1
             # else the request preempted itself; the next one (now at index) goes on
@@ -169,10 +177,19 @@ class Scheduler:
             budget -= num_new
         return out
 
+    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The drafts a decoding request verifies this step: none unless it decodes its one
+        known token, the batch is small enough, and budget and ``max_tokens`` leave room."""
+        if num_new != 1 or request.num_pending_tokens or len(self.running) > self.config.spec_max_batch_size:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
+        return request.spec_token_ids[:room] if room > 0 else []
+
     @staticmethod
-    def _advance(request: Request, num_new: int, out: SchedulerOutput) -> _Scheduled:
-        """Count ``num_new`` scheduled tokens as computed; one that completes the known tokens
-        samples the next, which stays pending until its value comes back."""
+    def _advance(request: Request, num_new: int, out: SchedulerOutput, num_drafts: int = 0) -> _Scheduled:
+        """Count ``num_new`` scheduled tokens (``num_drafts`` of them drafts) as computed; one
+        that completes the known tokens samples the next, which stays pending until its value
+        comes back."""
         computed = request.num_computed_tokens
         num_prompt_left = request.num_prompt_tokens - computed
         num_prompt = 0 if num_prompt_left <= 0 else min(num_new, num_prompt_left)
@@ -182,7 +199,7 @@ class Scheduler:
         if request.reads_output_tokens:
             out.reads_output_tokens = True
         request.num_computed_tokens = computed = computed + num_new
-        samples = computed == request.num_tokens + request.num_pending_tokens
+        samples = computed - num_drafts == request.num_tokens + request.num_pending_tokens
         if samples:
             request.num_pending_tokens += 1
             out.sampling_req_ids.append(req_id)
@@ -194,6 +211,7 @@ class Scheduler:
         tokens it gives back to the budget."""
         request = entry.request
         del out.num_scheduled_tokens[request.request_id]
+        out.scheduled_spec_decode_tokens.pop(request.request_id, None)
         out.cached_reqs = [c for c in out.cached_reqs if c.req_id != request.request_id]
         out.num_prompt_tokens -= entry.num_prompt_tokens
         if entry.samples:
@@ -212,6 +230,7 @@ class Scheduler:
         self._sent_blocks.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
@@ -223,11 +242,32 @@ class Scheduler:
         """Append the step's sampled tokens and finish the requests that hit eos, a stop token
         or their length. A request finished or aborted while the step ran is skipped (the
         token it computed meanwhile is dropped)."""
+        verified = output.verified_token_ids
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)
             if request is None or request.is_finished or token_id is None:
                 continue  # gone, or a prefill chunk that sampled nothing
             request.num_pending_tokens -= 1
+            if verified and req_id in verified:
+                self._append_verified(request, scheduled.scheduled_spec_decode_tokens.get(req_id, []), verified[req_id])
+                if request.is_finished:
+                    self._finish(request)
+                    continue
+            else:
+                request.output_token_ids.append(token_id)
+                if request.check_stop():
+                    self._finish(request)
+                    continue
+            if self.config.spec_max_batch_size:  # speculation on: fresh drafts, or none
+                request.spec_token_ids = output.draft_token_ids.get(req_id, [])
+
+    def _append_verified(self, request: Request, drafts: list[int], token_ids: list[int]) -> None:
+        """Append a verify step's tokens up to the first that stops the request, and take the
+        rejected drafts' positions back (their KV is overwritten by the next step)."""
+        num_accepted = len(token_ids) - 1
+        request.num_computed_tokens -= len(drafts) - num_accepted
+        self.spec_stats.observe(len(drafts), num_accepted)
+        for token_id in token_ids:
             request.output_token_ids.append(token_id)
             if request.check_stop():
-                self._finish(request)
+                return

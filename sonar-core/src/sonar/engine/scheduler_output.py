@@ -44,6 +44,8 @@ class SchedulerOutput:
     # ([len(grammar_req_ids), ceil(V / 32)] int32, host), filled by the engine core
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
+    # speculative decoding: the draft tokens each verifying request's scheduled tokens end with
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -69,3 +71,8 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int | None]  # None: a prefill chunk that produced no token yet
     logprobs: list[RequestLogprobs | None]
     prompt_logprobs: dict[str, RequestLogprobs] = field(default_factory=dict)  # this step's chunk
+    # speculative decoding: every token a verifying request emitted (its sampled_token_ids
+    # entry is the first of them; its logprobs have one position per token), and the drafts
+    # proposed for each request's next step
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)

@@ -76,6 +76,12 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0  # steps launched
+    # speculative decoding, since the engine started: verify steps with drafts, draft tokens
+    # verified, drafts accepted, and accepted drafts by position (0: a step's first draft)
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):

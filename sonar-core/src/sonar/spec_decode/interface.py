@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # the config is read where torch is not imported yet (argument parsing)
+    import torch
+
+DEFAULT_NUM_SPECULATIVE_TOKENS = 3
+DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -17,6 +21,9 @@ class SpeculativeConfig:
     :param model: the draft model's folder, for methods that run one.
     :param prompt_lookup_min: n-gram methods: the shortest suffix matched.
     :param prompt_lookup_max: n-gram methods: the longest suffix matched.
+    :param disable_by_batch_size: no drafts in a step whose running requests outnumber it
+        (a large batch is bound by compute, not by reading the weights, and verifying drafts
+        would slow it down); None: the engine's default, ``DEFAULT_DISABLE_BY_BATCH_SIZE``.
     :param extra: method-specific options, passed through untouched.
     """
 
@@ -25,11 +32,44 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    disable_by_batch_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
+        if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
+            raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+
+    @property
+    def max_batch_size(self) -> int:
+        """The most running requests a step may have and still carry drafts."""
+        return self.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    @classmethod
+    def from_value(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
+        """A config from vLLM's dictionary (``{"method": "ngram", "num_speculative_tokens": 4}``);
+        keys this class has no field for are kept in ``extra``.
+
+        :raises ValueError: not a dictionary, no ``method``, or a field of the wrong type.
+        """
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {value!r}")
+        known = {name for name in cls.__dataclass_fields__ if name != "extra"}
+        fields = {key: item for key, item in value.items() if key in known}
+        extra = {key: item for key, item in value.items() if key not in known}
+        if not isinstance(fields.get("method"), str):
+            raise ValueError('speculative_config needs a "method" (a string: "ngram", or a plugin\'s method)')
+        fields.setdefault("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+            item = fields.get(name)
+            if item is not None and (not isinstance(item, int) or isinstance(item, bool)):
+                raise ValueError(f"speculative_config[{name!r}] must be an integer, got {item!r}")
+        if fields.get("model") is not None and not isinstance(fields["model"], str):
+            raise ValueError(f"speculative_config['model'] must be a string, got {fields['model']!r}")
+        return cls(**fields, extra=extra)
 
 
 @dataclass(slots=True)
@@ -83,8 +123,16 @@ class Proposer:
         self.config = config
         self.device = device
 
+    @classmethod
+    def check_config(cls, config: SpeculativeConfig) -> None:
+        """Refuse a configuration this method cannot run (a ValueError naming the field);
+        called when the engine configuration is resolved, before anything loads."""
+
     def load_model(self, target_model: torch.nn.Module) -> None:
         """Load the drafter's weights (if any); ``target_model`` may lend it shared layers."""
+
+    def remove_requests(self, req_ids: set[str]) -> None:
+        """Drop any per-request state of these requests (finished, aborted or preempted)."""
 
     def propose(self, inputs: ProposerInputs) -> DraftTokens:
         """Draft up to ``config.num_speculative_tokens`` tokens per request of ``inputs``."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -20,6 +20,7 @@ class CachedRequestState:
     prompt_token_ids: list[int]
     num_computed_tokens: int
     sampling: RequestSamplingState  # holds params, generator and output_token_ids
+    draft_token_ids: list[int] = field(default_factory=list)  # drafts this step verifies after its known tokens
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -45,6 +46,9 @@ class StepBatch:
     attn_metadata: AttentionMetadata
     sample_rows: list[int]  # indices into states of requests that produce a token this step
     logits_indices: torch.Tensor  # [len(sample_rows)] token index of each sampling request's last token
+    # speculative decoding: each sample row's drafts (None: no row has any); a row with k
+    # drafts has k + 1 logits_indices, its drafts' positions and its bonus position
+    sample_drafts: list[list[int]] | None = None
 
 
 def build_step_batch(
@@ -60,12 +64,19 @@ def build_step_batch(
     query_start_loc = [0]
     seq_lens: list[int] = []
     sample_rows: list[int] = []
+    has_drafts = False
     for row, (state, n) in enumerate(zip(states, num_scheduled)):
         start = state.num_computed_tokens
-        token_ids.extend(state.token_ids(start, start + n))
+        drafts = state.draft_token_ids
+        if drafts:
+            has_drafts = True
+            token_ids.extend(state.token_ids(start, start + n - len(drafts)))
+            token_ids.extend(drafts)
+        else:
+            token_ids.extend(state.token_ids(start, start + n))
         query_start_loc.append(query_start_loc[-1] + n)
         seq_lens.append(start + n)
-        if start + n == state.num_tokens:
+        if start + n == state.num_tokens + len(drafts):
             sample_rows.append(row)
 
     num_tokens = query_start_loc[-1]
@@ -93,7 +104,14 @@ def build_step_batch(
         query_start_loc_cpu=query_start_loc,
         seq_lens_cpu=seq_lens,
     )
-    logits_indices = as_tensor(qsl[1:][sample_rows] - 1 if sample_rows else np.zeros(0, np.int64), torch.int64)
+    sample_drafts = None
+    if has_drafts:
+        sample_drafts = [states[row].draft_token_ids for row in sample_rows]
+        ends = qsl[1:][sample_rows]
+        indices = np.concatenate([np.arange(end - len(d) - 1, end) for end, d in zip(ends, sample_drafts)])
+    else:
+        indices = qsl[1:][sample_rows] - 1 if sample_rows else np.zeros(0, np.int64)
+    logits_indices = as_tensor(indices, torch.int64)
     return StepBatch(
         states=states,
         num_scheduled=num_scheduled,
@@ -102,4 +120,5 @@ def build_step_batch(
         attn_metadata=metadata,
         sample_rows=sample_rows,
         logits_indices=logits_indices,
+        sample_drafts=sample_drafts,
     )

@@ -19,6 +19,8 @@ from sonar.registry import import_class, resolve_model_class, weight_formats
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
 from sonar.sampler.sampler import LogprobsTensors, Sampler, compute_logprobs
 from sonar.sampling_params import SamplingParams
+from sonar.spec_decode.verifier import first_logits_rows
+from sonar.spec_decode.worker_side import SpeculativeDecoder, VerifiedStep
 from sonar.structured_output.bitmask import apply_grammar_bitmask
 from sonar.tensors import to_device
 from sonar.worker.block_table import BlockTable
@@ -46,6 +48,9 @@ class LaunchedStep:
     ready: torch.Event | None = None  # recorded after the copies; None on the CPU
     placeholders: list[tuple[list[int], int]] = field(default_factory=list)  # (output list, index) per sampled row
     output: ModelRunnerOutput | None = None  # set once resolved
+    sample_states: list[CachedRequestState] = field(default_factory=list)  # of the sampled rows
+    verified: VerifiedStep | None = None  # a verify step's device results (speculative decoding)
+    num_accepted: torch.Tensor | None = None  # host copy of verified's drafts kept per request
 
 
 def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: int) -> RequestLogprobs:
@@ -75,6 +80,8 @@ class ModelRunner:
         self.profile_parts: dict[str, int] = {}  # what the memory profile measured, by part
         self.sampler = Sampler()
         self._last_sampling: LaunchedStep | None = None  # the last launched step that sampled
+        spec = config.speculative_config
+        self.spec: SpeculativeDecoder | None = None if spec is None else SpeculativeDecoder(spec, device)
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -103,6 +110,8 @@ class ModelRunner:
         else:
             model.load_weights(fmt.iter_weights(Path(config.model), config.hf_config))
         self.model = model.to(self.device).eval()
+        if self.spec is not None:
+            self.spec.load_model(self.model)
         logger.info("loaded %s in %.1f s", type(model).__name__, time.perf_counter() - started)
 
     def profile_peak_bytes(self, platform: type) -> int:
@@ -161,6 +170,8 @@ class ModelRunner:
     # -- request state -------------------------------------------------------------------
 
     def _update_states(self, so: SchedulerOutput) -> None:
+        if self.spec is not None and so.finished_req_ids:
+            self.spec.remove_requests(so.finished_req_ids)
         for req_id in so.finished_req_ids:
             self.block_table.remove(req_id)
             state = self.requests.pop(req_id, None)
@@ -195,6 +206,8 @@ class ModelRunner:
         for cached in so.cached_reqs:
             self.requests[cached.req_id].num_computed_tokens = cached.num_computed_tokens
             self.block_table.append(cached.req_id, cached.new_block_ids)
+        for req_id, drafts in so.scheduled_spec_decode_tokens.items():
+            self.requests[req_id].draft_token_ids = drafts
 
     # -- one step ------------------------------------------------------------------------
 
@@ -220,6 +233,8 @@ class ModelRunner:
         if last is not None and last.output is None and any(s.sampling.reads_output_tokens for s in states):
             self._resolve(last)
         batch = self.build_batch(states, [so.num_scheduled_tokens[r] for r in req_ids])
+        for req_id in so.scheduled_spec_decode_tokens:  # laid out in the batch: used once
+            self.requests[req_id].draft_token_ids = []
         self._feed_pending_tokens(batch)
         if self.backend_cls is not None:
             self.backend_cls.prepare_metadata(batch.attn_metadata)
@@ -235,21 +250,27 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab]
             sampling_states = [batch.states[row].sampling for row in batch.sample_rows]
             sample_req_ids = [batch.states[row].req_id for row in batch.sample_rows]
+            drafts = batch.sample_drafts
             if so.grammar_req_ids:  # structured output: the engine core's bitmask
-                row_of = {req_id: i for i, req_id in enumerate(sample_req_ids)}
+                first_rows = range(len(sample_req_ids)) if drafts is None else first_logits_rows(drafts)
+                row_of = {req_id: first_rows[i] for i, req_id in enumerate(sample_req_ids)}
                 rows = [row_of[req_id] for req_id in so.grammar_req_ids]
                 apply_grammar_bitmask(logits, so.grammar_bitmask, rows, self.model_config.vocab_size)
-            meta = SamplingMetadata.build(sampling_states, logits.shape[-1], self.device)
-            result = self.sampler(logits, meta)
-            sampled = result.sampled_token_ids
-            step.sampled_on_device = sampled
-            step.sample_row_of = {req_id: i for i, req_id in enumerate(sample_req_ids)}
+            step.sample_states = [batch.states[row] for row in batch.sample_rows]
             step.sample_req_ids = sample_req_ids
             step.logprob_ks = [s.params.logprobs for s in sampling_states]
-            step.sampled = sampled.to("cpu", non_blocking=True)
-            if result.logprobs is not None:
-                lp = result.logprobs
-                step.logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (lp.token_ids, lp.logprobs, lp.ranks)))
+            if drafts is not None:
+                self._launch_verify(step, logits, sampling_states, drafts)
+            else:
+                meta = SamplingMetadata.build(sampling_states, logits.shape[-1], self.device)
+                result = self.sampler(logits, meta)
+                sampled = result.sampled_token_ids
+                step.sampled_on_device = sampled
+                step.sample_row_of = {req_id: i for i, req_id in enumerate(sample_req_ids)}
+                step.sampled = sampled.to("cpu", non_blocking=True)
+                if result.logprobs is not None:
+                    lp = result.logprobs
+                    step.logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (lp.token_ids, lp.logprobs, lp.ranks)))
             if self.device.type != "cpu":
                 step.ready = torch.Event(device=self.device)
                 step.ready.record()
@@ -264,6 +285,18 @@ class ModelRunner:
             self._last_sampling = step
         return step
 
+    def _launch_verify(
+        self, step: LaunchedStep, logits: torch.Tensor, sampling_states: list[RequestSamplingState], drafts: list[list[int]]
+    ) -> None:
+        """Verify the step's drafts (speculative decoding) and queue the copies of its results."""
+        verified = self.spec.verify(self.sampler, logits, sampling_states, drafts)
+        step.verified = verified
+        step.sampled = verified.result.token_ids.to("cpu", non_blocking=True)
+        step.num_accepted = verified.result.num_accepted.to("cpu", non_blocking=True)
+        if verified.logprobs is not None:
+            lp = verified.logprobs
+            step.logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (lp.token_ids, lp.logprobs, lp.ranks)))
+
     def fetch(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step and return its results."""
         self._resolve(step)
@@ -276,6 +309,43 @@ class ModelRunner:
             return
         if step.ready is not None:
             step.ready.synchronize()
+        if step.verified is not None:
+            self._resolve_verified(step)
+        else:
+            self._resolve_sampled(step)
+        if self.spec is not None and step.sample_states and len(step.req_ids) <= self.spec.config.max_batch_size:
+            output = step.output
+            num_accepted = [len(output.verified_token_ids.get(r, ())) or 1 for r in step.sample_req_ids]
+            sequences = [(s.prompt_token_ids, s.output_token_ids, s.sampling) for s in step.sample_states]
+            output.draft_token_ids = self.spec.propose(step.sample_req_ids, sequences, num_accepted)
+
+    def _resolve_verified(self, step: LaunchedStep) -> None:
+        """A verify step's output: each request's kept drafts and the token after them, put in
+        place of its placeholder; its rejected positions are taken back."""
+        token_ids = step.sampled.tolist()
+        num_accepted = step.num_accepted.tolist()
+        layout = step.verified.layout
+        sampled: list[int | None] = [None] * len(step.req_ids)
+        logprobs: list[RequestLogprobs | None] = [None] * len(step.req_ids)
+        verified: dict[str, list[int]] = {}
+        for i, row in enumerate(step.sample_rows):
+            start, accepted = layout.starts[i], num_accepted[i]
+            tokens = token_ids[start : start + accepted + 1]
+            outputs, index = step.placeholders[i]
+            outputs[index : index + 1] = tokens
+            sampled[row] = tokens[0]
+            if layout.num_drafts[i]:
+                verified[step.req_ids[row]] = tokens
+                step.sample_states[i].num_computed_tokens -= layout.num_drafts[i] - accepted
+            k = step.logprob_ks[i]
+            if k is not None and step.logprobs is not None:
+                logprobs[row] = _to_request_logprobs(step.logprobs, list(range(start, start + accepted + 1)), k)
+        step.output = ModelRunnerOutput(
+            req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs,
+            verified_token_ids=verified,
+        )
+
+    def _resolve_sampled(self, step: LaunchedStep) -> None:
         token_ids = step.sampled.tolist() if step.sampled is not None else []
         for (outputs, index), token_id in zip(step.placeholders, token_ids):
             outputs[index] = token_id

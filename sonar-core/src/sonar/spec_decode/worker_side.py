@@ -1,0 +1,80 @@
+"""What a model runner does for speculative decoding: verify a step's drafts against its
+logits, and ask the proposer for the next step's drafts once the step's tokens are known."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sonar.registry import load_registered, speculative_proposers
+from sonar.sampler.logprobs import LogprobsTensors, compute_logprobs
+from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
+from sonar.sampler.sampler import Sampler
+from sonar.spec_decode.eligibility import may_speculate
+from sonar.spec_decode.interface import Proposer, ProposerInputs, SpeculativeConfig
+from sonar.spec_decode.verifier import VerifyLayout, VerifyResult, verify
+
+
+@dataclass(slots=True)
+class VerifiedStep:
+    """A verify step's results on the device: the emitted tokens per position, the drafts
+    kept per request, and the logprobs of every position (when some request asked)."""
+
+    layout: VerifyLayout
+    result: VerifyResult
+    logprobs: LogprobsTensors | None
+
+
+class SpeculativeDecoder:
+    """The runner's speculative part: the configured proposer and the verifier."""
+
+    def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        proposer_cls = load_registered("speculative proposer", config.method, speculative_proposers())
+        self.proposer: Proposer = proposer_cls(config, device)
+
+    def load_model(self, target_model: torch.nn.Module) -> None:
+        self.proposer.load_model(target_model)
+
+    def remove_requests(self, req_ids: set[str]) -> None:
+        self.proposer.remove_requests(req_ids)
+
+    def verify(
+        self, sampler: Sampler, logits: torch.Tensor, states: list[RequestSamplingState], drafts: list[list[int]]
+    ) -> VerifiedStep:
+        """Verify ``drafts[i]`` of request ``states[i]``: ``logits`` holds, per request, one
+        row per draft and one for its bonus position, in request order."""
+        layout = VerifyLayout.build(drafts, logits.device)
+        positions = [state for state, tokens in zip(states, drafts) for _ in range(len(tokens) + 1)]
+        meta = SamplingMetadata.build(positions, logits.shape[-1], logits.device)
+        processed = sampler.process(logits, meta)
+        greedy_ids = None if meta.all_random else processed.argmax(dim=-1)
+        probs = None if meta.all_greedy else sampler.final_probabilities(processed, meta)
+        greedy_rows = None
+        if not (meta.all_greedy or meta.all_random):
+            greedy_rows = torch.tensor([s.params.greedy for s in states]).to(logits.device)
+        generators = {
+            row: state.generator for row, state in enumerate(states) if state.generator is not None and not state.params.greedy
+        }
+        result = verify(probs, greedy_ids, greedy_rows, layout, generators)
+        logprobs = None
+        if meta.max_num_logprobs is not None:
+            logprobs = compute_logprobs(logits, result.token_ids, meta.max_num_logprobs)
+        return VerifiedStep(layout, result, logprobs)
+
+    def propose(self, req_ids: list[str], sequences: list[tuple[list[int], list[int], RequestSamplingState]], num_accepted: list[int]) -> dict[str, list[int]]:
+        """Drafts for the next step of the requests that may take them; ``sequences[i]`` is
+        request ``i``'s prompt, its output so far and its sampling state."""
+        rows = [i for i, (_, output, sampling) in enumerate(sequences) if may_speculate(sampling.params, len(output))]
+        if not rows:
+            return {}
+        inputs = ProposerInputs(
+            req_ids=[req_ids[i] for i in rows],
+            token_ids=[sequences[i][0] + sequences[i][1] for i in rows],
+            num_accepted=[num_accepted[i] for i in rows],
+        )
+        drafts = self.proposer.propose(inputs)
+        limit = self.config.num_speculative_tokens
+        return {req_id: tokens[:limit] for req_id, tokens in zip(drafts.req_ids, drafts.token_ids) if tokens}
