@@ -147,3 +147,54 @@ def test_metrics_carry_vllms_speculative_names():
     assert 'sonar:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
     assert 'sonar:spec_decode_num_accepted_tokens_total{model_name="m"} 7.0' in text
     assert 'sonar:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in text
+
+
+def test_an_engine_core_process_speculates_and_reports_its_acceptance(model, plain):
+    """The multi-process path (as ``sonar serve`` runs it): the config crosses as JSON, the
+    outputs carry several tokens per step, the stats carry the counters."""
+    import tempfile
+    from pathlib import Path
+
+    import zmq
+
+    from sonar.config import EngineArgs
+    from sonar.engine import wire
+    from sonar.engine.core_client import EngineProcesses
+    from sonar.engine.resolve import resolve_engine_config
+    from sonar.platform import current_platform
+
+    prompt = repetitive_prompts(1)[0]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    expected = generate(plain, [prompt], params)[0].outputs[0].token_ids
+    platform = current_platform()
+    config, _ = resolve_engine_config(EngineArgs(model, kv_cache_memory_bytes=KV_BYTES, max_model_len=256, speculative_config=NGRAM), platform)
+    ipc = Path(tempfile.mkdtemp(prefix="sonar-test-ipc-"))
+    addresses = wire.ClientAddresses(f"ipc://{ipc}/in", f"ipc://{ipc}/out")
+    context = zmq.Context()
+    router, pull = context.socket(zmq.ROUTER), context.socket(zmq.PULL)
+    router.bind(addresses.input)
+    pull.bind(addresses.output)
+    engines = EngineProcesses(config, [addresses], platform.replica_env)
+    try:
+        assert router.poll(120_000), "the engine core said it is ready"
+        identity, kind, _ = router.recv_multipart()
+        assert kind == wire.READY
+        router.send_multipart([identity, *wire.encode_request(wire.EngineCoreRequest("r", prompt, params, 24, 0.0))])
+        tokens: list[int] = []
+        most_per_step = 0
+        stats = None
+        while len(tokens) < 24:
+            assert pull.poll(60_000)
+            frames = pull.recv_multipart()
+            if frames[0] != wire.OUTPUTS:
+                continue
+            decoded = wire.decode_outputs(frames)
+            stats = decoded.stats
+            for output in decoded.outputs:
+                tokens += output.new_token_ids
+                most_per_step = max(most_per_step, len(output.new_token_ids))
+        assert tokens == expected
+        assert most_per_step > 1 and stats.spec_num_accepted_tokens > 0
+    finally:
+        engines.terminate()
+        context.destroy(linger=0)
