@@ -1,0 +1,115 @@
+"""The embedded GGUF (SmolLM2-135M-Instruct, Q4_1/Q8_0) on the CPU: Sonar natively quantized,
+Sonar dequantized to float32, llama.cpp (llama-cpp-python) and transformers' batched generate().
+
+Measures batch-1 decode tok/s (steady state: the time of N+1 tokens minus that of 1) and a mixed
+workload of 24 requests (inputs 16-192, outputs 16-96 tokens; llama.cpp serves them one after
+another, transformers in one padded batch). Prints one JSON line.
+
+    SONAR_PLATFORM=cpu SONAR_CPU_THREADS=2 python sonar-cpu/benchmarks/bench_gguf_native.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import time
+
+DECODE_TOKENS = 128
+
+
+def workload(seed: int = 0, count: int = 24) -> list[tuple[list[int], int]]:
+    rng = random.Random(seed)
+    return [([rng.randint(100, 49000) for _ in range(rng.randint(16, 192))], rng.randint(16, 96)) for _ in range(count)]
+
+
+def sonar_runs(quantization: str | None, requests: list[tuple[list[int], int]]) -> dict[str, float]:
+    from sonar import LLM, SamplingParams
+
+    llm = LLM(quantization=quantization, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+    prompt = [{"prompt_token_ids": requests[0][0][:16]}]
+
+    def run(n: int) -> float:
+        started = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        return time.perf_counter() - started
+
+    run(8)  # warm up
+    decode = DECODE_TOKENS / (run(DECODE_TOKENS + 1) - run(1))
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
+    started = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p, _ in requests], params)
+    elapsed = time.perf_counter() - started
+    produced = sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"decode_tok_s": round(decode, 1), "mixed_tok_s": round(produced / elapsed, 1)}
+
+
+def llama_cpp_runs(path: str, threads: int, requests: list[tuple[list[int], int]]) -> dict[str, float]:
+    from llama_cpp import Llama
+
+    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
+
+    def run(prompt: list[int], n: int) -> float:
+        llm.reset()
+        started = time.perf_counter()
+        for i, _ in enumerate(llm.generate(prompt, top_k=1, temp=0.0, reset=True)):
+            if i + 1 == n:
+                break
+        return time.perf_counter() - started
+
+    prompt = requests[0][0][:16]
+    run(prompt, 8)
+    decode = DECODE_TOKENS / (run(prompt, DECODE_TOKENS + 1) - run(prompt, 1))
+    started = time.perf_counter()
+    for p, n in requests:
+        run(p, n)
+    elapsed = time.perf_counter() - started
+    return {"decode_tok_s": round(decode, 1), "mixed_tok_s": round(sum(n for _, n in requests) / elapsed, 1)}
+
+
+def transformers_runs(path: str, requests: list[tuple[list[int], int]]) -> dict[str, float]:
+    import torch
+    from pathlib import Path
+    from transformers import AutoModelForCausalLM
+
+    gguf = Path(path)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    width = max(len(p) for p, _ in requests)
+    ids = torch.full((len(requests), width), 2, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (p, _) in enumerate(requests):  # left padding
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    started = time.perf_counter()
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(n for _, n in requests), do_sample=False, min_new_tokens=1, pad_token_id=2)
+    elapsed = time.perf_counter() - started
+    return {"mixed_tok_s": round(sum(n for _, n in requests) / elapsed, 1)}  # requested tokens only
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["native", "dequantized", "llama.cpp", "transformers"])
+    args = parser.parse_args()
+    from sonar_models.testing import smollm2_gguf_path
+
+    threads = int(os.environ.get("SONAR_CPU_THREADS", "2"))
+    path, requests = str(smollm2_gguf_path()), workload()
+    results: dict[str, dict[str, float]] = {}
+    if "native" not in args.skip:
+        results["sonar_native"] = sonar_runs(None, requests)
+    if "dequantized" not in args.skip:
+        results["sonar_dequantized"] = sonar_runs("unquantized", requests)
+    if "llama.cpp" not in args.skip:
+        results["llama_cpp"] = llama_cpp_runs(path, threads, requests)
+    if "transformers" not in args.skip:
+        import torch
+
+        torch.set_num_threads(threads)
+        results["transformers_batched"] = transformers_runs(path, requests)
+    print(json.dumps({"threads": threads, "requests": len(requests), **results}))
+
+
+if __name__ == "__main__":
+    main()
