@@ -102,3 +102,19 @@ def test_greedy_tokens_and_top5_logprobs_equal_transformers_on_the_dequantized_m
                 top2 = rows[step].topk(2).values
                 assert float(top2[0] - top2[1]) < NEAR_TIE, (step, token, expected[step])
                 break
+
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_platform_without_int4_kernels_runs_the_dequantizing_path(gguf_checkpoint) -> None:
+    ggml_type, path, _, stored = gguf_checkpoint
+    from sonar_models.formats.gguf_file import raw_blocks
+    from sonar_models.formats.gguf_metadata import open_gguf
+
+    tensor = next(t for t in open_gguf(path).tensors if t.name == "blk.0.ffn_down.weight")
+    blocks = raw_blocks(tensor)
+    run = _Blocks(type(blocks)(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.cuda()))
+    x = torch.randn(3, blocks.cols)
+    expected = x @ stored["model.layers.0.mlp.down_proj.weight"].T
+    torch.testing.assert_close(run(x.cuda()).cpu(), expected, atol=1e-4, rtol=1e-4)
