@@ -1,9 +1,11 @@
 """``sonar.ops`` operation ``fp8_linear`` on CUDA: the product kernel chosen per shape.
 
-One row of activations: the fused FP8 GEMV (activation quantization inside), split along the
-inputs where the output rows are too few to fill the GPU (``sonar_cuda.kernels.fp8_gemv_splitk``,
-launch per shape from ``GEMV_LAUNCHES``; ``None`` there keeps the unsplit ``fp8_gemv``). Otherwise the activations are quantized by one
-Triton launch, then ``torch._scaled_mm`` with row-wise scales (CUTLASS on Hopper; bf16 output,
+One row of activations, at most ``GEMV_MAX_ROWS`` outputs and ``GEMV_MAX_K`` inputs: the fused FP8
+GEMV (activation quantization inside, one launch); a shape listed in ``GEMV_LAUNCHES`` takes the
+split-K GEMV (``sonar_cuda.kernels.fp8_gemv_splitk``) instead. ``quant_gemv_sweep.py`` on an
+H200 found none where it pays (one row, us, split-K best / unsplit GEMV / Triton GEMM: qkv
+13.2 / 13.1 / 13.2, o 10.6 / 8.9 / 11.1, gate_up 50.2 / 44.3 / 34.0), so the table is empty.
+Otherwise the activations are quantized by one Triton launch, then ``torch._scaled_mm`` with row-wise scales (CUTLASS on Hopper; bf16 output,
 K and N multiples of 16) from ``SCALED_MM_MIN_ROWS`` rows, the Triton tiled GEMM below that
 and where ``_scaled_mm`` cannot run the shape. The thresholds are what
 ``sonar-cuda/benchmarks/fp8_decode.py`` measured on an H200 (Llama-3.1-8B, M = 1: o 4096x4096
@@ -24,10 +26,10 @@ from sonar_cuda.kernels.fp8_gemv_splitk import Fp8GemvLaunch, fp8_gemv_splitk
 from sonar_cuda.kernels.fp8_quant import quantize_rows
 
 SCALED_MM_MIN_ROWS = 17
-GEMV_TILE = (8, 1024, 4)  # the unsplit GEMV's (rows per program, BLOCK_K, warps): qkv 13.1 us, o 8.85
-# (N, K) -> the one-row launch (Llama-3.1-8B's projections); other shapes take DEFAULT_GEMV
-GEMV_LAUNCHES: dict[tuple[int, int], Fp8GemvLaunch | None] = {}
-DEFAULT_GEMV = Fp8GemvLaunch(block_n=8, block_k=512)
+GEMV_MAX_ROWS = 8192
+GEMV_MAX_K = 8192  # down 4096 x 14336 at M = 1: Triton GEMM 31.0 us against GEMV 35.5
+GEMV_TILE = (8, 1024, 4)  # (rows per program, BLOCK_K, warps): qkv 13.1 us, o 8.85
+GEMV_LAUNCHES: dict[tuple[int, int], Fp8GemvLaunch] = {}  # (N, K) -> a split-K launch at one row
 
 
 def scaled_mm_runs(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
@@ -50,10 +52,10 @@ def fp8_linear(
     """``sonar.quantization.fp8.fp8_linear`` on CUDA tensors: same arguments, same math."""
     n, k = weight.shape
     if fp8_gemv_supported(x, weight):
-        launch = GEMV_LAUNCHES.get((n, k), DEFAULT_GEMV)
-        if launch is None:
+        if (n, k) in GEMV_LAUNCHES:
+            return fp8_gemv_splitk(x, weight, weight_scale, input_scale, bias, GEMV_LAUNCHES[(n, k)])
+        if n <= GEMV_MAX_ROWS and k <= GEMV_MAX_K:
             return fp8_gemv(x, weight, weight_scale, input_scale, bias, *GEMV_TILE)
-        return fp8_gemv_splitk(x, weight, weight_scale, input_scale, bias, launch)
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
