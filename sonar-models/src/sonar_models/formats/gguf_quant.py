@@ -164,6 +164,12 @@ class GGUFMethod(QuantizationMethod):
     """llama.cpp's block formats run natively (registered as ``"gguf"``; every platform)."""
 
     name = "gguf"
+    reads = "a .gguf file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K blocks (F32/F16/BF16 tensors stay floating); other types are dequantized at load"
+    execution = {
+        "cpu": "Q4_0/Q4_1/Q4_K/Q8_0/Q5_K: torch's int4 weight-packed matmul (bf16); Q6_K: dequantized per tile",
+        "cuda": "dequantized per tile of 4,096 rows, library GEMM",
+    }
+    tested_by = {"cpu": "sonar-models/tests/test_gguf_native.py"}
 
     def __init__(self, tied_lm_head: bool = False) -> None:
         self.tied_lm_head = tied_lm_head
