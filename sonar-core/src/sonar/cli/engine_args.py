@@ -38,7 +38,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prefixes")
     group.add_argument(
         "--quantization", "-q", default=None,
-        help="the quantization method the linear layers run (default: the checkpoint's quantization_config.quant_method; none: unquantized)",
+        help="the quantization method the linear layers run (default: the checkpoint's quantization_config.quant_method; unquantized: floating point, where the checkpoint can be dequantized at load, as a .gguf file can)",
     )
     group.add_argument(
         "--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=("auto", "fp8", "fp8_e4m3"),
