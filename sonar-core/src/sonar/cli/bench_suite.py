@@ -111,6 +111,7 @@ def add_suite_parser(kinds: argparse._SubParsersAction) -> None:
     suite.add_argument("--max-num-seqs", type=int, default=None, help="most sequences in one step (default: each workload's)")
     suite.add_argument("--quantization", "-q", default=None, help="run the engine with this quantization method (fp8 quantizes the bf16 weights at load)")
     suite.add_argument("--kv-cache-dtype", default="auto", help="the engine's KV-cache dtype (auto: the model's; fp8)")
+    suite.add_argument("--speculative-config", default=None, help="JSON speculative_config for every workload's engine (vLLM's keys)")
     suite.add_argument("--output-json", default=None)
     suite.set_defaults(func=run_suite)
 
@@ -157,6 +158,8 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
         options["quantization"] = args.quantization
     if args.kv_cache_dtype != "auto":
         options["kv_cache_dtype"] = args.kv_cache_dtype
+    if args.speculative_config:
+        options["speculative_config"] = json.loads(args.speculative_config)
     return options
 
 
