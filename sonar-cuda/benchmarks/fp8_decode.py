@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from sonar_cuda.graph_timing import graph_us
+
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 16, 128, 1024)
 BYTES_PER_CASE = 400e6  # the copies of one weight, together: beyond the 50 MB L2
@@ -30,23 +32,6 @@ GEMV_TILES = ((4, 1024, 4), (8, 1024, 8), (4, 2048, 8), (8, 1024, 4), (2, 2048, 
 GEMM_TILES = ((16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 32, 512, 4, 3), (16, 64, 128, 4, 6), (16, 128, 256, 4, 3))
 
 
-def graph_us(calls: list, repeats: int = 10) -> float:
-    """Microseconds per call of ``calls`` replayed as one CUDA graph."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return round(1000 * start.elapsed_time(end) / repeats / len(calls), 2)
 
 
 def gemm_sweep() -> dict:

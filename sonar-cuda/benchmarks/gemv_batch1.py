@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from sonar_cuda.graph_timing import graph_us
 from sonar_cuda.kernels.gemv import gemv, gemv_pays
 
 SHAPES = {
@@ -25,23 +26,6 @@ SHAPES = {
 BYTES_PER_SHAPE = 600e6  # the copies of one weight, together: beyond the 50 MB L2
 
 
-def graph_us(calls: list, repeats: int = 20) -> float:
-    """Microseconds per call of ``calls`` replayed as one CUDA graph."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return 1000 * start.elapsed_time(end) / repeats / len(calls)
 
 
 def main() -> None:

@@ -18,32 +18,16 @@ import argparse
 import json
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
+
+from sonar_cuda.graph_timing import graph_us
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
 BYTES_PER_CASE = 300e6  # the copies of one weight, together: beyond the 50 MB L2
 
 
-def graph_us(calls: list[Callable[[], torch.Tensor]], repeats: int = 20) -> float:
-    """Microseconds per call of ``calls`` replayed as one CUDA graph."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return round(1000 * start.elapsed_time(end) / repeats / len(calls), 2)
 
 
 def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
