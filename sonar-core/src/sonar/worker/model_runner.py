@@ -256,7 +256,8 @@ class ModelRunner:
                 row_of = {req_id: first_rows[i] for i, req_id in enumerate(sample_req_ids)}
                 rows = [row_of[req_id] for req_id in so.grammar_req_ids]
                 apply_grammar_bitmask(logits, so.grammar_bitmask, rows, self.model_config.vocab_size)
-            step.sample_states = [batch.states[row] for row in batch.sample_rows]
+            if self.spec is not None:  # the proposer reads the sampled requests' sequences
+                step.sample_states = [batch.states[row] for row in batch.sample_rows]
             step.sample_req_ids = sample_req_ids
             step.logprob_ks = [s.params.logprobs for s in sampling_states]
             if drafts is not None:
@@ -269,8 +270,7 @@ class ModelRunner:
                 step.sample_row_of = {req_id: i for i, req_id in enumerate(sample_req_ids)}
                 step.sampled = sampled.to("cpu", non_blocking=True)
                 if result.logprobs is not None:
-                    lp = result.logprobs
-                    step.logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (lp.token_ids, lp.logprobs, lp.ranks)))
+                    step.logprobs = _to_host(result.logprobs)
             if self.device.type != "cpu":
                 step.ready = torch.Event(device=self.device)
                 step.ready.record()
@@ -294,8 +294,7 @@ class ModelRunner:
         step.sampled = verified.result.token_ids.to("cpu", non_blocking=True)
         step.num_accepted = verified.result.num_accepted.to("cpu", non_blocking=True)
         if verified.logprobs is not None:
-            lp = verified.logprobs
-            step.logprobs = LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (lp.token_ids, lp.logprobs, lp.ranks)))
+            step.logprobs = _to_host(verified.logprobs)
 
     def fetch(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step and return its results."""
@@ -479,3 +478,8 @@ def profile_peak_bytes(runner: ModelRunner, platform: type) -> int:
     """The device memory the largest step the configuration allows needs above the weights."""
     states, lengths = profile_states(runner.config, runner.model_config.vocab_size)
     return profile_step_peak_bytes(runner, platform, states, lengths)
+
+
+def _to_host(logprobs: LogprobsTensors) -> LogprobsTensors:
+    """Queue the copy of a step's logprobs to the host (read after the step's one sync)."""
+    return LogprobsTensors(*(t.to("cpu", non_blocking=True) for t in (logprobs.token_ids, logprobs.logprobs, logprobs.ranks)))
