@@ -28,6 +28,8 @@ def sonar_register_executors(register: Callable[..., None]) -> None:
 @hookimpl
 def sonar_register_speculative_proposers(register: Callable[..., None]) -> None:
     register("ngram", "sonar.spec_decode.ngram:NgramProposer")
+    register("draft_model", "sonar.spec_decode.draft_model:DraftModelProposer")
+    register("draft", "sonar.spec_decode.draft_model:DraftModelProposer")  # vLLM's older name
 
 
 @hookimpl

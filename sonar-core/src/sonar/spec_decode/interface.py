@@ -8,6 +8,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the config is read where torch is not imported yet (argument parsing)
     import torch
 
+    from sonar.sampler.metadata import RequestSamplingState
+    from sonar.worker.model_runner import ModelRunner
+
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
 
@@ -82,6 +85,8 @@ class ProposerInputs:
     ``hidden_states`` are the target model's last-layer states of those accepted tokens,
     ``[sum(num_accepted), hidden]`` on the device, in row order, and ``positions`` their
     positions; both are None for methods that declare ``needs_hidden_states = False``.
+    ``sampling[i]`` is request ``i``'s sampling state (its parameters and seeded generator),
+    for drafters that sample from the request's own distribution.
     """
 
     req_ids: list[str]
@@ -89,6 +94,7 @@ class ProposerInputs:
     num_accepted: list[int]
     hidden_states: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    sampling: list[RequestSamplingState] | None = None
 
 
 @dataclass(slots=True)
@@ -96,12 +102,13 @@ class DraftTokens:
     """The proposals of one step: ``token_ids[i]`` for request ``req_ids[i]``, at most
     ``num_speculative_tokens`` long (empty: nothing to propose, the request decodes plainly).
     ``probs[i]``, where given, is the draft distribution of each proposed token
-    (``[len(token_ids[i]), vocab]``) for rejection sampling; None means the drafts were picked
-    greedily (they are then accepted only where the target agrees)."""
+    (``[len(token_ids[i]), vocab]``, on the device) for rejection sampling; None (the whole
+    list, or one request's entry) means the drafts were picked greedily: they are then
+    treated as one-hot."""
 
     req_ids: list[str]
     token_ids: list[list[int]]
-    probs: list[torch.Tensor] | None = None
+    probs: list[torch.Tensor | None] | None = None
 
 
 class Proposer:
@@ -127,6 +134,11 @@ class Proposer:
     def check_config(cls, config: SpeculativeConfig) -> None:
         """Refuse a configuration this method cannot run (a ValueError naming the field);
         called when the engine configuration is resolved, before anything loads."""
+
+    def bind_runner(self, runner: ModelRunner) -> None:
+        """Called once, just before ``load_model``, with the model runner that owns the
+        proposer: a drafter with a model of its own builds it as the runner built the target
+        (its dtype, attention backend and engine limits)."""
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         """Load the drafter's weights (if any); ``target_model`` may lend it shared layers."""

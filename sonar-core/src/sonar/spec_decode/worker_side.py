@@ -4,6 +4,7 @@ logits, and ask the proposer for the next step's drafts once the step's tokens a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -11,9 +12,13 @@ from sonar.registry import load_registered, speculative_proposers
 from sonar.sampler.logprobs import LogprobsTensors, compute_logprobs
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
 from sonar.sampler.sampler import Sampler
+from sonar.spec_decode.draft_probs import DraftProbsStore
 from sonar.spec_decode.eligibility import may_speculate
 from sonar.spec_decode.interface import Proposer, ProposerInputs, SpeculativeConfig
 from sonar.spec_decode.verifier import VerifyLayout, VerifyResult, verify
+
+if TYPE_CHECKING:
+    from sonar.worker.model_runner import ModelRunner
 
 
 @dataclass(slots=True)
@@ -34,18 +39,28 @@ class SpeculativeDecoder:
         self.device = device
         proposer_cls = load_registered("speculative proposer", config.method, speculative_proposers())
         self.proposer: Proposer = proposer_cls(config, device)
+        self.draft_probs = DraftProbsStore()  # the proposer's distributions, until verified
 
-    def load_model(self, target_model: torch.nn.Module) -> None:
+    def load_model(self, target_model: torch.nn.Module, runner: ModelRunner | None = None) -> None:
+        if runner is not None:
+            self.proposer.bind_runner(runner)
         self.proposer.load_model(target_model)
 
     def remove_requests(self, req_ids: set[str]) -> None:
         self.proposer.remove_requests(req_ids)
+        self.draft_probs.remove(req_ids)
 
     def verify(
-        self, sampler: Sampler, logits: torch.Tensor, states: list[RequestSamplingState], drafts: list[list[int]]
+        self,
+        sampler: Sampler,
+        logits: torch.Tensor,
+        states: list[RequestSamplingState],
+        drafts: list[list[int]],
+        req_ids: list[str] | None = None,
     ) -> VerifiedStep:
-        """Verify ``drafts[i]`` of request ``states[i]``: ``logits`` holds, per request, one
-        row per draft and one for its bonus position, in request order."""
+        """Verify ``drafts[i]`` of request ``states[i]`` (``req_ids[i]``: where given, the
+        distributions the proposer drew them from are used): ``logits`` holds, per request,
+        one row per draft and one for its bonus position, in request order."""
         layout = VerifyLayout.build(drafts, logits.device)
         positions = [state for state, tokens in zip(states, drafts) for _ in range(len(tokens) + 1)]
         meta = SamplingMetadata.build(positions, logits.shape[-1], logits.device)
@@ -58,7 +73,10 @@ class SpeculativeDecoder:
         generators = {
             row: state.generator for row, state in enumerate(states) if state.generator is not None and not state.params.greedy
         }
-        result = verify(probs, greedy_ids, greedy_rows, layout, generators)
+        draft_probs = None
+        if probs is not None and req_ids is not None and self.draft_probs:
+            draft_probs = self.draft_probs.take_rows(req_ids, drafts, layout, logits.shape[-1])
+        result = verify(probs, greedy_ids, greedy_rows, layout, generators, draft_probs)
         logprobs = None
         if meta.max_num_logprobs is not None:
             logprobs = compute_logprobs(logits, result.token_ids, meta.max_num_logprobs)
@@ -74,7 +92,11 @@ class SpeculativeDecoder:
             req_ids=[req_ids[i] for i in rows],
             token_ids=[sequences[i][0] + sequences[i][1] for i in rows],
             num_accepted=[num_accepted[i] for i in rows],
+            sampling=[sequences[i][2] for i in rows],
         )
         drafts = self.proposer.propose(inputs)
         limit = self.config.num_speculative_tokens
+        if drafts.probs is not None:
+            for req_id, tokens, probs in zip(drafts.req_ids, drafts.token_ids, drafts.probs):
+                self.draft_probs.store(req_id, tokens[:limit], None if probs is None else probs[:limit])
         return {req_id: tokens[:limit] for req_id, tokens in zip(drafts.req_ids, drafts.token_ids) if tokens}

@@ -61,6 +61,29 @@ def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: i
     )
 
 
+def build_model(model_config: ModelConfig, device: torch.device, backend_cls: type[AttentionBackend] | None) -> torch.nn.Module:
+    """The registered architecture of ``model_config``, built on ``device`` in its dtype with
+    ``backend_cls`` attention (and its quantization method's layers), weights not yet loaded."""
+    model_cls = resolve_model_class(model_config.hf_config)
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(model_config.dtype)
+    try:
+        with torch.device(device), building_with(quantization_method_of(model_config)):
+            return model_cls(model_config.hf_config, make_attention_factory(backend_cls))
+    finally:
+        torch.set_default_dtype(previous_dtype)
+
+
+def load_weights(model: torch.nn.Module, model_config: ModelConfig) -> None:
+    """Fill a built model's weights: streamed from its checkpoint, or drawn in place where the
+    weight format initializes weights itself (random ones)."""
+    fmt = weight_formats()[model_config.load_format]
+    if hasattr(fmt, "init_weights"):
+        fmt.init_weights(model)
+    else:
+        model.load_weights(fmt.iter_weights(Path(model_config.model), model_config.hf_config))
+
+
 class ModelRunner:
     """Runs steps of one model on one device. Platform runners subclass it and override
     ``build_batch`` (inputs into their own buffers), ``init_kv_cache`` (what depends on the
@@ -88,15 +111,7 @@ class ModelRunner:
     def build_model(self) -> torch.nn.Module:
         """The registered architecture's module, built on the device in the model's dtype,
         its weights not yet loaded."""
-        config = self.model_config
-        model_cls = resolve_model_class(config.hf_config)
-        previous_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.dtype)
-        try:
-            with torch.device(self.device), building_with(quantization_method_of(config)):
-                return model_cls(config.hf_config, make_attention_factory(self.backend_cls))
-        finally:
-            torch.set_default_dtype(previous_dtype)
+        return build_model(self.model_config, self.device, self.backend_cls)
 
     def load_model(self) -> None:
         """Build the model on the device and load its weights: streamed from the checkpoint,
@@ -104,14 +119,10 @@ class ModelRunner:
         config = self.model_config
         started = time.perf_counter()
         model = self.build_model()
-        fmt = weight_formats()[config.load_format]
-        if hasattr(fmt, "init_weights"):
-            fmt.init_weights(model)
-        else:
-            model.load_weights(fmt.iter_weights(Path(config.model), config.hf_config))
+        load_weights(model, config)
         self.model = model.to(self.device).eval()
         if self.spec is not None:
-            self.spec.load_model(self.model)
+            self.spec.load_model(self.model, self)
         logger.info("loaded %s in %.1f s", type(model).__name__, time.perf_counter() - started)
 
     def profile_peak_bytes(self, platform: type) -> int:
@@ -289,7 +300,7 @@ class ModelRunner:
         self, step: LaunchedStep, logits: torch.Tensor, sampling_states: list[RequestSamplingState], drafts: list[list[int]]
     ) -> None:
         """Verify the step's drafts (speculative decoding) and queue the copies of its results."""
-        verified = self.spec.verify(self.sampler, logits, sampling_states, drafts)
+        verified = self.spec.verify(self.sampler, logits, sampling_states, drafts, step.sample_req_ids)
         step.verified = verified
         step.sampled = verified.result.token_ids.to("cpu", non_blocking=True)
         step.num_accepted = verified.result.num_accepted.to("cpu", non_blocking=True)
