@@ -17,6 +17,7 @@ from sonar import ops
 from sonar.attention import ForwardContext
 from sonar.engine.kv_cache_spec import KVCacheSpec
 from sonar.model_interface import AttentionFactory, kv_cache_spec_for
+from sonar_models.aux_hidden_states import AuxHiddenStates
 from sonar_models.kv_scales import KVScaleCollector
 from sonar_models.layers import Linear, MergedLinear, RMSNorm, silu_and_mul
 from sonar_models.rope import RotaryEmbedding, rope_spec_from_config
@@ -148,13 +149,19 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         max_position = getattr(config, "max_position_embeddings", None) or 2048
         self.rotary_emb = RotaryEmbedding(rope_spec_from_config(config, head_dim), max_position)
+        self.aux_hidden_states = AuxHiddenStates(len(layers))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)  # [T, hidden]
         rope = ops.rotary_tables(self.rotary_emb, positions, hidden.dtype)  # once per step
         residual = None
-        for layer in self.layers:
+        aux, captured = self.aux_hidden_states, []  # aux layers: none unless a drafter asked (EAGLE-3)
+        for i, layer in enumerate(self.layers):
+            if i in aux.layer_ids:
+                captured.append(aux.layer_input(hidden, residual))
             hidden, residual = layer(hidden, residual, rope, ctx)
+        if captured:
+            aux.latest = torch.cat(captured, dim=-1)  # [T, len(layer_ids) * hidden]
         if residual is None:
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]
@@ -202,6 +209,7 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.aux_hidden_states = self.model.aux_hidden_states  # see sonar_models.aux_hidden_states
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` for a flat batch of tokens at absolute ``positions``."""
