@@ -28,6 +28,7 @@ def sonar_register_executors(register: Callable[..., None]) -> None:
 @hookimpl
 def sonar_register_speculative_proposers(register: Callable[..., None]) -> None:
     register("ngram", "sonar.spec_decode.ngram:NgramProposer")
+    register("eagle3", "sonar.spec_decode.eagle3:Eagle3Proposer")
     register("draft_model", "sonar.spec_decode.draft_model:DraftModelProposer")
     register("draft", "sonar.spec_decode.draft_model:DraftModelProposer")  # vLLM's older name
 
@@ -46,6 +47,7 @@ def sonar_register_cli_commands(register: Callable[..., None]) -> None:
     register("chat", "sonar.cli.chat:add_parser")
     register("generate", "sonar.cli.generate:add_parser")
     register("bench", "sonar.cli.bench:add_parser")
+    register("train-drafter", "sonar.cli.train_drafter:add_parser")
     register("plugins", "sonar.cli.plugins:add_parser")
 
 

@@ -82,9 +82,13 @@ class ProposerInputs:
     Rows follow ``req_ids``. ``token_ids[i]`` is request ``i``'s whole sequence so far (prompt
     and accepted output; host lists, for methods that look tokens up), ``num_accepted[i]``
     how many tokens the step that just ran accepted for it (1 + accepted drafts).
-    ``hidden_states`` are the target model's last-layer states of those accepted tokens,
-    ``[sum(num_accepted), hidden]`` on the device, in row order, and ``positions`` their
-    positions; both are None for methods that declare ``needs_hidden_states = False``.
+    ``hidden_states`` are the target model's states (its auxiliary layers' concatenated
+    where the proposer chose some, else its last layer's) of the positions it computed for
+    the request and kept since the last proposal: after a verify step its last known token
+    and the accepted drafts (``num_accepted[i]`` rows), after a prefill every prompt token
+    computed (chunks that sampled nothing included). ``num_hidden_states[i]`` rows per
+    request, ``[sum(num_hidden_states), width]`` on the device in row order, ``positions``
+    their positions; all three are None for methods with ``needs_hidden_states = False``.
     ``sampling[i]`` is request ``i``'s sampling state (its parameters and seeded generator),
     for drafters that sample from the request's own distribution.
     """
@@ -94,6 +98,7 @@ class ProposerInputs:
     num_accepted: list[int]
     hidden_states: torch.Tensor | None = None
     positions: torch.Tensor | None = None
+    num_hidden_states: list[int] | None = None
     sampling: list[RequestSamplingState] | None = None
 
 

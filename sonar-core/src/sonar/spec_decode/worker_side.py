@@ -14,8 +14,10 @@ from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
 from sonar.sampler.sampler import Sampler
 from sonar.spec_decode.draft_probs import DraftProbsStore
 from sonar.spec_decode.eligibility import may_speculate
+from sonar.spec_decode.hidden_states import HiddenStateCollector, StepHiddenStates
 from sonar.spec_decode.interface import Proposer, ProposerInputs, SpeculativeConfig
 from sonar.spec_decode.verifier import VerifyLayout, VerifyResult, verify
+from sonar.worker.input_batch import StepBatch
 
 if TYPE_CHECKING:
     from sonar.worker.model_runner import ModelRunner
@@ -39,16 +41,28 @@ class SpeculativeDecoder:
         self.device = device
         proposer_cls = load_registered("speculative proposer", config.method, speculative_proposers())
         self.proposer: Proposer = proposer_cls(config, device)
+        self.hidden = HiddenStateCollector() if self.proposer.needs_hidden_states else None
+        self._aux_states = None  # the target's auxiliary hidden states, where it keeps them
         self.draft_probs = DraftProbsStore()  # the proposer's distributions, until verified
 
     def load_model(self, target_model: torch.nn.Module, runner: ModelRunner | None = None) -> None:
         if runner is not None:
             self.proposer.bind_runner(runner)
         self.proposer.load_model(target_model)
+        self._aux_states = getattr(target_model, "aux_hidden_states", None)
 
     def remove_requests(self, req_ids: set[str]) -> None:
         self.proposer.remove_requests(req_ids)
+        if self.hidden is not None:
+            self.hidden.remove_requests(req_ids)
         self.draft_probs.remove(req_ids)
+
+    def record_hidden_states(self, batch: StepBatch, final_hidden: torch.Tensor) -> StepHiddenStates:
+        """Keep a step's states for the proposer (one that ``needs_hidden_states``): the
+        target's auxiliary states where the proposer chose layers, else its final ones."""
+        aux = self._aux_states
+        states = aux.latest if aux is not None and aux.layer_ids else final_hidden
+        return self.hidden.record(batch, states)
 
     def verify(
         self,
@@ -82,9 +96,16 @@ class SpeculativeDecoder:
             logprobs = compute_logprobs(logits, result.token_ids, meta.max_num_logprobs)
         return VerifiedStep(layout, result, logprobs)
 
-    def propose(self, req_ids: list[str], sequences: list[tuple[list[int], list[int], RequestSamplingState]], num_accepted: list[int]) -> dict[str, list[int]]:
+    def propose(
+        self,
+        req_ids: list[str],
+        sequences: list[tuple[list[int], list[int], RequestSamplingState]],
+        num_accepted: list[int],
+        hidden: StepHiddenStates | None = None,
+    ) -> dict[str, list[int]]:
         """Drafts for the next step of the requests that may take them; ``sequences[i]`` is
-        request ``i``'s prompt, its output so far and its sampling state."""
+        request ``i``'s prompt, its output so far and its sampling state; ``hidden`` the
+        step's states (``record_hidden_states``), for a proposer that reads them."""
         rows = [i for i, (_, output, sampling) in enumerate(sequences) if may_speculate(sampling.params, len(output))]
         if not rows:
             return {}
@@ -94,6 +115,9 @@ class SpeculativeDecoder:
             num_accepted=[num_accepted[i] for i in rows],
             sampling=[sequences[i][2] for i in rows],
         )
+        if hidden is not None:
+            given = self.hidden.gather(hidden, inputs.req_ids, inputs.num_accepted)
+            inputs.hidden_states, inputs.positions, inputs.num_hidden_states = given.states, given.positions, given.counts
         drafts = self.proposer.propose(inputs)
         limit = self.config.num_speculative_tokens
         if drafts.probs is not None:

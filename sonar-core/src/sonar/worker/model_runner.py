@@ -19,6 +19,7 @@ from sonar.registry import import_class, resolve_model_class, weight_formats
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
 from sonar.sampler.sampler import LogprobsTensors, Sampler, compute_logprobs
 from sonar.sampling_params import SamplingParams
+from sonar.spec_decode.hidden_states import StepHiddenStates
 from sonar.spec_decode.verifier import first_logits_rows
 from sonar.spec_decode.worker_side import SpeculativeDecoder, VerifiedStep
 from sonar.structured_output.bitmask import apply_grammar_bitmask
@@ -51,6 +52,7 @@ class LaunchedStep:
     sample_states: list[CachedRequestState] = field(default_factory=list)  # of the sampled rows
     verified: VerifiedStep | None = None  # a verify step's device results (speculative decoding)
     num_accepted: torch.Tensor | None = None  # host copy of verified's drafts kept per request
+    hidden: StepHiddenStates | None = None  # the states a proposer reads (needs_hidden_states)
 
 
 def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: int) -> RequestLogprobs:
@@ -257,6 +259,8 @@ class ModelRunner:
             sample_rows=batch.sample_rows,
             prompt_logprobs=self._prompt_logprobs(batch, hidden),
         )
+        if self.spec is not None and self.spec.hidden is not None:  # an EAGLE-style proposer reads them
+            step.hidden = self.spec.record_hidden_states(batch, hidden)
         if batch.sample_rows:
             logits = self.model.compute_logits(hidden[batch.logits_indices])  # [num_sampled, vocab]
             sampling_states = [batch.states[row].sampling for row in batch.sample_rows]
@@ -327,7 +331,7 @@ class ModelRunner:
             output = step.output
             num_accepted = [len(output.verified_token_ids.get(r, ())) or 1 for r in step.sample_req_ids]
             sequences = [(s.prompt_token_ids, s.output_token_ids, s.sampling) for s in step.sample_states]
-            output.draft_token_ids = self.spec.propose(step.sample_req_ids, sequences, num_accepted)
+            output.draft_token_ids = self.spec.propose(step.sample_req_ids, sequences, num_accepted, step.hidden)
 
     def _resolve_verified(self, step: LaunchedStep) -> None:
         """A verify step's output: each request's kept drafts and the token after them, put in

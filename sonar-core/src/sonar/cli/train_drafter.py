@@ -1,0 +1,144 @@
+"""``sonar train-drafter``: train an EAGLE-3 head for a target model by self-distillation.
+
+The target answers prompts (a JSON-lines file, or questions it writes itself) with Sonar's
+engine; its auxiliary hidden states and next-token distributions on its own answers are the
+training data; the head is trained with EAGLE-3's training-time test and saved in the
+published EAGLE-3 layout, which ``speculative_config={"method": "eagle3", "model": OUTPUT}``
+loads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+
+from sonar.cli.engine_args import add_engine_arguments, engine_args_from
+
+DEFAULT_DRAFT_VOCAB_SIZE = 4096
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("train-drafter", help="train an EAGLE-3 draft head for a model on its own generations")
+    add_engine_arguments(parser)
+    group = parser.add_argument_group("drafter training")
+    group.add_argument("--prompts", default=None, metavar="FILE", help="JSON lines with a turns/prompt/text field (default: the target writes its own)")
+    group.add_argument("--num-prompts", type=int, default=200, help="prompts to answer (default: 200)")
+    group.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: 128)")
+    group.add_argument("--temperature", type=float, default=0.0, help="of the target's answers (default: 0, greedy)")
+    group.add_argument("--epochs", type=int, default=2, help="passes over the training data (default: 2)")
+    group.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default: 5e-4)")
+    group.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step (default: 8)")
+    group.add_argument("--ttt-steps", type=int, default=3, help="training-time-test steps (default: 3)")
+    group.add_argument("--draft-vocab-size", type=int, default=DEFAULT_DRAFT_VOCAB_SIZE, help=f"the head's vocabulary: the most frequent target tokens (default: {DEFAULT_DRAFT_VOCAB_SIZE})")
+    group.add_argument("--held-out", type=float, default=0.1, help="fraction of answers kept out of training to measure agreement (default: 0.1)")
+    group.add_argument("--output", required=True, metavar="DIR", help="where the EAGLE-3 checkpoint folder is written")
+    group.add_argument("--device", default=None, help="torch device the head trains on (default: cuda where available, else cpu)")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _check(args: argparse.Namespace) -> str | None:
+    if args.num_prompts < 2:
+        return "--num-prompts must be at least 2 (one answer is held out)"
+    if args.max_tokens < 2:
+        return "--max-tokens must be at least 2"
+    if args.draft_vocab_size < 1:
+        return "--draft-vocab-size must be >= 1"
+    if not 0 < args.held_out < 1:
+        return "--held-out must be between 0 and 1"
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from sonar.entrypoints.llm import LLM
+    from sonar.spec_decode import eagle3_data as data
+    from sonar.spec_decode.eagle3_checkpoint import save_eagle3
+    from sonar.spec_decode.eagle3_head import Eagle3Head
+    from sonar.spec_decode.eagle3_trainer import TrainOptions, evaluate_head, head_config_for, train_head
+
+    problem = _check(args)
+    if problem:
+        print(f"sonar train-drafter: {problem}", file=sys.stderr)
+        return 2
+    prompts = None
+    if args.prompts:
+        try:
+            prompts = data.read_prompts(args.prompts)
+        except (OSError, ValueError) as error:
+            print(f"sonar train-drafter: {error}", file=sys.stderr)
+            return 2
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    seed = args.seed if args.seed is not None else 0
+    tty = sys.stderr.isatty()
+    started = time.perf_counter()
+    print("loading the target...", file=sys.stderr, flush=True)
+    llm = LLM.from_engine_args(engine_args_from(args))
+    tokenizer = llm.get_tokenizer()
+    rng = random.Random(seed)
+    if prompts is None:
+        print(f"the target writes {args.num_prompts} prompts...", file=sys.stderr, flush=True)
+        prompts = data.self_written_prompts(llm, args.num_prompts, seed)
+    else:
+        rng.shuffle(prompts)
+        prompts = prompts[: args.num_prompts]
+    prompt_ids = [data.chat_prompt_ids(tokenizer, text) for text in prompts]
+    print(f"the target answers {len(prompt_ids)} prompts (at most {args.max_tokens} tokens each)...", file=sys.stderr, flush=True)
+    responses = data.generate_responses(llm, prompt_ids, args.max_tokens, args.temperature, tty)
+    sequences = [(p, r) for p, r in zip(prompt_ids, responses) if len(r) >= 2]
+    if len(sequences) < 2:
+        print("sonar train-drafter: the target answered fewer than 2 prompts with 2 tokens or more", file=sys.stderr)
+        return 1
+
+    runner = data.model_runner_of(llm)
+    target = runner.model
+    hf_config = runner.model_config.hf_config
+    aux = data._unwrapped(target).aux_hidden_states
+    aux_ids = list(aux.default_layer_ids())
+    print(f"reading the target's states (auxiliary layers {aux_ids})...", file=sys.stderr, flush=True)
+    full = [p + r for p, r in sequences]
+    samples = [
+        data.Sample(tokens, len(p), aux_states.to(torch.bfloat16), final.to(torch.bfloat16))
+        for tokens, (p, _), (aux_states, final) in zip(full, sequences, data.target_states(runner, full, aux_ids))
+    ]
+    vocab_size = runner.model_config.vocab_size
+    draft_vocab = min(args.draft_vocab_size, vocab_size)
+    target_ids, d2t, t2d = data.draft_vocabulary(samples, vocab_size, draft_vocab)
+    head_rows = data.target_head_rows(data._unwrapped(target), target_ids, hf_config.hidden_size)
+
+    torch.manual_seed(seed)
+    head = Eagle3Head(head_config_for(hf_config, draft_vocab, aux_ids))
+    with torch.no_grad():
+        head.d2t.copy_(d2t)
+        head.t2d.copy_(t2d)
+        head.lm_head.weight.copy_(head_rows)  # starts as the target's own head over the draft vocabulary
+    head = head.to(device)
+    embed = _host_embedding(target, device)
+    num_held_out = max(1, round(len(samples) * args.held_out))
+    held_out, training = samples[:num_held_out], samples[num_held_out:]
+    options = TrainOptions(args.epochs, args.lr, args.batch_size, args.ttt_steps, seed=seed, device=device, progress=True)
+    num_tokens = sum(len(s.token_ids) for s in training)
+    print(f"training on {len(training)} answers ({num_tokens} tokens), {num_held_out} held out, on {device}...", file=sys.stderr, flush=True)
+    result = train_head(head, training, embed, head_rows, options)
+    evaluation = evaluate_head(head, held_out, embed, head_rows, options)
+    save_eagle3(head, args.output)
+    print(f"train loss by epoch: {', '.join(f'{loss:.3f}' for loss in result.epoch_losses)}")
+    print(f"held-out loss {evaluation.loss:.3f} over {evaluation.num_positions} positions")
+    print(f"held-out top-1 agreement by draft position: {', '.join(f'{rate:.3f}' for rate in evaluation.top1)}")
+    print(f"implied mean acceptance length at k={len(evaluation.top1)}: {evaluation.acceptance_length:.2f}")
+    print(f"saved the EAGLE-3 head to {args.output} ({time.perf_counter() - started:.0f} s in all)")
+    print(f'use it: --speculative-config \'{{"method": "eagle3", "model": "{args.output}", "num_speculative_tokens": 3}}\'')
+    return 0
+
+
+def _host_embedding(target, device: str):
+    """A copy of the target's token embedding on the training device (never trained)."""
+    import torch
+
+    from sonar.spec_decode.eagle3 import target_embedding
+
+    weight = target_embedding(target).weight.detach().float().to(device)
+    return torch.nn.Embedding.from_pretrained(weight, freeze=True)
