@@ -53,13 +53,20 @@ def read_prompts(path: str | Path) -> list[str]:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
-        value = next((record[f] for f in PROMPT_FIELDS if isinstance(record, dict) and f in record), None)
-        if isinstance(value, list):
-            value = value[0] if value else None
-        if not isinstance(value, str) or not value.strip():
+        value = prompt_text(record)
+        if value is None:
             raise ValueError(f"{path}:{number}: needs a text field ({', '.join(PROMPT_FIELDS)})")
         prompts.append(value)
     return prompts
+
+
+def prompt_text(record: Any) -> str | None:
+    """A prompt record's text: its ``turns`` (the first), ``prompt``, ``text``, ``question`` or
+    ``instruction`` field; None where it has none of them."""
+    value = next((record[f] for f in PROMPT_FIELDS if isinstance(record, dict) and f in record), None)
+    if isinstance(value, list):
+        value = value[0] if value else None
+    return value if isinstance(value, str) and value.strip() else None
 
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
