@@ -1,5 +1,5 @@
-"""Speculative decoding on the CUDA platform (marker ``cuda``): verify steps run eagerly
-beside the captured one-token decode graphs, and greedy output stays token for token."""
+"""Speculative decoding on the CUDA platform (marker ``cuda``): verify steps replay the decode
+graphs (one row per token), and greedy output stays token for token."""
 
 from __future__ import annotations
 

@@ -4,9 +4,10 @@ Decode-only steps (every scheduled request adds its one sampled token) are laid 
 into the graphs' static buffers: a step gathers its requests' rows of the core runner's
 persistent host block table, computes slots and
 positions with numpy, and queues three non-blocking copies. The step's only host
-synchronisation is reading the sampled token ids, after the next step is launched. Any other
-step (prefill, chunked prefill, prompt logprobs, a batch larger than the largest graph) takes
-the core runner's eager path.
+synchronisation is reading the sampled token ids, after the next step is launched. Verify
+steps of speculative decoding run in the same graphs, one row per token. Any other step
+(prefill, chunked prefill, prompt logprobs, more rows than the largest graph) takes the core
+runner's eager path.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from sonar.attention import AttentionMetadata
 from sonar.engine.scheduler_output import SchedulerOutput
 from sonar.worker.input_batch import CachedRequestState, StepBatch
-from sonar.worker.model_runner import ModelRunner
+from sonar.worker.model_runner import PLACEHOLDER, ModelRunner
 from sonar_cuda.decode_graphs import DecodeBuffers, DecodeGraphs, GraphedModel, default_capture_sizes, fill_padding
 from sonar_cuda.kernels.decode_attention import warm_up_decode_attention
 
@@ -113,23 +114,37 @@ class CudaModelRunner(ModelRunner):
 
     # -- one step ------------------------------------------------------------------------
 
-    def _is_plain_decode(self, states: list[CachedRequestState], num_scheduled: list[int]) -> bool:
-        if self.graphs is None or not states or len(states) > self.graphs.max_size:
-            return False
+    def _graph_rows(self, states: list[CachedRequestState], num_scheduled: list[int]) -> int:
+        """The rows a decode graph would run this step on (0: it cannot): every request adds
+        its one known token, plus its drafts when it verifies some, and none wants prompt
+        logprobs."""
+        if self.graphs is None or not states:
+            return 0
+        rows = 0
         for state, n in zip(states, num_scheduled):
-            if n != 1 or state.num_computed_tokens + 1 != state.num_tokens:
-                return False
+            if n != 1 + len(state.draft_token_ids) or state.num_computed_tokens + 1 != state.num_tokens:
+                return 0
+            if state.draft_token_ids and state.sampling.output_token_ids[-1:] == [PLACEHOLDER]:
+                return 0  # a verify row's known token must be on the host already
             if state.sampling.params.prompt_logprobs is not None and state.num_computed_tokens < len(state.prompt_token_ids):
-                return False
-        return True
+                return 0
+            rows += n
+        return rows if rows <= self.graphs.max_size else 0
 
     def build_batch(self, states: list[CachedRequestState], num_scheduled: list[int]) -> StepBatch:
-        """Decode-only steps go into the graphs' static buffers; others to the core builder."""
-        if not self._is_plain_decode(states, num_scheduled):
+        """Decode steps go into the graphs' static buffers; others to the core builder.
+
+        A verify step (speculative decoding) runs in the same graphs: a request with ``k``
+        drafts takes ``k + 1`` rows, one per token, each attending to the context up to its
+        own position through the request's block table, which is exactly the causal attention
+        of its ``k + 1`` query tokens."""
+        n = self._graph_rows(states, num_scheduled)
+        if not n:
             return super().build_batch(states, num_scheduled)
+        if n != len(states):
+            return self._build_verify_batch(states, num_scheduled, n)
         graphs = self.graphs
         buffers = graphs.buffers
-        n = len(states)
         size = graphs.size_for(n)
 
         # host side: rows of the block table, positions, slots, last tokens (a token still
@@ -159,5 +174,40 @@ class CudaModelRunner(ModelRunner):
             attn_metadata=metadata,
             sample_rows=list(range(n)),
             logits_indices=buffers.logits_indices[:n],
+        )
+
+    def _build_verify_batch(self, states: list[CachedRequestState], num_scheduled: list[int], n: int) -> StepBatch:
+        """A verify step laid out one row per token (see :meth:`build_batch`)."""
+        graphs = self.graphs
+        buffers = graphs.buffers
+        size = graphs.size_for(n)
+        host = buffers.next_host()
+        counts = np.asarray(num_scheduled, dtype=np.int64)
+        request_of_row = np.repeat(np.arange(len(states)), counts)
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        tables = host.block_tables.numpy()
+        self.block_table.gather([s.req_id for s in states], out=tables[: len(states)])
+        tables[:n] = tables[request_of_row]  # each request's row once per token (the gather filled its first rows)
+        first = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
+        positions = first[request_of_row] + np.arange(n) - starts[request_of_row]
+        tokens = host.tokens.numpy()
+        tokens[0, :n] = [t for s in states for t in (s.token_at(s.num_computed_tokens), *s.draft_token_ids)]
+        tokens[1, :n] = positions
+        block_size = self.block_size
+        tokens[2, :n] = tables[np.arange(n), positions // block_size].astype(np.int64) * block_size + positions % block_size
+        seq_lens = positions + 1
+        host.seq_lens.numpy()[:n] = seq_lens
+        fill_padding(host, n)
+        buffers.upload(host, n)
+        metadata: AttentionMetadata = buffers.metadata(size, seq_lens.tolist(), graphs.states[size])
+        return StepBatch(
+            states=list(states),
+            num_scheduled=list(num_scheduled),
+            input_ids=buffers.tokens[0, :n],
+            positions=buffers.tokens[1, :n],
+            attn_metadata=metadata,
+            sample_rows=list(range(len(states))),
+            logits_indices=buffers.logits_indices[:n],
+            sample_drafts=[list(s.draft_token_ids) for s in states],
         )
 

@@ -1,0 +1,103 @@
+"""Verify steps of speculative decoding through the decode graphs' static buffers: a request
+with k drafts takes k + 1 rows, each attending up to its own position. On CPU the layout runs
+eagerly through Triton's interpreter; on a GPU (``cuda``) the graphs replay it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_helpers import InterpretedCudaPlatform, generate, use_tokenizer_folder_if_needed
+
+from sonar import registry
+from sonar.config import EngineArgs
+from sonar.engine.llm_engine import LLMEngine
+from sonar.hookspecs import hookimpl
+from sonar.plugins import get_plugin_manager
+from sonar.sampling_params import SamplingParams
+from sonar.spec_decode import DraftTokens, Proposer, ProposerInputs
+from sonar_models.testing import build_tiny_model
+
+PROMPT_LEN = 16
+
+
+class ScriptedProposer(Proposer):
+    """Drafts each request's known greedy continuation, with every third draft position wrong,
+    so steps accept some drafts and reject others."""
+
+    continuations: dict[tuple[int, ...], list[int]] = {}
+
+    def propose(self, inputs: ProposerInputs) -> DraftTokens:
+        k = self.config.num_speculative_tokens
+        drafts = []
+        for tokens in inputs.token_ids:
+            expected = self.continuations.get(tuple(tokens[:PROMPT_LEN]), [])
+            done = len(tokens) - PROMPT_LEN
+            guess = expected[done : done + k]
+            drafts.append([t if (done + i) % 3 != 2 else (t + 1) % 256 for i, t in enumerate(guess)])
+        return DraftTokens(inputs.req_ids, drafts)
+
+
+class _Plugin:
+    @hookimpl
+    def sonar_register_speculative_proposers(self, register) -> None:
+        register("scripted", ScriptedProposer)
+
+
+@pytest.fixture
+def scripted():
+    manager = get_plugin_manager()
+    manager.register(_Plugin(), name="test-scripted-proposer")
+    registry.clear_caches()
+    try:
+        yield ScriptedProposer
+    finally:
+        manager.unregister(name="test-scripted-proposer")
+        registry.clear_caches()
+
+
+def _platform():
+    if torch.cuda.is_available():
+        from sonar_cuda.platform import CudaPlatform
+
+        return CudaPlatform
+    return InterpretedCudaPlatform
+
+
+def test_verify_steps_in_the_graph_layout_keep_greedy_output(tmp_path, scripted) -> None:
+    """A request with drafts (and logprobs) beside one that cannot take them (a penalty),
+    greedy: the same tokens and logprobs as plain decoding on the CPU platform;
+    every verify step went through the graph layout; no block leaked."""
+    from sonar_cpu.platform import CpuPlatform
+
+    use_tokenizer_folder_if_needed()
+    path = build_tiny_model("llama", tmp_path / "llama")
+    prompts = [[(i * 13 + j * 7) % 97 + 100 for j in range(PROMPT_LEN)] for i in range(2)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
+    params = [greedy.clone(logprobs=2), greedy.clone(repetition_penalty=1.3)]
+    kwargs = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=1 << 20, skip_tokenizer_init=True)
+    expected, _ = generate(CpuPlatform, path, prompts, params, **kwargs)
+    scripted.continuations = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, expected)}
+
+    config = {"method": "scripted", "num_speculative_tokens": 3}
+    engine = LLMEngine(EngineArgs(model=str(path), speculative_config=config, **kwargs), platform=_platform())
+    runner = engine.core.executor.worker.model_runner
+    layouts: list[int] = []
+    build = runner._build_verify_batch
+    runner._build_verify_batch = lambda states, counts, n: layouts.append(n) or build(states, counts, n)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0]
+    for i, reference in enumerate(expected):
+        assert done[str(i)].token_ids == reference.outputs[0].token_ids
+    for a, b in zip(done["0"].logprobs, expected[0].outputs[0].logprobs, strict=True):
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
+    stats = engine.get_stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens  # some kept, some rejected
+    assert layouts, "no verify step used the graph layout"
+    assert all(n > len(prompts) for n in layouts)  # the drafting requests' rows and the plain one's
+    assert stats.num_free_blocks == stats.num_total_blocks
