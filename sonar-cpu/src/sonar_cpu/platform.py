@@ -48,7 +48,7 @@ class CpuPlatform(Platform):
     device_type = "cpu"
     worker_cls = "sonar_cpu.worker:CpuWorker"
     attention_backend_cls = "sonar_cpu.attention:CpuAttentionBackend"
-    ops_module = "sonar_cpu.quant_ops"  # int4 group kernels for quantized weights
+    ops_module = "sonar_cpu.ops"  # fused norms and rotary, int4 group kernels for quantized weights
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     kv_cache_dtypes = ("auto", "fp8_e4m3")  # fp8_e4m3: scaled per layer, see the attention backend
     dist_backend = "gloo"
