@@ -33,7 +33,8 @@ def small_drafter(tmp_path_factory) -> str:
     from sonar_models.testing import build_tiny_model
 
     folder = tmp_path_factory.mktemp("drafter") / "llama-small"
-    return str(build_tiny_model("llama", folder, hidden_size=32, intermediate_size=64, num_hidden_layers=1))
+    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    return str(build_tiny_model("llama", folder, **shape))  # head_dim 16: the smallest the GPU kernels take
 
 
 @pytest.fixture(scope="module")

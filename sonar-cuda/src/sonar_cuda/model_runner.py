@@ -55,7 +55,7 @@ class CudaModelRunner(ModelRunner):
         if not self.use_graphs:
             return step_bytes
         graph_bytes = self._profile_graph_bytes(platform)
-        self.profile_parts = {"largest_step_bytes": step_bytes, "decode_graph_bytes": graph_bytes}
+        self.profile_parts.update(largest_step_bytes=step_bytes, decode_graph_bytes=graph_bytes)
         logger.info("profiled the largest step at %.2f GiB, decode graphs at %.2f GiB", step_bytes / 2**30, graph_bytes / 2**30)
         return step_bytes + graph_bytes
 
