@@ -144,3 +144,32 @@ def test_eagle3_config_is_checked_when_the_engine_is_configured(target_dir, tmp_
         LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(tmp_path / "missing")})
     with pytest.raises(ValueError, match="not an EAGLE-3 head"):
         LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(target_dir)})
+
+
+@pytest.mark.cuda
+def test_cuda_greedy_with_eagle3_equals_without(target_dir, tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from sonar.config import EngineArgs
+    from sonar.engine.llm_engine import LLMEngine
+    from sonar_cuda.platform import CudaPlatform
+
+    folder = random_head(target_dir, tmp_path / "head")
+    prompts = [[(i * 13 + j * 7) % 97 + 200 for j in range(24 + i)] for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+    def generate(**kwargs) -> tuple[list[list[int]], LLMEngine]:
+        engine = LLMEngine(EngineArgs(model=str(target_dir), dtype="float32", kv_cache_memory_bytes=64 << 20, **kwargs), platform=CudaPlatform)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    done[output.request_id] = output.outputs[0].token_ids
+        return [done[str(i)] for i in range(len(prompts))], engine
+
+    expected, _ = generate()
+    got, engine = generate(speculative_config={"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3})
+    assert got == expected
+    assert engine.get_stats().spec_num_drafts > 0
