@@ -95,6 +95,30 @@ def test_the_target_as_its_own_drafter_gives_the_same_tokens_and_accepts_every_d
     assert num_draft_tokens < sum(p.max_tokens for p in params)
 
 
+def test_the_drafter_rolls_back_rejected_drafts_and_catches_up_as_a_fresh_one_would(plain, self_drafted):
+    from sonar.spec_decode import ProposerInputs
+
+    proposer = self_drafted.llm_engine.core.executor.worker.model_runner.spec.proposer
+    prompt = prompts_of(1, 23)[0]
+    greedy = token_ids(plain, [prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))[0]
+
+    def propose(req_id: str, sequence: list[int], num_accepted: int = 1) -> list[int]:
+        return proposer.propose(ProposerInputs([req_id], [sequence], [num_accepted])).token_ids[0]
+
+    # the target drafting for itself: its drafts are the target's own greedy continuation
+    assert propose("roll", prompt + greedy[:1]) == greedy[1 : 1 + K]
+    assert proposer.sequences["roll"].token_ids == prompt + greedy[: K]  # the last draft is never fed
+    # the step kept one draft and replaced the second: the drafter rolls back to it
+    wrong = (greedy[2] + 1) % 49152
+    sequence = prompt + greedy[:2] + [wrong]
+    again = propose("roll", sequence, num_accepted=2)
+    assert proposer.sequences["roll"].token_ids[: len(sequence)] == sequence
+    assert again == propose("fresh", sequence)
+    assert propose("fresh", sequence) == again  # no new tokens: the same drafts again
+    proposer.remove_requests({"roll", "fresh"})
+    assert "roll" not in proposer.sequences and "fresh" not in proposer.kv.block_table.row_of
+
+
 def test_a_different_drafter_is_rejected_yet_the_tokens_are_the_same(plain, small_drafted):
     prompts, params = prompts_of(4), mixed_params()
     expected = token_ids(plain, prompts, params)

@@ -179,8 +179,8 @@ class DraftModelProposer(Proposer):
         if not rows:
             return DraftTokens(list(inputs.req_ids), token_ids)
         sampling = inputs.sampling or [self._no_sampling] * len(inputs.req_ids)
-        meta = SamplingMetadata.build([sampling[i] for i in rows], self.model_config.vocab_size, self.device)
-        logits = self._catch_up(inputs, rows)
+        logits = self._catch_up(inputs, rows)  # [len(rows), vocab]
+        meta = SamplingMetadata.build([sampling[i] for i in rows], logits.shape[-1], self.device)
         step_probs: list[torch.Tensor] = []
         for position in range(k):
             drafted, probs = self._pick(logits, meta)
@@ -220,7 +220,8 @@ class DraftModelProposer(Proposer):
                 continue
             state = self.sequences.setdefault(req_id, DraftSequence([]))
             fed = state.token_ids
-            valid, end = state.num_confirmed, min(len(fed), length - 1)
+            end = min(len(fed), length - 1)  # the last token is always fed again: its logits draft
+            valid = min(state.num_confirmed, end)
             while valid < end and fed[valid] == sequence[valid]:
                 valid += 1
             del fed[valid:]  # rejected drafts: their KV is overwritten below
