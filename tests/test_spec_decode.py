@@ -58,6 +58,20 @@ def test_greedy_output_is_unchanged_in_a_batch_mixed_with_requests_that_cannot_s
     assert stats.spec_accepted_per_position[0] >= stats.spec_accepted_per_position[-1]
 
 
+def test_asynchronous_scheduling_overlaps_large_steps_and_speculates_in_small_ones(model, plain):
+    """With asynchronous scheduling on, steps of more requests than disable_by_batch_size
+    overlap (no drafts) and smaller ones verify drafts; greedy output is unchanged."""
+    config = {**NGRAM, "disable_by_batch_size": 2}
+    llm = LLM(model, kv_cache_memory_bytes=KV_BYTES, speculative_config=config, async_scheduling=True)
+    assert llm.llm_engine.core.async_scheduling
+    prompts = repetitive_prompts(4)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (8, 12, 40, 44)]
+    expected = [o.outputs[0].token_ids for o in generate(plain, prompts, params)]
+    got = [o.outputs[0].token_ids for o in generate(llm, prompts, params)]
+    assert got == expected
+    assert accepted_tokens(llm) > 0  # the two long requests speculated once the batch shrank
+
+
 def test_prefix_cache_hits_give_the_same_tokens(plain, speculative):
     prompts = repetitive_prompts(2)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)

@@ -117,10 +117,12 @@ class EngineCore:
         previous one still runs on the device: its host work (scheduling, building inputs)
         overlaps the device's, and so does everything the caller does with the outputs this
         returns. A step holding a request whose sampling reads its earlier tokens (penalties,
-        a grammar, ...) is collected before the next one is scheduled."""
+        a grammar, ...) is collected before the next one is scheduled, and so is one whose
+        successor may verify drafts (speculative decoding: the drafts come from its tokens):
+        one that verified some, or any while few enough requests run to take drafts."""
         outputs: list[EngineCoreOutput] = []
         previous, self._in_flight = self._in_flight, None  # always None without async scheduling
-        if previous is not None and previous.scheduled.reads_output_tokens:
+        if previous is not None and (previous.scheduled.reads_output_tokens or self._drafts_may_follow(previous)):
             outputs = self._collect(previous)
             previous = None
         scheduled = self.scheduler.schedule()
@@ -141,6 +143,12 @@ class EngineCore:
             outputs += self._collect(self._in_flight)
             self._in_flight = None
         return outputs
+
+    def _drafts_may_follow(self, previous: _InFlightStep) -> bool:
+        limit = self.scheduler.config.spec_max_batch_size
+        if not limit:
+            return False
+        return bool(previous.scheduled.scheduled_spec_decode_tokens) or len(self.scheduler.running) <= limit
 
     def _attach_grammar_bitmask(self, scheduled: SchedulerOutput) -> None:
         """Drop the matchers of finished requests; give the step the bitmask of the

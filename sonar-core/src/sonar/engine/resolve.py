@@ -135,9 +135,8 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
     if max_model_len > derived_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {derived_len} tokens")
     speculative_config = resolve_speculative_config(args.speculative_config)
+    # with speculation, the engine core still overlaps steps too large to carry drafts
     async_scheduling = platform.async_scheduling if args.async_scheduling is None else args.async_scheduling
-    if speculative_config is not None:
-        async_scheduling = False  # a step's drafts come from the tokens of the step before it
     config = EngineConfig(
         model=str(model_path),
         served_name=args.served_model_name or (args.model or "SmolLM2-135M-Instruct"),
