@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sonar import SamplingParams
 from sonar.config import EngineArgs
 from sonar.engine.llm_engine import LLMEngine
@@ -37,7 +36,7 @@ def small_drafter(tmp_path_factory) -> str:
     from sonar_models.testing import build_tiny_model
 
     folder = tmp_path_factory.mktemp("drafter") / "llama-small"
-    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
     return str(build_tiny_model("llama", folder, **shape))  # head_dim 16: the smallest the GPU kernels take
 
 

@@ -7,7 +7,6 @@ reproducible; bad draft models are refused clearly; the engine-core process runs
 from __future__ import annotations
 
 import pytest
-
 from sonar import LLM, SamplingParams
 
 KV_BYTES = 2**23
@@ -33,7 +32,7 @@ def small_drafter(tmp_path_factory) -> str:
     from sonar_models.testing import build_tiny_model
 
     folder = tmp_path_factory.mktemp("drafter") / "llama-small"
-    shape = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    shape = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
     return str(build_tiny_model("llama", folder, **shape))  # head_dim 16: the smallest the GPU kernels take
 
 
@@ -216,7 +215,6 @@ def test_an_engine_core_process_drafts_with_a_draft_model(target, plain):
     from pathlib import Path
 
     import zmq
-
     from sonar.config import EngineArgs
     from sonar.engine import wire
     from sonar.engine.core_client import EngineProcesses

@@ -4,7 +4,6 @@ request when the pool runs short, never from a request of the same call."""
 from __future__ import annotations
 
 import torch
-
 from sonar.spec_decode.draft_kv import DraftKVCache
 
 

@@ -5,7 +5,6 @@ target's positions."""
 from __future__ import annotations
 
 import torch
-
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
 from sonar.sampler.sampler import Sampler
 from sonar.sampling_params import SamplingParams

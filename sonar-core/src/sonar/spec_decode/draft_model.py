@@ -31,7 +31,12 @@ from sonar.sampler.rows import row_exponentials
 from sonar.sampler.sampler import Sampler
 from sonar.sampling_params import SamplingParams
 from sonar.spec_decode.draft_kv import DraftKVCache
-from sonar.spec_decode.interface import DraftTokens, Proposer, ProposerInputs, SpeculativeConfig
+from sonar.spec_decode.interface import (
+    DraftTokens,
+    Proposer,
+    ProposerInputs,
+    SpeculativeConfig,
+)
 
 if TYPE_CHECKING:
     from sonar.worker.model_runner import ModelRunner
