@@ -19,15 +19,20 @@ class PagedStep:
 
 
 def make_metadata(
-    context_lens: list[int], query_lens: list[int], block_size: int, generator: torch.Generator, spare_blocks: int = 3
+    context_lens: list[int],
+    query_lens: list[int],
+    block_size: int,
+    generator: torch.Generator,
+    spare_blocks: int = 3,
+    scattered: bool = True,
 ) -> tuple[AttentionMetadata, int]:
     """Metadata for sequences holding ``context_lens`` cached tokens and ``query_lens`` new ones
-    (decodes first), their blocks scattered at random over the cache. Returns it and the number
-    of blocks the cache needs."""
+    (decodes first), their blocks scattered at random over the cache (``scattered``) or handed
+    out in order. Returns it and the number of blocks the cache needs."""
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare_blocks
-    order = torch.randperm(num_blocks, generator=generator).tolist()
+    order = torch.randperm(num_blocks, generator=generator).tolist() if scattered else list(range(num_blocks))[::-1]
     max_blocks = max(blocks_per_seq)
     block_tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
     slots: list[int] = []
@@ -66,10 +71,11 @@ def make_step(
     block_size: int,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    scattered: bool = True,
 ) -> PagedStep:
     """A step over a cache filled with random values (cached contexts included)."""
     generator = torch.Generator().manual_seed(seed)
-    metadata, num_blocks = make_metadata(context_lens, query_lens, block_size, generator)
+    metadata, num_blocks = make_metadata(context_lens, query_lens, block_size, generator, scattered=scattered)
     num_tokens = metadata.num_tokens
 
     def randn(*shape: int) -> torch.Tensor:

@@ -168,3 +168,20 @@ def test_strided_views_of_a_fused_qkv_projection() -> None:
     actual, expected, cache, ref_cache = run_both(step, num_heads, num_kv_heads, head_dim)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(cache, ref_cache)
+
+
+@pytest.mark.parametrize("scattered", [True, False])
+@pytest.mark.parametrize("window", [None, 8])
+def test_one_decode_attends_its_tokens_only(scattered: bool, window: int | None) -> None:
+    # batch 1: the sequence is attended unpadded (no mask), read in place where its blocks are consecutive
+    step = make_step([37], [1], num_heads=9, num_kv_heads=3, head_dim=32, block_size=4, scattered=scattered)
+    scale = 32**-0.5
+    expected = reference_with_window(step, scale, window) if window else reference_attention(
+        step.query, step.key, step.value, step.kv_cache.clone(), step.metadata, scale
+    )
+    backend = CpuAttentionBackend(9, 3, 32, scale, sliding_window=window)
+    actual = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata)
+    (bucket,) = step.metadata.extra.decode_buckets
+    assert bucket.single_len == 38
+    assert (bucket.first_block == 0) == (not scattered)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)

@@ -96,17 +96,22 @@ class CpuAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:  # [n, num_heads, head_dim]
         n = query.shape[0]
         group = self.num_heads // self.num_kv_heads
-        # gather: [2, n, padded_len, num_kv_heads, head_dim]
-        gathered = self._gather(kv_cache, bucket.gather_ids).view(2, n, -1, self.num_kv_heads, self.head_dim)
+        if bucket.first_block is not None:  # consecutive blocks: the cache itself, no copy
+            blocks = kv_cache[:, bucket.first_block : bucket.first_block + bucket.num_blocks]
+            gathered = blocks.reshape(2, 1, -1, self.num_kv_heads, self.head_dim)
+        else:  # gather: [2, n, padded_len, num_kv_heads, head_dim]
+            gathered = self._gather(kv_cache, bucket.gather_ids).view(2, n, -1, self.num_kv_heads, self.head_dim)
+        if bucket.single_len is not None:  # one sequence: only its tokens, nothing to mask
+            start, end = bucket.attended_span(self.sliding_window)
+            gathered, mask = gathered[:, :, start:end], None
+        else:
+            mask = plan.decode_mask(bucket, self.sliding_window, query.dtype)
         gathered = gathered.to(query.dtype)
         keys = gathered[0].transpose(1, 2)  # [n, num_kv_heads, padded_len, head_dim]
         values = gathered[1].transpose(1, 2)
         grouped_query = query.view(n, self.num_kv_heads, group, self.head_dim)
         k_scale, v_scale = scales
-        out = F.scaled_dot_product_attention(
-            grouped_query, keys, values, attn_mask=plan.decode_mask(bucket, self.sliding_window, query.dtype),
-            scale=self.scale * k_scale,
-        )
+        out = F.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=mask, scale=self.scale * k_scale)
         return _times(out, v_scale).view(n, self.num_heads, self.head_dim)
 
     def _prefill(

@@ -41,6 +41,13 @@ class DecodeBucket:
     gather_ids: torch.Tensor  # [2 * n * num_blocks] int64 rows of the cache seen as [2 * blocks, ...]
     all_full: bool  # every sequence fills all num_blocks blocks: no padding to mask
     masks: MaskCache = field(default_factory=dict)  # (window, dtype) -> [n, 1, 1, padded_len]
+    single_len: int | None = None  # one sequence: its length (attended unpadded, without a mask)
+    first_block: int | None = None  # one sequence in consecutive blocks from here: read in place
+
+    def attended_span(self, window: int | None) -> tuple[int, int]:
+        """A single sequence's attended positions ``[start, end)``: its last ``window`` tokens, or all."""
+        assert self.single_len is not None
+        return (0 if window is None else max(0, self.single_len - window)), self.single_len
 
 
 @dataclass(slots=True)
@@ -82,15 +89,18 @@ class CpuAttentionPlan:
             for first in range(0, len(group), per_call):
                 members = group[first : first + per_call]
                 rows = index_or_slice(members, decode_lens.device)
-                self.decode_buckets.append(
-                    DecodeBucket(
-                        rows=rows,
-                        seq_lens=decode_lens[rows].long(),
-                        num_blocks=num_blocks,
-                        gather_ids=key_and_value_rows(decode_tables[rows, :num_blocks], num_cache_blocks),
-                        all_full=min(self.decode_seq_lens_cpu[i] for i in members) == num_blocks * block_size,
-                    )
+                block_ids = decode_tables[rows, :num_blocks]
+                bucket = DecodeBucket(
+                    rows=rows,
+                    seq_lens=decode_lens[rows].long(),
+                    num_blocks=num_blocks,
+                    gather_ids=key_and_value_rows(block_ids, num_cache_blocks),
+                    all_full=min(self.decode_seq_lens_cpu[i] for i in members) == num_blocks * block_size,
                 )
+                if len(members) == 1:
+                    bucket.single_len = self.decode_seq_lens_cpu[members[0]]
+                    bucket.first_block = first_of_consecutive(block_ids.reshape(-1).tolist())
+                self.decode_buckets.append(bucket)
         for i, chunk in enumerate(self.prefills):
             if chunk.context_len > 0:
                 num_blocks = -(-chunk.seq_len // block_size)
@@ -135,6 +145,12 @@ def key_and_value_rows(block_ids: torch.Tensor, num_cache_blocks: int) -> torch.
     their values (gathering along the first dimension runs on every thread)."""
     flat = block_ids.reshape(-1).long()
     return torch.cat([flat, flat + num_cache_blocks])
+
+
+def first_of_consecutive(block_ids: list[int]) -> int | None:
+    """The first id where ``block_ids`` are consecutive (``[7, 8, 9]`` -> 7), else None."""
+    first = block_ids[0]
+    return first if block_ids == list(range(first, first + len(block_ids))) else None
 
 
 def index_or_slice(indices: list[int], device: torch.device) -> slice | torch.Tensor:

@@ -4,8 +4,9 @@ On the CPU a decode step of a small model is a few thousand tiny tensor operatio
 costing a few microseconds of dispatch whatever its size, so these versions do the same maths
 as the torch ones in ``sonar.ops`` in fewer operations:
 
-- RMSNorm of float32 activations is torch's single ``rms_norm`` (the same float32 formula);
-  other dtypes keep Hugging Face's order (normalise in float32, round, then scale);
+- RMSNorm of float32 activations updates its temporaries in place (torch's own ``rms_norm`` is
+  slower on the CPU than the operations it stands for); other dtypes keep Hugging Face's order
+  (normalise in float32, round, then scale);
 - the fused add + norm adds into the residual in place;
 - rotary for a few tokens (decode) is one batched product per query/key with each position's
   rotation matrix, built once per step; for more tokens it rotates in place.
@@ -29,10 +30,12 @@ MAX_MATRIX_ROTARY_TOKENS = 8
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension: one fused operation for float32 activations and weights."""
-    if x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return torch.rms_norm(x, weight.shape, weight, eps)
-    return torch_rms_norm(x, weight, eps)
+    """RMSNorm over the last dimension; for float32 activations and weights the same operations
+    as Hugging Face's (bit for bit), with the temporaries updated in place."""
+    if x.dtype != torch.float32 or weight.dtype != torch.float32:
+        return torch_rms_norm(x, weight, eps)
+    inverse_rms = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return (x * inverse_rms).mul_(weight)
 
 
 def fused_add_rms_norm(
