@@ -1,0 +1,245 @@
+"""Speculative decoding on one GPU: what a verify step costs, and what speculation gives.
+
+    # the cost of verifying k drafts (k = 0..8) at several batch sizes, Llama-3.1-8B dummy bf16
+    python sonar-cuda/benchmarks/spec_decode.py --part verify-cost --output-json verify.json
+    # a loaded engine (batch 128) with speculation configured against without
+    python sonar-cuda/benchmarks/spec_decode.py --part loaded
+    # n-gram on code edits, and an EAGLE-3 head on chat prompts, with a real target (GGUF)
+    python sonar-cuda/benchmarks/spec_decode.py --part ngram --target model.gguf --prompts mbpp.jsonl
+    python sonar-cuda/benchmarks/spec_decode.py --part eagle3 --target model.gguf --drafter head/ --prompts mt-bench.jsonl
+
+verify-cost drafts random tokens (a benchmark-only proposer): a random-weight target accepts
+none of them, so every step emits one token per request while verifying k + 1 positions; its
+time per step is the verify step's cost, and the speedup an acceptance length L would give
+is ``L * cost(0) / cost(k)``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sonar import LLM, SamplingParams, registry
+from sonar.hookspecs import hookimpl
+from sonar.plugins import get_plugin_manager
+from sonar.spec_decode import DraftTokens, Proposer, ProposerInputs
+
+MAX_K = 8
+
+
+class RandomDrafts(Proposer):
+    """Proposes ``RandomDrafts.k`` random tokens per request (set between runs)."""
+
+    k = 0
+    vocab = 1000
+
+    def propose(self, inputs: ProposerInputs) -> DraftTokens:
+        rng = random.Random(len(inputs.req_ids))
+        return DraftTokens(inputs.req_ids, [[rng.randrange(self.vocab) for _ in range(self.k)] for _ in inputs.req_ids])
+
+
+class _Plugin:
+    @hookimpl
+    def sonar_register_speculative_proposers(self, register) -> None:
+        register("random-drafts", RandomDrafts)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _release() -> None:
+    gc.collect()
+    _sync()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _llama(root: Path) -> tuple[str, int]:
+    from sonar.cli.bench_suite import MODELS, _write_config
+
+    return str(_write_config(root, "Llama-3.1-8B")), MODELS["Llama-3.1-8B"]["vocab_size"]
+
+
+def _timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    _sync()
+    started = time.perf_counter()
+    llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _sync()
+    return time.perf_counter() - started
+
+
+def _step_ms(llm: LLM, prompts: list[list[int]], steps: int = 32, base: int = 8) -> float:
+    """Milliseconds per decode step: (time of base + steps tokens - time of base) / steps."""
+    best = float("inf")
+    for _ in range(2):
+        short, long = _timed(llm, prompts, base), _timed(llm, prompts, base + steps)
+        best = min(best, (long - short) / steps)
+    return 1000 * best
+
+
+def verify_cost(args: argparse.Namespace) -> dict[str, Any]:
+    manager = get_plugin_manager()
+    manager.register(_Plugin(), name="bench-random-drafts")
+    registry.clear_caches()
+    batches = [int(b) for b in args.batches.split(",")]
+    results: dict[str, Any] = {"batches": batches, "ms_per_step": {}, "plain_async_ms_per_step": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, vocab = _llama(Path(tmp))
+        RandomDrafts.vocab = vocab
+        common = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,
+                      gpu_memory_utilization=0.85, enable_prefix_caching=False, max_num_seqs=max(batches))
+        rng = random.Random(0)
+        prompts = {b: [[rng.randrange(vocab) for _ in range(128)] for _ in range(b)] for b in batches}
+        plain = LLM(folder, **common)
+        for b in batches:
+            results["plain_async_ms_per_step"][b] = round(_step_ms(plain, prompts[b]), 3)
+            print("plain async", b, results["plain_async_ms_per_step"][b], file=sys.stderr, flush=True)
+        del plain
+        _release()
+        spec = {"method": "random-drafts", "num_speculative_tokens": MAX_K, "disable_by_batch_size": 4096}
+        llm = LLM(folder, speculative_config=spec, **common)
+        for b in batches:
+            row = {}
+            for k in (0, 1, 2, 3, 4, 6, 8):
+                RandomDrafts.k = k
+                row[k] = round(_step_ms(llm, prompts[b]), 3)
+                print("batch", b, "k", k, row[k], file=sys.stderr, flush=True)
+            results["ms_per_step"][b] = row
+            stats = llm.llm_engine.get_stats()
+            results.setdefault("accepted_tokens", {})[b] = stats.spec_num_accepted_tokens
+        del llm
+        _release()
+    manager.unregister(name="bench-random-drafts")
+    registry.clear_caches()
+    # the speedup each acceptance length would give: tokens per step over relative step cost
+    results["speedup_if_accepted"] = {  # per batch and k: the speedup at acceptance lengths 1 .. k + 1
+        b: {k: [round(length * row[0] / row[k], 2) for length in range(1, k + 2)] for k in row if k}
+        for b, row in results["ms_per_step"].items()
+    }
+    return results
+
+
+def loaded(args: argparse.Namespace) -> dict[str, Any]:
+    """Throughput at batch 128 (128 requests of 256 in / 256 out) with n-gram speculation
+    configured (its default disable_by_batch_size leaves such steps without drafts) and without."""
+    results: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, vocab = _llama(Path(tmp))
+        common = dict(load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,
+                      gpu_memory_utilization=0.85, enable_prefix_caching=False, max_num_seqs=128)
+        rng = random.Random(1)
+        prompts = [[rng.randrange(vocab) for _ in range(256)] for _ in range(128)]
+        for name, extra in (("none", {}), ("ngram", {"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}})):
+            llm = LLM(folder, **common, **extra)
+            _timed(llm, prompts[:16], 16)  # warm-up
+            seconds = min(_timed(llm, prompts, 256) for _ in range(2))
+            results[name] = round(128 * 256 / seconds, 1)
+            print(name, results[name], "tok/s", file=sys.stderr, flush=True)
+            del llm
+            _release()
+    results["ratio"] = round(results["ngram"] / results["none"], 3)
+    return results
+
+
+def _read_prompts(path: str, count: int, skip: int = 0) -> list[list[str]]:
+    lines = [json.loads(line)["turns"] for line in Path(path).read_text().splitlines() if line.strip()]
+    return lines[skip : skip + count]
+
+
+def _chat_run(llm: LLM, conversations: list[list[dict[str, str]]], max_tokens: int) -> tuple[float, int, list[str]]:
+    """Each conversation alone (batch 1), greedy; seconds, tokens, texts."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    total, tokens, texts = 0.0, 0, []
+    for messages in conversations:
+        _sync()
+        started = time.perf_counter()
+        out = llm.chat(messages, params, use_tqdm=False)[0].outputs[0]
+        _sync()
+        total += time.perf_counter() - started
+        tokens += len(out.token_ids)
+        texts.append(out.text)
+    return total, tokens, texts
+
+
+def _acceptance(llm: LLM) -> dict[str, float]:
+    stats = llm.llm_engine.get_stats()
+    drafts = max(stats.spec_num_drafts, 1)
+    return {"mean_acceptance_length": round(1 + stats.spec_num_accepted_tokens / drafts, 3),
+            "drafts": stats.spec_num_drafts, "draft_tokens": stats.spec_num_draft_tokens, "accepted": stats.spec_num_accepted_tokens}
+
+
+def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
+    """Batch-1 greedy decode of a real target with and without ``method``: code edits
+    (turn 1 the model's own solution, turn 2 asks for the same code with a docstring) for
+    n-gram, the prompt set's first turns for a drafter."""
+    common = dict(dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.5, quantization="unquantized")
+    plain = LLM(args.target, **common)
+    turns = _read_prompts(args.prompts, args.num_prompts, args.skip_prompts)
+    if method == "ngram":
+        firsts = [[{"role": "user", "content": t[0]}] for t in turns]
+        _, _, answers = _chat_run(plain, firsts, 192)
+        conversations = [m + [{"role": "assistant", "content": a},
+                              {"role": "user", "content": "Write the same code again with a docstring added to the function; keep every other line exactly as it is."}]
+                         for m, a in zip(firsts, answers)]
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    else:
+        conversations = [[{"role": "user", "content": t[0]}] for t in turns]
+        spec = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.k}
+    _chat_run(plain, conversations[:2], 32)  # warm-up
+    plain_s, plain_tokens, plain_texts = _chat_run(plain, conversations, args.max_tokens)
+    del plain
+    _release()
+    llm = LLM(args.target, speculative_config=spec, **common)
+    _chat_run(llm, conversations[:2], 32)
+    before = _acceptance(llm)
+    spec_s, spec_tokens, spec_texts = _chat_run(llm, conversations, args.max_tokens)
+    after = _acceptance(llm)
+    drafts = after["drafts"] - before["drafts"]
+    accepted = after["accepted"] - before["accepted"]
+    return {
+        "method": method, "k": args.k, "prompts": len(conversations),
+        "plain_tok_s": round(plain_tokens / plain_s, 1), "spec_tok_s": round(spec_tokens / spec_s, 1),
+        "speedup": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3),
+        "mean_acceptance_length": round(1 + accepted / max(drafts, 1), 3),
+        "same_text": sum(a == b for a, b in zip(plain_texts, spec_texts)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", required=True, choices=["verify-cost", "loaded", "ngram", "eagle3"])
+    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--target", help="a real target model (a GGUF file or folder)")
+    parser.add_argument("--drafter", help="the EAGLE-3 head's folder")
+    parser.add_argument("--prompts", help="a prompt file, one {\"turns\": [...]} a line")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--skip-prompts", type=int, default=0, help="leave out the first N (the drafter's training prompts)")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--output-json")
+    args = parser.parse_args()
+    if args.part == "verify-cost":
+        result = verify_cost(args)
+    elif args.part == "loaded":
+        result = loaded(args)
+    else:
+        result = real_target(args, args.part)
+    print(json.dumps(result, indent=1))
+    if args.output_json:
+        Path(args.output_json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
