@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+PENDING = -1  # a fed draft whose value is still on the device
+
 
 @dataclass(slots=True)
 class DraftSequence:
@@ -186,16 +188,20 @@ class DraftModelProposer(Proposer):
         sampling = inputs.sampling or [self._no_sampling] * len(inputs.req_ids)
         logits = self._catch_up(inputs, rows)  # [len(rows), vocab]
         meta = SamplingMetadata.build([sampling[i] for i in rows], logits.shape[-1], self.device)
+        step_drafts: list[torch.Tensor] = []
         step_probs: list[torch.Tensor] = []
         for position in range(k):
             drafted, probs = self._pick(logits, meta)
+            step_drafts.append(drafted)
             if probs is not None:
                 step_probs.append(probs)
-            drafted_ids = drafted.tolist()
-            for row, token_id in zip(rows, drafted_ids):
-                token_ids[row].append(token_id)
-            if position + 1 < k:
-                logits = self._forward([self._feed(inputs.req_ids[row], token_id) for row, token_id in zip(rows, drafted_ids)])
+            if position + 1 < k:  # fed from the device: the host reads the drafts once, below
+                logits = self._forward([self._feed(inputs.req_ids[row], PENDING) for row in rows], drafted)
+        drafted_ids = torch.stack(step_drafts, dim=1).tolist()  # [len(rows), k]
+        for row, drafts in zip(rows, drafted_ids):
+            token_ids[row] = drafts
+            fed = self.sequences[inputs.req_ids[row]].token_ids
+            fed[len(fed) - (k - 1) :] = drafts[: k - 1]
         probs_of: list[torch.Tensor | None] | None = None
         if step_probs:
             stacked = torch.stack(step_probs, dim=1)  # [len(rows), k, vocab]
@@ -265,15 +271,17 @@ class DraftModelProposer(Proposer):
         return torch.stack([last_logits[inputs.req_ids[row]] for row in rows])
 
     def _feed(self, req_id: str, token_id: int) -> _Chunk:
-        """Append a draft to the request's fed tokens; the one-token chunk that feeds it."""
+        """Append a draft (or its placeholder) to the request's fed tokens; the one-token
+        chunk that feeds it."""
         fed = self.sequences[req_id].token_ids
         fed.append(token_id)
         return _Chunk(req_id, len(fed) - 1, 1)
 
-    def _forward(self, chunks: list[_Chunk]) -> torch.Tensor:
-        """Run the drafter over ``chunks`` (each a run of its request's fed tokens);
-        ``[n, vocab]`` the logits of the chunks that end at their request's last fed token,
-        in the order of ``chunks``."""
+    def _forward(self, chunks: list[_Chunk], input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the drafter over ``chunks`` (each a run of its request's fed tokens, or, with
+        ``input_ids``, one token each whose value is there on the device); ``[n, vocab]`` the
+        logits of the chunks that end at their request's last fed token, in the order of
+        ``chunks``."""
         from sonar.worker.input_batch import CachedRequestState, build_step_batch
 
         states = [
@@ -281,6 +289,8 @@ class DraftModelProposer(Proposer):
         ]
         backend_cls = self.runner.backend_cls
         batch = build_step_batch(states, [c.num_tokens for c in chunks], self.kv.block_table, self.kv.block_size, self.device)
+        if input_ids is not None:  # one-token chunks: the batch keeps their order
+            batch.input_ids.copy_(input_ids)
         if backend_cls is not None:
             backend_cls.prepare_metadata(batch.attn_metadata)
         hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn_metadata, self.kv.kv_caches))
