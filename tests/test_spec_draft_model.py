@@ -180,18 +180,18 @@ def test_sampled_drafts_from_the_target_itself_are_all_accepted_and_seeded_runs_
     draft (p / q = 1); were the drafts treated as one-hot, it would keep each with p(d) only."""
     prompts = prompts_of(3)
     params = [
-        SamplingParams(temperature=1.0, seed=7, max_tokens=20, ignore_eos=True),
-        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),  # a greedy row among sampled ones
-        SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=8, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),  # a greedy row among sampled ones
+        SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=8, max_tokens=12, ignore_eos=True),
     ]
     before = counters(self_drafted)
     first = token_ids(self_drafted, prompts, params)
     num_drafts, num_draft_tokens, num_accepted = since(self_drafted, before)
-    assert num_drafts > 5 and num_accepted >= 0.9 * num_draft_tokens
+    assert num_drafts > 3 and num_accepted >= 0.9 * num_draft_tokens
     assert token_ids(self_drafted, prompts, params) == first
-    assert all(len(t) == 20 for t in first)
+    assert all(len(t) == 12 for t in first)
     # a drafter that disagrees: seeded runs repeat too (its draws come from the request's generator)
-    seeded = [SamplingParams(temperature=0.9, seed=s, max_tokens=16, ignore_eos=True, n=2) for s in (1, 2)]
+    seeded = [SamplingParams(temperature=0.9, seed=s, max_tokens=8, ignore_eos=True, n=2) for s in (1, 2)]
     once = [[c.token_ids for c in o.outputs] for o in generate(small_drafted, prompts[:2], seeded)]
     twice = [[c.token_ids for c in o.outputs] for o in generate(small_drafted, prompts[:2], seeded)]
     assert once == twice
