@@ -3,7 +3,8 @@ Sonar dequantized to float32, llama.cpp (llama-cpp-python) and transformers' bat
 
 Measures batch-1 decode tok/s (steady state: the time of N+1 tokens minus that of 1) and a mixed
 workload of 24 requests (inputs 16-192, outputs 16-96 tokens; llama.cpp serves them one after
-another, transformers in one padded batch). Prints one JSON line.
+another, transformers in one padded batch). Prints one JSON line, with the host's 1-minute load
+average before and after (the figures are only comparable at a low load).
 
     SONAR_PLATFORM=cpu SONAR_CPU_THREADS=2 python sonar-cpu/benchmarks/bench_gguf_native.py
 """
@@ -96,6 +97,7 @@ def main() -> None:
 
     threads = int(os.environ.get("SONAR_CPU_THREADS", "2"))
     path, requests = str(smollm2_gguf_path()), workload()
+    load_before = os.getloadavg()[0]  # the host's 1-minute load: other work on the same cores
     results: dict[str, dict[str, float]] = {}
     if "native" not in args.skip:
         results["sonar_native"] = sonar_runs(None, requests)
@@ -108,7 +110,8 @@ def main() -> None:
 
         torch.set_num_threads(threads)
         results["transformers_batched"] = transformers_runs(path, requests)
-    print(json.dumps({"threads": threads, "requests": len(requests), **results}))
+    load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+    print(json.dumps({"threads": threads, "requests": len(requests), "load_average_before_after": load, **results}))
 
 
 if __name__ == "__main__":

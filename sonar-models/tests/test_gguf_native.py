@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from sonar import LLM, SamplingParams, ops
 from sonar_models.formats.gguf_blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, TYPE_NAMES
-from sonar_models.formats.gguf_quant import _Blocks, _Packed
+from sonar_models.formats.gguf_quant import DENSE_MIN_ROWS, _Blocks, _Packed
 from sonar_models.formats.gguf_quantize import write_llama_gguf
 from sonar_models.testing import build_tiny_model, load_sonar_model
 
@@ -80,6 +80,9 @@ def test_layers_stay_quantized_and_multiply_like_the_dequantized_weights(gguf_ch
         expected = x_in @ weight.T
         error = (module(x_in) - expected).norm() / expected.norm()
         assert error < RELATIVE_ERROR, (module.prefix, float(error))
+        if isinstance(run, _Packed) and run.dense is not None:  # prefill-sized: the dequantized float product
+            many = torch.randn(DENSE_MIN_ROWS, weight.shape[1])
+            torch.testing.assert_close(module(many), many @ weight.T, atol=1e-4, rtol=1e-4)
 
 
 def test_greedy_tokens_and_top5_logprobs_equal_transformers_on_the_dequantized_model(gguf_checkpoint) -> None:

@@ -126,8 +126,29 @@ def _decode(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     raise ValueError(f"GGUF type {blocks.type_name} is not one Sonar decodes")
 
 
+def _dequantize_32(blocks: GGUFBlocks) -> torch.Tensor:
+    """Q4_0 / Q4_1 / Q8_0 (one scale per block of 32) decoded in place into one float32 buffer:
+    the same values as the general path in a few passes over the matrix."""
+    b = _blocks(blocks)
+    kind = blocks.ggml_type
+    out = torch.empty(*b.shape[:2], GROUP_SIZE, dtype=torch.float32, device=b.device)  # [rows, nb, 32]
+    scale = _f16(b[..., 0:2])[..., None]
+    if kind == Q8_0:
+        out.copy_(b[..., 2:].contiguous().view(torch.int8))
+        return out.mul_(scale).view(blocks.rows, blocks.cols)
+    qs = b[..., 4:] if kind == Q4_1 else b[..., 2:]
+    half = GROUP_SIZE // 2
+    out[..., :half].copy_(qs & 0x0F)  # low nibbles are the block's first 16 values
+    out[..., half:].copy_(qs >> 4)
+    if kind == Q4_0:
+        return out.sub_(8).mul_(scale).view(blocks.rows, blocks.cols)
+    return out.mul_(scale).add_(_f16(b[..., 2:4])[..., None]).view(blocks.rows, blocks.cols)
+
+
 def dequantize_blocks(blocks: GGUFBlocks, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The matrix ``[rows, cols]`` in ``dtype`` (computed in float32, as llama.cpp's reference)."""
+    if blocks.ggml_type in (Q4_0, Q4_1, Q8_0):
+        return _dequantize_32(blocks).to(dtype)
     codes, scale, offset = _decode(blocks)
     groups = scale.shape[-1]
     grouped = codes.reshape(*codes.shape[:-1], groups, -1) * scale[..., None]

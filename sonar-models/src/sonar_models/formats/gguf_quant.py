@@ -6,7 +6,8 @@ tensors still in blocks (``GGUFBlocks``). At load each layer picks how to run th
 
 - a platform kernel for 4-bit codes in groups of 32 (``sonar.ops`` operations
   ``int4_group_pack`` / ``int4_group_linear``; the CPU's runs torch's int4 weight-packed matmul)
-  where the format maps onto it: Q4_0, Q4_1, Q4_K, and Q8_0 / Q5_K split into two nibbles;
+  where the format maps onto it: Q4_0, Q4_1, Q4_K, and Q8_0 / Q5_K split into two nibbles; a
+  4-bit layer keeps its blocks too and dequantizes them for products of many rows (prefill);
 - otherwise the blocks stay as they are and each product dequantizes them a tile of rows at a
   time (Q6_K, and every format on a platform without the kernel): correct everywhere, if slow;
 - F32 / F16 / BF16 tensors stay floating.
@@ -34,23 +35,33 @@ ops.declare_op(INT4_GROUP_PACK)
 ops.declare_op(INT4_GROUP_LINEAR)
 TIED_HEAD_PARAM = "tied_weight"
 DEQUANTIZE_TILE_ROWS = 4096  # rows dequantized at once by the blocks path
+#: From this many rows of activations on (prefill), a packed layer dequantizes its blocks and
+#: runs the float product instead: the int4 kernel's time grows with every row (it decodes the
+#: weight again for each), a dequantized GEMM's barely (measured on 2 AVX2 cores: about equal
+#: at 48 rows of a 3072x576 Q4_1 matrix, twice as fast at 192).
+DENSE_MIN_ROWS = 48
 
 
 @dataclass(slots=True)
 class _Packed:
-    """Rows run by the platform's int4 group kernel."""
+    """Rows run by the platform's int4 group kernel; where the original blocks are kept
+    (``dense``), products of ``DENSE_MIN_ROWS`` rows or more dequantize them instead."""
 
     linear: Callable[..., torch.Tensor]
     packed: torch.Tensor
     scales_and_zeros: torch.Tensor
     input_repeats: int
+    dense: _Blocks | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.numel() >= DENSE_MIN_ROWS * x.shape[-1]:
+            return self.dense(x)
         return self.linear(x, self.packed, self.scales_and_zeros, self.input_repeats)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_and_zeros.nbytes
+        kept = 0 if self.dense is None else self.dense.nbytes
+        return self.packed.nbytes + self.scales_and_zeros.nbytes + kept
 
 
 @dataclass(slots=True)
@@ -151,7 +162,10 @@ class GGUFLinearMethod(LinearMethod):
         if blocks.ggml_type in INT4_GROUP_TYPES and pack is not None and linear is not None:
             codes, scales, zeros = int4_groups(blocks)
             packed, scales_and_zeros = pack(codes.to(device), scales.to(device), zeros.to(device))
-            return _Packed(linear, packed, scales_and_zeros, 2 if blocks.ggml_type in SPLIT_TYPES else 1)
+            if blocks.ggml_type in SPLIT_TYPES:  # packed as two nibbles already: keeping the blocks would double it
+                return _Packed(linear, packed, scales_and_zeros, 2)
+            dense = _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)))
+            return _Packed(linear, packed, scales_and_zeros, 1, dense)
         return _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)))
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
