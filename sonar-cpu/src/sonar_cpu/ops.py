@@ -8,8 +8,8 @@ as the torch ones in ``sonar.ops`` in fewer operations:
   slower on the CPU than the operations it stands for); other dtypes keep Hugging Face's order
   (normalise in float32, round, then scale);
 - the fused add + norm adds into the residual in place;
-- rotary for a few tokens (decode) is one batched product per query/key with each position's
-  rotation matrix, built once per step; for more tokens it rotates in place.
+- rotary rotates in place (a batched product with per-position rotation matrices is kept
+  behind ``MAX_MATRIX_ROTARY_TOKENS``, off: see there).
 
 The quantized-weight kernels of ``sonar_cpu.quant_ops`` are registered with them.
 """
@@ -25,8 +25,11 @@ from sonar.ops import torch_rms_norm
 from sonar_cpu import quant_ops
 
 #: Up to this many tokens a step rotates with per-position matrices (one product per tensor);
-#: beyond it the element-wise rotation is cheaper than building the matrices.
-MAX_MATRIX_ROTARY_TOKENS = 8
+#: beyond it the element-wise rotation is cheaper than building the matrices. Off: with the
+#: natively quantized embedded GGUF, a step of a few tokens after a prefix-cache hit rotated
+#: this way gave wrong tokens (the README's second identical chat request), and the cause is
+#: not found yet; every step rotates in place until it is.
+MAX_MATRIX_ROTARY_TOKENS = 0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
