@@ -159,7 +159,7 @@ def test_bench_throughput_line() -> None:
 
 def test_serve_with_replicas_line() -> None:
     args = cli_line("sonar serve --api-server-count")
-    assert args == ["serve", "--api-server-count", "4", "--data-parallel-size", "2"]
+    assert args == ["serve", "--api-server-count", "2", "--data-parallel-size", "2"]
     for url in started(sonar(*args)):
         health = httpx.get(f"{url}/health", timeout=10.0)
         assert health.status_code == 200
