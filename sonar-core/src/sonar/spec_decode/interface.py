@@ -109,11 +109,17 @@ class DraftTokens:
     ``probs[i]``, where given, is the draft distribution of each proposed token
     (``[len(token_ids[i]), vocab]``, on the device) for rejection sampling; None (the whole
     list, or one request's entry) means the drafts were picked greedily: they are then
-    treated as one-hot."""
+    treated as one-hot.
+    ``confidence[i]``, where given, is the proposer's estimate, per draft position ``j``, of
+    the probability that drafts ``0..j`` of request ``i`` all survive verification (so it
+    does not increase along the row); a verification policy that schedules by confidence
+    reads it to verify only the prefix worth its cost. None: no estimates (every draft is
+    verified, up to the step's budget)."""
 
     req_ids: list[str]
     token_ids: list[list[int]]
     probs: list[torch.Tensor | None] | None = None
+    confidence: list[list[float] | None] | None = None
 
 
 class Proposer:
