@@ -35,11 +35,15 @@ ops.declare_op(INT4_GROUP_PACK)
 ops.declare_op(INT4_GROUP_LINEAR)
 TIED_HEAD_PARAM = "tied_weight"
 DEQUANTIZE_TILE_ROWS = 4096  # rows dequantized at once by the blocks path
-#: From this many rows of activations on (prefill), a packed layer dequantizes its blocks and
-#: runs the float product instead: the int4 kernel's time grows with every row (it decodes the
-#: weight again for each), a dequantized GEMM's barely (measured on 2 AVX2 cores: about equal
-#: at 48 rows of a 3072x576 Q4_1 matrix, twice as fast at 192).
-DENSE_MIN_ROWS = 48
+#: From this many rows of activations on (a prefill, a large decode batch), a packed layer
+#: dequantizes its blocks and runs the float product instead. The int4 kernel rounds its
+#: inputs and outputs to bfloat16 (about 0.4% of a product's scale): a prompt's last position
+#: decides the first token, and on the embedded SmolLM2 the chat template's first answer
+#: token is a 0.08-nat tie that the kernel's rounding turns ("L'Étoile..." for "The capital
+#: of France is Paris."), so prompts run the exact product. Below it the kernel is faster
+#: (measured on AVX-512 and AVX2 cores); a decode batch of this many rows pays the
+#: dequantization.
+DENSE_MIN_ROWS = 16
 
 
 @dataclass(slots=True)
