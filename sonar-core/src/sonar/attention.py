@@ -73,6 +73,7 @@ class ForwardContext:
 
     attn_metadata: AttentionMetadata | None  # None: no KV cache (profiling / plain forward)
     kv_caches: list[torch.Tensor]  # one per layer
+    kv_connector: Any = None  # the worker half of a KV connector whose per-layer hooks run (or None)
 
 
 class AttentionBackend:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from sonar.kv_transfer.interface import KVTransferConfig
 from sonar.spec_decode.interface import SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -72,6 +73,8 @@ class EngineArgs:
     kv_cache_manager: str = "paged"  # a registered KV-cache manager
     distributed_executor_backend: str | None = None  # a registered executor; None: "uni"
     speculative_config: dict[str, Any] | None = None  # vLLM's keys: {"method": "ngram", "num_speculative_tokens": 3, ...}
+    kv_transfer_config: dict[str, Any] | None = None  # vLLM's keys: {"kv_connector": "SonarConnector", "kv_role": "kv_producer", ...}
+    kv_offload_bytes: int = 0  # host memory for blocks evicted from the device prefix cache (0: none)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -88,6 +91,10 @@ class EngineArgs:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
+        if not isinstance(self.kv_offload_bytes, int) or self.kv_offload_bytes < 0:
+            raise ValueError(f"kv_offload_bytes must be a byte count >= 0, got {self.kv_offload_bytes!r}")
+        if self.kv_offload_bytes and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_bytes keeps blocks evicted from the prefix cache: it needs enable_prefix_caching")
 
 
 def resolve_dtype(requested: str | torch.dtype, hf_config: Any, supported: tuple[torch.dtype, ...]) -> torch.dtype:
@@ -142,6 +149,7 @@ class EngineConfig:
     quantization: str | None = None  # the registered quantization method the linear layers run (None: unquantized)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8_e4m3"
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector (host offload is one)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -69,11 +69,18 @@ class PagedAttention(torch.nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         kv_cache = ctx.kv_caches[self.layer_idx]
+        connector = ctx.kv_connector
+        if connector is not None:  # a KV connector's loads of this layer land first
+            connector.wait_for_layer_load(self.layer_idx)
         if self.backend is None:
-            return reference_attention(
+            out = reference_attention(
                 q, k, v, kv_cache, ctx.attn_metadata, self.scale, self.sliding_window, self.k_scale, self.v_scale
             )
-        return self.backend.forward(q, k, v, kv_cache, ctx.attn_metadata, k_scale=self.k_scale, v_scale=self.v_scale)
+        else:
+            out = self.backend.forward(q, k, v, kv_cache, ctx.attn_metadata, k_scale=self.k_scale, v_scale=self.v_scale)
+        if connector is not None:  # this step's keys and values of the layer are in the cache now
+            connector.save_kv_layer(self.layer_idx, kv_cache, ctx.attn_metadata)
+        return out
 
 
 def warn_unscaled_fp8_layers(model: torch.nn.Module) -> None:

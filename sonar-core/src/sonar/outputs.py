@@ -41,3 +41,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
+    kv_transfer_params: dict | None = None  # what the engine's KV connector hands back (a prefill's: where its KV is)

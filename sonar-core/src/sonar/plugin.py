@@ -31,6 +31,8 @@ def sonar_register_speculative_proposers(register: Callable[..., None]) -> None:
     register("eagle3", "sonar.spec_decode.eagle3:Eagle3Proposer")
     register("draft_model", "sonar.spec_decode.draft_model:DraftModelProposer")
     register("draft", "sonar.spec_decode.draft_model:DraftModelProposer")  # vLLM's older name
+    register("dflash", "sonar.spec_decode.dflash:DFlashProposer")
+    register("dspark", "sonar.spec_decode.dflash:DSparkProposer")
 
 
 @hookimpl
@@ -40,6 +42,11 @@ def sonar_register_quantization_methods(register: Callable[..., None]) -> None:
     register("awq", "sonar.quantization.awq:AWQMethod")
     register("fp8", "sonar.quantization.fp8:Fp8Method")
     register("compressed-tensors", "sonar.quantization.compressed_tensors:CompressedTensorsMethod")
+
+
+@hookimpl
+def sonar_register_kv_connectors(register: Callable[..., None]) -> None:
+    register("OffloadingConnector", "sonar.kv_transfer.offload:OffloadingConnector")
 
 
 @hookimpl

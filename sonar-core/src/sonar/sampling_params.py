@@ -89,6 +89,9 @@ class SamplingParams:
     temperature_last: bool = False
     sampler_priority: list[int | str] | None = None  # normalised: ids of stages that have one, else names
     extra_args: dict[str, Any] | None = None  # plugin stages' parameters, by namespaced name
+    # KV connectors (vLLM's field): {"do_remote_decode": true} keeps a prefill's blocks for a
+    # decode engine; the parameters a prefill returned make a decode engine pull them
+    kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -107,6 +110,10 @@ class SamplingParams:
             self.guided_decoding = GuidedDecodingParams.from_value(self.guided_decoding)
         if isinstance(self.extra_args, dict):
             self.extra_args = dict(self.extra_args) or None
+        if self.kv_transfer_params is not None and not (
+            isinstance(self.kv_transfer_params, dict) and all(isinstance(k, str) for k in self.kv_transfer_params)
+        ):
+            raise ValueError(f"kv_transfer_params must be a JSON object, got {self.kv_transfer_params!r}")
         self.validate()
         if self.sampler_priority is not None:
             table = _stage_table()

@@ -70,6 +70,7 @@ class Generation:
         self.prompt_token_ids = prompt_token_ids
         self.prompt_logprobs: PromptLogprobs | None = None
         self.num_cached_tokens = 0
+        self.kv_transfer_params: dict[str, Any] | None = None  # the engine's KV connector's, once finished
         self.choices = [ChoiceState(i) for i in range(params.n)]
         self._holdback = max((len(s) for s in params.stop or ()), default=1) - 1
         self._arrival = arrival
@@ -115,6 +116,8 @@ class Generation:
         if output.prompt_logprobs is not None:
             self.prompt_logprobs = output.prompt_logprobs
         self.num_cached_tokens = max(self.num_cached_tokens, output.num_cached_tokens)
+        if output.kv_transfer_params is not None:
+            self.kv_transfer_params = output.kv_transfer_params
         completions = {c.index: c for c in output.outputs}
         deltas: list[ChoiceDelta] = []
         num_new_tokens = 0

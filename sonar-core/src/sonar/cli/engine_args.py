@@ -68,6 +68,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         "--speculative-config", type=_json_object, default=None, metavar="JSON",
         help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}\' (greedy output unchanged, sampled output distributed as without it)',
     )
+    group.add_argument(
+        "--kv-transfer-config", type=_json_object, default=None, metavar="JSON",
+        help='a KV connector, as vLLM takes it: \'{"kv_connector": "SonarConnector", "kv_role": "kv_producer"}\' (kv_producer, kv_consumer or kv_both; kv_ip / kv_port: where a producer serves its blocks, 0: a free port); see docs/kv-connectors.md',
+    )
+    group.add_argument(
+        "--kv-offload-bytes", type=_byte_count, default=0, metavar="BYTES",
+        help="host memory (pinned on a GPU) that keeps blocks evicted from the device prefix cache, loaded back on a later hit instead of recomputed (0: off; accepts 8GiB-style sizes)",
+    )
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs, help="largest logprobs / prompt_logprobs a request may ask for")
     group.add_argument("--enforce-eager", action="store_true", help="accepted for vLLM command lines: Sonar captures no CUDA graphs yet, so it always runs eagerly")
     add_unsupported_flags(parser, server=server)
@@ -81,6 +89,21 @@ def _json_object(text: str) -> dict:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
     return value
+
+
+def _byte_count(text: str) -> int:
+    """``1073741824``, ``1GiB``, ``512MiB``, ``2GB``."""
+    units = {"": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2, "g": 1000**3, "gb": 1000**3, "gib": 1024**3}
+    value = text.strip().lower()
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = value[len(number):].strip()
+    try:
+        count = int(float(number) * units[unit])
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size (examples: 1073741824, 1GiB, 512MiB)") from None
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a byte size cannot be negative")
+    return count
 
 
 def model_of(args: argparse.Namespace) -> str | None:
@@ -120,4 +143,6 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         kv_cache_manager=args.kv_cache_manager,
         distributed_executor_backend=args.distributed_executor_backend,
         speculative_config=getattr(args, "speculative_config", None),
+        kv_transfer_config=getattr(args, "kv_transfer_config", None),
+        kv_offload_bytes=getattr(args, "kv_offload_bytes", 0),
     )

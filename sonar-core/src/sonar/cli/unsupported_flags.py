@@ -44,7 +44,6 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     # speculative decoding
     _flag("--num-lookahead-slots", "speculative decoding", SPECULATIVE, accepted=("0",)),
     # KV transfer
-    _flag("--kv-transfer-config", "KV connectors and prefill/decode disaggregation", KV_TRANSFER),
     _flag("--kv-events-config", "KV-cache events", KV_TRANSFER),
     _flag("--cpu-offload-gb", "offloading weights to CPU memory", KV_TRANSFER, accepted=("0",)),
     _flag("--swap-space", "swapping preempted KV blocks to CPU memory", KV_TRANSFER),

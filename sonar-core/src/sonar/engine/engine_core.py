@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,8 @@ from sonar.engine.scheduler import Scheduler
 from sonar.engine.scheduler_output import SchedulerOutput
 from sonar.engine.wire import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from sonar.executor.base import Executor
+from sonar.kv_transfer.factory import build_kv_connector
+from sonar.kv_transfer.interface import KVConnector, KVConnectorRole
 from sonar.structured_output.manager import StructuredOutputManager
 from sonar.worker.phase_timer import PhaseTimer
 from sonar.platform import Platform
@@ -23,6 +26,7 @@ from sonar.spec_decode.stats import spec_decode_stats_fields, truncated_logprobs
 logger = logging.getLogger(__name__)
 
 MAX_FAILED_STEPS = 3  # consecutive failed steps before the engine gives up
+KV_POLL_S = 0.005  # how long a step with nothing but KV transfers to wait for waits
 
 
 @dataclass(slots=True)
@@ -50,7 +54,11 @@ class EngineCore:
             self.cache_config.num_blocks, config.block_size, config.enable_prefix_caching, specs=self.executor.kv_cache_specs()
         )
         policy_cls = load_registered("scheduling policy", config.scheduling_policy, registry.scheduler_policies())
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache, policy_cls())
+        self.kv_connector: KVConnector | None = None
+        if config.kv_transfer_config is not None:
+            self.kv_connector = build_kv_connector(config.kv_transfer_config, KVConnectorRole.SCHEDULER, self.executor.kv_cache_layout())
+            self.kv_connector.set_handshake_metadata(self.executor.kv_connector_handshake())
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache, policy_cls(), self.kv_connector)
         self.structured_output = StructuredOutputManager(self.model_config)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -107,8 +115,9 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         # a step still in flight holds only unfinished requests, unless all of them were
-        # finished or aborted meanwhile; then nothing waits for it, and the next step collects it
-        return self.scheduler.num_unfinished > 0
+        # finished or aborted meanwhile; then nothing waits for it, and the next step collects it;
+        # blocks a KV connector still moves keep the engine stepping until it reports them done
+        return self.scheduler.num_unfinished > 0 or self.scheduler.has_pending_transfers
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch the next step, then collect the results of the step before it.
@@ -135,14 +144,24 @@ class EngineCore:
             else:
                 self.num_steps_launched += 1
                 self._in_flight = _InFlightStep(scheduled, handle)
-        elif scheduled.finished_req_ids:  # let the workers drop finished state
-            self.executor.execute_model(scheduled)
+        elif scheduled.finished_req_ids or self._connector_busy(scheduled):  # workers drop finished state, connectors poll
+            result = self.executor.execute_model(scheduled)
+            self.scheduler.update_finished_transfers(result.kv_connector_output)
+            if previous is None and result.kv_connector_output is None and self.scheduler.has_pending_transfers:
+                time.sleep(KV_POLL_S)  # only transfers in progress: do not spin
         if previous is not None:
             outputs += self._collect(previous)
         if self._in_flight is not None and not self.async_scheduling:
             outputs += self._collect(self._in_flight)
             self._in_flight = None
         return outputs
+
+    def _connector_busy(self, scheduled: SchedulerOutput) -> bool:
+        """Whether a step that schedules no tokens still has KV-connector work to run."""
+        if self.kv_connector is None:
+            return False
+        metadata = scheduled.kv_connector_metadata
+        return self.scheduler.has_pending_transfers or (metadata is not None and metadata.has_work)
 
     def _drafts_may_follow(self, previous: _InFlightStep) -> bool:
         limit = self.scheduler.config.spec_max_batch_size
@@ -197,6 +216,7 @@ class EngineCore:
                     finish_reason=request.status.value if request.is_finished else None,
                     stop_reason=request.stop_reason,
                     num_cached_tokens=max(request.num_cached_tokens, 0),
+                    kv_transfer_params=request.kv_transfer_params if request.is_finished else None,
                 )
             )
         return outputs
@@ -249,5 +269,8 @@ class EngineCore:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps_launched,
+            external_prefix_cache_queries=self.scheduler.num_external_queries,
+            external_prefix_cache_hits=self.scheduler.num_external_hits,
+            num_kv_load_failures=self.scheduler.num_kv_load_failures,
             **spec_decode_stats_fields(self.scheduler.spec_stats),
         )

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from sonar.engine.kv_cache_spec import KVCacheSpec
@@ -72,6 +73,9 @@ class KVCacheManager:
         self.stats = PrefixCacheStats()
         self.layer_specs: tuple[KVCacheSpec, ...] = tuple(set(specs or ()))  # distinct kinds of layer
         self.gives_back_blocks = self.num_blocks_out_of_window(1 << 62) > 0  # every layer slides
+        # hears of each prefix-cached block handed out to new contents: (block id, its hash)
+        self.on_evict: Callable[[int, bytes], None] | None = None
+        self._hashed_this_step: set[int] = set()  # with on_evict: blocks hashed but not computed yet
 
     # -- queries -------------------------------------------------------------------------
 
@@ -202,6 +206,8 @@ class KVCacheManager:
         _, block = self.free_blocks.popitem(last=False)
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) is block:
+                if self.on_evict is not None and block.block_id not in self._hashed_this_step:
+                    self.on_evict(block.block_id, block.block_hash)
                 del self.cached_blocks[block.block_hash]
             block.block_hash = None
         block.ref_cnt = 1
@@ -222,6 +228,8 @@ class KVCacheManager:
             block_hash = request.block_hashes[index]
             block.block_hash = block_hash
             self.cached_blocks.setdefault(block_hash, block)
+            if self.on_evict is not None:
+                self._hashed_this_step.add(block.block_id)
 
     def _slide_out(self, request_id: str, num_computed_tokens: int) -> None:
         """Give back the request's leading blocks that no layer reads again; they keep their
@@ -238,6 +246,23 @@ class KVCacheManager:
             if block.ref_cnt == 0:
                 self.free_blocks[block.block_id] = block
         self.num_slid_out[request_id] = last
+
+    def begin_step(self) -> None:
+        """A new step is being scheduled: the blocks hashed so far hold computed contents (or
+        will have, by the time anything reads them) once this step runs."""
+        self._hashed_this_step.clear()
+
+    def uncache_blocks(self, request: Request, num_kept_blocks: int) -> None:
+        """Take the request's blocks from its ``num_kept_blocks``-th on out of the prefix cache
+        (a connector fills them asynchronously: nobody may find them before); they are hashed
+        again as the request is scheduled."""
+        for block in self.req_blocks.get(request.request_id, [])[num_kept_blocks:]:
+            if block.block_hash is not None and block.ref_cnt == 1:
+                if self.cached_blocks.get(block.block_hash) is block:
+                    del self.cached_blocks[block.block_hash]
+                block.block_hash = None
+        hashed = self.num_hashed_blocks.get(request.request_id, 0)
+        self.num_hashed_blocks[request.request_id] = min(hashed, num_kept_blocks)
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; the newest are evicted first."""

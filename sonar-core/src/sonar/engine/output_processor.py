@@ -34,6 +34,7 @@ class ParentState:
     children: dict[str, ChildState]
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -96,6 +97,8 @@ class OutputProcessor:
             if child.finish_reason is not None:
                 continue
             parent.num_cached_tokens = max(parent.num_cached_tokens, out.num_cached_tokens)
+            if out.kv_transfer_params is not None:
+                parent.kv_transfer_params = out.kv_transfer_params
             if out.prompt_logprobs is not None and parent.prompt_logprobs is not None and child.index == 0:
                 parent.prompt_logprobs.extend(self._logprob_dicts(out.prompt_logprobs))
             if out.new_token_ids:
@@ -170,4 +173,5 @@ class OutputProcessor:
             outputs=completions,
             finished=parent.finished,
             num_cached_tokens=parent.num_cached_tokens,
+            kv_transfer_params=parent.kv_transfer_params,
         )

@@ -11,6 +11,7 @@ from sonar.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # holding its blocks while a connector loads them
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -61,6 +62,7 @@ class Request:
     first_token_time: float | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
     reads_output_tokens: bool = field(init=False)  # its sampling needs earlier tokens' values
+    kv_transfer_params: dict | None = None  # what its KV connector hands back when it finishes
 
     def __post_init__(self) -> None:
         self.reads_output_tokens = self.sampling_params.reads_output_tokens

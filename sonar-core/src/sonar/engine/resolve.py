@@ -11,6 +11,7 @@ from typing import Any
 from sonar.config import KV_CACHE_DTYPES, EngineArgs, EngineConfig, ModelConfig, default_model_path, dtype_name, resolve_dtype
 from sonar.engine.generation_defaults import default_sampling_of
 from sonar.engine.model_source import check_remote_code, resolve_model_path
+from sonar.kv_transfer.factory import resolve_kv_transfer_config
 from sonar.platform import Platform
 from sonar.spec_decode.resolve import resolve_speculative_config
 from sonar.registry import architecture_of, executors, kv_cache_managers, scheduler_policies, weight_formats
@@ -165,6 +166,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         quantization=quantization,
         kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, platform),
         speculative_config=speculative_config,
+        kv_transfer_config=resolve_kv_transfer_config(args.kv_transfer_config, args.kv_offload_bytes),
     )
     return config, tokenizer
 

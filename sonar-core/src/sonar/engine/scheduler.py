@@ -11,6 +11,7 @@ from sonar.engine.kv_cache import KVCacheManager
 from sonar.engine.request import Request, RequestStatus
 from sonar.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
 from sonar.engine.scheduling_policy import FcfsPolicy, SchedulingPolicy
+from sonar.kv_transfer.interface import KVConnector, KVConnectorOutput
 from sonar.spec_decode.stats import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
@@ -39,12 +40,33 @@ class Scheduler:
     value, and the next step feeds it to the model from the device. A request whose tokens are
     not all known is never prefilled again (after a preemption) until they are, and one that
     reaches ``max_tokens`` with its pending token is not scheduled again.
+
+    With a KV connector, a waiting request's tokens that exist outside (host memory, another
+    engine) are loaded instead of computed: synchronously within the step that admits it, or
+    asynchronously, the request then holding its blocks outside the queues until the
+    connector reports the load done (or failed: the tokens are computed instead). A finished
+    request whose blocks a peer still reads keeps them until the connector reports the send.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, policy: SchedulingPolicy | None = None) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache: KVCacheManager,
+        policy: SchedulingPolicy | None = None,
+        connector: KVConnector | None = None,
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
         self.policy = policy or FcfsPolicy()
+        self.connector = connector
+        if connector is not None:
+            kv_cache.on_evict = connector.on_block_evicted
+        self._loading: dict[str, tuple[Request, int]] = {}  # async loads: request, tokens computed once loaded
+        self._loaded: list[Request] = []  # their KV arrived: admitted before the waiting queue
+        self._sending: dict[str, Request] = {}  # finished; blocks held until the connector's send ends
+        self.num_external_queries = 0  # prompt tokens of admitted requests looked up by the connector
+        self.num_external_hits = 0  # of them, tokens the connector loaded
+        self.num_kv_load_failures = 0  # asynchronous loads that failed (their tokens were computed)
         self.requests: dict[str, Request] = {}
         self.waiting = self.policy.new_waiting_queue()
         self.running: list[Request] = []
@@ -80,18 +102,61 @@ class Scheduler:
             self._finish(request)
 
     def _finish(self, request: Request) -> None:
+        req_id = request.request_id
         if request in self.running:
             self.running.remove(request)
+        elif request in self._loaded:
+            self._loaded.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_cache.free(request)
-        self._sent_blocks.pop(request.request_id, None)
-        self.requests.pop(request.request_id, None)
-        self.finished_req_ids.add(request.request_id)
+        self._sent_blocks.pop(req_id, None)
+        self.requests.pop(req_id, None)
+        self.finished_req_ids.add(req_id)
+        if req_id in self._loading:  # its blocks are being written: freed once the load ends
+            return
+        delay = False
+        if self.connector is not None:
+            delay, request.kv_transfer_params = self.connector.request_finished(request, self.kv_cache.block_ids(req_id))
+        if delay:
+            self._sending[req_id] = request
+        else:
+            self.kv_cache.free(request)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self._loaded) + sum(not r.is_finished for r, _ in self._loading.values())
+
+    @property
+    def has_pending_transfers(self) -> bool:
+        """Whether the connector still moves blocks that requests hold (the engine keeps
+        stepping, to hear when it is done)."""
+        return bool(self._loading or self._sending)
+
+    def update_finished_transfers(self, output: KVConnectorOutput | None) -> None:
+        """Free the blocks of finished sends; admit the requests whose loads ended (a failed
+        one computes the tokens it was to load)."""
+        if output is None:
+            return
+        for req_id in output.finished_sending:
+            request = self._sending.pop(req_id, None)
+            if request is not None:
+                self.kv_cache.free(request)
+        for req_id in output.finished_recving:
+            entry = self._loading.pop(req_id, None)
+            if entry is None:
+                continue
+            request, num_loaded = entry
+            if request.is_finished:  # aborted while loading
+                self.kv_cache.free(request)
+                continue
+            if req_id in output.failed_recving:
+                self.num_kv_load_failures += 1
+                logger.warning("request %s: loading its KV failed; its prompt is computed here instead", req_id)
+            else:
+                self.num_external_hits += num_loaded - request.num_computed_tokens
+                request.num_computed_tokens = request.num_cached_tokens = num_loaded
+            request.status = RequestStatus.WAITING
+            self._loaded.append(request)
 
     # -- one step ------------------------------------------------------------------------
 
@@ -102,6 +167,7 @@ class Scheduler:
         sequence cap and the free blocks allow (their prompts chunked to fit the budget)."""
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
+        self.kv_cache.begin_step()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, _Scheduled] = {}
 
@@ -142,40 +208,76 @@ class Scheduler:
                 index += 1
             # else the request preempted itself; the next one (now at index) goes on
 
+        # loaded: requests whose external KV arrived, holding their blocks already
+        while self._loaded and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self._loaded[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache.allocate_slots(request, num_new):
+                break
+            self._loaded.pop(0)
+            self._admit(request, request.num_computed_tokens, num_new, out)
+            budget -= num_new
+
         # waiting: new and preempted requests, in the policy's order
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_pending_tokens:
                 break  # preempted with a token on the way: prefilled again once it is known
             computed_blocks, num_cached = ([], 0)
-            if request.num_computed_tokens == 0:
+            num_external, load_async = 0, False
+            first_lookup = request.num_computed_tokens == 0
+            if first_lookup:
                 computed_blocks, num_cached = self.kv_cache.get_computed_blocks(request)
-            num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv_cache.allocate_slots(request, num_new, computed_blocks):
+                if self.connector is not None:
+                    num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_cached)
+                    num_external = max(0, min(num_external, request.num_tokens - 1 - num_cached))  # one token computes logits
+                    load_async = load_async and num_external > 0
+            num_new = 0 if load_async else min(request.num_tokens - num_cached - num_external, budget)
+            if not self.kv_cache.allocate_slots(request, num_new + num_external, computed_blocks):
                 break
             self.waiting.pop()
-            if request.num_computed_tokens == 0 and self.kv_cache.enable_prefix_caching:
+            if first_lookup and self.kv_cache.enable_prefix_caching:
                 self.kv_cache.record_lookup(request.num_tokens, num_cached)
-            if request.num_cached_tokens < 0:
-                request.num_cached_tokens = num_cached
-            request.num_computed_tokens = num_cached
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.new_reqs.append(
-                NewRequestData(
-                    req_id=request.request_id,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=list(request.output_token_ids),
-                    sampling_params=request.sampling_params,
-                    eos_token_ids=request.eos_token_ids,
-                    block_ids=self.kv_cache.block_ids(request.request_id),
-                    num_computed_tokens=num_cached,
-                )
-            )
-            self._sent_blocks[request.request_id] = len(out.new_reqs[-1].block_ids)
-            self._advance(request, num_new, out)
+            if self.connector is not None:
+                if first_lookup:
+                    self.num_external_queries += request.num_tokens
+                self.connector.update_state_after_alloc(request, self.kv_cache.block_ids(request.request_id), num_external)
+            if load_async:  # holds its blocks, out of the queues, until the connector has filled them
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                request.num_computed_tokens = num_cached
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_cached
+                self.kv_cache.uncache_blocks(request, num_cached // self.kv_cache.block_size)
+                self._loading[request.request_id] = (request, num_cached + num_external)
+                continue
+            self.num_external_hits += num_external
+            self._admit(request, num_cached + num_external, num_new, out)
             budget -= num_new
+        if self.connector is not None:
+            out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
+
+    def _admit(self, request: Request, num_computed: int, num_new: int, out: SchedulerOutput) -> None:
+        """Start running a request whose first ``num_computed`` tokens are in its blocks, with
+        ``num_new`` more scheduled this step."""
+        if request.num_cached_tokens < 0:
+            request.num_cached_tokens = num_computed
+        request.num_computed_tokens = num_computed
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        out.new_reqs.append(
+            NewRequestData(
+                req_id=request.request_id,
+                prompt_token_ids=request.prompt_token_ids,
+                output_token_ids=list(request.output_token_ids),
+                sampling_params=request.sampling_params,
+                eos_token_ids=request.eos_token_ids,
+                block_ids=self.kv_cache.block_ids(request.request_id),
+                num_computed_tokens=num_computed,
+            )
+        )
+        self._sent_blocks[request.request_id] = len(out.new_reqs[-1].block_ids)
+        self._advance(request, num_new, out)
 
     def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
         """The drafts a decoding request verifies this step: none unless it decodes its one
@@ -242,6 +344,7 @@ class Scheduler:
         """Append the step's sampled tokens and finish the requests that hit eos, a stop token
         or their length. A request finished or aborted while the step ran is skipped (the
         token it computed meanwhile is dropped)."""
+        self.update_finished_transfers(output.kv_connector_output)
         verified = output.verified_token_ids
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from sonar.kv_transfer.interface import KVConnectorOutput
 from sonar.sampling_params import SamplingParams
 
 
@@ -46,6 +47,8 @@ class SchedulerOutput:
     grammar_bitmask: Any = None
     # speculative decoding: the draft tokens each verifying request's scheduled tokens end with
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # KV connector: the step's loads and saves for the worker half (its KVConnectorMetadata)
+    kv_connector_metadata: Any = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -76,3 +79,4 @@ class ModelRunnerOutput:
     # proposed for each request's next step
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    kv_connector_output: KVConnectorOutput | None = None  # transfers the connector finished

@@ -60,6 +60,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict[str, Any] | None = None  # a KV connector's, once the request finished
 
 
 class SchedulerStats(msgspec.Struct, array_like=True):
@@ -76,6 +77,11 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     num_steps: int = 0  # steps launched
+    # KV connectors: prompt tokens looked up / found outside (host offload, a prefill engine),
+    # and asynchronous loads that failed (their tokens were computed instead)
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    num_kv_load_failures: int = 0
     # speculative decoding, since the engine started: verify steps with drafts, draft tokens
     # verified, drafts accepted, and accepted drafts by position (0: a step's first draft)
     spec_num_drafts: int = 0

@@ -48,6 +48,15 @@ class Executor:
         """Allocate ``num_blocks`` blocks in every worker (and whatever depends on them)."""
         raise NotImplementedError
 
+    def kv_cache_layout(self) -> Any:
+        """The allocated KV cache as a KV connector sees it (a ``KVCacheLayout``), once
+        ``init_kv_cache`` ran."""
+        raise NotImplementedError(f"the {type(self).__name__} executor does not support KV connectors")
+
+    def kv_connector_handshake(self) -> dict[str, Any] | None:
+        """What the workers' KV connector halves publish for the scheduler half (rank 0's)."""
+        raise NotImplementedError(f"the {type(self).__name__} executor does not support KV connectors")
+
     def launch(self, scheduler_output: SchedulerOutput) -> Any:
         """Start one step on the workers and return a handle without waiting for it."""
         raise NotImplementedError

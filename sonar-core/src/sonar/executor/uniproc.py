@@ -36,6 +36,15 @@ class UniprocExecutor(Executor):
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
 
+    def kv_cache_layout(self) -> Any:
+        return self.worker.kv_cache_layout()
+
+    def kv_connector_handshake(self) -> dict[str, Any] | None:
+        return self.worker.kv_connector_handshake()
+
+    def shutdown(self) -> None:
+        self.worker.shutdown_kv_connector()
+
     def launch(self, scheduler_output: SchedulerOutput) -> Any:
         return self.worker.launch(scheduler_output)
 

@@ -13,6 +13,8 @@ import torch
 from sonar.attention import AttentionBackend, ForwardContext
 from sonar.config import EngineConfig, ModelConfig, kv_cache_torch_dtype
 from sonar.engine.scheduler_output import ModelRunnerOutput, RequestLogprobs, SchedulerOutput
+from sonar.kv_transfer.factory import build_kv_connector
+from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorOutput, KVConnectorRole
 from sonar.model_interface import make_attention_factory, warn_unscaled_fp8_layers
 from sonar.quantization import building_with, quantization_method_of
 from sonar.registry import import_class, resolve_model_class, weight_formats
@@ -53,6 +55,7 @@ class LaunchedStep:
     verified: VerifiedStep | None = None  # a verify step's device results (speculative decoding)
     num_accepted: torch.Tensor | None = None  # host copy of verified's drafts kept per request
     hidden: StepHiddenStates | None = None  # the states a proposer reads (needs_hidden_states)
+    kv_connector_output: KVConnectorOutput | None = None  # transfers the KV connector finished by its launch
 
 
 def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: int) -> RequestLogprobs:
@@ -99,6 +102,7 @@ class ModelRunner:
         self.backend_cls: type[AttentionBackend] | None = import_class(attention_backend_cls) if attention_backend_cls else None
         self.model: torch.nn.Module | None = None
         self.kv_caches: list[torch.Tensor] = []
+        self.kv_connector: KVConnector | None = None  # the worker half, once the cache exists
         self.requests: dict[str, CachedRequestState] = {}
         self.preempted_samplings: dict[str, RequestSamplingState] = {}
         self.block_table = BlockTable(-(-model_config.max_model_len // block_size) + 1)
@@ -170,6 +174,36 @@ class ModelRunner:
         if self.kv_cache_dtype.itemsize == 1:
             warn_unscaled_fp8_layers(model)
         self.kv_caches = [self._zeros(shape) for _ in range(model.num_layers)]
+        if self.config.kv_transfer_config is not None:
+            self.kv_connector = build_kv_connector(self.config.kv_transfer_config, KVConnectorRole.WORKER, self.kv_cache_layout())
+            self.kv_connector.register_kv_caches(self.kv_caches)
+
+    def kv_cache_layout(self) -> KVCacheLayout:
+        """The allocated KV cache, as a KV connector sees it."""
+        from sonar.config import dtype_name
+
+        model = self.model
+        architectures = getattr(self.model_config.hf_config, "architectures", None) or [type(model).__name__]
+        return KVCacheLayout(
+            model=f"{Path(self.model_config.model).name}:{architectures[0]}",
+            dtype=dtype_name(self.kv_cache_dtype),
+            block_size=self.block_size,
+            num_layers=model.num_layers,
+            num_kv_heads=model.num_kv_heads,
+            head_dim=model.head_dim,
+            num_blocks=self.kv_caches[0].shape[1] if self.kv_caches else 0,
+        )
+
+    def _kv_connector_output(self, so: SchedulerOutput) -> KVConnectorOutput | None:
+        """What the connector finished since the last step (None: nothing)."""
+        connector = self.kv_connector
+        if connector is None:
+            return None
+        sending, recving = connector.get_finished(so.finished_req_ids)
+        failed = connector.get_failed_loads()
+        if not (sending or recving or failed):
+            return None
+        return KVConnectorOutput(set(sending), set(recving), set(failed))
 
     def _zeros(self, shape: tuple[int, ...]) -> torch.Tensor:
         dtype = self.kv_cache_dtype
@@ -238,8 +272,11 @@ class ModelRunner:
         request whose sampling reads earlier tokens' values waits for the previous step first.
         """
         self._update_states(so)
+        connector = self.kv_connector
+        if connector is not None and so.kv_connector_metadata is not None:
+            connector.start_load_kv(so.kv_connector_metadata)
         if so.is_empty:
-            return LaunchedStep(output=ModelRunnerOutput([], [], []))
+            return LaunchedStep(output=ModelRunnerOutput([], [], [], kv_connector_output=self._kv_connector_output(so)))
         req_ids = list(so.num_scheduled_tokens)
         states = [self.requests[r] for r in req_ids]
         last = self._last_sampling
@@ -251,13 +288,17 @@ class ModelRunner:
         self._feed_pending_tokens(batch)
         if self.backend_cls is not None:
             self.backend_cls.prepare_metadata(batch.attn_metadata)
-        ctx = ForwardContext(batch.attn_metadata, self.kv_caches)
+        hooked = connector if connector is not None and connector.uses_layer_hooks else None
+        ctx = ForwardContext(batch.attn_metadata, self.kv_caches, hooked)
         hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
+        if connector is not None:
+            connector.wait_for_save()
 
         step = LaunchedStep(
             req_ids=[s.req_id for s in batch.states],
             sample_rows=batch.sample_rows,
             prompt_logprobs=self._prompt_logprobs(batch, hidden),
+            kv_connector_output=self._kv_connector_output(so),
         )
         if self.spec is not None and self.spec.hidden is not None:  # an EAGLE-style proposer reads them
             step.hidden = self.spec.record_hidden_states(batch, hidden)
@@ -327,6 +368,7 @@ class ModelRunner:
             self._resolve_verified(step)
         else:
             self._resolve_sampled(step)
+        step.output.kv_connector_output = step.kv_connector_output
         if self.spec is not None and step.sample_states and len(step.req_ids) <= self.spec.config.max_batch_size:
             output = step.output
             num_accepted = [len(output.verified_token_ids.get(r, ())) or 1 for r in step.sample_req_ids]

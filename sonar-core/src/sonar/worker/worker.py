@@ -62,6 +62,20 @@ class Worker:
     def init_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.init_kv_cache(num_blocks)
 
+    def kv_cache_layout(self) -> Any:
+        """The allocated KV cache as a KV connector sees it (``KVCacheLayout``)."""
+        return self.model_runner.kv_cache_layout()
+
+    def kv_connector_handshake(self) -> dict[str, Any] | None:
+        """What the KV connector's worker half publishes for its scheduler half."""
+        connector = self.model_runner.kv_connector
+        return None if connector is None else connector.get_handshake_metadata()
+
+    def shutdown_kv_connector(self) -> None:
+        connector = self.model_runner.kv_connector
+        if connector is not None:
+            connector.shutdown()
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 

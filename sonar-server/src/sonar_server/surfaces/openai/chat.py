@@ -82,6 +82,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             "seed": body.seed,
             "logprobs": (body.top_logprobs or 0) if body.logprobs else None,
             "logit_bias": body.logit_bias,
+            "kv_transfer_params": body.kv_transfer_params,
             "guided_decoding": guide,
             "skip_special_tokens": False if plan.needs_special_tokens else None,
         },
@@ -141,6 +142,7 @@ def _response(state: ServerState, body: ChatCompletionRequest, generation: Gener
         "model": body.model or state.model_name,
         "choices": choices,
         "usage": _usage(generation),
+        "kv_transfer_params": generation.kv_transfer_params,
     }
 
 

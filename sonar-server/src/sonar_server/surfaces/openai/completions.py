@@ -66,6 +66,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
             "logprobs": body.logprobs,
             "prompt_logprobs": body.logprobs if echo_logprobs else None,
             "logit_bias": body.logit_bias,
+            "kv_transfer_params": body.kv_transfer_params,
             "guided_decoding": body_guide(body, body.response_format),
         },
     )
@@ -140,6 +141,7 @@ def _response(
         "model": body.model or state.model_name,
         "choices": choices,
         "usage": _usage(generations),
+        "kv_transfer_params": generations[0].kv_transfer_params if len(generations) == 1 else None,
     }
 
 

@@ -26,6 +26,9 @@ class _GenerationBody(_Body):
 
     # with --scheduling-policy priority: lower runs first (vLLM's extension of the OpenAI API)
     priority: int = Field(0, ge=-(2**63), lt=2**63)
+    # with --kv-transfer-config (vLLM's extension): {"do_remote_decode": true} on a prefill
+    # server, or the parameters a prefill server returned, on a decode server
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class StreamOptions(BaseModel):

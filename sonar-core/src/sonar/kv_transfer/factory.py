@@ -1,0 +1,50 @@
+"""Resolving ``kv_transfer_config`` / ``kv_offload_bytes`` and building a connector's halves."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorRole, KVTransferConfig
+
+OFFLOADING_CONNECTOR = "OffloadingConnector"
+
+
+def resolve_kv_transfer_config(value: dict[str, Any] | KVTransferConfig | None, kv_offload_bytes: int = 0) -> KVTransferConfig | None:
+    """The engine's connector configuration: ``kv_transfer_config`` as given, or, with only
+    ``kv_offload_bytes``, the host offload connector with that budget.
+
+    :raises ValueError: a malformed config, a connector that is not registered (the message
+        lists those that are), or both options at once.
+    """
+    from sonar.registry import kv_connectors
+
+    if value is None and not kv_offload_bytes:
+        return None
+    if value is not None and kv_offload_bytes:
+        raise ValueError(
+            "kv_offload_bytes and kv_transfer_config cannot be combined yet: the host offload tier is a connector "
+            f"of its own ({OFFLOADING_CONNECTOR}); give one of them"
+        )
+    if value is None:
+        value = {"kv_connector": OFFLOADING_CONNECTOR, "kv_connector_extra_config": {"kv_offload_bytes": kv_offload_bytes}}
+    config = KVTransferConfig.from_value(value)
+    registered = kv_connectors()
+    if config.kv_connector not in registered:
+        raise ValueError(
+            f"kv_transfer_config: connector {config.kv_connector!r} is not registered; registered: "
+            f"{', '.join(sorted(registered))} (install the plugin that provides it)"
+        )
+    connector_cls = _connector_class(config.kv_connector)
+    connector_cls.check_config(config)
+    return config
+
+
+def _connector_class(name: str) -> type[KVConnector]:
+    from sonar.registry import kv_connectors, load_registered
+
+    return load_registered("KV connector", name, kv_connectors())
+
+
+def build_kv_connector(config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout) -> KVConnector:
+    """One half of the configured connector."""
+    return _connector_class(config.kv_connector)(config, role, layout)

@@ -1,0 +1,178 @@
+"""Host offload: a second tier for the prefix cache (``kv_offload_bytes``).
+
+Blocks the device prefix cache hands out to new contents are first copied to host memory
+(pinned where the device has it), keyed by their prefix-cache hash and kept least recently
+used first up to the budget. A later request whose prefix misses on the device but is held
+here has those blocks copied back instead of computed, within the step that admits it.
+
+Both kinds of copy run at the start of the step, before the forward, saves first: an evicted
+block is intact until the forward writes its new contents, and a block saved and loaded in
+the same step reads what was saved. On a GPU the copies are queued on the step's stream
+without waiting (they are ordered with the forwards around them, and the host goes on
+scheduling); on the CPU they are plain copies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorMetadata, KVConnectorRole, KVTransferConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from sonar.engine.request import Request
+    from sonar.engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class OffloadMetadata(KVConnectorMetadata):
+    """One step's copies, in the order the worker makes them."""
+
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.saves or self.loads)
+
+
+class OffloadingConnector(KVConnector):
+    """Evicted prefix-cache blocks kept in host memory, up to
+    ``kv_connector_extra_config["kv_offload_bytes"]`` (``--kv-offload-bytes``)."""
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout | None = None) -> None:
+        super().__init__(config, role, layout)
+        if layout is None:
+            raise ValueError("the offloading connector needs the engine's KV-cache layout")
+        num_bytes = config.kv_connector_extra_config.get("kv_offload_bytes", 0)
+        self.num_host_blocks = num_bytes // layout.bytes_per_block
+        if self.num_host_blocks < 1:
+            raise ValueError(
+                f"kv_offload_bytes={num_bytes} holds no KV block: one block takes {layout.bytes_per_block} bytes "
+                f"({layout.block_size} tokens over {layout.num_layers} layers); give at least that"
+            )
+        # scheduler side: which hash each host slot holds, least recently used first
+        self._slot_of: OrderedDict[bytes, int] = OrderedDict()
+        self._free_slots = list(range(self.num_host_blocks - 1, -1, -1))
+        self._saves: list[tuple[int, int]] = []
+        self._loads: list[tuple[int, int]] = []
+        self._pinned: set[int] = set()  # slots this step's loads read: not reused before they run
+        self._matched: dict[str, tuple[int, list[int]]] = {}  # request -> (first block, slots found)
+        # worker side: one host tensor per layer, [num_host_blocks, 2, block_size, num_kv_heads, head_dim]
+        self.host: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []
+
+    @classmethod
+    def check_config(cls, config: KVTransferConfig) -> None:
+        num_bytes = config.kv_connector_extra_config.get("kv_offload_bytes")
+        if not isinstance(num_bytes, int) or isinstance(num_bytes, bool) or num_bytes <= 0:
+            raise ValueError(f"the offloading connector needs kv_connector_extra_config['kv_offload_bytes'] > 0, got {num_bytes!r}")
+
+    @property
+    def num_cached_host_blocks(self) -> int:
+        """Blocks the host tier holds now."""
+        return len(self._slot_of)
+
+    # -- scheduler side --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if request.sampling_params.prompt_logprobs is not None:
+            return 0, False
+        block_size = self.layout.block_size
+        first = num_computed_tokens // block_size
+        slots = []
+        for block_hash in request.block_hashes[first : (request.num_tokens - 1) // block_size]:
+            slot = self._slot_of.get(block_hash)
+            if slot is None:
+                break
+            slots.append(slot)
+            self._slot_of.move_to_end(block_hash)
+        if not slots:
+            return 0, False
+        self._pinned.update(slots)  # the allocation that follows may evict: never into these
+        self._matched[request.request_id] = (first, slots)
+        return len(slots) * block_size, False
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        first, slots = self._matched.pop(request.request_id, (0, []))
+        for index, slot in enumerate(slots[: num_external_tokens // self.layout.block_size]):
+            self._loads.append((slot, block_ids[first + index]))
+
+    def on_block_evicted(self, block_id: int, block_hash: bytes) -> None:
+        if block_hash in self._slot_of:  # held already
+            self._slot_of.move_to_end(block_hash)
+            return
+        slot = self._take_slot()
+        if slot is None:
+            return
+        self._saves.append((block_id, slot))
+        self._slot_of[block_hash] = slot
+
+    def _take_slot(self) -> int | None:
+        if self._free_slots:
+            return self._free_slots.pop()
+        for block_hash, slot in self._slot_of.items():  # least recently used first
+            if slot not in self._pinned:
+                del self._slot_of[block_hash]
+                return slot
+        return None  # every slot is read this step
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
+        saves: dict[int, int] = {}
+        for block_id, slot in self._saves:  # a slot saved twice in one step keeps the later block
+            saves.pop(slot, None)
+            saves[slot] = block_id
+        metadata = OffloadMetadata([(block_id, slot) for slot, block_id in saves.items()], self._loads)
+        self._saves, self._loads = [], []
+        self._pinned.clear()
+        self._matched.clear()
+        return metadata
+
+    # -- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        import torch
+
+        self.kv_caches = kv_caches
+        first = kv_caches[0]
+        _, _, block_size, num_kv_heads, head_dim = first.shape
+        pin = first.device.type == "cuda"
+        shape = (self.num_host_blocks, 2, block_size, num_kv_heads, head_dim)
+        self.host = [torch.empty(shape, dtype=first.dtype, pin_memory=pin) for _ in kv_caches]
+        logger.info("KV offload: %d host blocks (%.1f MiB%s)", self.num_host_blocks,
+                    self.num_host_blocks * self.layout.bytes_per_block / 2**20, ", pinned" if pin else "")
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        if not isinstance(metadata, OffloadMetadata) or not metadata.has_work:
+            return
+        if metadata.saves:
+            self._copy(metadata.saves, to_host=True)
+        if metadata.loads:
+            self._copy([(block_id, slot) for slot, block_id in metadata.loads], to_host=False)
+
+    def _copy(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        """Copy each ``(device block, host slot)`` pair of every layer, one way."""
+        import torch
+
+        device = self.kv_caches[0].device
+        if device.type == "cpu":
+            block_ids = torch.tensor([b for b, _ in pairs], dtype=torch.int64)
+            slots = torch.tensor([s for _, s in pairs], dtype=torch.int64)
+            for kv, host in zip(self.kv_caches, self.host):
+                if to_host:  # [2, n, ...] -> [n, 2, ...]
+                    host.index_copy_(0, slots, kv.index_select(1, block_ids).transpose(0, 1))
+                else:
+                    kv.index_copy_(1, block_ids, host.index_select(0, slots).transpose(0, 1))
+            return
+        for kv, host in zip(self.kv_caches, self.host):  # queued on the step's stream, host not waiting
+            for block_id, slot in pairs:
+                if to_host:
+                    host[slot].copy_(kv[:, block_id], non_blocking=True)
+                else:
+                    kv[:, block_id].copy_(host[slot], non_blocking=True)

@@ -1,0 +1,77 @@
+"""The host offload tier (``kv_offload_bytes``): a long shared prefix evicted from a tiny device
+cache comes back from host memory instead of being computed again, with the same greedy output."""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+import pytest
+
+from sonar import LLM, SamplingParams
+from sonar.kv_transfer.offload import OffloadMetadata
+
+BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # the tiny llama: K and V, 2 layers, 16 tokens, 2 heads of 16, float32
+DEVICE_BLOCKS = 40  # 640 tokens: the prefix is evicted by the filler request
+HOST_BLOCKS = 20
+
+rng = random.Random(7)
+PREFIX = [rng.randint(100, 49000) for _ in range(400)]
+FILLER = [rng.randint(100, 49000) for _ in range(480)]
+PROMPTS = [PREFIX + [11, 12, 13], FILLER, PREFIX + [21, 22]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def _run(model: str, **kwargs) -> tuple[LLM, list[list[int]], list[int]]:
+    """The three prompts one after another: token ids of each and prompt tokens computed for each."""
+    llm = LLM(model, max_model_len=512, kv_cache_memory_bytes=DEVICE_BLOCKS * BLOCK_BYTES, **kwargs)
+    outputs, computed = [], []
+    for prompt in PROMPTS:
+        before = llm.llm_engine.get_stats().num_prompt_tokens
+        outputs.append(llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids)
+        computed.append(llm.llm_engine.get_stats().num_prompt_tokens - before)
+    return llm, outputs, computed
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir):
+    model = str(tiny_model_dir("llama"))
+    _, plain_outputs, plain_computed = _run(model)
+    offload = _run(model, kv_offload_bytes=HOST_BLOCKS * BLOCK_BYTES)
+    return plain_outputs, plain_computed, offload
+
+
+def test_an_evicted_prefix_comes_back_from_host_memory(runs) -> None:
+    plain_outputs, plain_computed, (llm, outputs, computed) = runs
+    assert outputs == plain_outputs  # greedy output unchanged
+    stats = llm.llm_engine.get_stats()
+    # without the tier the device cache kept only the prefix's last 9 blocks; with it the rest came from host
+    assert plain_computed[2] == len(PROMPTS[2]) - 9 * 16
+    assert computed[2] == len(PROMPTS[2]) - 400  # only the suffix was computed
+    assert stats.external_prefix_cache_hits == 400 - 9 * 16
+    assert stats.external_prefix_cache_queries == sum(len(p) for p in PROMPTS)
+    assert computed[:2] == plain_computed[:2]  # the first two prompts found nothing anywhere
+
+
+def test_the_tier_holds_no_more_than_its_budget_and_no_block_leaks(runs) -> None:
+    *_, (llm, _, _) = runs
+    connector = llm.llm_engine.core.kv_connector
+    assert connector.num_host_blocks == HOST_BLOCKS
+    assert 0 < connector.num_cached_host_blocks <= HOST_BLOCKS
+    worker_half = llm.llm_engine.core.executor.worker.model_runner.kv_connector
+    assert sum(t.numel() * t.element_size() for t in worker_half.host) == HOST_BLOCKS * BLOCK_BYTES
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_budget_below_one_block_is_refused(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="holds no KV block: one block takes 8192 bytes"):
+        LLM(str(tiny_model_dir("llama")), max_model_len=512, kv_cache_memory_bytes=DEVICE_BLOCKS * BLOCK_BYTES, kv_offload_bytes=100)
+    with pytest.raises(ValueError, match="needs enable_prefix_caching"):
+        LLM(str(tiny_model_dir("llama")), kv_offload_bytes=BLOCK_BYTES, enable_prefix_caching=False)
+
+
+def test_the_step_metadata_is_plain_data() -> None:
+    metadata = OffloadMetadata(saves=[(3, 0), (4, 1)], loads=[(1, 7)])
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(metadata), type=OffloadMetadata)
+    assert decoded == metadata
