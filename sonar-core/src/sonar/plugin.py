@@ -47,6 +47,7 @@ def sonar_register_quantization_methods(register: Callable[..., None]) -> None:
 @hookimpl
 def sonar_register_kv_connectors(register: Callable[..., None]) -> None:
     register("OffloadingConnector", "sonar.kv_transfer.offload:OffloadingConnector")
+    register("SonarConnector", "sonar.kv_transfer.sonar_connector:SonarConnector")
 
 
 @hookimpl

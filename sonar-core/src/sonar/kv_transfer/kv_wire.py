@@ -1,0 +1,123 @@
+"""The KV port's wire format: what two engines exchanging KV blocks say to each other over TCP.
+
+Every message is a header, then the raw tensor frames the header announces, nothing else:
+
+    header:  u32 little-endian length, then a msgspec-msgpack ``KVMessage`` (a tagged union)
+    frame:   u64 little-endian length, then that many bytes (one layer's blocks, C order)
+
+A receiver decodes a header into the one union it expects (a typed decoder: nothing from the
+socket is ever unpickled or evaluated), refuses a header longer than ``MAX_HEADER_BYTES`` and
+a frame whose length is not the one it computed from the agreed layout, and closes the
+connection on anything else.
+
+A pull, decode side first:  ``Hello`` -> ``HelloReply`` (the prefill side refuses a layout that
+differs from its own, naming what differs), then ``Pull`` -> ``PullReply`` and, when it is ok,
+one frame per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the cache's
+dtype.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Union
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 64 * 1024
+_HEADER_LEN = struct.Struct("<I")
+_FRAME_LEN = struct.Struct("<Q")
+
+
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
+    """The decode side's layout, first thing on a connection."""
+
+    version: int
+    engine_id: str
+    model: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tensor_parallel_size: int
+
+
+class HelloReply(msgspec.Struct, tag="hello_reply", forbid_unknown_fields=True):
+    ok: bool
+    engine_id: str
+    error: str = ""
+
+
+class Pull(msgspec.Struct, tag="pull", forbid_unknown_fields=True):
+    """Send these blocks of the finished prefill ``request_id`` (a subset of those it named)."""
+
+    request_id: str
+    block_ids: list[int]
+
+
+class PullReply(msgspec.Struct, tag="pull_reply", forbid_unknown_fields=True):
+    ok: bool
+    num_frames: int = 0
+    frame_bytes: int = 0  # each frame's length
+    error: str = ""
+
+
+KVMessage = Union[Hello, HelloReply, Pull, PullReply]
+
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(KVMessage)
+
+
+class KVWireError(ConnectionError):
+    """The peer sent something this format does not allow, or went away mid-message."""
+
+
+def send_message(sock: socket.socket, message: KVMessage) -> None:
+    payload = _ENCODER.encode(message)
+    sock.sendall(_HEADER_LEN.pack(len(payload)) + payload)
+
+
+def recv_message(sock: socket.socket, expected: type) -> KVMessage:
+    """The next header, which must decode into ``expected``."""
+    (length,) = _HEADER_LEN.unpack(_recv_exactly(sock, _HEADER_LEN.size))
+    if not 0 < length <= MAX_HEADER_BYTES:
+        raise KVWireError(f"a header of {length} bytes (at most {MAX_HEADER_BYTES})")
+    try:
+        message = _DECODER.decode(_recv_exactly(sock, length))
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise KVWireError(f"a header that is not a KV message: {exc}") from None
+    if not isinstance(message, expected):
+        raise KVWireError(f"expected {expected.__name__}, got {type(message).__name__}")
+    return message
+
+
+def send_frame(sock: socket.socket, data: memoryview) -> None:
+    sock.sendall(_FRAME_LEN.pack(data.nbytes))
+    sock.sendall(data)
+
+
+def recv_frame_into(sock: socket.socket, buffer: memoryview) -> None:
+    """The next frame, into ``buffer``, whose length it must have exactly."""
+    (length,) = _FRAME_LEN.unpack(_recv_exactly(sock, _FRAME_LEN.size))
+    if length != buffer.nbytes:
+        raise KVWireError(f"a frame of {length} bytes where {buffer.nbytes} were agreed")
+    view = buffer.cast("B")
+    received = 0
+    while received < length:
+        count = sock.recv_into(view[received:], length - received)
+        if count == 0:
+            raise KVWireError("the peer closed the connection mid-frame")
+        received += count
+
+
+def _recv_exactly(sock: socket.socket, count: int) -> bytes:
+    chunks, remaining = [], count
+    while remaining:
+        chunk = sock.recv(remaining)
+        if not chunk:
+            raise KVWireError("the peer closed the connection")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)

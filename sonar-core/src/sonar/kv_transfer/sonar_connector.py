@@ -1,0 +1,381 @@
+"""``SonarConnector``: prefill/decode disaggregation with nothing installed, over TCP.
+
+A prefill engine (``kv_role`` ``kv_producer`` or ``kv_both``) that finishes a request sent with
+``kv_transfer_params: {"do_remote_decode": true}`` keeps its blocks and returns, in its
+response's ``kv_transfer_params``, where they are (its KV port, the request, the block ids, the
+prompt's length and hash). A decode engine (``kv_consumer`` or ``kv_both``) given those
+parameters pulls the blocks from that port before it schedules the request, computes only the
+last prompt token and decodes from there.
+
+The prefill side frees the blocks once they are pulled, or after ``kv_transfer_timeout``
+seconds (``kv_connector_extra_config``, default 30) when nobody pulls them. A decode side whose
+pull fails (the prefill engine is gone, refused the layout, timed out) computes the prompt
+itself: the output is the same, only slower, and ``sonar:kv_transfer_failures`` counts it.
+
+The wire format is ``sonar.kv_transfer.kv_wire``: msgspec headers and raw tensor frames.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import threading
+import time
+import uuid
+from array import array
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sonar.kv_transfer import kv_wire
+from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorMetadata, KVConnectorRole, KVTransferConfig
+
+if TYPE_CHECKING:
+    import torch
+
+    from sonar.engine.request import Request
+    from sonar.engine.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TRANSFER_TIMEOUT_S = 30.0
+CONNECT_TIMEOUT_S = 5.0
+IO_TIMEOUT_S = 30.0
+REGISTRATION_WAIT_S = 5.0  # a pull may arrive before the prefill side's worker heard of the request
+MAX_PULL_THREADS = 4
+
+
+def prompt_hash(token_ids: list[int]) -> str:
+    """A digest of a prompt's token ids: the decode side checks it names the same prompt."""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
+
+
+@dataclass(slots=True)
+class RemoteLoad:
+    """Blocks of one request to pull from a prefill engine into ``block_ids``."""
+
+    request_id: str
+    remote_host: str
+    remote_port: int
+    remote_request_id: str
+    remote_block_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class SonarConnectorMetadata(KVConnectorMetadata):
+    sends: dict[str, list[int]] = field(default_factory=dict)  # finished prefills whose blocks a peer pulls
+    loads: list[RemoteLoad] = field(default_factory=list)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.sends or self.loads)
+
+
+@dataclass(slots=True)
+class _Served:
+    block_ids: set[int]
+    deadline: float
+
+
+class SonarConnector(KVConnector):
+    """The built-in prefill/decode connector (see the module's description)."""
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout | None = None) -> None:
+        super().__init__(config, role, layout)
+        if layout is None:
+            raise ValueError("SonarConnector needs the engine's KV-cache layout")
+        extra = config.kv_connector_extra_config
+        self.timeout_s = float(extra.get("kv_transfer_timeout", DEFAULT_TRANSFER_TIMEOUT_S))
+        self.engine_id = config.engine_id or uuid.uuid4().hex[:12]
+        # scheduler side
+        self._address: dict[str, Any] | None = None
+        self._sends: dict[str, list[int]] = {}
+        self._loads: list[RemoteLoad] = []
+        self._pending: dict[str, int] = {}  # request -> its first block to pull
+        self._attempted: set[str] = set()  # requests whose pull was scheduled once (never twice)
+        # worker side
+        self.kv_caches: list[torch.Tensor] = []
+        self._lock = threading.Condition()
+        self._served: dict[str, _Served] = {}
+        self._done_sending: set[str] = set()
+        self._done_recving: set[str] = set()
+        self._failed: set[str] = set()
+        self._listener: socket.socket | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    @classmethod
+    def check_config(cls, config: KVTransferConfig) -> None:
+        timeout = config.kv_connector_extra_config.get("kv_transfer_timeout", DEFAULT_TRANSFER_TIMEOUT_S)
+        if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+            raise ValueError(f"kv_connector_extra_config['kv_transfer_timeout'] must be a positive number of seconds, got {timeout!r}")
+
+    # -- scheduler side --------------------------------------------------------------------
+
+    def set_handshake_metadata(self, metadata: dict[str, Any] | None) -> None:
+        self._address = metadata
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.sampling_params.kv_transfer_params
+        if not self.config.is_consumer or not params or not params.get("do_remote_prefill"):
+            return 0, False
+        req_id = request.request_id
+        if req_id in self._attempted or request.num_output_tokens or request.sampling_params.prompt_logprobs is not None:
+            return 0, False
+        problem = _check_remote_params(params, request, self.layout.block_size)
+        if problem:
+            self._attempted.add(req_id)
+            logger.warning("request %s: kv_transfer_params %s; its prompt is computed here", req_id, problem)
+            return 0, False
+        num_external = request.num_prompt_tokens - 1 - num_computed_tokens
+        if num_external <= 0:
+            return 0, False
+        self._pending[req_id] = num_computed_tokens // self.layout.block_size
+        return num_external, True
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        first = self._pending.pop(request.request_id, None)
+        if first is None or num_external_tokens <= 0:
+            return
+        params = request.sampling_params.kv_transfer_params
+        block_size = self.layout.block_size
+        last = -(-(first * block_size + num_external_tokens) // block_size)
+        self._attempted.add(request.request_id)
+        self._loads.append(
+            RemoteLoad(
+                request_id=request.request_id,
+                remote_host=params["remote_host"],
+                remote_port=params["remote_port"],
+                remote_request_id=params["remote_request_id"],
+                remote_block_ids=list(params["remote_block_ids"][first:last]),
+                block_ids=block_ids[first:last],
+            )
+        )
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SonarConnectorMetadata:
+        metadata = SonarConnectorMetadata(self._sends, self._loads)
+        self._sends, self._loads = {}, []
+        for req_id in scheduler_output.finished_req_ids:
+            self._attempted.discard(req_id)
+            self._pending.pop(req_id, None)
+        return metadata
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        params = request.sampling_params.kv_transfer_params
+        if not self.config.is_producer or not params or not params.get("do_remote_decode"):
+            return False, None
+        if request.status.value == "abort" or not block_ids or self._address is None:
+            return False, None
+        self._sends[request.request_id] = list(block_ids)
+        return True, {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_host": self._address["host"],
+            "remote_port": self._address["port"],
+            "remote_request_id": request.request_id,
+            "remote_block_ids": list(block_ids),
+            "num_prompt_tokens": request.num_prompt_tokens,
+            "prompt_hash": prompt_hash(request.prompt_token_ids),
+            "tp_size": self.layout.tensor_parallel_size,
+        }
+
+    # -- worker side -----------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: list[torch.Tensor]) -> None:
+        self.kv_caches = kv_caches
+        if self.config.is_consumer:
+            self._pool = ThreadPoolExecutor(MAX_PULL_THREADS, thread_name_prefix="sonar-kv-pull")
+        if self.config.is_producer:
+            listener = socket.create_server((self.config.kv_ip, self.config.kv_port), reuse_port=False)
+            self._listener = listener
+            threading.Thread(target=self._serve, name="sonar-kv-port", daemon=True).start()
+            logger.info("KV port listening on %s:%d", *listener.getsockname()[:2])
+
+    def get_handshake_metadata(self) -> dict[str, Any] | None:
+        if self._listener is None:
+            return None
+        host = self.config.kv_ip
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()
+        return {"host": host, "port": self._listener.getsockname()[1], "engine_id": self.engine_id}
+
+    def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
+        if not isinstance(metadata, SonarConnectorMetadata) or not metadata.has_work:
+            return
+        if metadata.sends:
+            deadline = time.monotonic() + self.timeout_s
+            with self._lock:
+                for req_id, block_ids in metadata.sends.items():
+                    self._served[req_id] = _Served(set(block_ids), deadline)
+                self._lock.notify_all()
+        for load in metadata.loads:
+            if self._pool is None:  # not a consumer: nothing to pull with
+                self._finish_recv(load.request_id, ok=False)
+            else:
+                self._pool.submit(self._pull, load)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        now = time.monotonic()
+        with self._lock:
+            for req_id in [r for r, served in self._served.items() if served.deadline < now]:
+                logger.warning("request %s: no decode engine pulled its KV within %.0f s; its blocks are freed", req_id, self.timeout_s)
+                del self._served[req_id]
+                self._done_sending.add(req_id)
+            sending, recving = self._done_sending, self._done_recving
+            self._done_sending, self._done_recving = set(), set()
+        return sending, recving
+
+    def get_failed_loads(self) -> set[str]:
+        with self._lock:
+            failed, self._failed = self._failed, set()
+        return failed
+
+    def shutdown(self) -> None:
+        self._closed = True
+        if self._listener is not None:
+            self._listener.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- decode side: pulling ----------------------------------------------------------------
+
+    def _hello(self) -> kv_wire.Hello:
+        layout = self.layout
+        return kv_wire.Hello(
+            kv_wire.PROTOCOL_VERSION, self.engine_id, layout.model, layout.dtype, layout.block_size,
+            layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.tensor_parallel_size,
+        )
+
+    def _pull(self, load: RemoteLoad) -> None:
+        ok = False
+        try:
+            self._pull_blocks(load)
+            ok = True
+        except Exception as exc:  # a failed pull recomputes; it never takes the engine down
+            logger.warning(
+                "request %s: pulling its KV from %s:%s failed (%s); its prompt is computed here",
+                load.request_id, load.remote_host, load.remote_port, exc,
+            )
+        self._finish_recv(load.request_id, ok)
+
+    def _pull_blocks(self, load: RemoteLoad) -> None:
+        import torch
+
+        with socket.create_connection((load.remote_host, load.remote_port), timeout=CONNECT_TIMEOUT_S) as sock:
+            sock.settimeout(IO_TIMEOUT_S)
+            kv_wire.send_message(sock, self._hello())
+            reply = kv_wire.recv_message(sock, kv_wire.HelloReply)
+            if not reply.ok:
+                raise kv_wire.KVWireError(f"the prefill engine refused: {reply.error}")
+            kv_wire.send_message(sock, kv_wire.Pull(load.remote_request_id, load.remote_block_ids))
+            pulled = kv_wire.recv_message(sock, kv_wire.PullReply)
+            if not pulled.ok:
+                raise kv_wire.KVWireError(f"the prefill engine refused the pull: {pulled.error}")
+            first = self.kv_caches[0]
+            _, _, block_size, num_kv_heads, head_dim = first.shape
+            num_blocks = len(load.block_ids)
+            shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+            frame_bytes = 2 * num_blocks * block_size * num_kv_heads * head_dim * first.element_size()
+            if pulled.num_frames != len(self.kv_caches) or pulled.frame_bytes != frame_bytes:
+                raise kv_wire.KVWireError(f"the prefill engine announced {pulled.num_frames} frames of {pulled.frame_bytes} bytes")
+            index = torch.tensor(load.block_ids, dtype=torch.int64, device=first.device)
+            buffer = torch.empty(shape, dtype=first.dtype, pin_memory=first.device.type == "cuda")
+            raw = memoryview(buffer.view(-1).view(torch.uint8).numpy())
+            for kv in self.kv_caches:
+                kv_wire.recv_frame_into(sock, raw)
+                kv.index_copy_(1, index, buffer.to(kv.device))
+            if first.device.type == "cuda":
+                torch.cuda.current_stream(first.device).synchronize()
+
+    def _finish_recv(self, req_id: str, ok: bool) -> None:
+        with self._lock:
+            self._done_recving.add(req_id)
+            if not ok:
+                self._failed.add(req_id)
+
+    # -- prefill side: serving -------------------------------------------------------------
+
+    def _serve(self) -> None:
+        listener = self._listener
+        while not self._closed:
+            try:
+                conn, peer = listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._handle, args=(conn, peer), name="sonar-kv-send", daemon=True).start()
+
+    def _handle(self, conn: socket.socket, peer: Any) -> None:
+        with conn:
+            conn.settimeout(IO_TIMEOUT_S)
+            try:
+                self._serve_connection(conn)
+            except Exception as exc:  # malformed input or a peer gone: this connection ends, the port lives on
+                logger.warning("KV port: connection from %s closed: %s", peer, exc)
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        import torch
+
+        hello = kv_wire.recv_message(conn, kv_wire.Hello)
+        mismatches = self._layout_mismatches(hello)
+        if mismatches:
+            error = "KV layouts differ (prefill vs decode): " + "; ".join(mismatches)
+            kv_wire.send_message(conn, kv_wire.HelloReply(False, self.engine_id, error))
+            logger.warning("KV port: refused engine %s: %s", hello.engine_id, error)
+            return
+        kv_wire.send_message(conn, kv_wire.HelloReply(True, self.engine_id))
+        pull = kv_wire.recv_message(conn, kv_wire.Pull)
+        served = self._wait_registered(pull.request_id)
+        if served is None:
+            kv_wire.send_message(conn, kv_wire.PullReply(False, error=f"no finished prefill {pull.request_id!r} holds blocks here"))
+            return
+        if not pull.block_ids or not set(pull.block_ids) <= served.block_ids:
+            kv_wire.send_message(conn, kv_wire.PullReply(False, error=f"request {pull.request_id!r} does not hold those blocks"))
+            return
+        try:
+            first = self.kv_caches[0]
+            index = torch.tensor(pull.block_ids, dtype=torch.int64, device=first.device)
+            frame_bytes = len(pull.block_ids) * self.layout.bytes_per_block // self.layout.num_layers
+            kv_wire.send_message(conn, kv_wire.PullReply(True, len(self.kv_caches), frame_bytes))
+            for kv in self.kv_caches:
+                blocks = kv.index_select(1, index).cpu().contiguous()  # [2, n, block_size, heads, head_dim]
+                kv_wire.send_frame(conn, memoryview(blocks.view(-1).view(torch.uint8).numpy()))
+        finally:  # pulled, or the decode engine went away mid-transfer: either way the blocks go
+            with self._lock:
+                if self._served.pop(pull.request_id, None) is not None:
+                    self._done_sending.add(pull.request_id)
+
+    def _layout_mismatches(self, hello: kv_wire.Hello) -> list[str]:
+        if hello.version != kv_wire.PROTOCOL_VERSION:
+            return [f"protocol version {kv_wire.PROTOCOL_VERSION} != {hello.version}"]
+        theirs = KVCacheLayout(
+            hello.model, hello.dtype, hello.block_size, hello.num_layers, hello.num_kv_heads, hello.head_dim, 0,
+            hello.tensor_parallel_size,
+        )
+        return self.layout.mismatches(theirs)
+
+    def _wait_registered(self, req_id: str) -> _Served | None:
+        deadline = time.monotonic() + REGISTRATION_WAIT_S
+        with self._lock:
+            while req_id not in self._served and not self._closed:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return None
+                self._lock.wait(remaining)
+            return self._served.get(req_id)
+
+
+def _check_remote_params(params: dict[str, Any], request: Request, block_size: int) -> str | None:
+    """What is wrong with a decode request's ``kv_transfer_params`` (None: nothing)."""
+    host, port, remote_id, blocks = (params.get(k) for k in ("remote_host", "remote_port", "remote_request_id", "remote_block_ids"))
+    if not isinstance(host, str) or not isinstance(port, int) or not isinstance(remote_id, str):
+        return "lack remote_host, remote_port or remote_request_id"
+    if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
+        return "have no valid remote_block_ids"
+    if len(blocks) * block_size < request.num_prompt_tokens - 1:
+        return f"name {len(blocks)} blocks, too few for a prompt of {request.num_prompt_tokens} tokens"
+    if params.get("num_prompt_tokens") != request.num_prompt_tokens or params.get("prompt_hash") != prompt_hash(request.prompt_token_ids):
+        return "describe another prompt than this request's"
+    return None
