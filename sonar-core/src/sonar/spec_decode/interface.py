@@ -52,7 +52,8 @@ class SpeculativeConfig:
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
         """A config from vLLM's dictionary (``{"method": "ngram", "num_speculative_tokens": 4}``);
-        keys this class has no field for are kept in ``extra``.
+        keys this class has no field for are kept in ``extra``. Without a ``method`` (or with
+        ``"auto"``), a ``model`` folder's config.json names it (``sonar.spec_decode.detect``).
 
         :raises ValueError: not a dictionary, no ``method``, or a field of the wrong type.
         """
@@ -63,6 +64,10 @@ class SpeculativeConfig:
         known = {name for name in cls.__dataclass_fields__ if name != "extra"}
         fields = {key: item for key, item in value.items() if key in known}
         extra = {key: item for key, item in value.items() if key not in known}
+        if fields.get("method") in (None, "auto") and isinstance(fields.get("model"), str):
+            from sonar.spec_decode.detect import detect_method
+
+            fields["method"] = detect_method(fields["model"])  # from the drafter's config.json
         if not isinstance(fields.get("method"), str):
             raise ValueError('speculative_config needs a "method" (a string: "ngram", or a plugin\'s method)')
         fields.setdefault("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
