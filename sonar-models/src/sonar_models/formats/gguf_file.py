@@ -20,6 +20,7 @@ from sonar.quantization import quant_config_of
 from sonar_models.formats.gguf_blocks import BLOCK_SIZES, GGUFBlocks
 from sonar_models.formats.gguf_metadata import architecture_of, config_from_gguf, field_value, open_gguf
 from sonar_models.formats.gguf_quant import TIED_HEAD_PARAM
+from sonar_models.formats.gguf_tokenizer import load_gguf_tokenizer
 
 GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -63,11 +64,10 @@ class GGUFFormat:
         return config
 
     def load_tokenizer(self, model_path: Path) -> Any:
-        """The tokenizer ``transformers`` builds from the file, with its chat template."""
-        from transformers import AutoTokenizer
-
+        """The tokenizer ``transformers`` builds from the file (converted once, then read from
+        the cache: ``gguf_tokenizer``), with its chat template."""
         model_path = Path(model_path)
-        tokenizer = AutoTokenizer.from_pretrained(model_path.parent, gguf_file=model_path.name)
+        tokenizer = load_gguf_tokenizer(model_path)
         template = field_value(open_gguf(model_path), "tokenizer.chat_template")
         if template and not getattr(tokenizer, "chat_template", None):
             tokenizer.chat_template = template

@@ -1,0 +1,70 @@
+"""The tokenizer of a ``.gguf`` file, converted once and kept on disk.
+
+``transformers`` rebuilds a GGUF file's tokenizer from its metadata (vocabulary, merges) every
+time it loads one: seconds for a 49k-token vocabulary, paid by every process that opens the
+file. The converted tokenizer is saved (``tokenizer.json``, its config and chat template:
+plain JSON and Jinja, nothing executable) under the cache folder, keyed by the file's resolved
+path, size and modification time and the ``transformers`` version that converted it, and
+later loads read it from there. The cache folder is ``$SONAR_CACHE_DIR``, else
+``$XDG_CACHE_HOME/sonar``, else ``~/.cache/sonar``; a cache that cannot be written is skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def cache_root() -> Path:
+    """Where Sonar keeps what it derives from model files."""
+    if os.environ.get("SONAR_CACHE_DIR"):
+        return Path(os.environ["SONAR_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "sonar"
+
+
+def _cache_folder(gguf: Path) -> Path:
+    import transformers
+
+    stat = gguf.stat()
+    key = f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    return cache_root() / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def load_gguf_tokenizer(gguf: Path) -> Any:
+    """The tokenizer ``transformers`` builds from ``gguf``: from the cache where an earlier
+    load converted it, else converted now (and saved for the next load)."""
+    from transformers import AutoTokenizer
+
+    gguf = Path(gguf)
+    folder = _cache_folder(gguf)
+    if (folder / TOKENIZER_FILE).is_file():
+        try:
+            return AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError) as error:  # a damaged entry: convert again
+            logger.warning("the cached tokenizer of %s is unreadable (%s); converting it again", gguf.name, error)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    _save(tokenizer, folder)
+    return tokenizer
+
+
+def _save(tokenizer: Any, folder: Path) -> None:
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=".incoming-", dir=folder.parent))
+        tokenizer.save_pretrained(staging)
+        try:
+            os.replace(staging, folder)  # atomic: a concurrent load sees all of it or none
+        except OSError:  # another process saved it first
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as error:
+        logger.info("not caching the converted tokenizer (%s)", error)
