@@ -60,6 +60,7 @@ def sonar_register_reasoning_parsers(register: Callable[..., None]) -> None:
 def sonar_register_cli_commands(register: Callable[..., None]) -> None:
     register("serve", "sonar_server.cli:add_serve_parser")
     register("bench serve", "sonar_server.cli:add_bench_serve_parser")
+    register("proxy", "sonar_server.proxy:add_proxy_parser")
 
 
 def collect_server_hook(hook_name: str) -> list[tuple[Any, ...]]:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 # commands other distributions provide, and how to get them where they are missing
-PROVIDED_ELSEWHERE = {"serve": "sonar-server", "bench serve": "sonar-server"}
+PROVIDED_ELSEWHERE = {"serve": "sonar-server", "bench serve": "sonar-server", "proxy": "sonar-server"}
 
 
 def _commands() -> list[tuple[str, Callable[[argparse._SubParsersAction], argparse.ArgumentParser]]]:

@@ -1,0 +1,211 @@
+"""Prefill/decode disaggregation with the built-in SonarConnector: a prefill server, a decode
+server and ``sonar proxy``, all real processes on loopback, against one server's greedy output."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import struct
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import KV_CACHE_BYTES, ServerProcess, free_port, metrics, sonar_command
+
+from sonar.kv_transfer import kv_wire
+
+PRODUCER = '{"kv_connector": "SonarConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"kv_transfer_timeout": 3}}'
+CONSUMER = '{"kv_connector": "SonarConnector", "kv_role": "kv_consumer"}'
+PROMPT = "The lighthouse keeper counted the ships that passed in the night, one by one, " * 4
+MESSAGES = [{"role": "user", "content": "Tell me about the sea and the ships that cross it. " * 3}]
+
+
+def _server(model: str, config: str) -> ServerProcess:
+    return ServerProcess(
+        [model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512", "--kv-transfer-config", config]
+    )
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_model: str) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """The prefill and the decode server, started side by side."""
+    with ThreadPoolExecutor(2) as pool:
+        started = [pool.submit(_server, tiny_model, config) for config in (PRODUCER, CONSUMER)]
+    processes = [future.result() for future in started]
+    yield processes[0], processes[1]
+    for process in processes:
+        process.stop()
+
+
+@pytest.fixture(scope="module")
+def producer(servers) -> ServerProcess:
+    return servers[0]
+
+
+@pytest.fixture(scope="module")
+def consumer(servers) -> ServerProcess:
+    return servers[1]
+
+
+@pytest.fixture(scope="module")
+def proxy_url(producer: ServerProcess, consumer: ServerProcess) -> Iterator[str]:
+    port = free_port()
+    log = Path(tempfile.mkstemp(prefix="sonar-proxy-", suffix=".log")[1])
+    with log.open("w") as out:
+        command = [*sonar_command(), "proxy", "--prefill", producer.url, "--decode", consumer.url, "--port", str(port)]
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        assert process.poll() is None and time.monotonic() < deadline, log.read_text()
+        try:
+            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.2)
+    yield url
+    process.terminate()
+    process.wait(10)
+
+
+def _complete(url: str, prompt: str = PROMPT, **fields) -> dict:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0.0, **fields}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def _prefill(url: str, prompt: str = PROMPT) -> dict:
+    params = _complete(url, prompt, max_tokens=1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True and params["remote_request_id"]
+    return params
+
+
+def _all_blocks_free(url: str, timeout: float = 0.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        values = metrics(url)
+        if values["sonar:num_kv_blocks_free"] == values["sonar:num_kv_blocks_total"]:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def expected(producer: ServerProcess) -> str:
+    """One server's greedy completion (the prefill server serves plain requests too)."""
+    return _complete(producer.url)["choices"][0]["text"]
+
+
+def test_prefill_on_one_server_and_decode_on_another_equal_one_server(producer, consumer, expected) -> None:
+    params = _prefill(producer.url)
+    before = metrics(consumer.url)
+    decoded = _complete(consumer.url, kv_transfer_params=params)
+    after = metrics(consumer.url)
+    assert decoded["choices"][0]["text"] == expected
+    assert decoded["kv_transfer_params"] is None
+    prompt_tokens = decoded["usage"]["prompt_tokens"]
+    # the decode server computed the last prompt token only; the rest came from the prefill server
+    assert after["sonar:engine_prompt_tokens_total"] - before["sonar:engine_prompt_tokens_total"] == 1
+    assert after["sonar:external_prefix_cache_hits_total"] - before["sonar:external_prefix_cache_hits_total"] == prompt_tokens - 1
+    assert _all_blocks_free(producer.url, timeout=2.0)  # freed once pulled, long before the timeout
+    assert _all_blocks_free(consumer.url, timeout=2.0)
+
+
+def test_through_the_proxy_with_the_openai_client(producer, proxy_url, expected) -> None:
+    import openai
+
+    client = openai.OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0)
+    completion = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0.0)
+    assert completion.choices[0].text == expected
+    streamed = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0.0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected
+
+    direct = openai.OpenAI(base_url=f"{producer.url}/v1", api_key="unused", max_retries=0)
+    chat_expected = direct.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0.0)
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0.0)
+    assert chat.choices[0].message.content == chat_expected.choices[0].message.content
+    stream = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=8, temperature=0.0, stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == chat_expected.choices[0].message.content
+    assert httpx.get(f"{proxy_url}/health").json()["decode"][0]["in_flight"] == 0
+
+
+def test_a_decode_server_whose_prefill_server_is_gone_computes_the_prompt(producer, consumer) -> None:
+    prompt = "A prompt the decode server has never seen, so that nothing of it is cached there. " * 3
+    expected = _complete(producer.url, prompt)["choices"][0]["text"]
+    params = _prefill(producer.url, prompt)  # never pulled: the prefill server frees it after its 3 s timeout
+    assert not _all_blocks_free(producer.url)
+    before = metrics(consumer.url)["sonar:kv_transfer_failures_total"]
+    gone = {**params, "remote_port": free_port()}  # nothing listens there any more
+    decoded = _complete(consumer.url, prompt, kv_transfer_params=gone)
+    assert decoded["choices"][0]["text"] == expected
+    assert metrics(consumer.url)["sonar:kv_transfer_failures_total"] == before + 1
+    assert _all_blocks_free(producer.url, timeout=6.0)
+    assert _all_blocks_free(consumer.url, timeout=2.0)
+
+
+def _closed_without_answer(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:  # closed with our bytes unread
+        return True
+
+
+def _connect(params: dict) -> socket.socket:
+    return socket.create_connection((params["remote_host"], params["remote_port"]), timeout=10)
+
+
+def _hello(**changes) -> kv_wire.Hello:
+    fields = dict(
+        version=kv_wire.PROTOCOL_VERSION, engine_id="test", model="", dtype="float32", block_size=16, num_layers=2,
+        num_kv_heads=2, head_dim=16, tensor_parallel_size=1,
+    )
+    fields.update(changes)
+    return kv_wire.Hello(**fields)
+
+
+def test_the_kv_port_refuses_another_layout_and_malformed_frames(producer, consumer, tiny_model, expected, tmp_path) -> None:
+    params = _prefill(producer.url)
+    model = f"{Path(tiny_model).name}:LlamaForCausalLM"
+    with _connect(params) as sock:  # another block size: refused, naming the difference
+        kv_wire.send_message(sock, _hello(model=model, block_size=32))
+        reply = kv_wire.recv_message(sock, kv_wire.HelloReply)
+    assert not reply.ok and "block_size 16 != 32" in reply.error
+    with _connect(params) as sock:
+        kv_wire.send_message(sock, _hello(model="other-model:MistralForCausalLM"))
+        assert "model" in kv_wire.recv_message(sock, kv_wire.HelloReply).error
+
+    marker = tmp_path / "unpickled"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    garbage = [os.urandom(4096), pickle.dumps(Payload()), struct.pack("<I", 40) + pickle.dumps(Payload())[:40], struct.pack("<I", 2**31)]
+    for data in garbage:
+        with _connect(params) as sock:
+            sock.sendall(data)
+            sock.shutdown(socket.SHUT_WR)
+            assert _closed_without_answer(sock)
+    assert not marker.exists()
+
+    # a decode engine that goes away mid-transfer: the prefill server frees the blocks at once
+    with _connect(params) as sock:
+        kv_wire.send_message(sock, _hello(model=model))
+        assert kv_wire.recv_message(sock, kv_wire.HelloReply).ok
+        kv_wire.send_message(sock, kv_wire.Pull(params["remote_request_id"], params["remote_block_ids"]))
+        assert kv_wire.recv_message(sock, kv_wire.PullReply).ok
+        sock.recv(100)
+    assert _all_blocks_free(producer.url, timeout=2.0)  # well before its 3 s timeout
+
+    # the port still serves a real pull
+    decoded = _complete(consumer.url, kv_transfer_params=_prefill(producer.url))
+    assert decoded["choices"][0]["text"] == expected
