@@ -185,3 +185,20 @@ def test_method_and_block_are_checked_before_loading(target, tmp_path):
         DFlashProposer.check_config(SpeculativeConfig("dflash", 5, model=str(zlab)))
     with pytest.raises(ValueError, match='needs "model"'):
         DFlashProposer.check_config(SpeculativeConfig("dflash", 3))
+
+
+def test_a_drafter_for_another_target_is_refused_naming_the_field(target, tmp_path):
+    import json
+
+    _, model = target
+    folder = make_drafter(target, tmp_path / "drafter", "deepspec", None)
+    raw = json.loads((folder / "config.json").read_text())
+    for field, value, message in [
+        ("num_target_layers", 8, "num_target_layers 8 differs from the target's 4 layers"),
+        ("target_layer_ids", [0, 3], r"read the last layer's output"),
+        ("hidden_size", 32, "hidden_size 32 differs from the target's 64"),
+    ]:
+        (folder / "config.json").write_text(json.dumps({**raw, field: value}))
+        proposer = DFlashProposer(SpeculativeConfig("dflash", 3, model=str(folder)), torch.device("cpu"))
+        with pytest.raises(ValueError, match=message):
+            proposer.load_model(model)

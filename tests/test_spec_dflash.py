@@ -1,0 +1,168 @@
+"""DFlash and DSpark with real tiny targets (a Llama-style and a Qwen3-style one): greedy output
+with each method is token for token the output without speculation, in mixed batches
+(different lengths, sampled and penalised requests), with chunked prefill and preemption; the
+method is read from the drafter's folder when none is given; a drafter built for another
+target is refused naming the field; ``sonar train-drafter --method dflash|dspark`` saves a
+drafter that learned (acceptance above the untrained one's) and serves as a proposer."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sonar import LLM, SamplingParams
+from sonar.spec_decode.dflash_checkpoint import save_dflash
+from sonar.spec_decode.dflash_model import DFlashDrafter
+from sonar.spec_decode.dflash_trainer import drafter_config_for, init_drafter
+
+LAYERS = 4
+VOCAB = 4096
+BLOCK_BYTES = 2 * LAYERS * 16 * 2 * 16 * 4  # one 16-token KV block of the targets below (2 KV heads of 16)
+
+
+def build_target(arch: str, folder):
+    """A tiny random target without a tokenizer (prompts are token ids)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(**common) if arch == "llama" else Qwen3Config(**common, head_dim=16)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    from transformers import AutoConfig
+
+    root, built = tmp_path_factory.mktemp("dflash-targets"), {}
+
+    def get(arch: str):
+        if arch not in built:
+            folder = build_target(arch, root / arch)
+            built[arch] = folder, AutoConfig.from_pretrained(folder)
+        return built[arch]
+
+    return get
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3"])
+def target(request, targets):
+    return targets(request.param)
+
+
+def random_drafter(target, folder, layout: str, dspark: bool, block: int = 4, seed: int = 0):
+    """A random drafter in the published ``layout`` (written with the target's embedding and head)."""
+    path, hf = target
+    ids = [-1, 1, 2] if layout == "deepspec" else [0, 2]
+    config = drafter_config_for(hf, layout, block, 2, ids, VOCAB - 1, markov_rank=16 if dspark else 0,
+                                markov_head_type="vanilla", confidence_head=dspark)  # fmt: skip
+    drafter = init_drafter(DFlashDrafter(config), std=0.1, seed=seed)
+    weights = load_file(str(path / "model.safetensors"))
+    return save_dflash(drafter, folder, embedding=weights["model.embed_tokens.weight"], lm_head=weights["lm_head.weight"])
+
+
+def generate(llm: LLM, prompts, params):
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+PROMPTS = [[(i * 13 + j * 7) % 97 + 200 for j in range(20 + 9 * i)] for i in range(4)] + [[301, 302, 303]]
+
+
+def mixed_params():
+    params = [SamplingParams(temperature=0, max_tokens=18, ignore_eos=True) for _ in PROMPTS]
+    params[1] = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=1.3)  # decodes without drafts
+    params[3] = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)  # sampled
+    return params
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return generate(LLM(str(target[0]), kv_cache_memory_bytes=2**23, max_model_len=128, skip_tokenizer_init=True), PROMPTS, mixed_params())
+
+
+@pytest.mark.parametrize("method, layout", [("dflash", "zlab"), ("dspark", "deepspec")])
+def test_greedy_output_with_each_method_equals_no_speculation(target, plain, tmp_path, method, layout):
+    folder = random_drafter(target, tmp_path / "drafter", layout, dspark=method == "dspark")
+    spec = {"method": method, "model": str(folder), "num_speculative_tokens": 3}
+    # chunked prefill (16-token chunks) and a cache small enough to preempt
+    llm = LLM(str(target[0]), kv_cache_memory_bytes=10 * BLOCK_BYTES, max_num_batched_tokens=16, max_model_len=128,
+              speculative_config=spec, skip_tokenizer_init=True)  # fmt: skip
+    got = generate(llm, PROMPTS, mixed_params())
+    stats = llm.llm_engine.get_stats()
+    for row in (0, 1, 2, 4):
+        assert got[row] == plain[row]
+    assert len(got[3]) == 12
+    assert stats.spec_num_drafts > 0 and stats.num_preemptions > 0
+
+
+def test_the_method_is_read_from_the_drafter_and_a_foreign_drafter_is_refused(targets, tmp_path):
+    target = targets("llama")
+    folder = random_drafter(target, tmp_path / "dflash", "deepspec", dspark=False, block=3)
+    kwargs = dict(kv_cache_memory_bytes=2**23, max_model_len=128, skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0, max_tokens=18, ignore_eos=True)
+    expected = generate(LLM(str(target[0]), **kwargs), PROMPTS[:2], params)
+    llm = LLM(str(target[0]), **kwargs, speculative_config={"model": str(folder)})
+    assert llm.llm_engine.config.speculative_config.method == "dflash"
+    assert generate(llm, PROMPTS[:2], params) == expected
+    assert llm.llm_engine.get_stats().spec_num_drafts > 0
+    bad = tmp_path / "bad-vocab"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), "vocab_size": VOCAB + 8}))
+    (bad / "model.safetensors").symlink_to(folder / "model.safetensors")
+    with pytest.raises(ValueError, match="vocab_size 4104 differs from the target's 4096"):
+        LLM(str(target[0]), **kwargs, speculative_config={"method": "dflash", "model": str(bad)})
+    with pytest.raises(ValueError, match="exceeds the 3 drafts a block"):
+        LLM(str(target[0]), **kwargs, speculative_config={"model": str(folder), "num_speculative_tokens": 4})
+
+
+@pytest.fixture(scope="module")
+def chat_target(tmp_path_factory):
+    from sonar_models.testing import build_tiny_model
+
+    return build_tiny_model("llama", tmp_path_factory.mktemp("dflash-train") / "llama4", num_hidden_layers=LAYERS)
+
+
+TRAIN_PROMPTS = [{"prompt": p} for p in ("Write a haiku about the sea.", "What is 12 times 7?", "Name three colours.", "Explain rain to a child.")]
+
+
+@pytest.mark.parametrize("method, layout", [("dspark", "deepspec"), ("dflash", "zlab")])
+def test_train_drafter_learns_and_the_saved_drafter_serves(chat_target, tmp_path, capsys, method, layout):
+    from sonar.cli.main import main
+    from sonar.spec_decode import eagle3_data as data
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(p) for p in TRAIN_PROMPTS) + "\n")
+    out = tmp_path / "drafter"
+    code = main([
+        "train-drafter", str(chat_target), "--method", method, "--layout", layout, "--prompts", str(prompts), "--num-prompts", "4",
+        "--max-tokens", "16", "--epochs", "12", "--lr", "3e-3", "--batch-size", "2", "--draft-block-size", "4", "--num-draft-layers", "1",
+        "--target-layer-ids=-1,1,2", "--markov-rank", "16", "--num-anchors", "16", "--held-out", "0.25", "--output", str(out),
+        "--device", "cpu", "--kv-cache-memory-bytes", str(2**22),
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    line = next(x for x in printed.splitlines() if x.startswith("held-out mean acceptance length"))
+    trained, untrained = float(line.split(": ")[1].split()[0]), float(line.split("untrained: ")[1].rstrip(")"))
+    losses = [float(x) for x in next(x for x in printed.splitlines() if x.startswith("train loss by epoch")).split(": ")[1].split(", ")]
+    assert losses[-1] < 0.8 * losses[0]
+    assert trained > untrained
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == (["Qwen3DSparkModel"] if layout == "deepspec" else ["DFlashDraftModel"])
+    if method == "dspark":
+        assert raw["markov_rank"] == 16 and raw["enable_confidence_head"] and "prefix survival by draft position" in printed
+    # it serves as a proposer (method read from the folder), greedy output unchanged, drafts accepted on its training answers
+    llm = LLM(str(chat_target), kv_cache_memory_bytes=2**22)
+    tokenizer = llm.get_tokenizer()
+    chats = [data.chat_prompt_ids(tokenizer, p["prompt"]) for p in TRAIN_PROMPTS]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = generate(llm, chats, params)
+    del llm
+    spec = LLM(str(chat_target), kv_cache_memory_bytes=2**22, speculative_config={"model": str(out), "num_speculative_tokens": 3})
+    assert generate(spec, chats, params) == expected
+    stats = spec.llm_engine.get_stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
