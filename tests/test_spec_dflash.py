@@ -74,7 +74,7 @@ PROMPTS = [[(i * 13 + j * 7) % 97 + 200 for j in range(20 + 9 * i)] for i in ran
 
 
 def mixed_params():
-    params = [SamplingParams(temperature=0, max_tokens=18, ignore_eos=True) for _ in PROMPTS]
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True) for _ in PROMPTS]
     params[1] = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, repetition_penalty=1.3)  # decodes without drafts
     params[3] = SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True)  # sampled
     return params
@@ -130,39 +130,43 @@ def chat_target(tmp_path_factory):
 TRAIN_PROMPTS = [{"prompt": p} for p in ("Write a haiku about the sea.", "What is 12 times 7?", "Name three colours.", "Explain rain to a child.")]
 
 
-@pytest.mark.parametrize("method, layout", [("dspark", "deepspec"), ("dflash", "zlab")])
-def test_train_drafter_learns_and_the_saved_drafter_serves(chat_target, tmp_path, capsys, method, layout):
+def test_train_drafter_learns_and_the_saved_drafter_serves(chat_target, tmp_path, capsys):
     from sonar.cli.main import main
     from sonar.spec_decode import eagle3_data as data
+    from sonar.spec_decode.dflash_checkpoint import load_dflash
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps(p) for p in TRAIN_PROMPTS) + "\n")
     out = tmp_path / "drafter"
     code = main([
-        "train-drafter", str(chat_target), "--method", method, "--layout", layout, "--prompts", str(prompts), "--num-prompts", "4",
-        "--max-tokens", "16", "--epochs", "12", "--lr", "3e-3", "--batch-size", "2", "--draft-block-size", "4", "--num-draft-layers", "1",
+        "train-drafter", str(chat_target), "--method", "dspark", "--prompts", str(prompts), "--num-prompts", "4",
+        "--max-tokens", "16", "--epochs", "6", "--lr", "3e-3", "--batch-size", "4", "--draft-block-size", "4", "--num-draft-layers", "1",
         "--target-layer-ids=-1,1,2", "--markov-rank", "16", "--num-anchors", "16", "--held-out", "0.25", "--output", str(out),
         "--device", "cpu", "--kv-cache-memory-bytes", str(2**22),
     ])  # fmt: skip
     printed = capsys.readouterr().out
     assert code == 0, printed
-    line = next(x for x in printed.splitlines() if x.startswith("held-out mean acceptance length"))
-    trained, untrained = float(line.split(": ")[1].split()[0]), float(line.split("untrained: ")[1].rstrip(")"))
     losses = [float(x) for x in next(x for x in printed.splitlines() if x.startswith("train loss by epoch")).split(": ")[1].split(", ")]
     assert losses[-1] < 0.8 * losses[0]
-    assert trained > untrained
+    assert "held-out mean acceptance length at k=4" in printed and "prefix survival by draft position, predicted/observed" in printed
     raw = json.loads((out / "config.json").read_text())
-    assert raw["architectures"] == (["Qwen3DSparkModel"] if layout == "deepspec" else ["DFlashDraftModel"])
-    if method == "dspark":
-        assert raw["markov_rank"] == 16 and raw["enable_confidence_head"] and "prefix survival by draft position" in printed
-    # it serves as a proposer (method read from the folder), greedy output unchanged, drafts accepted on its training answers
+    assert raw["architectures"] == ["Qwen3DSparkModel"] and raw["markov_rank"] == 16 and raw["enable_confidence_head"]
+    assert raw["target_layer_ids"] == [-1, 1, 2] and raw["block_size"] == 4 and raw["num_target_layers"] == LAYERS
+    # an untrained drafter of the same shape, for comparison
+    untrained = tmp_path / "untrained"
+    tensors = load_file(str(out / "model.safetensors"))
+    save_dflash(init_drafter(DFlashDrafter(load_dflash(out).config)), untrained, embedding=tensors["embed_tokens.weight"], lm_head=tensors["lm_head.weight"])
+    # served on the prompts it learned from (method read from the folder): greedy output unchanged, drafts accepted
     llm = LLM(str(chat_target), kv_cache_memory_bytes=2**22)
-    tokenizer = llm.get_tokenizer()
-    chats = [data.chat_prompt_ids(tokenizer, p["prompt"]) for p in TRAIN_PROMPTS]
+    chats = [data.chat_prompt_ids(llm.get_tokenizer(), p["prompt"]) for p in TRAIN_PROMPTS]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     expected = generate(llm, chats, params)
     del llm
-    spec = LLM(str(chat_target), kv_cache_memory_bytes=2**22, speculative_config={"model": str(out), "num_speculative_tokens": 3})
-    assert generate(spec, chats, params) == expected
-    stats = spec.llm_engine.get_stats()
-    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    accepted = {}
+    for name, folder in (("trained", out), ("untrained", untrained)):
+        spec = LLM(str(chat_target), kv_cache_memory_bytes=2**22, speculative_config={"model": str(folder), "num_speculative_tokens": 3})
+        assert generate(spec, chats, params) == expected
+        stats = spec.llm_engine.get_stats()
+        accepted[name] = stats.spec_num_accepted_tokens / max(1, stats.spec_num_drafts)
+        del spec
+    assert accepted["trained"] > accepted["untrained"]  # accepted drafts per verify step: about 0.12 against 0
