@@ -75,3 +75,31 @@ def test_the_step_metadata_is_plain_data() -> None:
     metadata = OffloadMetadata(saves=[(3, 0), (4, 1)], loads=[(1, 7)])
     decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(metadata), type=OffloadMetadata)
     assert decoded == metadata
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_tier_is_pinned_and_output_unchanged(tiny_model_dir) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from sonar.config import EngineArgs
+    from sonar.engine.llm_engine import LLMEngine
+    from sonar_cuda.platform import CudaPlatform
+
+    def run(**kwargs) -> tuple[LLMEngine, list[list[int]]]:
+        args = EngineArgs(model=str(tiny_model_dir("llama")), dtype="float32", max_model_len=512,
+                          kv_cache_memory_bytes=DEVICE_BLOCKS * BLOCK_BYTES, **kwargs)
+        engine = LLMEngine(args, platform=CudaPlatform)
+        outputs = []
+        for i, prompt in enumerate(PROMPTS):  # one after another, as above
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY)
+            while engine.has_unfinished_requests():
+                outputs += [o.outputs[0].token_ids for o in engine.step() if o.finished]
+        return engine, outputs
+
+    _, expected = run()
+    engine, outputs = run(kv_offload_bytes=HOST_BLOCKS * BLOCK_BYTES)
+    assert outputs == expected
+    assert engine.get_stats().external_prefix_cache_hits == 400 - 9 * 16
+    assert all(t.is_pinned() for t in engine.core.executor.worker.model_runner.kv_connector.host)

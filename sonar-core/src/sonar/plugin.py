@@ -48,6 +48,7 @@ def sonar_register_quantization_methods(register: Callable[..., None]) -> None:
 def sonar_register_kv_connectors(register: Callable[..., None]) -> None:
     register("OffloadingConnector", "sonar.kv_transfer.offload:OffloadingConnector")
     register("SonarConnector", "sonar.kv_transfer.sonar_connector:SonarConnector")
+    register("NixlConnector", "sonar.kv_transfer.nixl_connector:NixlConnector")
 
 
 @hookimpl

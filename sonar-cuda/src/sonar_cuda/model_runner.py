@@ -80,6 +80,8 @@ class CudaModelRunner(ModelRunner):
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then the decode buffers and graphs over it."""
         super().init_kv_cache(num_blocks)
+        if self.kv_connector is not None and self.kv_connector.uses_layer_hooks:  # a replay would skip them
+            self.use_graphs = False
         model = self.model.model if isinstance(self.model, GraphedModel) else self.model
         max_batch = self.max_graph_batch_size
         buffers = DecodeBuffers.allocate(max_batch, self.max_blocks_per_seq, self.device)

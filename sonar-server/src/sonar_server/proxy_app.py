@@ -60,6 +60,8 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout: fl
             return error(400, "the request body must be a JSON object")
         client = state["client"]
         headers = {name: value for name, value in request.headers.items() if name.lower() in _FORWARDED_HEADERS}
+        if body.get("n", 1) != 1:  # one prefill cannot serve several choices: decoded as a whole
+            return await relay_to(decode.pick(), client, path, body, headers)
         # prefill: one token, not streamed, its blocks kept for the decode server
         prefill_body = {key: value for key, value in body.items() if key not in ("stream", "stream_options")}
         prefill_body.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
@@ -78,10 +80,12 @@ def build_proxy_app(prefill_urls: list[str], decode_urls: list[str], timeout: fl
         params = answer.json().get("kv_transfer_params")
         if params is None:
             logger.warning("prefill server %s returned no kv_transfer_params (is it a kv_producer?); the decode server computes the prompt", server.url)
-        decode_body = {**body, "kv_transfer_params": params}
-        server = decode.pick()
+        return await relay_to(decode.pick(), client, path, {**body, "kv_transfer_params": params}, headers)
+
+    async def relay_to(server: Upstream, client: httpx.AsyncClient, path: str, body: dict[str, Any], headers: dict[str, str]) -> Response:
+        """The server's answer to ``body``, streamed back as it comes when the body streams."""
         server.in_flight += 1
-        upstream = client.build_request("POST", server.url + path, json=decode_body, headers=headers)
+        upstream = client.build_request("POST", server.url + path, json=body, headers=headers)
         try:
             reply = await client.send(upstream, stream=True)
         except httpx.HTTPError as exc:

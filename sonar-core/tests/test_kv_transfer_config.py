@@ -1,0 +1,50 @@
+"""``kv_transfer_config`` / ``kv_offload_bytes``: what is accepted and how the rest is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from sonar.cli.main import build_parser, parse_args
+from sonar.kv_transfer import KVTransferConfig
+from sonar.kv_transfer.factory import resolve_kv_transfer_config
+
+
+def test_vllms_dictionary_resolves() -> None:
+    config = resolve_kv_transfer_config({"kv_connector": "SonarConnector", "kv_role": "kv_producer", "kv_port": 0})
+    assert config == KVTransferConfig("SonarConnector", "kv_producer")
+    assert config.is_producer and not config.is_consumer
+    offload = resolve_kv_transfer_config(None, kv_offload_bytes=1 << 20)
+    assert offload.kv_connector == "OffloadingConnector" and offload.kv_connector_extra_config == {"kv_offload_bytes": 1 << 20}
+    assert resolve_kv_transfer_config(None) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"kv_connector": "Nope"}, "connector 'Nope' is not registered; registered: .*SonarConnector"),
+        ({"kv_role": "kv_producer"}, 'needs a "kv_connector"'),
+        ({"kv_connector": "SonarConnector", "kv_role": "decoder"}, "kv_role must be kv_producer, kv_consumer or kv_both"),
+        ({"kv_connector": "SonarConnector", "kv_rol": "kv_producer"}, "unknown key\\(s\\) 'kv_rol'"),
+        ({"kv_connector": "SonarConnector", "kv_port": 70000}, "must be a port number"),
+        ({"kv_connector": "SonarConnector", "kv_connector_extra_config": {"kv_transfer_timeout": -1}}, "positive number of seconds"),
+        ({"kv_connector": "NixlConnector"}, "NixlConnector"),
+        ([1, 2], "must be a JSON object"),
+    ],
+)
+def test_a_bad_config_is_refused_with_its_reason(value, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        resolve_kv_transfer_config(value)
+
+
+def test_offload_and_a_connector_together_are_refused() -> None:
+    with pytest.raises(ValueError, match="cannot be combined yet"):
+        resolve_kv_transfer_config({"kv_connector": "SonarConnector"}, kv_offload_bytes=1 << 20)
+
+
+def test_the_flags_parse(capsys) -> None:
+    parser = build_parser()
+    args = parse_args(parser, ["generate", "--prompt", "hi", "--kv-transfer-config", '{"kv_connector": "SonarConnector"}', "--kv-offload-bytes", "2MiB"])
+    assert args.kv_transfer_config == {"kv_connector": "SonarConnector"} and args.kv_offload_bytes == 2 * 1024 * 1024
+    with pytest.raises(SystemExit):
+        parse_args(parser, ["generate", "--prompt", "hi", "--kv-transfer-config", "{bad"])
+    assert "--kv-transfer-config: not valid JSON" in capsys.readouterr().err
