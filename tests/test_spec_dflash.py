@@ -170,3 +170,35 @@ def test_train_drafter_learns_and_the_saved_drafter_serves(chat_target, tmp_path
         accepted[name] = stats.spec_num_accepted_tokens / max(1, stats.spec_num_drafts)
         del spec
     assert accepted["trained"] > accepted["untrained"]  # accepted drafts per verify step: about 0.12 against 0
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("method, layout", [("dflash", "zlab"), ("dspark", "deepspec")])
+def test_cuda_greedy_with_each_method_equals_without(targets, tmp_path, method, layout):
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from sonar.config import EngineArgs
+    from sonar.engine.llm_engine import LLMEngine
+    from sonar_cuda.platform import CudaPlatform
+
+    target = targets("qwen3")
+    folder = random_drafter(target, tmp_path / "drafter", layout, dspark=method == "dspark")
+    prompts = [[(i * 13 + j * 7) % 97 + 200 for j in range(24 + i)] for i in range(8)]
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+
+    def run(**kwargs) -> tuple[list[list[int]], LLMEngine]:
+        args = EngineArgs(model=str(target[0]), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256, skip_tokenizer_init=True, **kwargs)
+        engine = LLMEngine(args, platform=CudaPlatform)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+        done = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    done[output.request_id] = output.outputs[0].token_ids
+        return [done[str(i)] for i in range(len(prompts))], engine
+
+    expected, _ = run()
+    got, engine = run(speculative_config={"method": method, "model": str(folder), "num_speculative_tokens": 3})
+    assert got == expected
+    assert engine.get_stats().spec_num_drafts > 0

@@ -89,7 +89,8 @@ class DFlashProposer(Proposer):
         """Load the drafter in the target's dtype, share the target's embedding and LM head,
         and have the target keep the drafter's layers."""
         embed = target_embedding(target_model)
-        dtype = embed.weight.dtype if embed.weight.is_floating_point() else torch.float32
+        weight = getattr(embed, "weight", None)
+        dtype = weight.dtype if weight is not None and weight.is_floating_point() else torch.float32
         aux = getattr(target_model, "aux_hidden_states", None)
         if aux is None:
             raise ValueError(f"{type(target_model).__name__} cannot expose the hidden states a {self.method} drafter reads")
