@@ -167,7 +167,8 @@ class Scheduler:
         sequence cap and the free blocks allow (their prompts chunked to fit the budget)."""
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
-        self.kv_cache.begin_step()
+        if self.connector is not None:  # what this step hashes is not computed yet: never offloaded
+            self.kv_cache.begin_step()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, _Scheduled] = {}
 
