@@ -7,6 +7,7 @@
     # n-gram on code edits, and an EAGLE-3 head on chat prompts, with a real target (GGUF)
     python sonar-cuda/benchmarks/spec_decode.py --part ngram --target model.gguf --prompts mbpp.jsonl
     python sonar-cuda/benchmarks/spec_decode.py --part eagle3 --target model.gguf --drafter head/ --prompts mt-bench.jsonl
+    python sonar-cuda/benchmarks/spec_decode.py --part dspark --target model.gguf --drafter dspark/ --prompts mt-bench.jsonl -k 7
 
 verify-cost drafts random tokens (a benchmark-only proposer): a random-weight target accepts
 none of them, so every step emits one token per request while verifying k + 1 positions; its
@@ -196,7 +197,7 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
         spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
     else:
         conversations = [[{"role": "user", "content": t[0]}] for t in turns]
-        spec = {"method": "eagle3", "model": args.drafter, "num_speculative_tokens": args.k}
+        spec = {"method": method, "model": args.drafter, "num_speculative_tokens": args.k}
     _chat_run(plain, conversations[:2], 32)  # warm-up
     plain_s, plain_tokens, plain_texts = _chat_run(plain, conversations, args.max_tokens)
     del plain
@@ -219,10 +220,10 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", required=True, choices=["verify-cost", "loaded", "ngram", "eagle3"])
+    parser.add_argument("--part", required=True, choices=["verify-cost", "loaded", "ngram", "eagle3", "dflash", "dspark"])
     parser.add_argument("--batches", default="1,8,32,128")
     parser.add_argument("--target", help="a real target model (a GGUF file or folder)")
-    parser.add_argument("--drafter", help="the EAGLE-3 head's folder")
+    parser.add_argument("--drafter", help="the drafter's folder (eagle3, dflash, dspark parts)")
     parser.add_argument("--prompts", help="a prompt file, one {\"turns\": [...]} a line")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--skip-prompts", type=int, default=0, help="leave out the first N (the drafter's training prompts)")
