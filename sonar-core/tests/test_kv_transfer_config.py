@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sonar.cli.main import build_parser, parse_args
+from sonar.config import EngineArgs
 from sonar.kv_transfer import KVTransferConfig
 from sonar.kv_transfer.factory import resolve_kv_transfer_config
 
@@ -48,3 +49,25 @@ def test_the_flags_parse(capsys) -> None:
     with pytest.raises(SystemExit):
         parse_args(parser, ["generate", "--prompt", "hi", "--kv-transfer-config", "{bad"])
     assert "--kv-transfer-config: not valid JSON" in capsys.readouterr().err
+
+
+def test_the_transfer_timeout_flag_feeds_the_connector_config(capsys) -> None:
+    parser = build_parser()
+    args = parse_args(parser, ["generate", "--prompt", "hi", "--kv-transfer-config", '{"kv_connector": "SonarConnector"}', "--kv-transfer-timeout", "2.5"])
+    assert args.kv_transfer_timeout == 2.5
+    config = resolve_kv_transfer_config(args.kv_transfer_config, 0, args.kv_transfer_timeout)
+    assert config.kv_connector_extra_config == {"kv_transfer_timeout": 2.5}
+    # the extra config's key still works, alone or agreeing with the flag
+    extra = {"kv_connector": "SonarConnector", "kv_connector_extra_config": {"kv_transfer_timeout": 4}}
+    assert resolve_kv_transfer_config(extra).kv_connector_extra_config == {"kv_transfer_timeout": 4}
+    assert resolve_kv_transfer_config(extra, 0, 4.0).kv_connector_extra_config == {"kv_transfer_timeout": 4.0}
+    with pytest.raises(ValueError, match="disagree"):
+        resolve_kv_transfer_config(extra, 0, 2.0)
+    with pytest.raises(ValueError, match="give --kv-transfer-config too"):
+        resolve_kv_transfer_config(None, 0, 2.0)
+    with pytest.raises(ValueError, match="positive number of seconds"):
+        EngineArgs(kv_transfer_timeout=0)
+    for bad in ("0", "-1", "soon"):
+        with pytest.raises(SystemExit):
+            parse_args(parser, ["generate", "--prompt", "hi", "--kv-transfer-timeout", bad])
+    assert "--kv-transfer-timeout" in capsys.readouterr().err

@@ -75,6 +75,7 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = None  # vLLM's keys: {"method": "ngram", "num_speculative_tokens": 3, ...}
     kv_transfer_config: dict[str, Any] | None = None  # vLLM's keys: {"kv_connector": "SonarConnector", "kv_role": "kv_producer", ...}
     kv_offload_bytes: int = 0  # host memory for blocks evicted from the device prefix cache (0: none)
+    kv_transfer_timeout: float | None = None  # seconds a producer's blocks wait to be pulled (None: the connector's default)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -93,6 +94,10 @@ class EngineArgs:
             raise ValueError(f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose one of {', '.join(KV_CACHE_DTYPES)}")
         if not isinstance(self.kv_offload_bytes, int) or self.kv_offload_bytes < 0:
             raise ValueError(f"kv_offload_bytes must be a byte count >= 0, got {self.kv_offload_bytes!r}")
+        if self.kv_transfer_timeout is not None and (
+            isinstance(self.kv_transfer_timeout, bool) or not isinstance(self.kv_transfer_timeout, (int, float)) or self.kv_transfer_timeout <= 0
+        ):
+            raise ValueError(f"kv_transfer_timeout must be a positive number of seconds, got {self.kv_transfer_timeout!r}")
         if self.kv_offload_bytes and not self.enable_prefix_caching:
             raise ValueError("kv_offload_bytes keeps blocks evicted from the prefix cache: it needs enable_prefix_caching")
 

@@ -73,6 +73,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         help='a KV connector, as vLLM takes it: \'{"kv_connector": "SonarConnector", "kv_role": "kv_producer"}\' (kv_producer, kv_consumer or kv_both; kv_ip / kv_port: where a producer serves its blocks, 0: a free port); see docs/kv-connectors.md',
     )
     group.add_argument(
+        "--kv-transfer-timeout", type=_positive_seconds, default=None, metavar="SECONDS",
+        help="with --kv-transfer-config: how long a prefill server keeps a request's blocks for its decode server to pull before freeing them (default 30; the same as kv_connector_extra_config's kv_transfer_timeout)",
+    )
+    group.add_argument(
         "--kv-offload-bytes", type=_byte_count, default=0, metavar="BYTES",
         help="host memory (pinned on a GPU) that keeps blocks evicted from the device prefix cache, loaded back on a later hit instead of recomputed (0: off; accepts 8GiB-style sizes)",
     )
@@ -88,6 +92,16 @@ def _json_object(text: str) -> dict:
         raise argparse.ArgumentTypeError(f"not valid JSON ({exc})") from None
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: a timeout must be a positive number of seconds")
     return value
 
 
@@ -145,4 +159,5 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         speculative_config=getattr(args, "speculative_config", None),
         kv_transfer_config=getattr(args, "kv_transfer_config", None),
         kv_offload_bytes=getattr(args, "kv_offload_bytes", 0),
+        kv_transfer_timeout=getattr(args, "kv_transfer_timeout", None),
     )

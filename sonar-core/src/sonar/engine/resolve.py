@@ -166,7 +166,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         quantization=quantization,
         kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, platform),
         speculative_config=speculative_config,
-        kv_transfer_config=resolve_kv_transfer_config(args.kv_transfer_config, args.kv_offload_bytes),
+        kv_transfer_config=resolve_kv_transfer_config(args.kv_transfer_config, args.kv_offload_bytes, args.kv_transfer_timeout),
     )
     return config, tokenizer
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorRole, KVTransferConfig
@@ -9,15 +10,23 @@ from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorR
 OFFLOADING_CONNECTOR = "OffloadingConnector"
 
 
-def resolve_kv_transfer_config(value: dict[str, Any] | KVTransferConfig | None, kv_offload_bytes: int = 0) -> KVTransferConfig | None:
+def resolve_kv_transfer_config(
+    value: dict[str, Any] | KVTransferConfig | None, kv_offload_bytes: int = 0, kv_transfer_timeout: float | None = None
+) -> KVTransferConfig | None:
     """The engine's connector configuration: ``kv_transfer_config`` as given, or, with only
     ``kv_offload_bytes``, the host offload connector with that budget.
 
+    ``kv_transfer_timeout`` (``--kv-transfer-timeout``) goes into the config's
+    ``kv_connector_extra_config["kv_transfer_timeout"]``, where it may also be given directly.
+
     :raises ValueError: a malformed config, a connector that is not registered (the message
-        lists those that are), or both options at once.
+        lists those that are), both options at once, a timeout without a ``kv_transfer_config``,
+        or a timeout given both ways with different values.
     """
     from sonar.registry import kv_connectors
 
+    if value is None and kv_transfer_timeout is not None:
+        raise ValueError("kv_transfer_timeout applies to a kv_transfer_config's transfers between engines: give --kv-transfer-config too")
     if value is None and not kv_offload_bytes:
         return None
     if value is not None and kv_offload_bytes:
@@ -28,6 +37,8 @@ def resolve_kv_transfer_config(value: dict[str, Any] | KVTransferConfig | None, 
     if value is None:
         value = {"kv_connector": OFFLOADING_CONNECTOR, "kv_connector_extra_config": {"kv_offload_bytes": kv_offload_bytes}}
     config = KVTransferConfig.from_value(value)
+    if kv_transfer_timeout is not None:
+        config = _with_timeout(config, kv_transfer_timeout)
     registered = kv_connectors()
     if config.kv_connector not in registered:
         raise ValueError(
@@ -37,6 +48,18 @@ def resolve_kv_transfer_config(value: dict[str, Any] | KVTransferConfig | None, 
     connector_cls = _connector_class(config.kv_connector)
     connector_cls.check_config(config)
     return config
+
+
+def _with_timeout(config: KVTransferConfig, timeout: float) -> KVTransferConfig:
+    extra = dict(config.kv_connector_extra_config)
+    given = extra.get("kv_transfer_timeout")
+    if given is not None and given != timeout:
+        raise ValueError(
+            f"kv_transfer_timeout={timeout} and kv_transfer_config's kv_connector_extra_config['kv_transfer_timeout']={given!r} "
+            "disagree; give one of them"
+        )
+    extra["kv_transfer_timeout"] = timeout
+    return dataclasses.replace(config, kv_connector_extra_config=extra)
 
 
 def _connector_class(name: str) -> type[KVConnector]:
