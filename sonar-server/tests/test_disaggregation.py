@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
 import struct
 import subprocess
@@ -15,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 from conftest import KV_CACHE_BYTES, ServerProcess, free_port, metrics, sonar_command
 
@@ -26,9 +28,9 @@ PROMPT = "The lighthouse keeper counted the ships that passed in the night, one 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea and the ships that cross it. " * 3}]
 
 
-def _server(model: str, config: str) -> ServerProcess:
+def _server(model: str, config: str, *extra: str) -> ServerProcess:
     return ServerProcess(
-        [model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512", "--kv-transfer-config", config]
+        [model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512", "--kv-transfer-config", config, *extra]
     )
 
 
@@ -208,4 +210,96 @@ def test_the_kv_port_refuses_another_layout_and_malformed_frames(producer, consu
 
     # the port still serves a real pull
     decoded = _complete(consumer.url, kv_transfer_params=_prefill(producer.url))
+    assert decoded["choices"][0]["text"] == expected
+
+
+# -- peers killed with SIGKILL -------------------------------------------------------------------
+
+VICTIM_PRODUCER = '{"kv_connector": "SonarConnector", "kv_role": "kv_producer"}'
+LONG_PROMPT = "The harbour master wrote down every ship, its cargo, its crew and the hour it came in. " * 18
+
+
+@pytest.fixture(scope="module")
+def victims(tiny_model: str) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    """A second prefill server (its timeout from --kv-transfer-timeout) and a second decode
+    server, started side by side, each to be killed by a test."""
+    with ThreadPoolExecutor(2) as pool:
+        started = [
+            pool.submit(_server, tiny_model, VICTIM_PRODUCER, "--kv-transfer-timeout", "3"),
+            pool.submit(_server, tiny_model, CONSUMER),
+        ]
+    processes = [future.result() for future in started]
+    yield processes[0], processes[1]
+    for process in processes:
+        _kill(process)
+        process.stop()
+
+
+def _kill(server: ServerProcess) -> None:
+    """SIGKILL the server and every process it started (its engine core), as a crash would."""
+    if server.process.poll() is not None:
+        return
+    family = [psutil.Process(server.process.pid)]
+    family += family[0].children(recursive=True)
+    for process in family:
+        try:
+            process.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    server.process.wait(10)
+    psutil.wait_procs(family[1:], timeout=10)
+
+
+def _connection_open_to(port: int) -> bool:
+    """Whether some loopback TCP connection to ``port`` is established (read from /proc/net/tcp,
+    fast enough to poll in a tight loop)."""
+    with open("/proc/net/tcp") as table:
+        for line in table.readlines()[1:]:
+            fields = line.split()
+            if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                return True
+    return False
+
+
+def test_a_prefill_server_killed_before_the_pull(victims, producer, consumer) -> None:
+    victim, _ = victims
+    prompt = "A prompt whose prefill server dies before its blocks are pulled, never seen before. " * 3
+    expected = _complete(producer.url, prompt)["choices"][0]["text"]
+    params = _prefill(victim.url, prompt)
+    _kill(victim)
+    before = metrics(consumer.url)["sonar:kv_transfer_failures_total"]
+    started = time.monotonic()
+    decoded = _complete(consumer.url, prompt, kv_transfer_params=params)
+    assert time.monotonic() - started < 20  # refused at once, recomputed: no wait on the dead peer
+    assert decoded["choices"][0]["text"] == expected
+    assert metrics(consumer.url)["sonar:kv_transfer_failures_total"] == before + 1
+    assert _all_blocks_free(consumer.url, timeout=2.0)
+
+
+def test_a_decode_server_killed_while_pulling(victims, producer, consumer) -> None:
+    _, victim = victims
+    assert _all_blocks_free(producer.url, timeout=6.0)  # the baseline: earlier prefills freed
+    params = _prefill(producer.url, LONG_PROMPT)
+    assert len(params["remote_block_ids"]) >= 18  # ~340 prompt tokens
+    assert not _all_blocks_free(producer.url)
+
+    def decode() -> int | None:
+        body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 80, "temperature": 0.0, "kv_transfer_params": params}
+        try:
+            return httpx.post(f"{victim.url}/v1/completions", json=body, timeout=30).status_code
+        except httpx.HTTPError:
+            return None  # the server died under it
+
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(decode)
+        deadline = time.monotonic() + 10
+        while not _connection_open_to(params["remote_port"]) and not answer.done() and time.monotonic() < deadline:
+            pass  # kill it the moment its engine connects to the KV port (the pull itself takes about a millisecond here)
+        _kill(victim)
+        assert answer.result() is None
+    # freed at once if the pull broke off, after the 3 s timeout had the kill come before it
+    assert _all_blocks_free(producer.url, timeout=6.0)
+    assert httpx.get(f"{producer.url}/health").status_code == 200
+    expected = _complete(producer.url, LONG_PROMPT)["choices"][0]["text"]
+    decoded = _complete(consumer.url, LONG_PROMPT, kv_transfer_params=_prefill(producer.url, LONG_PROMPT))
     assert decoded["choices"][0]["text"] == expected
