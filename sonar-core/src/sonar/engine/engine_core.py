@@ -13,6 +13,7 @@ from sonar.engine.kv_cache import KVCacheManager
 from sonar.engine.request import Request, RequestStatus
 from sonar.engine.scheduler import Scheduler
 from sonar.engine.scheduler_output import SchedulerOutput
+from sonar.engine.step_cost import StepCostModel
 from sonar.engine.wire import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from sonar.executor.base import Executor
 from sonar.kv_transfer.factory import build_kv_connector
@@ -22,6 +23,7 @@ from sonar.worker.phase_timer import PhaseTimer
 from sonar.platform import Platform
 from sonar.registry import load_registered
 from sonar.spec_decode.stats import spec_decode_stats_fields, truncated_logprobs
+from sonar.spec_decode.verification import ConfidenceVerification
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class EngineCore:
             self.kv_connector = build_kv_connector(config.kv_transfer_config, KVConnectorRole.SCHEDULER, self.executor.kv_cache_layout())
             self.kv_connector.set_handshake_metadata(self.executor.kv_connector_handshake())
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache, policy_cls(), self.kv_connector)
+        self.step_costs: StepCostModel | None = None  # the profiled step-time curve, where a policy needs it
+        self._init_verification(config)
         self.structured_output = StructuredOutputManager(self.model_config)
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
@@ -68,6 +72,26 @@ class EngineCore:
         self._in_flight: _InFlightStep | None = None
         self._timer = PhaseTimer()
         logger.info("KV cache: %d blocks of %d tokens", self.cache_config.num_blocks, config.block_size)
+
+    def _init_verification(self, config: EngineConfig) -> None:
+        """Confidence-scheduled verification: profile the target's step time on the device
+        (the KV cache exists, no request has run) and give the scheduler its policy."""
+        spec = config.speculative_config
+        if spec is None or spec.verification != "confidence":
+            return
+        started = time.perf_counter()
+        try:
+            self.step_costs = self.executor.profile_step_costs(config.max_num_batched_tokens)
+        except NotImplementedError as exc:
+            logger.warning("%s: every draft is verified (fixed verification) instead of scheduling by confidence", exc)
+            return
+        logger.info(
+            "profiled the step cost of %d token counts in %.1f s (tokens, ms): %s",
+            len(self.step_costs.num_tokens), time.perf_counter() - started, self.step_costs.as_rows(),
+        )
+        self.scheduler.verification = ConfidenceVerification(
+            self.step_costs, spec.num_speculative_tokens, config.max_num_batched_tokens, self.scheduler.spec_stats
+        )
 
     @classmethod
     def from_config(cls, config: EngineConfig, platform: type[Platform]) -> EngineCore:
@@ -167,7 +191,8 @@ class EngineCore:
         limit = self.scheduler.config.spec_max_batch_size
         if not limit:
             return False
-        return bool(previous.scheduled.scheduled_spec_decode_tokens) or len(self.scheduler.running) <= limit
+        scheduled = previous.scheduled
+        return bool(scheduled.scheduled_spec_decode_tokens) or (scheduled.propose_drafts and len(self.scheduler.running) <= limit)
 
     def _attach_grammar_bitmask(self, scheduled: SchedulerOutput) -> None:
         """Drop the matchers of finished requests; give the step the bitmask of the

@@ -61,6 +61,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain of full blocks
     first_token_time: float | None = None
     spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
+    spec_confidence: list[float] | None = None  # their survival estimates, where the proposer gives them
     reads_output_tokens: bool = field(init=False)  # its sampling needs earlier tokens' values
     kv_transfer_params: dict | None = None  # what its KV connector hands back when it finishes
 

@@ -3,6 +3,7 @@ by recompute when KV blocks run out."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 
@@ -13,6 +14,7 @@ from sonar.engine.scheduler_output import CachedRequestData, ModelRunnerOutput, 
 from sonar.engine.scheduling_policy import FcfsPolicy, SchedulingPolicy
 from sonar.kv_transfer.interface import KVConnector, KVConnectorOutput
 from sonar.spec_decode.stats import SpecDecodeStats
+from sonar.spec_decode.verification import ConfidenceVerification
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +48,12 @@ class Scheduler:
     asynchronously, the request then holding its blocks outside the queues until the
     connector reports the load done (or failed: the tokens are computed instead). A finished
     request whose blocks a peer still reads keeps them until the connector reports the send.
+
+    Speculative decoding: a decoding request's drafts ride along with its decode. With
+    ``verification`` set (a ``ConfidenceVerification``: confidence-scheduled verification),
+    each step first chooses how many of every request's drafts are worth verifying, given the
+    step's other tokens, and whether the proposer drafts after the step; without it every
+    draft is verified while the batch is within ``disable_by_batch_size``.
     """
 
     def __init__(
@@ -74,6 +82,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._sent_blocks: dict[str, int] = {}  # block ids already sent to the workers
         self.spec_stats = SpecDecodeStats()
+        self.verification: ConfidenceVerification | None = None  # None: fixed verification
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -171,6 +180,10 @@ class Scheduler:
             self.kv_cache.begin_step()
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, _Scheduled] = {}
+        plan = None
+        if self.verification is not None:
+            plan, num_sampling, base_tokens = self._plan_verification(budget)
+            out.propose_drafts = self.verification.worth_drafting(num_sampling, base_tokens)
 
         # running: decodes and unfinished prefill chunks
         index = 0
@@ -183,7 +196,7 @@ class Scheduler:
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             drafts = request.spec_token_ids
             if drafts:  # speculative decoding: the drafts ride along with the decode
-                drafts = self._drafts_to_verify(request, num_new, budget)
+                drafts = self._drafts_to_verify(request, num_new, budget, plan)
                 num_new += len(drafts)
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.policy.select_victim(self.running)
@@ -280,13 +293,59 @@ class Scheduler:
         self._sent_blocks[request.request_id] = len(out.new_reqs[-1].block_ids)
         self._advance(request, num_new, out)
 
-    def _drafts_to_verify(self, request: Request, num_new: int, budget: int) -> list[int]:
+    def _drafts_to_verify(self, request: Request, num_new: int, budget: int, plan: dict[str, int] | None = None) -> list[int]:
         """The drafts a decoding request verifies this step: none unless it decodes its one
-        known token, the batch is small enough, and budget and ``max_tokens`` leave room."""
+        known token, the batch is small enough, and budget and ``max_tokens`` leave room; no
+        more than ``plan`` gives it, where the verification policy made one."""
         if num_new != 1 or request.num_pending_tokens or len(self.running) > self.config.spec_max_batch_size:
             return []
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1)
+        if plan is not None:
+            room = min(room, plan.get(request.request_id, 0))
         return request.spec_token_ids[:room] if room > 0 else []
+
+    def _plan_verification(self, budget: int) -> tuple[dict[str, int], int, int]:
+        """Confidence-scheduled verification: the drafts each running request may verify this
+        step, chosen by the policy; also the step's decodes and its tokens besides drafts
+        (the running requests' next tokens, then the prefill the budget left over would
+        admit from the waiting queue), which say whether the next step is worth drafting."""
+        candidates: list[Request] = []
+        confidences: list[list[float] | None] = []
+        rooms: list[int] = []
+        base_tokens = num_sampling = 0
+        speculates = len(self.running) <= self.config.spec_max_batch_size
+        for request in self.running:
+            pending = request.num_pending_tokens
+            if pending and request.num_output_tokens + pending >= request.max_tokens:
+                continue  # scheduled nothing this step
+            num_new = request.num_tokens + pending - request.num_computed_tokens
+            base_tokens += num_new
+            if num_new != 1:
+                continue  # a prefill chunk
+            num_sampling += 1
+            drafts = request.spec_token_ids
+            if drafts and speculates and not pending:
+                room = min(len(drafts), request.max_tokens - request.num_output_tokens - 1)
+                if room > 0:
+                    candidates.append(request)
+                    confidences.append(request.spec_confidence)
+                    rooms.append(room)
+        base_tokens = min(base_tokens, budget)
+        max_drafts = budget - base_tokens
+        # the prefill the rest of the budget admits (drafts are scheduled before it)
+        seats = self.config.max_num_seqs - len(self.running)
+        waiting = 0
+        for request in itertools.chain(self._loaded, self.waiting):
+            if waiting >= max_drafts or seats <= 0 or request.num_pending_tokens:
+                break
+            waiting += request.num_tokens - request.num_computed_tokens
+            seats -= 1
+        base_tokens += min(waiting, max_drafts)
+        plan: dict[str, int] = {}
+        if candidates:
+            lengths = self.verification.choose(confidences, rooms, num_sampling, base_tokens, max_drafts)
+            plan = {request.request_id: length for request, length in zip(candidates, lengths)}
+        return plan, num_sampling, base_tokens
 
     @staticmethod
     def _advance(request: Request, num_new: int, out: SchedulerOutput, num_drafts: int = 0) -> _Scheduled:
@@ -334,6 +393,7 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.spec_token_ids = []
+        request.spec_confidence = None
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(request)
@@ -363,7 +423,10 @@ class Scheduler:
                     self._finish(request)
                     continue
             if self.config.spec_max_batch_size:  # speculation on: fresh drafts, or none
-                request.spec_token_ids = output.draft_token_ids.get(req_id, [])
+                drafts = output.draft_token_ids.get(req_id, [])
+                request.spec_token_ids = drafts
+                request.spec_confidence = output.draft_confidence.get(req_id) if drafts else None
+                self.spec_stats.num_proposed_tokens += len(drafts)
 
     def _append_verified(self, request: Request, drafts: list[int], token_ids: list[int]) -> None:
         """Append a verify step's tokens up to the first that stops the request, and take the

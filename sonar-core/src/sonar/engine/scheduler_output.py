@@ -45,8 +45,11 @@ class SchedulerOutput:
     # ([len(grammar_req_ids), ceil(V / 32)] int32, host), filled by the engine core
     grammar_req_ids: list[str] = field(default_factory=list)
     grammar_bitmask: Any = None
-    # speculative decoding: the draft tokens each verifying request's scheduled tokens end with
+    # speculative decoding: the draft tokens each verifying request's scheduled tokens end with,
+    # and whether the proposer drafts after this step (confidence-scheduled verification skips
+    # drafting when the next step would verify none)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    propose_drafts: bool = True
     # KV connector: the step's loads and saves for the worker half (its KVConnectorMetadata)
     kv_connector_metadata: Any = None
 
@@ -75,8 +78,10 @@ class ModelRunnerOutput:
     logprobs: list[RequestLogprobs | None]
     prompt_logprobs: dict[str, RequestLogprobs] = field(default_factory=dict)  # this step's chunk
     # speculative decoding: every token a verifying request emitted (its sampled_token_ids
-    # entry is the first of them; its logprobs have one position per token), and the drafts
-    # proposed for each request's next step
+    # entry is the first of them; its logprobs have one position per token), the drafts
+    # proposed for each request's next step, and the survival estimates of those drafts
+    # (plain floats, one per draft, non-increasing) where the proposer gives them
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    draft_confidence: dict[str, list[float]] = field(default_factory=dict)
     kv_connector_output: KVConnectorOutput | None = None  # transfers the connector finished

@@ -88,6 +88,10 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = msgspec.field(default_factory=list)
+    # draft tokens the proposer produced (proposed - verified: what the scheduler cut), and
+    # draft tokens verified by position
+    spec_num_proposed_tokens: int = 0
+    spec_verified_per_position: list[int] = msgspec.field(default_factory=list)
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):

@@ -6,6 +6,7 @@ from typing import Any
 
 from sonar.config import EngineConfig, ModelConfig
 from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sonar.engine.step_cost import StepCostModel
 from sonar.platform import Platform
 
 
@@ -17,7 +18,7 @@ class Executor:
     The engine core drives it in this order: construction (the workers load the model), then
     ``kv_cache_specs`` and ``available_kv_cache_bytes`` (after profiling a step of the
     largest shape the configuration allows), ``init_kv_cache`` with the block count the core
-    chose, then ``launch``/``fetch`` once per step, and ``shutdown`` at the end. Every worker
+    chose, ``profile_step_costs`` where the verification policy needs it, then ``launch``/``fetch`` once per step, and ``shutdown`` at the end. Every worker
     sees the same ``SchedulerOutput``; ``fetch`` returns the output of the worker that
     samples (rank 0).
 
@@ -47,6 +48,13 @@ class Executor:
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks in every worker (and whatever depends on them)."""
         raise NotImplementedError
+
+    def profile_step_costs(self, max_tokens: int) -> StepCostModel:
+        """The target's forward-step time by tokens per step, up to ``max_tokens``, measured
+        by the workers on their devices once ``init_kv_cache`` ran (rank 0's, for a group that
+        steps together). Called only where a policy needs it (confidence-scheduled
+        verification)."""
+        raise NotImplementedError(f"the {type(self).__name__} executor does not profile step costs")
 
     def kv_cache_layout(self) -> Any:
         """The allocated KV cache as a KV connector sees it (a ``KVCacheLayout``), once

@@ -6,6 +6,7 @@ from typing import Any
 
 from sonar.config import EngineConfig, ModelConfig
 from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sonar.engine.step_cost import StepCostModel
 from sonar.executor.base import Executor
 from sonar.platform import Platform
 from sonar.registry import import_class
@@ -35,6 +36,9 @@ class UniprocExecutor(Executor):
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.worker.init_kv_cache(num_blocks)
+
+    def profile_step_costs(self, max_tokens: int) -> StepCostModel:
+        return self.worker.profile_step_costs(max_tokens)
 
     def kv_cache_layout(self) -> Any:
         return self.worker.kv_cache_layout()

@@ -13,6 +13,9 @@ if TYPE_CHECKING:  # the config is read where torch is not imported yet (argumen
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
 DEFAULT_DISABLE_BY_BATCH_SIZE = 32
+VERIFICATION_POLICIES = ("fixed", "confidence")
+CONFIDENCE_BY_DEFAULT = ("dspark",)  # methods whose drafts come with survival estimates
+NO_BATCH_LIMIT = 1 << 30  # confidence-scheduled verification without disable_by_batch_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +29,17 @@ class SpeculativeConfig:
     :param prompt_lookup_max: n-gram methods: the longest suffix matched.
     :param disable_by_batch_size: no drafts in a step whose running requests outnumber it
         (a large batch is bound by compute, not by reading the weights, and verifying drafts
-        would slow it down); None: the engine's default, ``DEFAULT_DISABLE_BY_BATCH_SIZE``.
+        would slow it down); None: the engine's default, ``DEFAULT_DISABLE_BY_BATCH_SIZE``
+        with fixed verification, no limit with confidence-scheduled verification (its policy
+        weighs every step's cost itself).
+    :param verification: which drafts a step verifies. ``"fixed"``: all of them (up to the
+        step's token budget and the request's ``max_tokens``) while the batch is within
+        ``disable_by_batch_size``. ``"confidence"``: per step and request, the prefix whose
+        expected accepted tokens are worth their cost on a step-time curve profiled on the
+        device at start-up (``sonar.spec_decode.verification``). None: ``"confidence"`` for
+        methods whose proposer estimates survival (``CONFIDENCE_BY_DEFAULT``: DSpark),
+        ``"fixed"`` for the others. vLLM's ``enable_adaptive_verification`` (a bool) is
+        taken as a second name for it.
     :param extra: method-specific options, passed through untouched.
     """
 
@@ -36,6 +49,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
+    verification: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -43,11 +57,20 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        if self.verification is None:  # frozen: the resolved default is set once, here
+            object.__setattr__(self, "verification", "confidence" if self.method in CONFIDENCE_BY_DEFAULT else "fixed")
+        elif self.verification not in VERIFICATION_POLICIES:
+            raise ValueError(
+                f'speculative_config["verification"] must be "fixed" or "confidence", got {self.verification!r}'
+            )
 
     @property
     def max_batch_size(self) -> int:
-        """The most running requests a step may have and still carry drafts."""
-        return self.disable_by_batch_size or DEFAULT_DISABLE_BY_BATCH_SIZE
+        """The most running requests a step may have and still carry drafts (no limit under
+        confidence-scheduled verification unless ``disable_by_batch_size`` sets one)."""
+        if self.disable_by_batch_size:
+            return self.disable_by_batch_size
+        return NO_BATCH_LIMIT if self.verification == "confidence" else DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def from_value(cls, value: SpeculativeConfig | dict[str, Any]) -> SpeculativeConfig:
@@ -77,6 +100,19 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config[{name!r}] must be an integer, got {item!r}")
         if fields.get("model") is not None and not isinstance(fields["model"], str):
             raise ValueError(f"speculative_config['model'] must be a string, got {fields['model']!r}")
+        if "enable_adaptive_verification" in extra:  # vLLM's name for confidence-scheduled verification
+            adaptive = extra.pop("enable_adaptive_verification")
+            if not isinstance(adaptive, bool):
+                raise ValueError(f"speculative_config['enable_adaptive_verification'] must be true or false, got {adaptive!r}")
+            named = "confidence" if adaptive else "fixed"
+            if fields.get("verification") not in (None, named):
+                raise ValueError(
+                    f"speculative_config: enable_adaptive_verification={str(adaptive).lower()} contradicts "
+                    f"verification={fields['verification']!r} (give one of them)"
+                )
+            fields["verification"] = named
+        if fields.get("verification") is not None and not isinstance(fields["verification"], str):
+            raise ValueError(f'speculative_config["verification"] must be "fixed" or "confidence", got {fields["verification"]!r}')
         return cls(**fields, extra=extra)
 
 

@@ -10,14 +10,19 @@ from sonar.engine.scheduler_output import RequestLogprobs
 
 @dataclass(slots=True)
 class SpecDecodeStats:
-    """Running totals since the engine started: verify steps with drafts (``num_drafts``),
-    draft tokens verified, drafts accepted, and accepted drafts by position (index 0: the
-    first draft of a step)."""
+    """Running totals since the engine started: draft tokens proposed (the proposer's, as they
+    reached the scheduler), verify steps with drafts (``num_drafts``), draft tokens verified,
+    drafts accepted, and by position (index 0: the first draft of a step) the drafts verified
+    and accepted. Proposed minus verified is what the scheduler cut: the batch-size limit of
+    fixed verification, the policy of confidence-scheduled verification, a request's budget
+    or ``max_tokens``, a request that finished first."""
 
+    num_proposed_tokens: int = 0
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    verified_per_position: list[int] = field(default_factory=list)
 
     def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
         """Count one request's verify step: ``num_accepted`` of its ``num_draft_tokens`` kept."""
@@ -26,11 +31,15 @@ class SpecDecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft_tokens
         self.num_accepted_tokens += num_accepted
-        per_position = self.accepted_per_position
-        if len(per_position) < num_draft_tokens:
-            per_position.extend([0] * (num_draft_tokens - len(per_position)))
+        accepted, verified = self.accepted_per_position, self.verified_per_position
+        if len(verified) < num_draft_tokens:
+            grow = [0] * (num_draft_tokens - len(verified))
+            verified.extend(grow)
+            accepted.extend(grow)
+        for position in range(num_draft_tokens):
+            verified[position] += 1
         for position in range(num_accepted):
-            per_position[position] += 1
+            accepted[position] += 1
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -41,10 +50,12 @@ class SpecDecodeStats:
 def spec_decode_stats_fields(stats: SpecDecodeStats) -> dict[str, Any]:
     """The ``SchedulerStats`` fields that carry ``stats``."""
     return {
+        "spec_num_proposed_tokens": stats.num_proposed_tokens,
         "spec_num_drafts": stats.num_drafts,
         "spec_num_draft_tokens": stats.num_draft_tokens,
         "spec_num_accepted_tokens": stats.num_accepted_tokens,
         "spec_accepted_per_position": list(stats.accepted_per_position),
+        "spec_verified_per_position": list(stats.verified_per_position),
     }
 
 

@@ -4,7 +4,7 @@ logits, and ask the proposer for the next step's drafts once the step's tokens a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -102,13 +102,15 @@ class SpeculativeDecoder:
         sequences: list[tuple[list[int], list[int], RequestSamplingState]],
         num_accepted: list[int],
         hidden: StepHiddenStates | None = None,
-    ) -> dict[str, list[int]]:
-        """Drafts for the next step of the requests that may take them; ``sequences[i]`` is
-        request ``i``'s prompt, its output so far and its sampling state; ``hidden`` the
-        step's states (``record_hidden_states``), for a proposer that reads them."""
+    ) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+        """Drafts for the next step of the requests that may take them, and their survival
+        estimates where the proposer gives them (``survival_row``: plain floats, one per
+        draft); ``sequences[i]`` is request ``i``'s prompt, its output so far and its sampling
+        state; ``hidden`` the step's states (``record_hidden_states``), for a proposer that
+        reads them."""
         rows = [i for i, (_, output, sampling) in enumerate(sequences) if may_speculate(sampling.params, len(output))]
         if not rows:
-            return {}
+            return {}, {}
         inputs = ProposerInputs(
             req_ids=[req_ids[i] for i in rows],
             token_ids=[sequences[i][0] + sequences[i][1] for i in rows],
@@ -123,4 +125,29 @@ class SpeculativeDecoder:
         if drafts.probs is not None:
             for req_id, tokens, probs in zip(drafts.req_ids, drafts.token_ids, drafts.probs):
                 self.draft_probs.store(req_id, tokens[:limit], None if probs is None else probs[:limit])
-        return {req_id: tokens[:limit] for req_id, tokens in zip(drafts.req_ids, drafts.token_ids) if tokens}
+        proposed = {req_id: tokens[:limit] for req_id, tokens in zip(drafts.req_ids, drafts.token_ids) if tokens}
+        confidence: dict[str, list[float]] = {}
+        if drafts.confidence is not None:
+            for req_id, row in zip(drafts.req_ids, drafts.confidence):
+                tokens = proposed.get(req_id)
+                if tokens and row is not None:
+                    survival = survival_row(row, len(tokens))
+                    if survival is not None:
+                        confidence[req_id] = survival
+        return proposed, confidence
+
+
+def survival_row(row: Any, num_drafts: int) -> list[float] | None:
+    """A proposer's survival estimates for ``num_drafts`` drafts as the scheduler reads them:
+    plain floats in [0, 1] (NaN as 0), non-increasing (each at most the one before), cut to
+    the drafts; None where it has fewer values than drafts (the drafts then count as having
+    no estimates)."""
+    values = row.tolist() if hasattr(row, "tolist") else list(row)
+    if len(values) < num_drafts:
+        return None
+    survival, low = [], 1.0
+    for value in values[:num_drafts]:
+        value = float(value)
+        low = min(low, value if value > 0.0 else 0.0)  # NaN compares false: 0
+        survival.append(low)
+    return survival

@@ -56,6 +56,7 @@ class LaunchedStep:
     num_accepted: torch.Tensor | None = None  # host copy of verified's drafts kept per request
     hidden: StepHiddenStates | None = None  # the states a proposer reads (needs_hidden_states)
     kv_connector_output: KVConnectorOutput | None = None  # transfers the KV connector finished by its launch
+    propose: bool = True  # the proposer drafts once its tokens are known (the scheduler's say)
 
 
 def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: int) -> RequestLogprobs:
@@ -299,6 +300,7 @@ class ModelRunner:
             sample_rows=batch.sample_rows,
             prompt_logprobs=self._prompt_logprobs(batch, hidden),
             kv_connector_output=self._kv_connector_output(so),
+            propose=so.propose_drafts,
         )
         if self.spec is not None and self.spec.hidden is not None:  # an EAGLE-style proposer reads them
             step.hidden = self.spec.record_hidden_states(batch, hidden)
@@ -369,11 +371,11 @@ class ModelRunner:
         else:
             self._resolve_sampled(step)
         step.output.kv_connector_output = step.kv_connector_output
-        if self.spec is not None and step.sample_states and len(step.req_ids) <= self.spec.config.max_batch_size:
+        if self.spec is not None and step.propose and step.sample_states and len(step.req_ids) <= self.spec.config.max_batch_size:
             output = step.output
             num_accepted = [len(output.verified_token_ids.get(r, ())) or 1 for r in step.sample_req_ids]
             sequences = [(s.prompt_token_ids, s.output_token_ids, s.sampling) for s in step.sample_states]
-            output.draft_token_ids = self.spec.propose(step.sample_req_ids, sequences, num_accepted, step.hidden)
+            output.draft_token_ids, output.draft_confidence = self.spec.propose(step.sample_req_ids, sequences, num_accepted, step.hidden)
 
     def _resolve_verified(self, step: LaunchedStep) -> None:
         """A verify step's output: each request's kept drafts and the token after them, put in

@@ -9,6 +9,7 @@ import torch
 from sonar import ops
 from sonar.config import EngineConfig, ModelConfig
 from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sonar.engine.step_cost import StepCostModel, profile_token_counts
 from sonar.platform import Platform
 from sonar.worker.model_runner import LaunchedStep, ModelRunner
 
@@ -61,6 +62,15 @@ class Worker:
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self.model_runner.init_kv_cache(num_blocks)
+
+    def profile_step_costs(self, max_tokens: int) -> StepCostModel:
+        """Time the target's forward step for token counts up to ``max_tokens`` on this
+        device (``sonar.worker.step_profile``), once the KV cache is allocated and before any
+        request runs."""
+        from sonar.worker.step_profile import profile_step_seconds
+
+        counts, seconds, context_len = profile_step_seconds(self.model_runner, self.platform, profile_token_counts(max_tokens))
+        return StepCostModel.from_samples(counts, seconds, context_len)
 
     def kv_cache_layout(self) -> Any:
         """The allocated KV cache as a KV connector sees it (``KVCacheLayout``)."""

@@ -1,0 +1,166 @@
+"""Confidence-scheduled verification: how many of each request's drafts a step verifies.
+
+With fixed verification every draft is verified (up to the step's token budget and the
+request's ``max_tokens``) while the batch is within ``disable_by_batch_size``. A draft costs a
+token of the target's step whether it survives or not: at batch 1 a step's time barely grows
+with its tokens (it reads the weights once), at batch 256 it grows almost linearly (it is
+bound by compute), so the same drafts that double a lone request's speed slow a full batch
+down.
+
+:class:`ConfidenceVerification` chooses per step. Request ``i`` brings its drafts with
+survival estimates ``p_i(j)``, the chance that drafts ``1..j`` all survive (the proposer's,
+``DraftTokens.confidence``; for a request without them, the engine's running acceptance by
+position, ``SpecDecodeStats``). A step that decodes ``B`` requests and computes ``T0`` other
+tokens (decodes, prefill chunks) is expected to emit ``B + sum_i sum_{j <= L_i} p_i(j)``
+tokens in ``cost(T0 + sum_i L_i)`` seconds (``StepCostModel``, profiled on the device). For a
+total of ``m`` verified drafts the expectation is largest with the ``m`` largest estimates (a
+row never increases, so the largest ``m`` always form a prefix of each request's drafts), so
+the best choice is the best ``m``: the candidates are sorted once and every prefix of that
+order is scored, in O(D log D) for D drafts. This is exact for any cost curve, steps and
+plateaus (CUDA graph sizes) included.
+
+A step whose drafts are worth nothing still paid for drafting them. After each step the
+policy says whether the next should draft at all (:meth:`ConfidenceVerification.worth_drafting`):
+whether a batch of as many decodes, each with drafts of the survival seen lately, would
+verify any; if not, the proposer is skipped (asynchronous scheduling then overlaps the steps
+as without speculation), and every ``REPROBE_STEPS`` such steps one drafts anyway, to refresh
+what survival looks like.
+"""
+
+from __future__ import annotations
+
+from sonar.engine.step_cost import StepCostModel
+from sonar.spec_decode.stats import SpecDecodeStats
+
+TYPICAL_ROWS = 16  # rows per step that update the typical survival profile
+TYPICAL_WEIGHT = 0.2  # weight of a step's rows in that running average
+REPROBE_STEPS = 64  # steps without drafting after which one drafts again
+
+
+class ConfidenceVerification:
+    """Chooses each step's verified prefix per request from survival estimates and a step-cost
+    curve (see the module).
+
+    :param costs: the target's step time by tokens per step.
+    :param num_speculative_tokens: drafts a request may bring (the length of a survival row).
+    :param max_num_batched_tokens: the step's token budget (costs up to it are tabulated).
+    :param stats: the engine's acceptance counters; the survival estimate of requests whose
+        proposer gives none is their acceptance by position.
+    """
+
+    def __init__(self, costs: StepCostModel, num_speculative_tokens: int, max_num_batched_tokens: int, stats: SpecDecodeStats) -> None:
+        self.costs = costs
+        self.num_speculative_tokens = num_speculative_tokens
+        self.stats = stats
+        self._table = costs.table(2 * max_num_batched_tokens + 1)
+        self.typical: list[float] | None = None  # survival by position, lately (None: no drafts seen yet)
+        self._steps_without_drafting = 0
+
+    def cost(self, num_tokens: int) -> float:
+        """Seconds of a step of ``num_tokens`` tokens."""
+        table = self._table
+        return table[num_tokens] if num_tokens < len(table) else self.costs.cost(num_tokens)
+
+    def observed_survival(self) -> list[float]:
+        """The survival estimate of drafts that came without one: by position ``j``, the share
+        of verify steps that verified ``j + 1`` drafts or more in which all of them were
+        accepted (one prior success and failure each: 0.5 before any step), made
+        non-increasing."""
+        stats = self.stats
+        verified, accepted = stats.verified_per_position, stats.accepted_per_position
+        row, low = [], 1.0
+        for j in range(self.num_speculative_tokens):
+            n = verified[j] if j < len(verified) else 0
+            a = accepted[j] if j < len(accepted) else 0
+            low = min(low, (a + 1) / (n + 2))
+            row.append(low)
+        return row
+
+    def choose(
+        self, confidences: list[list[float] | None], rooms: list[int], num_sampling: int, base_tokens: int, max_drafts: int
+    ) -> list[int]:
+        """How many drafts each candidate verifies this step.
+
+        :param confidences: per candidate, its survival estimates by draft position
+            (non-increasing), or None (the observed survival stands in).
+        :param rooms: per candidate, the most drafts it may verify (its drafts, cut by
+            ``max_tokens``).
+        :param num_sampling: tokens the step emits without any draft (its decodes).
+        :param base_tokens: tokens the step computes besides drafts (``T0``).
+        :param max_drafts: the most drafts the step's token budget leaves room for.
+        """
+        probs: list[float] = []
+        owners: list[int] = []
+        fallback = None
+        for i, (row, room) in enumerate(zip(confidences, rooms)):
+            if room <= 0:
+                continue
+            if not row:
+                if fallback is None:
+                    fallback = self.observed_survival()
+                row = fallback
+            take = min(room, len(row))
+            probs.extend(row[:take])
+            owners.extend([i] * take)
+        lengths = [0] * len(rooms)
+        if not probs or max_drafts <= 0:
+            return lengths
+        self._update_typical(confidences, fallback)
+        order = sorted(range(len(probs)), key=probs.__getitem__, reverse=True)  # stable: a row's drafts stay in order
+        table, cost = self._table, self.cost
+        limit = len(table)
+        emitted = float(num_sampling)
+        tokens = base_tokens
+        best_emitted, best_cost = emitted, cost(tokens)
+        best_m = 0
+        for m, index in enumerate(order[:max_drafts], start=1):
+            p = probs[index]
+            if p <= 0.0:
+                break
+            emitted += p
+            tokens += 1
+            step = table[tokens] if tokens < limit else cost(tokens)
+            if emitted * best_cost > best_emitted * step:  # emitted / step beats the best so far
+                best_emitted, best_cost, best_m = emitted, step, m
+        for index in order[:best_m]:
+            lengths[owners[index]] += 1
+        return lengths
+
+    def worth_drafting(self, num_sampling: int, base_tokens: int) -> bool:
+        """Whether the step after one of ``num_sampling`` decodes and ``base_tokens`` tokens
+        should draft: whether one draft, or every decode's first ``J`` drafts (any ``J``), of
+        the survival seen lately would be verified; else no, but yes again after
+        ``REPROBE_STEPS`` such answers."""
+        if num_sampling <= 0 or self.typical is None or self._would_verify(num_sampling, base_tokens):
+            self._steps_without_drafting = 0
+            return True
+        self._steps_without_drafting += 1
+        if self._steps_without_drafting >= REPROBE_STEPS:
+            self._steps_without_drafting = 0
+            return True
+        return False
+
+    def _would_verify(self, num_sampling: int, base_tokens: int) -> bool:
+        typical, cost = self.typical, self.cost
+        base_cost = cost(base_tokens)
+        if (num_sampling + typical[0]) * base_cost > num_sampling * cost(base_tokens + 1):
+            return True
+        emitted = float(num_sampling)
+        for depth, survival in enumerate(typical, start=1):
+            emitted += num_sampling * survival
+            if emitted * base_cost > num_sampling * cost(base_tokens + num_sampling * depth):
+                return True
+        return False
+
+    def _update_typical(self, confidences: list[list[float] | None], fallback: list[float] | None) -> None:
+        """Fold a few of this step's survival rows into the running profile (the first rows
+        seen make it; a position no row reaches counts as 0 then)."""
+        rows = [row or fallback for row in confidences[:TYPICAL_ROWS]]
+        weight = TYPICAL_WEIGHT
+        if self.typical is None:
+            self.typical, weight = [0.0] * self.num_speculative_tokens, 1.0
+        typical = self.typical
+        for j in range(len(typical)):
+            values = [row[j] for row in rows if row is not None and j < len(row)]
+            if values:
+                typical[j] += weight * (sum(values) / len(values) - typical[j])

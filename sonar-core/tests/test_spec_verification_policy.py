@@ -1,0 +1,272 @@
+"""Confidence-scheduled verification: the step-cost model (interpolation, extrapolation, noise
+taken out), the policy's choice of verified prefixes (all drafts alone on a flat curve, few or
+none in a large batch on a steep one, exact against brute force, monotone in the estimates,
+requests without estimates, the step's other tokens), whether to draft at all, the scheduler
+applying the plan, and the ``verification`` option."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from sonar.config import SchedulerConfig
+from sonar.engine.kv_cache import KVCacheManager
+from sonar.engine.request import Request
+from sonar.engine.scheduler import Scheduler
+from sonar.engine.scheduler_output import ModelRunnerOutput
+from sonar.engine.step_cost import StepCostModel, profile_token_counts
+from sonar.sampling_params import SamplingParams
+from sonar.spec_decode.interface import NO_BATCH_LIMIT, SpeculativeConfig
+from sonar.spec_decode.stats import SpecDecodeStats
+from sonar.spec_decode.verification import REPROBE_STEPS, ConfidenceVerification
+from sonar.spec_decode.worker_side import survival_row
+
+K = 7
+
+
+def linear(intercept_ms: float, per_token_ms: float, max_tokens: int = 4096) -> StepCostModel:
+    counts = profile_token_counts(max_tokens)
+    return StepCostModel.from_samples(counts, [(intercept_ms + per_token_ms * t) / 1000 for t in counts])
+
+
+FLAT = linear(10.0, 0.0001)  # weight-bound: more tokens barely cost more
+STEEP = linear(0.5, 0.05)  # compute-bound: time grows with every token
+
+
+def policy(costs: StepCostModel, stats: SpecDecodeStats | None = None, k: int = K) -> ConfidenceVerification:
+    return ConfidenceVerification(costs, k, 2048, stats or SpecDecodeStats())
+
+
+def geometric(q: float, k: int = K) -> list[float]:
+    return [q ** (j + 1) for j in range(k)]
+
+
+def expected_rate(costs: StepCostModel, rows: list[list[float]], lengths: list[int], num_sampling: int, base: int) -> float:
+    emitted = num_sampling + sum(sum(row[:n]) for row, n in zip(rows, lengths))
+    return emitted / costs.cost(base + sum(lengths))
+
+
+# -- the cost model ----------------------------------------------------------------------
+
+
+def test_the_profile_grid_counts_every_small_step_then_grows_geometrically():
+    counts = profile_token_counts(8192)
+    assert counts[:8] == list(range(1, 9)) and counts[-1] == 8192
+    assert all(b > a for a, b in zip(counts, counts[1:]))
+    assert all(b / a < 1.34 for a, b in zip(counts[8:], counts[9:]))
+    assert len(counts) < 45
+    assert profile_token_counts(3) == [1, 2, 3]
+    with pytest.raises(ValueError, match="max_tokens"):
+        profile_token_counts(0)
+
+
+def test_the_cost_model_interpolates_extrapolates_and_takes_out_upward_noise():
+    model = StepCostModel.from_samples([16, 1, 4, 8], [0.004, 0.001, 0.009, 0.003])  # 4 tokens: a slowed-down run
+    assert model.num_tokens == (1, 4, 8, 16)
+    assert model.seconds == (0.001, 0.003, 0.003, 0.004)  # the spike at 4 takes the time of 8
+    assert model.cost(0) == model.cost(1) == 0.001
+    assert model.cost(2) == pytest.approx(0.001 + 0.002 / 3)
+    assert model.cost(12) == pytest.approx(0.0035)
+    assert model.cost(32) == pytest.approx(0.004 + 16 * 0.001 / 8)  # the last two points' slope
+    assert model.table(5) == [model.cost(t) for t in range(6)]
+    assert StepCostModel.from_samples([10], [0.002]).cost(20) == pytest.approx(0.004)
+    with pytest.raises(ValueError, match="increasing"):
+        StepCostModel((2, 1), (0.1, 0.2))
+    with pytest.raises(ValueError, match="positive"):
+        StepCostModel((1, 2), (0.1, float("nan")))
+    with pytest.raises(ValueError, match="one time per token count"):
+        StepCostModel((1, 2), (0.1,))
+
+
+# -- the choice --------------------------------------------------------------------------
+
+
+def test_a_lone_request_on_a_flat_curve_verifies_every_draft():
+    lengths = policy(FLAT).choose([geometric(0.5)], [K], num_sampling=1, base_tokens=1, max_drafts=2047)
+    assert lengths == [K]
+
+
+def test_a_large_batch_on_a_steep_curve_verifies_few_or_none():
+    rng = random.Random(0)
+    rows = [geometric(rng.uniform(0.4, 0.9)) for _ in range(256)]
+    lengths = policy(STEEP).choose(rows, [K] * 256, num_sampling=256, base_tokens=256, max_drafts=1792)
+    assert sum(lengths) == 0
+    # the same batch where the curve is flat verifies nearly everything
+    assert sum(policy(FLAT).choose(rows, [K] * 256, 256, 256, 1792)) > 0.9 * 256 * K
+    # a moderately steep curve: only the most confident drafts, first positions first
+    middle = linear(5.0, 0.01)
+    lengths = policy(middle).choose(rows, [K] * 256, 256, 256, 1792)
+    assert 0 < sum(lengths) < 256 * K
+    chosen = [row[n - 1] for row, n in zip(rows, lengths) if n]
+    left_out = [row[n] for row, n in zip(rows, lengths) if n < K]
+    assert min(chosen) >= max(left_out)  # every verified draft is at least as likely as any left out
+
+
+def test_the_choice_is_the_best_one_by_brute_force_on_any_curve():
+    rng = random.Random(1)
+    curves = [STEEP, FLAT, linear(3.0, 0.3)]
+    # a step curve: a CUDA graph of 4 rows, then eager
+    curves.append(StepCostModel.from_samples([1, 4, 5, 8, 16], [0.001, 0.001, 0.004, 0.0045, 0.005]))
+    for _ in range(60):
+        costs = rng.choice(curves)
+        rows = [sorted((rng.random() for _ in range(3)), reverse=True) for _ in range(3)]
+        rooms = [rng.randint(0, 3) for _ in rows]
+        base = rng.randint(3, 6)
+        got = policy(costs, k=3).choose(rows, rooms, 3, base, max_drafts=9)
+        best = max(
+            expected_rate(costs, rows, list(c), 3, base) for c in itertools.product(*(range(r + 1) for r in rooms))
+        )
+        assert expected_rate(costs, rows, got, 3, base) == pytest.approx(best)
+        assert all(0 <= n <= r for n, r in zip(got, rooms))
+
+
+def test_higher_survival_never_verifies_fewer_drafts():
+    for costs in (linear(5.0, 0.01), linear(2.0, 0.05), linear(10.0, 0.001)):
+        for batch in (1, 16, 64):
+            totals = [sum(policy(costs).choose([geometric(q)] * batch, [K] * batch, batch, batch, 2048 - batch)) for q in
+                      (0.1, 0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 0.99)]  # fmt: skip
+            assert totals == sorted(totals), (batch, totals)
+
+
+def test_other_tokens_in_the_step_are_accounted_for():
+    # a graph-like curve: flat to 64 tokens (one graph), then twice the time (eager)
+    costs = StepCostModel.from_samples([1, 64, 65, 128], [0.005, 0.005, 0.010, 0.012])
+    alone = policy(costs).choose([geometric(0.7)], [K], num_sampling=1, base_tokens=1, max_drafts=2047)
+    beside_a_prefill = policy(costs).choose([geometric(0.7)], [K], num_sampling=1, base_tokens=60, max_drafts=2047)
+    assert alone == [K]
+    assert beside_a_prefill == [4]  # the drafts that still fit in the flat part
+    assert policy(costs).choose([geometric(0.7)], [K], 1, 1, max_drafts=2) == [2]  # the budget's room
+
+
+def test_requests_without_estimates_use_the_observed_acceptance():
+    stats = SpecDecodeStats()
+    chooser = policy(linear(0.5, 0.5), stats)  # a draft costs half a lone decode
+    assert chooser.observed_survival() == [0.5] * K  # nothing observed yet: the prior
+    assert chooser.choose([None, []], [K, K], 2, 2, 100) == [0, 0]  # None and [] alike: not worth it at 0.5
+    for _ in range(200):
+        stats.observe(K, K)  # every draft accepted so far
+    survival = chooser.observed_survival()
+    assert survival[0] > 0.99 and survival == sorted(survival, reverse=True)
+    assert chooser.choose([None, []], [K, K], 2, 2, 100) == [K, K]
+    assert chooser.choose([None, geometric(0.2)], [K, K], 2, 2, 100) == [K, 0]  # a request's own estimates win
+    for _ in range(400):
+        stats.observe(K, 0)  # then none
+    assert chooser.choose([None], [K], 1, 1, 100) == [0]
+    assert chooser.choose([geometric(0.99)], [0], 1, 1, 100) == [0]  # no room: nothing
+
+
+def test_drafting_stops_where_nothing_would_be_verified_and_probes_again():
+    steep = policy(STEEP)
+    assert policy(FLAT).worth_drafting(256, 256)
+    steep.typical = [0.6] * K  # as a step's drafts leave it
+    answers = [steep.worth_drafting(256, 256) for _ in range(REPROBE_STEPS)]
+    assert not any(answers[:-1]) and answers[-1]  # one probe after REPROBE_STEPS refusals
+    assert steep.worth_drafting(1, 1)  # a lone request on the same curve: its drafts cost little
+    assert steep.worth_drafting(0, 512)  # no decodes: prefills draft for their first verify
+
+
+def test_a_choice_at_batch_256_with_7_drafts_is_cheap():
+    import time
+
+    rng = random.Random(2)
+    rows = [geometric(rng.uniform(0.3, 0.95)) for _ in range(256)]
+    chooser = policy(linear(7.0, 0.002, 8192))
+    chooser.choose(rows, [K] * 256, 256, 256, 1792)
+    started = time.perf_counter()
+    for _ in range(20):
+        chooser.choose(rows, [K] * 256, 256, 256, 1792)
+    assert (time.perf_counter() - started) / 20 < 0.02  # about 0.5 ms on one idle core
+
+
+# -- survival rows from the worker -------------------------------------------------------
+
+
+def test_survival_rows_are_plain_clamped_non_increasing_floats():
+    assert survival_row([0.9, 0.95, 0.5, float("nan"), 0.2], 4) == [0.9, 0.9, 0.5, 0.0]
+    assert survival_row((1.5, -0.1), 2) == [1.0, 0.0]
+    assert survival_row([0.9], 3) is None  # fewer estimates than drafts
+    torch = pytest.importorskip("torch")
+    row = survival_row(torch.tensor([0.8, 0.6, 0.7]), 3)
+    assert row == pytest.approx([0.8, 0.6, 0.6]) and all(type(v) is float for v in row)
+
+
+# -- the scheduler -----------------------------------------------------------------------
+
+
+def _decoding(scheduler: Scheduler, count: int, drafts: int = K, confidence: list[float] | None = None) -> list[Request]:
+    """``count`` requests past their prefill, each holding ``drafts`` drafts."""
+    requests = []
+    for i in range(count):
+        request = Request(f"r{i}", [100 * i + j for j in range(5)], SamplingParams(max_tokens=50), [0], 50)
+        scheduler.add_request(request)
+        requests.append(request)
+    out = scheduler.schedule()
+    ids = list(out.num_scheduled_tokens)
+    output = ModelRunnerOutput(ids, [7] * len(ids), [None] * len(ids))
+    output.draft_token_ids = {r: [11] * drafts for r in ids}
+    if confidence is not None:
+        output.draft_confidence = {r: list(confidence) for r in ids}
+    scheduler.update_from_output(out, output)
+    return requests
+
+
+def _scheduler(costs: StepCostModel | None, max_seqs: int = 64) -> Scheduler:
+    config = SchedulerConfig(max_seqs, 2048, 512, spec_max_batch_size=NO_BATCH_LIMIT)
+    scheduler = Scheduler(config, KVCacheManager(4096, 16))
+    if costs is not None:
+        scheduler.verification = ConfidenceVerification(costs, K, 2048, scheduler.spec_stats)
+    return scheduler
+
+
+def test_the_scheduler_verifies_what_the_policy_chose_and_counts_the_cut():
+    flat = _scheduler(FLAT)
+    _decoding(flat, 1, confidence=geometric(0.8))
+    out = flat.schedule()
+    assert out.scheduled_spec_decode_tokens == {"r0": [11] * K} and out.num_scheduled_tokens == {"r0": 1 + K}
+    assert out.propose_drafts
+
+    steep = _scheduler(STEEP)
+    _decoding(steep, 64, confidence=geometric(0.6))
+    out = steep.schedule()
+    assert out.scheduled_spec_decode_tokens == {}
+    assert all(n == 1 for n in out.num_scheduled_tokens.values())
+    assert steep.spec_stats.num_proposed_tokens == 64 * K and steep.spec_stats.num_draft_tokens == 0
+    assert not out.propose_drafts  # a batch like this one is not worth drafting for
+
+    fixed = _scheduler(None)
+    _decoding(fixed, 64, confidence=geometric(0.6))
+    assert sum(map(len, fixed.schedule().scheduled_spec_decode_tokens.values())) == 64 * K  # fixed: every draft
+
+
+def test_preemption_clears_drafts_and_their_estimates():
+    scheduler = _scheduler(FLAT)
+    (request,) = _decoding(scheduler, 1, confidence=geometric(0.8))
+    assert request.spec_confidence == geometric(0.8)
+    scheduler._preempt(scheduler.running.pop())
+    assert request.spec_token_ids == [] and request.spec_confidence is None
+
+
+# -- the option --------------------------------------------------------------------------
+
+
+def test_the_verification_option_defaults_by_method_and_is_checked():
+    assert SpeculativeConfig.from_value({"method": "dspark", "model": None}).verification == "confidence"
+    ngram = SpeculativeConfig.from_value({"method": "ngram"})
+    assert ngram.verification == "fixed" and ngram.max_batch_size == 32
+    confident = SpeculativeConfig.from_value({"method": "ngram", "verification": "confidence"})
+    assert confident.max_batch_size == NO_BATCH_LIMIT  # the policy decides, unless a limit is given
+    assert SpeculativeConfig.from_value({"method": "ngram", "verification": "confidence", "disable_by_batch_size": 8}).max_batch_size == 8
+    assert SpeculativeConfig.from_value({"method": "dspark", "verification": "fixed"}).verification == "fixed"
+    adaptive = SpeculativeConfig.from_value({"method": "ngram", "enable_adaptive_verification": True})
+    assert adaptive.verification == "confidence" and "enable_adaptive_verification" not in adaptive.extra
+    assert SpeculativeConfig.from_value({"method": "dspark", "enable_adaptive_verification": False}).verification == "fixed"
+    with pytest.raises(ValueError, match='must be "fixed" or "confidence", got .adaptive.'):
+        SpeculativeConfig.from_value({"method": "ngram", "verification": "adaptive"})
+    with pytest.raises(ValueError, match="must be \"fixed\" or \"confidence\", got 1"):
+        SpeculativeConfig.from_value({"method": "ngram", "verification": 1})
+    with pytest.raises(ValueError, match="enable_adaptive_verification.*true or false"):
+        SpeculativeConfig.from_value({"method": "ngram", "enable_adaptive_verification": "yes"})
+    with pytest.raises(ValueError, match="contradicts"):
+        SpeculativeConfig.from_value({"method": "ngram", "enable_adaptive_verification": True, "verification": "fixed"})
