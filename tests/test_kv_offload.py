@@ -64,6 +64,44 @@ def test_the_tier_holds_no_more_than_its_budget_and_no_block_leaks(runs) -> None
     assert stats.num_free_blocks == stats.num_total_blocks
 
 
+# -- the size: a 6,000-token shared prefix ----------------------------------------------
+
+LONG_BLOCK_BYTES = 2 * 1 * 16 * 2 * 16 * 4  # one layer: K and V, 16 tokens, 2 heads of 16, float32
+LONG_DEVICE_BLOCKS = 400  # 6,400 tokens: one long request at a time
+LONG_PREFIX = [rng.randint(100, 49000) for _ in range(6000)]
+LONG_FILLER = [rng.randint(100, 49000) for _ in range(6000)]
+LONG_PROMPTS = [LONG_PREFIX + [11, 12, 13], LONG_FILLER, LONG_PREFIX + [21, 22]]
+
+
+@pytest.fixture(scope="module")
+def long_runs(tmp_path_factory):
+    from sonar_models.testing import build_tiny_model
+
+    model = str(build_tiny_model("llama", tmp_path_factory.mktemp("long") / "llama", num_hidden_layers=1, max_position_embeddings=8192))
+
+    def run(**kwargs) -> tuple[LLM, list[list[int]], list[int]]:
+        llm = LLM(model, max_model_len=6100, kv_cache_memory_bytes=LONG_DEVICE_BLOCKS * LONG_BLOCK_BYTES, **kwargs)
+        outputs, computed = [], []
+        for prompt in LONG_PROMPTS:
+            before = llm.llm_engine.get_stats().num_prompt_tokens
+            outputs.append(llm.generate({"prompt_token_ids": prompt}, GREEDY)[0].outputs[0].token_ids)
+            computed.append(llm.llm_engine.get_stats().num_prompt_tokens - before)
+        return llm, outputs, computed
+
+    _, plain_outputs, plain_computed = run()
+    return plain_outputs, plain_computed, run(kv_offload_bytes=LONG_DEVICE_BLOCKS * LONG_BLOCK_BYTES)
+
+
+def test_a_6000_token_prefix_too_big_for_the_device_comes_back_from_host_memory(long_runs) -> None:
+    plain_outputs, plain_computed, (llm, outputs, computed) = long_runs
+    assert outputs == plain_outputs  # equal to the output computed again
+    # the filler request took 376 of the 400 device blocks: without the tier only the prefix's
+    # first 24 blocks were still there and the other 5,616 tokens were computed again
+    assert plain_computed[2] == len(LONG_PROMPTS[2]) - 24 * 16
+    assert computed[2] == 2  # with it those 5,616 tokens came back from host memory
+    assert llm.llm_engine.get_stats().external_prefix_cache_hits == 6000 - 24 * 16
+
+
 def test_a_budget_below_one_block_is_refused(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="holds no KV block: one block takes 8192 bytes"):
         LLM(str(tiny_model_dir("llama")), max_model_len=512, kv_cache_memory_bytes=DEVICE_BLOCKS * BLOCK_BYTES, kv_offload_bytes=100)
