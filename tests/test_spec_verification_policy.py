@@ -1,0 +1,211 @@
+"""Confidence-scheduled verification end to end (tiny random Llama target, CPU): a proposer
+plugin whose drafts carry survival estimates (n-gram drafts with a scripted confidence
+profile) gives greedy output token for token as without speculation; the start-up profile
+of the target's step time runs on the CPU worker; the scheduler verifies every draft where
+the cost curve is flat, and cuts them (verified < proposed, drafting then skipped) where it
+is steep; a DSpark drafter, confidence-scheduled by default, through an engine-core process."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from sonar import LLM, SamplingParams, registry
+from sonar.engine.step_cost import StepCostModel, profile_token_counts
+from sonar.hookspecs import hookimpl
+from sonar.plugins import get_plugin_manager
+from sonar.spec_decode import DraftTokens, ProposerInputs
+from sonar.spec_decode.ngram import NgramProposer
+from sonar.spec_decode.verification import ConfidenceVerification
+
+VOCAB = 512
+KV_BYTES = 2**23
+K = 4
+SURVIVAL = [0.9, 0.75, 0.55, 0.35]  # the scripted confidence of drafts 1..4
+
+
+class ScriptedConfidence(NgramProposer):
+    """N-gram drafts, each position's survival estimate taken from ``SURVIVAL``."""
+
+    def propose(self, inputs: ProposerInputs) -> DraftTokens:
+        drafts = super().propose(inputs)
+        drafts.confidence = [SURVIVAL[: len(tokens)] if tokens else None for tokens in drafts.token_ids]
+        return drafts
+
+
+class _Plugin:
+    @hookimpl
+    def sonar_register_speculative_proposers(self, register) -> None:
+        register("scripted-confidence", ScriptedConfidence)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory):
+    """A tiny random Llama without a tokenizer (prompts are token ids)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    folder = tmp_path_factory.mktemp("verification-target")
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+                         num_key_value_heads=2, rms_norm_eps=1e-5, initializer_range=0.1, tie_word_embeddings=False)  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def scripted_plugin():
+    manager = get_plugin_manager()
+    manager.register(_Plugin(), name="test-scripted-confidence")
+    registry.clear_caches()
+    try:
+        yield
+    finally:
+        manager.unregister(name="test-scripted-confidence")
+        registry.clear_caches()
+
+
+def repetitive_prompts(count: int) -> list[list[int]]:
+    """Prompts that repeat a span of themselves: the continuation tends to copy it."""
+    return [[(i * 13 + j * 7) % 97 + 200 for j in range(20)] * 2 for i in range(count)]
+
+
+PARAMS = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 20, 28, 16, 24, 22)]
+
+
+def generate(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+
+
+@pytest.fixture(scope="module")
+def expected(target) -> list[list[int]]:
+    plain = LLM(str(target), kv_cache_memory_bytes=KV_BYTES, max_model_len=256, skip_tokenizer_init=True)
+    return generate(plain, repetitive_prompts(len(PARAMS)), PARAMS)
+
+
+@pytest.fixture(scope="module")
+def confident(target, scripted_plugin):
+    """An engine whose verification is scheduled by confidence, and its start-up time."""
+    spec = {"method": "scripted-confidence", "num_speculative_tokens": K, "prompt_lookup_max": 3, "verification": "confidence"}
+    started = time.perf_counter()
+    llm = LLM(str(target), kv_cache_memory_bytes=KV_BYTES, max_model_len=256, skip_tokenizer_init=True, speculative_config=spec)
+    return llm, time.perf_counter() - started
+
+
+def use_costs(llm: LLM, costs: StepCostModel) -> None:
+    """Schedule the engine's verification against ``costs`` instead of its profiled curve."""
+    scheduler = llm.llm_engine.core.scheduler
+    scheduler.verification = ConfidenceVerification(costs, K, llm.llm_engine.config.max_num_batched_tokens, scheduler.spec_stats)
+
+
+def counters(llm: LLM) -> tuple[int, int, int]:
+    stats = llm.llm_engine.get_stats()
+    return stats.spec_num_proposed_tokens, stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens
+
+
+def test_the_step_cost_is_profiled_on_the_cpu_worker_at_start_up(confident):
+    llm, startup_s = confident
+    costs = llm.llm_engine.core.step_costs
+    assert isinstance(costs, StepCostModel)
+    counts = list(costs.num_tokens)
+    assert counts == profile_token_counts(llm.llm_engine.config.max_num_batched_tokens)[: len(counts)]  # the grid, cut by the time budget
+    assert len(counts) >= 4 and costs.context_len > 0
+    assert all(b >= a for a, b in zip(costs.seconds, costs.seconds[1:]))
+    assert costs.seconds[-1] > costs.seconds[0]  # more tokens in a step cost more
+    assert startup_s < 30
+    assert llm.llm_engine.core.scheduler.verification is not None
+
+
+def test_greedy_output_is_unchanged_with_every_draft_verified_on_a_flat_curve(confident, expected):
+    llm, _ = confident
+    use_costs(llm, StepCostModel.from_samples([1, 4096], [0.010, 0.0101]))
+    before = counters(llm)
+    got = generate(llm, repetitive_prompts(len(PARAMS)), PARAMS)
+    proposed, verified, accepted = (a - b for a, b in zip(counters(llm), before))
+    assert got == expected
+    assert verified > 0 and accepted > 0
+    assert verified >= 0.8 * proposed  # the rest: drafts past a request's max_tokens, or of a request that finished
+
+
+def test_a_steep_curve_cuts_the_drafts_and_stops_drafting(confident, expected):
+    llm, _ = confident
+    # compute-bound from the first token: a draft costs as much as a decode, so no estimate
+    # below 1 is worth verifying, at any batch size
+    use_costs(llm, StepCostModel.from_samples([1, 4096], [0.0001, 0.4096]))
+    before = counters(llm)
+    got = generate(llm, repetitive_prompts(len(PARAMS)), PARAMS)
+    proposed, verified, accepted = (a - b for a, b in zip(counters(llm), before))
+    assert got == expected
+    assert 0 < proposed and verified < proposed
+    # drafts came once (after the prefill), were cut, and the proposer was skipped after that
+    assert proposed <= len(PARAMS) * K
+
+
+def test_a_dspark_drafter_schedules_by_confidence_by_default_through_an_engine_core_process(target, expected, tmp_path):
+    """The multi-process path (as ``sonar serve`` runs it): the resolved option crosses as
+    JSON, the drafter's survival estimates reach the scheduler in the engine-core process,
+    the counters come back in its stats."""
+    import tempfile
+    from pathlib import Path
+
+    import zmq
+    from transformers import AutoConfig
+
+    from sonar.config import EngineArgs
+    from sonar.engine import wire
+    from sonar.engine.core_client import EngineProcesses
+    from sonar.engine.resolve import resolve_engine_config
+    from sonar.platform import current_platform
+    from sonar.spec_decode.dflash_checkpoint import save_dflash
+    from sonar.spec_decode.dflash_model import DFlashDrafter
+    from sonar.spec_decode.dflash_trainer import drafter_config_for, init_drafter
+
+    config = drafter_config_for(AutoConfig.from_pretrained(target), "deepspec", 4, 2, [-1, 1, 2], VOCAB - 1, markov_rank=16,
+                                markov_head_type="vanilla", confidence_head=True)  # fmt: skip
+    weights = load_file(str(target / "model.safetensors"))
+    drafter = save_dflash(init_drafter(DFlashDrafter(config), std=0.1), tmp_path / "dspark", embedding=weights["model.embed_tokens.weight"],
+                          lm_head=weights["lm_head.weight"])  # fmt: skip
+    args = EngineArgs(str(target), kv_cache_memory_bytes=KV_BYTES, max_model_len=256, skip_tokenizer_init=True,
+                      speculative_config={"method": "dspark", "model": str(drafter), "num_speculative_tokens": 3})  # fmt: skip
+    platform = current_platform()
+    engine_config, _ = resolve_engine_config(args, platform)
+    assert engine_config.speculative_config.verification == "confidence"
+    prompt, params = repetitive_prompts(1)[0], PARAMS[0]
+    ipc = Path(tempfile.mkdtemp(prefix="sonar-test-ipc-"))
+    addresses = wire.ClientAddresses(f"ipc://{ipc}/in", f"ipc://{ipc}/out")
+    context = zmq.Context()
+    router, pull = context.socket(zmq.ROUTER), context.socket(zmq.PULL)
+    router.bind(addresses.input)
+    pull.bind(addresses.output)
+    engines = EngineProcesses(engine_config, [addresses], platform.replica_env)
+    try:
+        assert router.poll(120_000), "the engine core said it is ready"
+        identity, kind, _ = router.recv_multipart()
+        assert kind == wire.READY
+        router.send_multipart([identity, *wire.encode_request(wire.EngineCoreRequest("r", prompt, params, params.max_tokens, 0.0))])
+        tokens: list[int] = []
+        stats = None
+        while len(tokens) < params.max_tokens:
+            assert pull.poll(60_000)
+            frames = pull.recv_multipart()
+            if frames[0] != wire.OUTPUTS:
+                continue
+            decoded = wire.decode_outputs(frames)
+            stats = decoded.stats
+            for output in decoded.outputs:
+                tokens += output.new_token_ids
+        assert tokens == expected[0]
+        deadline = time.monotonic() + 5
+        while stats.spec_num_proposed_tokens == 0 and time.monotonic() < deadline:  # a heartbeat carries the last step's
+            if pull.poll(1000):
+                frames = pull.recv_multipart()
+                if frames[0] == wire.OUTPUTS:
+                    stats = wire.decode_outputs(frames).stats
+        assert stats.spec_num_proposed_tokens >= stats.spec_num_draft_tokens >= stats.spec_num_accepted_tokens
+        assert stats.spec_num_proposed_tokens > 0
+        assert sum(stats.spec_verified_per_position) == stats.spec_num_draft_tokens
+    finally:
+        engines.terminate()
+        context.destroy(linger=0)
