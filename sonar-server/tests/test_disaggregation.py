@@ -303,3 +303,34 @@ def test_a_decode_server_killed_while_pulling(victims, producer, consumer) -> No
     expected = _complete(producer.url, LONG_PROMPT)["choices"][0]["text"]
     decoded = _complete(consumer.url, LONG_PROMPT, kv_transfer_params=_prefill(producer.url, LONG_PROMPT))
     assert decoded["choices"][0]["text"] == expected
+
+
+def _stream_events(url: str, route: str, body: dict) -> list[dict]:
+    import json
+
+    events = []
+    with httpx.stream("POST", f"{url}{route}", json={**body, "stream": True}, timeout=60) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[len("data: "):]))
+    return events
+
+
+def test_a_streamed_prefill_returns_kv_transfer_params_on_its_finishing_chunk(producer, consumer, expected) -> None:
+    fields = {"model": "tiny", "max_tokens": 1, "temperature": 0.0, "kv_transfer_params": {"do_remote_decode": True}}
+    events = _stream_events(producer.url, "/v1/completions", {**fields, "prompt": PROMPT})
+    carrying = [e for e in events if "kv_transfer_params" in e]
+    assert len(carrying) == 1 and carrying[0]["choices"][0]["finish_reason"] is not None
+    params = carrying[0]["kv_transfer_params"]
+    assert params["do_remote_prefill"] is True
+    decoded = _complete(consumer.url, kv_transfer_params=params)  # the streamed parameters are pulled like the others
+    assert decoded["choices"][0]["text"] == expected
+
+    events = _stream_events(producer.url, "/v1/chat/completions", {**fields, "messages": MESSAGES})
+    carrying = [e for e in events if "kv_transfer_params" in e]
+    assert len(carrying) == 1 and carrying[0]["choices"][0]["finish_reason"] is not None
+    assert carrying[0]["kv_transfer_params"]["remote_block_ids"]
+    # an ordinary streamed request carries none
+    assert not any("kv_transfer_params" in e for e in _stream_events(producer.url, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 2}))
+    assert _all_blocks_free(producer.url, timeout=6.0)  # the chat prefill, never pulled, freed after the timeout

@@ -156,6 +156,8 @@ async def _stream(
         payload: dict[str, Any] = {"id": generation.request_id, "object": "chat.completion.chunk", "created": created, "model": model, "choices": choices}
         if include_usage:
             payload["usage"] = usage
+        if any(c["finish_reason"] is not None for c in choices) and generation.kv_transfer_params is not None:
+            payload["kv_transfer_params"] = generation.kv_transfer_params  # on the finishing chunk, as vLLM
         return sse_data(payload)
 
     deltas = generation.deltas()

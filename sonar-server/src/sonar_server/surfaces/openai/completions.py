@@ -164,6 +164,8 @@ async def _stream(
         payload: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
         if include_usage:
             payload["usage"] = None
+        if finish_reason is not None and len(generations) == 1 and generations[0].kv_transfer_params is not None:
+            payload["kv_transfer_params"] = generations[0].kv_transfer_params  # on the finishing chunk, as vLLM
         return sse_data(payload)
 
     merged = merge([g.deltas() for g in generations])
