@@ -145,6 +145,7 @@ class _EngineCollector(Collector):
 
 def _spec_decode_metrics(stats: Any, counter: Callable[[str, str, float], CounterMetricFamily], model_name: str) -> Iterator[Any]:
     """Speculative decoding's acceptance counters (vLLM's names; zero without speculation)."""
+    yield counter("spec_decode_num_proposed_tokens", "Draft tokens proposed (those not verified were cut by the scheduler)", stats.spec_num_proposed_tokens)
     yield counter("spec_decode_num_drafts", "Verify steps that carried drafts, per request", stats.spec_num_drafts)
     yield counter("spec_decode_num_draft_tokens", "Draft tokens verified", stats.spec_num_draft_tokens)
     yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted", stats.spec_num_accepted_tokens)

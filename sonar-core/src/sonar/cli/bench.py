@@ -153,9 +153,11 @@ def run_throughput(args: argparse.Namespace) -> int:
         drafts = stats_after.spec_num_drafts - stats_before.spec_num_drafts
         draft_tokens = stats_after.spec_num_draft_tokens - stats_before.spec_num_draft_tokens
         accepted = stats_after.spec_num_accepted_tokens - stats_before.spec_num_accepted_tokens
+        proposed = stats_after.spec_num_proposed_tokens - stats_before.spec_num_proposed_tokens
         result["mean_acceptance_length"] = round(1 + accepted / drafts, 3)
+        result["draft_tokens"] = {"proposed": proposed, "verified": draft_tokens, "accepted": accepted}
         print(f"speculative decoding: mean acceptance length {result['mean_acceptance_length']:.2f} "
-              f"({accepted} of {draft_tokens} draft tokens accepted over {drafts} verify steps)")
+              f"({accepted} of {draft_tokens} draft tokens accepted over {drafts} verify steps; {proposed} proposed)")
     if args.compare_hf:
         dtype = llm.llm_engine.model_config.dtype
         model_path = llm.llm_engine.model_config.model
