@@ -154,8 +154,9 @@ class DraftTokens:
     ``confidence[i]``, where given, is the proposer's estimate, per draft position ``j``, of
     the probability that drafts ``0..j`` of request ``i`` all survive verification (so it
     does not increase along the row); a verification policy that schedules by confidence
-    reads it to verify only the prefix worth its cost. None: no estimates (every draft is
-    verified, up to the step's budget)."""
+    reads it to verify only the prefix worth its cost (``sonar.spec_decode.verification``). None
+    (the whole list, or one request's entry): no estimates; that policy then uses the
+    engine's observed acceptance by position, and fixed verification verifies every draft."""
 
     req_ids: list[str]
     token_ids: list[list[int]]
