@@ -8,6 +8,10 @@
     python sonar-cuda/benchmarks/spec_decode.py --part ngram --target model.gguf --prompts mbpp.jsonl
     python sonar-cuda/benchmarks/spec_decode.py --part eagle3 --target model.gguf --drafter head/ --prompts mt-bench.jsonl
     python sonar-cuda/benchmarks/spec_decode.py --part dspark --target model.gguf --drafter dspark/ --prompts mt-bench.jsonl -k 7
+    # confidence-scheduled verification: the profiled cost curve, the drafts verified at batch
+    # 1/64/256, throughput with fixed against confidence verification, a DSpark drafter's cost
+    # (spec_confidence.py; --tiny runs it on the CPU)
+    python sonar-cuda/benchmarks/spec_decode.py --part confidence --output-json confidence.json
 
 verify-cost drafts random tokens (a benchmark-only proposer): a random-weight target accepts
 none of them, so every step emits one token per request while verifying k + 1 positions; its
@@ -28,6 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+import spec_confidence  # beside this file (the script's folder is on sys.path)
 
 from sonar import LLM, SamplingParams, registry
 from sonar.hookspecs import hookimpl
@@ -220,8 +226,8 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", required=True, choices=["verify-cost", "loaded", "ngram", "eagle3", "dflash", "dspark"])
-    parser.add_argument("--batches", default="1,8,32,128")
+    parser.add_argument("--part", required=True, choices=["verify-cost", "loaded", "ngram", "eagle3", "dflash", "dspark", "confidence"])
+    parser.add_argument("--batches", default=None, help="default: 1,8,32,128 (confidence: 1,64,256)")
     parser.add_argument("--target", help="a real target model (a GGUF file or folder)")
     parser.add_argument("--drafter", help="the drafter's folder (eagle3, dflash, dspark parts)")
     parser.add_argument("--prompts", help="a prompt file, one {\"turns\": [...]} a line")
@@ -230,8 +236,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--output-json")
+    spec_confidence.add_arguments(parser)
     args = parser.parse_args()
-    if args.part == "verify-cost":
+    if args.batches is None:
+        args.batches = "1,64,256" if args.part == "confidence" else "1,8,32,128"
+    if args.part == "confidence":
+        result = spec_confidence.confidence_part(args)
+    elif args.part == "verify-cost":
         result = verify_cost(args)
     elif args.part == "loaded":
         result = loaded(args)
