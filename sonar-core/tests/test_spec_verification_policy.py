@@ -69,7 +69,9 @@ def test_the_cost_model_interpolates_extrapolates_and_takes_out_upward_noise():
     assert model.cost(0) == model.cost(1) == 0.001
     assert model.cost(2) == pytest.approx(0.001 + 0.002 / 3)
     assert model.cost(12) == pytest.approx(0.0035)
-    assert model.cost(32) == pytest.approx(0.004 + 16 * 0.001 / 8)  # the last two points' slope
+    assert model.cost(32) == pytest.approx(0.004 + 16 * 0.004 / 16)  # the last step's time per token: steeper than the last two's slope
+    steep_end = StepCostModel.from_samples([1, 8, 16], [0.001, 0.002, 0.010])
+    assert steep_end.cost(24) == pytest.approx(0.010 + 8 * 0.008 / 8)  # the last two's slope: steeper
     assert model.table(5) == [model.cost(t) for t in range(6)]
     assert StepCostModel.from_samples([10], [0.002]).cost(20) == pytest.approx(0.004)
     with pytest.raises(ValueError, match="increasing"):

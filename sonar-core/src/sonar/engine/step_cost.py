@@ -38,8 +38,10 @@ class StepCostModel:
     process descheduled mid-step, a busy host).
 
     :meth:`cost` interpolates linearly between the profiled counts, answers the first count's
-    time below it, and extrapolates past the last with the slope of the last two (a large
-    step is bound by compute, so its time grows linearly). :meth:`table` precomputes the costs
+    time below it, and extrapolates past the last linearly, with the slope of the last two
+    counts or, if steeper, the last step's time per token (a large step is bound by compute,
+    so its time grows linearly; a profile cut short by its time budget, or ending on a
+    plateau, must not make further tokens look free). :meth:`table` precomputes the costs
     of every count up to a limit, for lookups on the scheduler's hot path.
 
     Plain data (tuples of numbers): it crosses process boundaries as it is, and a scheduler
@@ -82,9 +84,9 @@ class StepCostModel:
         if num_tokens <= counts[0]:
             return times[0]
         if num_tokens >= counts[-1]:
-            if len(counts) == 1:
-                return times[0] * num_tokens / counts[0]
-            slope = (times[-1] - times[-2]) / (counts[-1] - counts[-2])
+            slope = times[-1] / counts[-1]
+            if len(counts) > 1:
+                slope = max(slope, (times[-1] - times[-2]) / (counts[-1] - counts[-2]))
             return times[-1] + slope * (num_tokens - counts[-1])
         i = bisect.bisect_right(counts, num_tokens)
         left, right = counts[i - 1], counts[i]
