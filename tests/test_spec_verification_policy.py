@@ -209,3 +209,40 @@ def test_a_dspark_drafter_schedules_by_confidence_by_default_through_an_engine_c
     finally:
         engines.terminate()
         context.destroy(linger=0)
+
+
+def test_metrics_carry_the_proposed_draft_tokens():
+    from sonar.engine.wire import SchedulerStats
+    from sonar_server.metrics import ServerMetrics
+
+    stats = SchedulerStats(spec_num_proposed_tokens=40, spec_num_draft_tokens=12, spec_num_accepted_tokens=7)
+    text = ServerMetrics(lambda: stats, lambda: 0, "m").render().decode()
+    assert 'sonar:spec_decode_num_proposed_tokens_total{model_name="m"} 40.0' in text
+    assert 'sonar:spec_decode_num_draft_tokens_total{model_name="m"} 12.0' in text
+
+
+@pytest.mark.cuda
+def test_cuda_profiles_its_step_cost_through_the_graphs_and_keeps_greedy_output(target, expected, scripted_plugin):
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from sonar.config import EngineArgs
+    from sonar.engine.llm_engine import LLMEngine
+    from sonar_cuda.platform import CudaPlatform
+
+    spec = {"method": "scripted-confidence", "num_speculative_tokens": K, "prompt_lookup_max": 3, "verification": "confidence"}
+    args = EngineArgs(model=str(target), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=256, skip_tokenizer_init=True,
+                      speculative_config=spec)  # fmt: skip
+    engine = LLMEngine(args, platform=CudaPlatform)
+    costs = engine.core.step_costs
+    assert costs.num_tokens[0] == 1 and costs.num_tokens[-1] == engine.config.max_num_batched_tokens  # the whole grid within 20 s
+    assert costs.cost(costs.num_tokens[-1]) > costs.cost(1)
+    for i, prompt in enumerate(repetitive_prompts(len(PARAMS))):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, PARAMS[i])
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0].token_ids
+    assert [done[str(i)] for i in range(len(PARAMS))] == expected
+    stats = engine.get_stats()
+    assert stats.spec_num_proposed_tokens >= stats.spec_num_draft_tokens > 0
