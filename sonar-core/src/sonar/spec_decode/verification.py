@@ -29,6 +29,9 @@ what survival looks like.
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 from sonar.engine.step_cost import StepCostModel
 from sonar.spec_decode.stats import SpecDecodeStats
 
@@ -107,21 +110,14 @@ class ConfidenceVerification:
             return lengths
         self._update_typical(confidences, fallback)
         order = sorted(range(len(probs)), key=probs.__getitem__, reverse=True)  # stable: a row's drafts stay in order
-        table, cost = self._table, self.cost
-        limit = len(table)
-        emitted = float(num_sampling)
-        tokens = base_tokens
-        best_emitted, best_cost = emitted, cost(tokens)
-        best_m = 0
-        for m, index in enumerate(order[:max_drafts], start=1):
-            p = probs[index]
-            if p <= 0.0:
-                break
-            emitted += p
-            tokens += 1
-            step = table[tokens] if tokens < limit else cost(tokens)
-            if emitted * best_cost > best_emitted * step:  # emitted / step beats the best so far
-                best_emitted, best_cost, best_m = emitted, step, m
+        del order[max_drafts:]
+        # tokens per second with the first m drafts of that order, m = 0 .. len(order); the
+        # first best wins (no draft that does not pay)
+        emitted = list(itertools.accumulate(map(probs.__getitem__, order), initial=float(num_sampling)))
+        end = base_tokens + len(order) + 1
+        costs = self._table[base_tokens:end] if end <= len(self._table) else [self.cost(t) for t in range(base_tokens, end)]
+        rates = list(map(operator.truediv, emitted, costs))
+        best_m = max(range(len(rates)), key=rates.__getitem__)
         for index in order[:best_m]:
             lengths[owners[index]] += 1
         return lengths
