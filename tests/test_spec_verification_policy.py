@@ -136,7 +136,7 @@ def test_a_steep_curve_cuts_the_drafts_and_stops_drafting(confident, expected):
     use_costs(llm, StepCostModel.from_samples([1, 4096], [0.0001, 0.4096]))
     before = counters(llm)
     got = generate(llm, repetitive_prompts(len(PARAMS)), PARAMS)
-    proposed, verified, accepted = (a - b for a, b in zip(counters(llm), before))
+    proposed, verified, _ = (a - b for a, b in zip(counters(llm), before))
     assert got == expected
     assert 0 < proposed and verified < proposed
     # drafts came once (after the prefill), were cut, and the proposer was skipped after that
