@@ -284,7 +284,7 @@ def test_a_decode_server_killed_while_pulling(victims, producer, consumer) -> No
     assert not _all_blocks_free(producer.url)
 
     def decode() -> int | None:
-        body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 80, "temperature": 0.0, "kv_transfer_params": params}
+        body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 150, "temperature": 0.0, "ignore_eos": True, "kv_transfer_params": params}
         try:
             return httpx.post(f"{victim.url}/v1/completions", json=body, timeout=30).status_code
         except httpx.HTTPError:
@@ -293,8 +293,12 @@ def test_a_decode_server_killed_while_pulling(victims, producer, consumer) -> No
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(decode)
         deadline = time.monotonic() + 10
-        while not _connection_open_to(params["remote_port"]) and not answer.done() and time.monotonic() < deadline:
-            pass  # kill it the moment its engine connects to the KV port (the pull itself takes about a millisecond here)
+        # kill it the moment its engine connects to the KV port; the pull of a tiny model's blocks
+        # takes about a millisecond, so where the poll misses it the kill comes right after it,
+        # while the request decodes (the bytes cut mid-frame are the raw-socket test's above)
+        while time.monotonic() < deadline and not answer.done():
+            if _connection_open_to(params["remote_port"]) or _all_blocks_free(producer.url):
+                break
         _kill(victim)
         assert answer.result() is None
     # freed at once if the pull broke off, after the 3 s timeout had the kill come before it
