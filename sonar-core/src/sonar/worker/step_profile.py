@@ -47,10 +47,11 @@ def decode_shaped_step(num_tokens: int, max_num_seqs: int, context_len: int, voc
 
 def profile_step_seconds(
     runner: ModelRunner, platform: type, token_counts: list[int], context_len: int | None = None, repeats: int = PROFILE_REPEATS,
-    budget_s: float | None = None,
+    budget_s: float | None = None, max_logits_rows: int | None = None,
 ) -> tuple[list[int], list[float], int]:
     """Time a step of each of ``token_counts`` (increasing) through ``runner``'s own batch
-    building and forward (its CUDA graphs where a step fits one), its logits of every row and
+    building and forward (its CUDA graphs where a step fits one), the logits of its rows (at
+    most ``max_logits_rows``: a real step has logits for its decodes and drafts only) and
     their argmax; the fastest of ``repeats`` runs after a warm-up counts (of more runs, up to
     ``PROFILE_MAX_REPEATS``, for a step so short that ``repeats`` of them take less than
     ``PROFILE_POINT_S``: one run that the host slowed down then matters less).
@@ -88,7 +89,7 @@ def profile_step_seconds(
             while attempt <= repeats or (spent < PROFILE_POINT_S and attempt <= PROFILE_MAX_REPEATS):
                 platform.synchronize()
                 begin = time.perf_counter()
-                _run_step(runner, model, states, per_seq)
+                _run_step(runner, model, states, per_seq, max_logits_rows)
                 platform.synchronize()
                 elapsed = time.perf_counter() - begin
                 if attempt:  # the first run warms up
@@ -104,9 +105,11 @@ def profile_step_seconds(
 
 
 @torch.inference_mode()
-def _run_step(runner: ModelRunner, model: torch.nn.Module, states: list[CachedRequestState], per_seq: list[int]) -> None:
+def _run_step(
+    runner: ModelRunner, model: torch.nn.Module, states: list[CachedRequestState], per_seq: list[int], max_logits_rows: int | None
+) -> None:
     batch = runner.build_batch(states, per_seq)
     if runner.backend_cls is not None:
         runner.backend_cls.prepare_metadata(batch.attn_metadata)
     hidden = model(batch.input_ids, batch.positions, ForwardContext(batch.attn_metadata, runner.kv_caches))
-    model.compute_logits(hidden[batch.logits_indices]).argmax(dim=-1)
+    model.compute_logits(hidden[batch.logits_indices[:max_logits_rows]]).argmax(dim=-1)

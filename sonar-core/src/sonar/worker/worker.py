@@ -69,7 +69,11 @@ class Worker:
         request runs."""
         from sonar.worker.step_profile import profile_step_seconds
 
-        counts, seconds, context_len = profile_step_seconds(self.model_runner, self.platform, profile_token_counts(max_tokens))
+        spec = self.config.speculative_config
+        rows = self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))  # decodes and drafts
+        counts, seconds, context_len = profile_step_seconds(
+            self.model_runner, self.platform, profile_token_counts(max_tokens), max_logits_rows=rows
+        )
         return StepCostModel.from_samples(counts, seconds, context_len)
 
     def kv_cache_layout(self) -> Any:
