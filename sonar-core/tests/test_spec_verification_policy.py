@@ -169,6 +169,21 @@ def test_drafting_stops_where_nothing_would_be_verified_and_probes_again():
     assert steep.worth_drafting(0, 512)  # no decodes: prefills draft for their first verify
 
 
+def test_drafting_that_costs_more_than_its_drafts_give_is_stopped():
+    curve = linear(10.0, 0.01)  # a step of 256 decodes: 12.56 ms
+    chooser = policy(curve)
+    chooser.typical = geometric(0.7)
+    assert chooser.worth_drafting(256, 256)
+    chooser.observe_drafting(0.020)  # 20 ms of drafting a step: more than any verification wins back here
+    assert chooser.draft_seconds == 0.020
+    assert not chooser.worth_drafting(256, 256)
+    assert chooser.worth_drafting(1, 1)  # a lone request's drafts still pay for that
+    rows = [geometric(0.7)] * 4
+    assert chooser.choose(rows, [K] * 4, 4, 4, 100) == policy(curve).choose(rows, [K] * 4, 4, 4, 100)  # paid already: no part of the choice
+    chooser.observe_drafting(0.010)
+    assert chooser.draft_seconds == pytest.approx(0.020 + 0.2 * (0.010 - 0.020))  # a running average
+
+
 def test_a_choice_at_batch_256_with_7_drafts_is_cheap():
     import time
 

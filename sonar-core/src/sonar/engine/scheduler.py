@@ -406,6 +406,8 @@ class Scheduler:
         or their length. A request finished or aborted while the step ran is skipped (the
         token it computed meanwhile is dropped)."""
         self.update_finished_transfers(output.kv_connector_output)
+        if self.verification is not None and output.draft_seconds:
+            self.verification.observe_drafting(output.draft_seconds)
         verified = output.verified_token_ids
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)

@@ -84,4 +84,5 @@ class ModelRunnerOutput:
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_confidence: dict[str, list[float]] = field(default_factory=dict)
+    draft_seconds: float = 0.0  # how long proposing them took (0: no proposal after this step)
     kv_connector_output: KVConnectorOutput | None = None  # transfers the connector finished

@@ -19,12 +19,14 @@ the best choice is the best ``m``: the candidates are sorted once and every pref
 order is scored, in O(D log D) for D drafts. This is exact for any cost curve, steps and
 plateaus (CUDA graph sizes) included.
 
-A step whose drafts are worth nothing still paid for drafting them. After each step the
-policy says whether the next should draft at all (:meth:`ConfidenceVerification.worth_drafting`):
-whether a batch of as many decodes, each with drafts of the survival seen lately, would
-verify any; if not, the proposer is skipped (asynchronous scheduling then overlaps the steps
-as without speculation), and every ``REPROBE_STEPS`` such steps one drafts anyway, to refresh
-what survival looks like.
+Drafting is paid before the choice, whatever is verified. After each step the policy says
+whether the next should draft at all (:meth:`ConfidenceVerification.worth_drafting`):
+whether a batch of as many decodes, each with drafts of the survival seen lately, would emit
+more tokens per second with some drafts verified, the proposer's time per step (measured by
+the worker, :meth:`ConfidenceVerification.observe_drafting`) added to the step's, than
+without drafts; if not, the proposer is skipped (asynchronous scheduling then overlaps the
+steps as without speculation), and every ``REPROBE_STEPS`` such steps one drafts anyway, to
+refresh what survival and drafting cost look like.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from sonar.spec_decode.stats import SpecDecodeStats
 TYPICAL_ROWS = 16  # rows per step that update the typical survival profile
 TYPICAL_WEIGHT = 0.2  # weight of a step's rows in that running average
 REPROBE_STEPS = 64  # steps without drafting after which one drafts again
+DRAFT_WEIGHT = 0.2  # weight of a step's drafting time in its running average
 
 
 class ConfidenceVerification:
@@ -57,6 +60,7 @@ class ConfidenceVerification:
         self.stats = stats
         self._table = costs.table(2 * max_num_batched_tokens + 1)
         self.typical: list[float] | None = None  # survival by position, lately (None: no drafts seen yet)
+        self.draft_seconds: float | None = None  # the proposer's time per step, lately (None: not measured yet)
         self._steps_without_drafting = 0
 
     def cost(self, num_tokens: int) -> float:
@@ -122,10 +126,17 @@ class ConfidenceVerification:
             lengths[owners[index]] += 1
         return lengths
 
+    def observe_drafting(self, seconds: float) -> None:
+        """Fold the proposer's time for one step's drafts (the worker's measure) into the
+        running drafting cost."""
+        if seconds > 0.0:
+            self.draft_seconds = seconds if self.draft_seconds is None else self.draft_seconds + DRAFT_WEIGHT * (seconds - self.draft_seconds)
+
     def worth_drafting(self, num_sampling: int, base_tokens: int) -> bool:
         """Whether the step after one of ``num_sampling`` decodes and ``base_tokens`` tokens
         should draft: whether one draft, or every decode's first ``J`` drafts (any ``J``), of
-        the survival seen lately would be verified; else no, but yes again after
+        the survival seen lately would emit more tokens per second than no drafts, the
+        drafting time seen lately added to the step's; else no, but yes again after
         ``REPROBE_STEPS`` such answers."""
         if num_sampling <= 0 or self.typical is None or self._would_verify(num_sampling, base_tokens):
             self._steps_without_drafting = 0
@@ -138,13 +149,14 @@ class ConfidenceVerification:
 
     def _would_verify(self, num_sampling: int, base_tokens: int) -> bool:
         typical, cost = self.typical, self.cost
+        drafting = self.draft_seconds or 0.0
         base_cost = cost(base_tokens)
-        if (num_sampling + typical[0]) * base_cost > num_sampling * cost(base_tokens + 1):
+        if (num_sampling + typical[0]) * base_cost > num_sampling * (cost(base_tokens + 1) + drafting):
             return True
         emitted = float(num_sampling)
         for depth, survival in enumerate(typical, start=1):
             emitted += num_sampling * survival
-            if emitted * base_cost > num_sampling * cost(base_tokens + num_sampling * depth):
+            if emitted * base_cost > num_sampling * (cost(base_tokens + num_sampling * depth) + drafting):
                 return True
         return False
 

@@ -375,7 +375,9 @@ class ModelRunner:
             output = step.output
             num_accepted = [len(output.verified_token_ids.get(r, ())) or 1 for r in step.sample_req_ids]
             sequences = [(s.prompt_token_ids, s.output_token_ids, s.sampling) for s in step.sample_states]
+            started = time.perf_counter()  # the drafts are read back: the device's drafting is in it
             output.draft_token_ids, output.draft_confidence = self.spec.propose(step.sample_req_ids, sequences, num_accepted, step.hidden)
+            output.draft_seconds = time.perf_counter() - started
 
     def _resolve_verified(self, step: LaunchedStep) -> None:
         """A verify step's output: each request's kept drafts and the token after them, put in

@@ -51,8 +51,9 @@ def profile_step_seconds(
 ) -> tuple[list[int], list[float], int]:
     """Time a step of each of ``token_counts`` (increasing) through ``runner``'s own batch
     building and forward (its CUDA graphs where a step fits one), the logits of its rows (at
-    most ``max_logits_rows``: a real step has logits for its decodes and drafts only) and
-    their argmax; the fastest of ``repeats`` runs after a warm-up counts (of more runs, up to
+    most ``max_logits_rows``: a real step has logits for its decodes and drafts only), their
+    verification where the runner speculates (else their argmax), and the read-back of the
+    tokens; the fastest of ``repeats`` runs after a warm-up counts (of more runs, up to
     ``PROFILE_MAX_REPEATS``, for a step so short that ``repeats`` of them take less than
     ``PROFILE_POINT_S``: one run that the host slowed down then matters less).
 
@@ -112,4 +113,12 @@ def _run_step(
     if runner.backend_cls is not None:
         runner.backend_cls.prepare_metadata(batch.attn_metadata)
     hidden = model(batch.input_ids, batch.positions, ForwardContext(batch.attn_metadata, runner.kv_caches))
-    model.compute_logits(hidden[batch.logits_indices[:max_logits_rows]]).argmax(dim=-1)
+    indices = batch.logits_indices
+    logits = model.compute_logits(hidden[indices[:max_logits_rows]])
+    drafts = batch.sample_drafts
+    if runner.spec is not None and drafts is not None and (max_logits_rows is None or len(indices) <= max_logits_rows):
+        # a verify step: the verifier over every draft and bonus position, as the runner runs it
+        states = [batch.states[row].sampling for row in batch.sample_rows]
+        runner.spec.verify(runner.sampler, logits, states, drafts).result.token_ids.tolist()
+    else:
+        logits.argmax(dim=-1).tolist()
