@@ -133,6 +133,10 @@ class DecodeGraphs:
         self.states: dict[int, TritonStepState] = {}
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
+        # a drafter's auxiliary hidden states (EAGLE-3, DFlash): the tensor each capture left
+        # in the model's ``aux_hidden_states``, refilled by every replay
+        self.aux = getattr(model, "aux_hidden_states", None)
+        self.aux_outputs: dict[int, torch.Tensor] = {}
         device = buffers.tokens.device
         for size in self.sizes:
             num_splits = choose_num_splits(size, model.num_kv_heads, max_model_len, _num_sms(device))
@@ -179,6 +183,8 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
                 self.outputs[size] = self._forward(size)
+            if self.aux is not None and self.aux.layer_ids:
+                self.aux_outputs[size] = self.aux.latest
             self.graphs[size] = graph
         torch.cuda.synchronize()
         logger.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.sizes), self.sizes, time.perf_counter() - started)
@@ -189,6 +195,8 @@ class DecodeGraphs:
         if graph is None:
             return self._forward(size)
         graph.replay()
+        if size in self.aux_outputs:
+            self.aux.latest = self.aux_outputs[size]
         return self.outputs[size]
 
 
@@ -208,7 +216,12 @@ class GraphedModel(torch.nn.Module):
         state = ctx.attn_metadata.extra if ctx.attn_metadata is not None else None
         size = state.graph_batch_size if isinstance(state, TritonStepState) else 0
         if size:
-            return self.graphs.run(size)[: input_ids.shape[0]]
+            hidden = self.graphs.run(size)
+            num_rows = input_ids.shape[0]
+            aux = self.graphs.aux
+            if aux is not None and aux.latest is not None and aux.latest.shape[0] != num_rows:
+                aux.latest = aux.latest[:num_rows]
+            return hidden[:num_rows]
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

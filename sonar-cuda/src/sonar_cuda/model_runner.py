@@ -41,8 +41,6 @@ class CudaModelRunner(ModelRunner):
     def __init__(self, model_config, config, device: torch.device, attention_backend_cls: str) -> None:
         super().__init__(model_config, config, device, attention_backend_cls)
         self.use_graphs = device.type == "cuda" and os.environ.get("SONAR_ENFORCE_EAGER", "") not in ("1", "true")
-        if self.spec is not None and self.spec.hidden is not None:  # a graph replay would leave stale auxiliary states
-            self.use_graphs = False
         self.max_blocks_per_seq = self.block_table.max_blocks_per_seq
         self.graphs: DecodeGraphs | None = None
 

@@ -62,7 +62,9 @@ class SpeculativeDecoder:
         target's auxiliary states where the proposer chose layers, else its final ones."""
         aux = self._aux_states
         states = aux.latest if aux is not None and aux.layer_ids else final_hidden
-        return self.hidden.record(batch, states)
+        # a copy: a decode step replayed from a CUDA graph leaves its states in the graph's
+        # buffers, which the next replay overwrites, possibly before this step's proposal
+        return self.hidden.record(batch, states.clone())
 
     def verify(
         self,
