@@ -26,6 +26,7 @@ from torch.nn import functional as F
 from sonar.spec_decode.dflash_config import DFlashConfig
 from sonar.spec_decode.dflash_model import DFlashDrafter
 from sonar.spec_decode.eagle3_data import Sample
+from sonar.spec_decode.train_schedule import index_batches, warmup_cosine
 
 
 @dataclass(slots=True)
@@ -226,13 +227,6 @@ def _forward(
     return loss, details
 
 
-def _batches(samples: list[int], size: int, rng: random.Random | None) -> list[list[int]]:
-    order = list(samples)
-    if rng is not None:
-        rng.shuffle(order)
-    return [order[start : start + size] for start in range(0, len(order), size)]
-
-
 def _autocast(device: torch.device):
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
@@ -263,13 +257,10 @@ def train_drafter(
     optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
     steps_per_epoch = math.ceil(len(samples) / options.batch_size)
     total_steps = steps_per_epoch * options.epochs
-    warmup = max(1, total_steps // 25)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total_steps - warmup)))
-    )
+    schedule = warmup_cosine(optimizer, total_steps, warmup_divisor=25)
     result = DFlashTrainResult()
     for epoch in range(options.epochs):
-        groups = _batches(list(range(len(samples))), options.batch_size, rng)
+        groups = index_batches(len(samples), options.batch_size, rng)
         bar = tqdm(groups, desc=f"epoch {epoch + 1}/{options.epochs}", disable=not options.progress, file=sys.stderr)
         losses = []
         for group in bar:
@@ -310,7 +301,7 @@ def evaluate_drafter(
     hit_sum, cond_count = torch.zeros(n), torch.zeros(n)
     accepted_sum, num_blocks, loss_sum, num_batches = 0.0, 0, 0.0, 0
     predicted, observed, counted = torch.zeros(n), torch.zeros(n), torch.zeros(n)
-    for group in _batches(list(range(len(samples))), options.batch_size, None):
+    for group in index_batches(len(samples), options.batch_size, None):
         batch = _collate([samples[i] for i in group], [greedy[i] for i in group], drafter.config, options.num_anchors, gen, device)
         if batch is None:
             continue

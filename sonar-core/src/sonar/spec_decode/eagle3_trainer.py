@@ -23,6 +23,7 @@ from torch.nn import functional as F
 
 from sonar.spec_decode.eagle3_data import Sample
 from sonar.spec_decode.eagle3_head import Eagle3Config, Eagle3Head
+from sonar.spec_decode.train_schedule import index_batches, warmup_cosine
 
 STEP_WEIGHT = 0.8
 
@@ -179,13 +180,6 @@ def ttt_forward(head: Eagle3Head, batch: _Batch, ttt_steps: int) -> tuple[torch.
     return total, hits, num_learned
 
 
-def _batches(samples: list[Sample], size: int, rng: random.Random | None) -> list[list[Sample]]:
-    order = list(range(len(samples)))
-    if rng is not None:
-        rng.shuffle(order)
-    return [[samples[i] for i in order[start : start + size]] for start in range(0, len(order), size)]
-
-
 def train_head(
     head: Eagle3Head, samples: list[Sample], embed: torch.nn.Module, head_rows: torch.Tensor, options: TrainOptions
 ) -> TrainResult:
@@ -200,13 +194,10 @@ def train_head(
     optimizer = torch.optim.AdamW(params, lr=options.lr, weight_decay=options.weight_decay)
     steps_per_epoch = math.ceil(len(samples) / options.batch_size)
     total_steps = steps_per_epoch * options.epochs
-    warmup = max(1, total_steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: (s + 1) / warmup if s < warmup else 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, total_steps - warmup)))
-    )
+    schedule = warmup_cosine(optimizer, total_steps, warmup_divisor=20)
     result = TrainResult()
     for epoch in range(options.epochs):
-        bar = tqdm(_batches(samples, options.batch_size, rng), desc=f"epoch {epoch + 1}/{options.epochs}", disable=not options.progress, file=sys.stderr)
+        bar = tqdm([[samples[i] for i in group] for group in index_batches(len(samples), options.batch_size, rng)], desc=f"epoch {epoch + 1}/{options.epochs}", disable=not options.progress, file=sys.stderr)
         losses = []
         for group in bar:
             batch = _collate(group, embed, head_rows, device)
@@ -235,7 +226,7 @@ def evaluate_head(head: Eagle3Head, samples: list[Sample], embed: torch.nn.Modul
     head.eval()
     hits = [[0, 0] for _ in range(options.ttt_steps)]
     loss_sum, batches, positions = 0.0, 0, 0
-    for group in _batches(samples, options.batch_size, None):
+    for group in [[samples[i] for i in g] for g in index_batches(len(samples), options.batch_size, None)]:
         batch = _collate(group, embed, head_rows, device)
         loss, step_hits, count = ttt_forward(head, batch, options.ttt_steps)
         for s, (hit, total) in enumerate(step_hits):
