@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from sonar.spec_decode.dflash_config import DFlashConfig
-from sonar.spec_decode.eagle3_head import RMSNorm, apply_rotary
+from sonar.spec_decode.eagle3_head import GatedMLP, RMSNorm, apply_rotary
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values [..., L, kv_heads, head_dim]
 
@@ -82,22 +82,11 @@ class DFlashAttention(nn.Module):
         return rotate(k, positions, rotary), v
 
 
-class DFlashMLP(nn.Module):
-    def __init__(self, config: DFlashConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class DFlashLayer(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
         self.self_attn = DFlashAttention(config)
-        self.mlp = DFlashMLP(config)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
