@@ -1,0 +1,65 @@
+"""The two batched products every LoRA layer runs, with a seam for platform kernels.
+
+A layer with ``S`` adapter slots holds its adapters stacked: ``a [S, N, in]`` (the A matrices
+of its ``P`` fused parts, each zero-padded to rank ``R``, so ``N = P * R``) and
+``b [S, out, R]`` (the B matrices, the adapter's scale folded in; part ``p`` fills its own
+output rows). ``token_slots [T]`` (int32) names each token's slot, ``-1`` for none.
+
+Both operations are registered like any other (``sonar.ops.declare_op``): a platform puts a
+kernel behind ``"lora_shrink"`` and ``"lora_expand"`` and the torch versions below run
+elsewhere. Kernels must not read ``token_slots`` on the host (CUDA graphs capture them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sonar import ops
+
+ops.declare_op("lora_shrink")
+ops.declare_op("lora_expand")
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    """``y[t] = x[t] @ a[token_slots[t]].T`` for ``x [T, in]``: ``[T, N]`` float32, zero where
+    ``token_slots[t] == -1``."""
+    impl = ops.platform_op(x, "lora_shrink")
+    if impl is not None:
+        return impl(x, a, token_slots)
+    return torch_lora_shrink(x, a, token_slots)
+
+
+def lora_expand(
+    y: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor, part_rows: tuple[tuple[int, int], ...]
+) -> torch.Tensor:
+    """``out[t, r0:r1] += y[t, p*R:(p+1)*R] @ b[token_slots[t], r0:r1].T`` for every part ``p``
+    with rows ``part_rows[p] = (r0, r1)`` (``R = b.shape[-1]``), in ``out``'s dtype, in place;
+    tokens with slot ``-1`` are left as they are. Returns ``out``."""
+    impl = ops.platform_op(out, "lora_expand")
+    if impl is not None:
+        return impl(y, b, token_slots, out, part_rows)
+    return torch_lora_expand(y, b, token_slots, out, part_rows)
+
+
+def torch_lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
+    y = x.new_zeros((x.shape[0], a.shape[1]), dtype=torch.float32)
+    for slot in torch.unique(token_slots).tolist():
+        if slot < 0:
+            continue
+        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
+        y[rows] = (x[rows] @ a[slot].T).float()
+    return y
+
+
+def torch_lora_expand(
+    y: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor, part_rows: tuple[tuple[int, int], ...]
+) -> torch.Tensor:
+    rank = b.shape[-1]
+    for slot in torch.unique(token_slots).tolist():
+        if slot < 0:
+            continue
+        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
+        for p, (r0, r1) in enumerate(part_rows):
+            delta = y[rows, p * rank : (p + 1) * rank].to(b.dtype) @ b[slot, r0:r1].T
+            out[rows, r0:r1] += delta.to(out.dtype)
+    return out
