@@ -4,8 +4,10 @@ the server's. ``docs/server-arguments.md`` is generated from this parser."""
 from __future__ import annotations
 
 import argparse
+import os
 
 from sonar.cli.engine_args import add_engine_arguments
+from sonar_server.lora import LoRAModule, LoRAPathError, check_adapter_folder, parse_lora_module
 from sonar_server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, ServerSettings
 
 
@@ -70,6 +72,19 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--reasoning-parser", default=None, metavar="NAME",
         help="separate the model's reasoning from its answer (reasoning_content, Anthropic thinking): qwen3, deepseek_r1, or a plugin's",
     )
+    lora = parser.add_argument_group("LoRA adapters (with --enable-lora)")
+    lora.add_argument(
+        "--lora-modules", nargs="+", action="extend", default=[], metavar="NAME=PATH",
+        help='adapters loaded before the server reports ready, each served under its name in \'model\': name=path, or vLLM\'s JSON form \'{"name": "sql", "path": "/adapters/sql", "base_model_name": "base"}\' (repeatable)',
+    )
+    lora.add_argument(
+        "--allow-runtime-lora-updating", action="store_true",
+        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (behind --api-key); needs --lora-root",
+    )
+    lora.add_argument(
+        "--lora-root", default=None, metavar="DIR",
+        help="the only folder runtime-loaded adapters may come from: lora_path is relative to it (or absolute inside it); '..' and symlinks out of it are refused",
+    )
     group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
     group.add_argument("--access-log", action="store_true", help="also log uvicorn's line per HTTP request")
     group.add_argument("--disable-uvicorn-access-log", dest="access_log", action="store_false", help="no line per HTTP request (the default; vLLM's name)")
@@ -85,13 +100,12 @@ def check_server_args(args: argparse.Namespace) -> None:
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     _check_parsers(args)
+    _check_lora(args)
 
 
 def settings_from(args: argparse.Namespace, default_model_name: str, default_sampling: dict[str, float | int] | None = None) -> ServerSettings:
     """The ``ServerSettings`` of parsed arguments (``default_sampling``: the model's
     recommended sampling, resolved with the engine's configuration)."""
-    import os
-
     api_keys = list(args.api_key)
     if not api_keys and os.environ.get("SONAR_API_KEY"):
         api_keys = [os.environ["SONAR_API_KEY"]]
@@ -110,6 +124,10 @@ def settings_from(args: argparse.Namespace, default_model_name: str, default_sam
         tool_call_parser=args.tool_call_parser,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
+        lora_modules=_lora_modules(args),
+        allow_runtime_lora_updating=args.allow_runtime_lora_updating,
+        lora_root=os.path.realpath(args.lora_root) if args.lora_root else None,
+        api_server_count=args.api_server_count,
     )
 
 
@@ -124,3 +142,39 @@ def _check_parsers(args: argparse.Namespace) -> None:
     ):
         if name is not None and name not in registered():
             raise ValueError(f"{flag} {name!r} is not registered; registered: {sorted(registered())}")
+
+
+def _lora_modules(args: argparse.Namespace) -> list[LoRAModule]:
+    modules = [parse_lora_module(text) for text in args.lora_modules]
+    seen: set[str] = set()
+    for module in modules:
+        if module.name in seen:
+            raise ValueError(f"--lora-modules names {module.name!r} twice")
+        seen.add(module.name)
+    return modules
+
+
+def _check_lora(args: argparse.Namespace) -> None:
+    """The LoRA flags' combinations, and each startup adapter's folder (its tensors are
+    checked by the engine when it loads them)."""
+    enabled = getattr(args, "enable_lora", False)
+    modules = _lora_modules(args)
+    if modules and not enabled:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if args.allow_runtime_lora_updating:
+        if not enabled:
+            raise ValueError("--allow-runtime-lora-updating needs --enable-lora")
+        if not args.lora_root:
+            raise ValueError("--allow-runtime-lora-updating needs --lora-root DIR: the folder runtime-loaded adapters may come from")
+    if args.lora_root and not os.path.isdir(args.lora_root):
+        raise ValueError(f"--lora-root {args.lora_root!r} is not a folder")
+    names = set(args.served_model_name or [])
+    for module in modules:
+        if module.name in names:
+            raise ValueError(f"--lora-modules {module.name!r} is also a --served-model-name; give the adapter another name")
+        if module.base_model_name is not None and names and module.base_model_name not in names:
+            raise ValueError(f"--lora-modules {module.name!r}: base_model_name {module.base_model_name!r} is not a --served-model-name ({sorted(names)})")
+        try:
+            check_adapter_folder(module.path)
+        except LoRAPathError as exc:
+            raise ValueError(f"--lora-modules {module.name!r}: {exc}") from None

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sonar_server.lora import LoRAModule
+
 DEFAULT_PORT = 2242
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
@@ -25,6 +27,10 @@ class ServerSettings:
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser: a registered reasoning parser
     default_sampling: dict[str, float | int] = field(default_factory=dict)  # the model's recommended sampling (--generation-config)
+    lora_modules: list[LoRAModule] = field(default_factory=list)  # --lora-modules: loaded before serving
+    allow_runtime_lora_updating: bool = False  # --allow-runtime-lora-updating
+    lora_root: str | None = None  # --lora-root, as a real path
+    api_server_count: int = 1  # API servers sharing the engine cores (runtime adapter ids are spread over them)
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
@@ -33,6 +39,13 @@ class ServerSettings:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_request_body_bytes < 1024:
             raise ValueError(f"max_request_body_bytes must be at least 1024, got {self.max_request_body_bytes}")
+        if self.allow_runtime_lora_updating and not self.lora_root:
+            raise ValueError("allow_runtime_lora_updating needs lora_root")
+        for module in self.lora_modules:
+            if module.name in self.served_model_names:
+                raise ValueError(f"LoRA adapter {module.name!r} has the name of the served model; give it another name")
+            if module.base_model_name is not None and module.base_model_name not in self.served_model_names:
+                raise ValueError(f"LoRA adapter {module.name!r}: base_model_name {module.base_model_name!r} is not a served model name ({self.served_model_names})")
         if any(not key for key in self.api_keys):
             raise ValueError("an API key must not be empty")
 

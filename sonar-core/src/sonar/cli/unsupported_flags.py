@@ -54,7 +54,6 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--max-cpu-loras", "LoRA adapters", LORA),
     _flag("--fully-sharded-loras", "LoRA adapters", LORA, takes_value=False),
     _flag("--lora-dtype", "LoRA adapters", LORA),
-    _flag("--lora-modules", "LoRA adapters", LORA, server_only=True),
     # parallelism
     _flag("--tensor-parallel-size", "tensor parallelism", PARALLELISM, short="-tp", accepted=("1",)),
     _flag("--pipeline-parallel-size", "pipeline parallelism", PARALLELISM, short="-pp", accepted=("1",)),
