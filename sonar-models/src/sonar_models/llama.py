@@ -105,11 +105,11 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: Any, bias: bool, prefix: str = "") -> None:
+    def __init__(self, config: Any, bias: bool, prefix: str = "", intermediate_size: int | None = None) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
-        size = config.intermediate_size
+        size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias, prefix=f"{prefix}.gate_up_proj")
         self.down_proj = Linear(size, config.hidden_size, bias=bias, prefix=f"{prefix}.down_proj")
 
@@ -199,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         layers = [
             DecoderLayer(
                 DecoderAttention(config, attention, i, qkv_bias, o_bias, self.qk_norm, self.sliding_windows[i]),
-                GatedMLP(config, mlp_bias, prefix=f"model.layers.{i}.mlp"),
+                self.build_mlp(config, i, mlp_bias),
                 config,
             )
             for i in range(self.num_layers)
@@ -210,6 +210,12 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.aux_hidden_states = self.model.aux_hidden_states  # see sonar_models.aux_hidden_states
+
+    def build_mlp(self, config: Any, layer_idx: int, bias: bool) -> nn.Module:
+        """Layer ``layer_idx``'s feed-forward block, ``[T, hidden] -> [T, hidden]``, named
+        ``model.layers.{layer_idx}.mlp`` (a SiLU-gated MLP here; mixture-of-experts models
+        override it)."""
+        return GatedMLP(config, bias, prefix=f"model.layers.{layer_idx}.mlp")
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final hidden states ``[T, hidden]`` for a flat batch of tokens at absolute ``positions``."""
@@ -235,8 +241,19 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight  # re-tie after e.g. to_empty()
         skipped = frozenset({"lm_head.weight"}) if self.tie_word_embeddings else frozenset()
         kv_scales = KVScaleCollector()
-        load_hf_weights(self, kv_scales.without_scales(weights), FUSED_PROJECTIONS, IGNORED_SUFFIXES, skipped)
+        weights = kv_scales.without_scales(self.checkpoint_tensors(weights))
+        load_hf_weights(self, weights, FUSED_PROJECTIONS, IGNORED_SUFFIXES, skipped, self.resolve_checkpoint_name)
         kv_scales.apply(self)
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors as ``load_weights`` reads them: unchanged here; a subclass
+        renames or splits the layouts it accepts (stacked experts, say)."""
+        return weights
+
+    def resolve_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
+        """``(parameter name, part)`` for a checkpoint name this class places itself, None to
+        leave it to the fused-projection rules (always None here)."""
+        return None
 
 
 class MistralForCausalLM(LlamaForCausalLM):

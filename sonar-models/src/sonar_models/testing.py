@@ -53,7 +53,25 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None, head_dim=16, rope_theta=1e6)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32)),
+    # layer 0 routes to 2 of 8 experts, layer 1 is dense (mlp_only_layers)
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            tie_word_embeddings=False, head_dim=32, num_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+        ),
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, norm_topk_prob=False,
+        ),
+    ),
+    "mixtral": ("MixtralConfig", dict(tie_word_embeddings=False, sliding_window=None, head_dim=16, num_local_experts=4, num_experts_per_tok=2)),
 }
+#: the mixture-of-experts architectures among ``TINY_CONFIGS``
+MOE_ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def smollm2_gguf_path() -> Path:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -26,13 +26,18 @@ def load_hf_weights(
     fused: Iterable[FusedProjection],
     ignored_suffixes: tuple[str, ...] = (),
     skipped_names: frozenset[str] = frozenset(),
+    resolve: Callable[[str], tuple[str, Any] | None] | None = None,
 ) -> None:
     """Copy each ``(name, tensor)`` into ``model``; tensors stream through one at a time, into
     a linear layer through its ``LinearMethod`` (which knows how a quantized tensor packs).
 
     ``ignored_suffixes`` (``rotary_emb.inv_freq``) and ``skipped_names`` (``lm_head.weight`` of a
-    tied model) are dropped. Raises ``ValueError`` on a name the model has no place for, a shape
-    that does not fit, or parameters the checkpoint never filled.
+    tied model) are dropped. ``resolve``, tried before ``fused``, maps a name to ``(parameter
+    name, part)`` or None: a part of a module that is not a linear layer is the region its
+    owner's ``part_rows(part)`` indexes, and such an owner lists the parts each parameter
+    expects with ``checkpoint_parts(leaf)`` (stacked experts do). Raises ``ValueError`` on a
+    name the model has no place for, a shape that does not fit, or parameters the checkpoint
+    never filled.
     """
     fused = list(fused)
     params = dict(model.named_parameters())
@@ -42,7 +47,7 @@ def load_hf_weights(
     for name, tensor in weights:
         if name in skipped_names or name.endswith(ignored_suffixes):
             continue
-        target, part = _resolve(name, fused)
+        target, part = (resolve and resolve(name)) or _resolve(name, fused)
         if target not in params:
             raise ValueError(
                 f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__} "
@@ -88,9 +93,12 @@ def _resolve(name: str, fused: list[FusedProjection]) -> tuple[str, str | None]:
 def _expected_keys(modules: dict[str, nn.Module], params: dict[str, nn.Parameter]) -> set[tuple[str, str | None]]:
     expected: set[tuple[str, str | None]] = set()
     for param_name in params:
-        owner = modules[param_name.rpartition(".")[0]]
+        owner_name, _, leaf = param_name.rpartition(".")
+        owner = modules[owner_name]
         if isinstance(owner, MergedLinear):
             expected.update((param_name, part) for part in owner.parts)
+        elif hasattr(owner, "checkpoint_parts"):
+            expected.update((param_name, part) for part in owner.checkpoint_parts(leaf))
         else:
             expected.add((param_name, None))
     return expected

@@ -1,0 +1,79 @@
+"""The expert computation of a mixture-of-experts layer, with a seam for platform kernels.
+
+A layer's ``E`` experts are SiLU-gated MLPs stacked into two tensors: ``w13 [E, 2 * I, H]``
+(each expert's gate rows, then its up rows) and ``w2 [E, H, I]`` (its down projection). The
+router has already chosen, per token, ``k`` experts ``topk_ids [T, k]`` and their weights
+``topk_weights [T, k]``; :func:`fused_moe` returns
+
+    out[t] = sum_j topk_weights[t, j] * w2[e] @ (silu(gate_e(x[t])) * up_e(x[t])),  e = topk_ids[t, j]
+
+A platform registers a kernel behind ``"fused_moe"`` (``sonar.ops.declare_op``); the torch
+version below runs elsewhere: the ``T * k`` (token, expert) pairs sorted by expert, one pair
+of products per expert that has tokens. Kernels must not read ``topk_ids`` on the host (CUDA
+graphs capture them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sonar import ops
+
+ops.declare_op("fused_moe")
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The weighted sum over each token's chosen experts, ``[T, H]`` in ``x``'s dtype.
+
+    :param x: ``[T, H]`` activations.
+    :param w13: ``[E, 2 * I, H]`` gate and up projections, stacked per expert.
+    :param w2: ``[E, H, I]`` down projections.
+    :param topk_weights: ``[T, k]`` routing weights (any floating dtype; products are weighted
+        in float32).
+    :param topk_ids: ``[T, k]`` expert indices in ``0 .. E - 1`` (any integer dtype).
+    """
+    impl = ops.platform_op(x, "fused_moe")
+    if impl is not None:
+        return impl(x, w13, w2, topk_weights, topk_ids)
+    return torch_fused_moe(x, w13, w2, topk_weights, topk_ids)
+
+
+def check_moe_shapes(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> None:
+    """Raise ``ValueError`` unless the five tensors fit together as :func:`fused_moe` takes them."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"fused_moe takes x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}")
+    num_experts, two_i, hidden = w13.shape
+    if hidden != x.shape[1] or two_i % 2 or tuple(w2.shape) != (num_experts, hidden, two_i // 2):
+        raise ValueError(f"expert weights w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T={x.shape[0]}, k]")
+
+
+def torch_fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """:func:`fused_moe` in torch: pairs grouped by expert, two products per active expert."""
+    check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
+    num_tokens, top_k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1).long()  # [T * k], pair p = (token p // k, slot p % k)
+    order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    tokens = order // top_k
+    grouped_x = x[tokens]  # [T * k, H]
+    grouped_out = torch.empty_like(grouped_x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        gate, up = torch.nn.functional.linear(grouped_x[rows], w13[expert]).chunk(2, dim=-1)
+        grouped_out[rows] = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
+        start += count
+    weights = topk_weights.reshape(-1)[order].float()[:, None]
+    out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+    out.index_add_(0, tokens, grouped_out.float() * weights)
+    return out.to(x.dtype)

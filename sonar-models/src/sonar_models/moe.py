@@ -1,0 +1,238 @@
+"""Mixture-of-experts decoders: Qwen3-MoE, Qwen2-MoE and Mixtral.
+
+Llama's decoder (``sonar_models.llama``) with the MLP of some layers replaced by a sparse
+block: a router (one linear layer, ``[T, hidden] -> [T, E]``) picks each token's top ``k``
+experts, and the experts, stacked per layer into ``w13 [E, 2 * I, hidden]`` and
+``w2 [E, hidden, I]``, run through ``sonar.moe.fused_moe`` (a platform's fused kernel where
+one is registered, else tokens grouped by expert in torch).
+
+Checkpoints come in two layouts, both read: one tensor per expert and projection
+(``mlp.experts.3.gate_proj.weight``; Mixtral's ``block_sparse_moe.experts.3.w1.weight``),
+which is what transformers writes, and transformers' in-memory stacking
+(``mlp.experts.gate_up_proj [E, 2 * I, hidden]``, ``mlp.experts.down_proj``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from sonar.moe import fused_moe
+from sonar_models.layers import Linear
+from sonar_models.llama import GatedMLP, LlamaForCausalLM
+
+# "model.layers.0.mlp.experts.3.gate_proj.weight" -> ("model.layers.0.mlp.experts", "3", "gate_proj")
+_EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# transformers' stacked layout: "model.layers.0.mlp.experts.gate_up_proj" [E, 2I, H], ".down_proj" [E, H, I]
+_STACKED_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?$")
+_MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_PARTS = {"gate_proj": ("w13", "gate"), "up_proj": ("w13", "up"), "down_proj": ("w2", "down")}
+
+
+def num_experts_of(config: Any) -> int:
+    """The number of routed experts per sparse layer (``num_experts`` or ``num_local_experts``)."""
+    return int(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", 0) or 0)
+
+
+class StackedExperts(nn.Module):
+    """``E`` SiLU-gated expert MLPs of one layer as two stacked parameters: ``w13 [E, 2I, H]``
+    (each expert's gate rows, then its up rows) and ``w2 [E, H, I]``.
+
+    The weight loader fills them one expert projection at a time: part ``(e, "gate")``,
+    ``(e, "up")`` or ``(e, "down")`` (see ``sonar_models.weight_loading``).
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        dtype = torch.get_default_dtype()
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype))
+
+    def checkpoint_parts(self, leaf: str) -> list[tuple[int, str]]:
+        """The parts the checkpoint fills of parameter ``leaf`` (``"w13"`` or ``"w2"``)."""
+        names = ("gate", "up") if leaf == "w13" else ("down",)
+        return [(expert, name) for expert in range(self.num_experts) for name in names]
+
+    def part_rows(self, part: tuple[int, str]) -> tuple[int, slice]:
+        """The index into ``w13`` or ``w2`` that holds ``part``."""
+        expert, name = part
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is out of range: the config has {self.num_experts} experts per layer")
+        size = self.intermediate_size
+        rows = {"gate": slice(0, size), "up": slice(size, 2 * size), "down": slice(None)}[name]
+        return expert, rows
+
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+
+    def extra_repr(self) -> str:
+        return f"num_experts={self.num_experts}, w13={tuple(self.w13.shape)}, w2={tuple(self.w2.shape)}"
+
+
+class SparseMoeBlock(nn.Module):
+    """Router, top-k selection and experts: ``[T, hidden] -> [T, hidden]``.
+
+    The router's softmax runs in float32 over all experts; the top ``k`` probabilities are
+    renormalised to sum to one where ``renormalize`` (Mixtral always, Qwen with
+    ``norm_topk_prob``) and rounded to the model's dtype where ``round_weights`` (Qwen).
+    A shared expert (Qwen2-MoE), where given, is added, scaled by ``sigmoid(shared_expert_gate(x))``.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        prefix: str,
+        intermediate_size: int,
+        renormalize: bool,
+        round_weights: bool,
+        shared_intermediate_size: int = 0,
+    ) -> None:
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        num_experts = num_experts_of(config)
+        self.top_k = int(config.num_experts_per_tok)
+        if not 0 < self.top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={self.top_k} must be between 1 and the number of experts ({num_experts})")
+        self.renormalize = renormalize
+        self.round_weights = round_weights
+        self.gate = Linear(config.hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate")
+        self.experts = StackedExperts(num_experts, config.hidden_size, intermediate_size)
+        if shared_intermediate_size:
+            self.shared_expert = GatedMLP(config, False, f"{prefix}.shared_expert", shared_intermediate_size)
+            self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")
+        else:
+            self.shared_expert = None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(topk_weights [T, k], topk_ids [T, k])`` for ``x [T, hidden]``."""
+        logits = self.gate(x)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.renormalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.round_weights:
+            weights = weights.to(logits.dtype)
+        return weights, ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.route(x)
+        out = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    """A Llama-style decoder whose sparse layers run a :class:`SparseMoeBlock`; see the
+    subclasses for each architecture's routing and layer pattern."""
+
+    renormalize: bool | None = None  # None: follow config.norm_topk_prob
+    round_weights: bool = True
+
+    def is_sparse_layer(self, config: Any, layer_idx: int) -> bool:
+        """Whether layer ``layer_idx`` routes to experts (Qwen's rule: not in
+        ``mlp_only_layers``, and every ``decoder_sparse_step``-th layer)."""
+        step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+        mlp_only = getattr(config, "mlp_only_layers", None) or []
+        return layer_idx not in mlp_only and num_experts_of(config) > 0 and (layer_idx + 1) % step == 0
+
+    def expert_sizes(self, config: Any) -> tuple[int, int]:
+        """``(expert intermediate size, shared expert intermediate size or 0)``."""
+        return int(config.moe_intermediate_size), 0
+
+    def build_mlp(self, config: Any, layer_idx: int, bias: bool) -> nn.Module:
+        """A sparse block in the layers that route, the dense MLP (``intermediate_size``) elsewhere."""
+        prefix = f"model.layers.{layer_idx}.mlp"
+        if not self.is_sparse_layer(config, layer_idx):
+            return GatedMLP(config, bias, prefix=prefix)
+        intermediate, shared = self.expert_sizes(config)
+        renormalize = bool(getattr(config, "norm_topk_prob", False)) if self.renormalize is None else self.renormalize
+        return SparseMoeBlock(config, prefix, intermediate, renormalize, self.round_weights, shared)
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Per-expert names as they are; transformers' stacked ``gate_up_proj`` / ``down_proj``
+        split into per-expert views."""
+        for name, tensor in weights:
+            stacked = _STACKED_TENSOR.match(name)
+            if stacked is None:
+                yield name, tensor
+                continue
+            experts, projection = stacked.group(1), stacked.group(2)
+            if tensor.dim() != 3:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}; stacked experts are [E, rows, cols]")
+            for expert in range(tensor.shape[0]):
+                if projection == "down_proj":
+                    yield f"{experts}.{expert}.down_proj.weight", tensor[expert]
+                else:
+                    gate, up = tensor[expert].chunk(2, dim=0)
+                    yield f"{experts}.{expert}.gate_proj.weight", gate
+                    yield f"{experts}.{expert}.up_proj.weight", up
+
+    def resolve_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
+        """``mlp.experts.{e}.{gate,up,down}_proj.weight`` -> part ``(e, ...)`` of ``w13`` / ``w2``."""
+        match = _EXPERT_TENSOR.match(name)
+        if match is None:
+            return None
+        param, part = _PARTS[match.group(3)]
+        return f"{match.group(1)}.{param}", (int(match.group(2)), part)
+
+
+class Qwen3MoeForCausalLM(MoeForCausalLM):
+    """Qwen3-MoE: Qwen3's attention (per-head q/k norms); sparse layers route to
+    ``num_experts_per_tok`` of ``num_experts`` experts, renormalised with ``norm_topk_prob``;
+    ``mlp_only_layers`` and ``decoder_sparse_step`` keep some layers dense."""
+
+    qk_norm = True
+
+
+class Qwen2MoeForCausalLM(MoeForCausalLM):
+    """Qwen2-MoE: Qwen2's attention (biases on q/k/v); sparse layers add a gated shared
+    expert (``shared_expert_intermediate_size``) to the routed ones."""
+
+    o_bias = False
+
+    def __init__(self, hf_config: Any, attention: Any) -> None:
+        self.qkv_bias = bool(getattr(hf_config, "qkv_bias", True))
+        super().__init__(hf_config, attention)
+
+    def expert_sizes(self, config: Any) -> tuple[int, int]:
+        return int(config.moe_intermediate_size), int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
+
+
+class MixtralForCausalLM(MoeForCausalLM):
+    """Mixtral: Mistral's attention (no biases, ``sliding_window`` where set); every layer
+    routes to ``num_experts_per_tok`` of ``num_local_experts`` experts (``intermediate_size``
+    each), the chosen probabilities always renormalised and kept in float32."""
+
+    qkv_bias = False
+    o_bias = False
+    renormalize = True
+    round_weights = False
+
+    def is_sparse_layer(self, config: Any, layer_idx: int) -> bool:
+        return True
+
+    def expert_sizes(self, config: Any) -> tuple[int, int]:
+        return int(config.intermediate_size), 0
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2`` read as ``mlp.experts.{e}.gate/up/down_proj``."""
+        return super().checkpoint_tensors((_mixtral_name(name), tensor) for name, tensor in weights)
+
+
+def _mixtral_name(name: str) -> str:
+    # "model.layers.0.block_sparse_moe.experts.3.w1.weight" -> "model.layers.0.mlp.experts.3.gate_proj.weight"
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.", ".mlp.", 1)
+    head, _, leaf = name.rpartition(".")
+    parent, _, module = head.rpartition(".")
+    if module in _MIXTRAL_PROJECTIONS and ".experts." in parent:
+        return f"{parent}.{_MIXTRAL_PROJECTIONS[module]}.{leaf}"
+    return name
