@@ -3,7 +3,8 @@
 Models call ``sonar.ops``; for CUDA tensors those calls land here. The norms, rotary and
 activation run as single Triton launches; the fused add + norm and the rotary work in place.
 Products of one row of activations (decode at batch 1) and argmaxes over the vocabulary run
-as Triton kernels; other products go to the library.
+as Triton kernels; other products go to the library. The LoRA shrink and expand of batches
+that mix adapters are Triton kernels (``sonar_cuda.kernels.lora``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Callable
 
 import torch
 
+import sonar.lora.ops  # noqa: F401  (declares "lora_shrink" and "lora_expand")
 import sonar.quantization.int4_packing  # noqa: F401  (declares "int4_linear")
 from sonar_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from sonar_cuda.kernels.argmax import argmax as _argmax
@@ -20,6 +22,7 @@ from sonar_cuda.kernels.gemv import gemv, gemv_pays, gemv_supported
 from sonar_cuda.kernels.int4_gemm import int4_linear
 from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
 from sonar_cuda.kernels.layernorm import rms_norm as _rms_norm
+from sonar_cuda.kernels.lora import lora_expand, lora_shrink
 from sonar_cuda.kernels.rotary import rotary_embedding
 
 
@@ -86,4 +89,6 @@ OPS: dict[str, Callable[..., Any]] = {
     "apply_rotary": apply_rotary,
     "int4_linear": int4_linear,
     "fp8_linear": fp8_linear,  # declared by sonar.quantization.fp8
+    "lora_shrink": lora_shrink,
+    "lora_expand": lora_expand,
 }

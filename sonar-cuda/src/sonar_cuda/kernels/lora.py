@@ -1,0 +1,290 @@
+"""The LoRA shrink and expand products (``sonar.lora.ops``) for batches that mix adapters.
+
+A layer's adapters are stacked by slot: ``a [S, N, in]`` (the A matrices of its fused parts,
+``N = P * R``) and ``b [S, out, R]``; ``token_slots [T]`` names each token's slot (``-1``, or
+anything outside ``[0, S)``: none).
+
+Both kernels run the same grid shape: token blocks of ``BLOCK_M`` along axis 0, tiles of the
+product's columns along axis 1, one slot per index of axis 2. A program loads its block's
+slots, keeps the tokens of its own slot (a mask) and leaves at once when there are none; the
+others multiply that slot's weight tile by the block's kept rows in one ``tl.dot``
+(float32 accumulation), so no program reads another slot's weights and the host never reads
+``token_slots`` (no sort, no counts: CUDA graphs capture both launches, and the grid depends
+on the shapes alone).
+
+- Prefill (long runs of one adapter): ``BLOCK_M = 64``; a block falls inside one run (or
+  across two), so one or two slot programs per block do the work and each reuses its slot's
+  weight tile for all the block's tokens, as a segmented GEMM does.
+- Decode (up to 64 tokens, adapters mixed in any order): one block holds the whole batch, so
+  every adapter's weights are read once per step, whatever the order of its tokens (a
+  gathered GEMV's work without reading a matrix per token).
+
+:func:`lora_shrink` (``[T, in] -> [T, N]``, float32): the product's inputs are long and its
+outputs few, so where the tiles alone are too few to fill the GPU the inputs are split among
+programs (float32 partials ``[SPLIT_K, T, N]`` and one short sum: the same order every run).
+Tokens without a slot get zeros, written by the slot-0 programs.
+
+:func:`lora_expand` (``out[T, r0:r1] += y_p @ b[slot, r0:r1].T`` per part): one launch for all
+of a fused layer's parts (up to ``MAX_PARTS``; tiles of ``BLOCK_N`` columns, each in one
+part), the rank in one ``tl.dot`` step (padded to a power of two of at least 16 with masks),
+``y`` rounded to the weights' dtype as the torch version does, and ``out`` read, added to in
+float32 and written back only for the program's own tokens: rows without a slot stay as
+they were.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sonar_cuda.kernels.splitk import num_sms, sum_splits
+
+DECODE_TOKENS = 64  # up to this many tokens, one block holds the whole batch
+MAX_PARTS = 4  # fused parts per expand launch (qkv: 3, gate_up: 2)
+MAX_SPLIT = 32
+WAVES = 2  # programs the shrink's split aims at, per multiprocessor
+
+
+@dataclass(frozen=True, slots=True)
+class LoRALaunch:
+    """How a launch covers its product: tokens per block, columns per tile, inputs (shrink)
+    or ranks (expand) per ``tl.dot`` step, split-K factor (shrink; 0: chosen from the
+    shape), warps and pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def block_m_for(num_tokens: int) -> int:
+    """Tokens per block: the whole batch up to ``DECODE_TOKENS`` (at least 16, ``tl.dot``'s
+    smallest), else 64."""
+    return max(16, min(triton.next_power_of_2(max(num_tokens, 1)), DECODE_TOKENS))
+
+
+def shrink_launch(num_tokens: int, n: int) -> LoRALaunch:
+    """The shrink's launch: decode takes 16-column tiles of 256 inputs (many small programs
+    to stream the few A rows), prefill 64-column tiles of 128 inputs."""
+    if num_tokens <= DECODE_TOKENS:
+        return LoRALaunch(block_m_for(num_tokens), 16, 256)
+    return LoRALaunch(64, min(64, max(16, triton.next_power_of_2(n))), 128)
+
+
+def expand_launch(num_tokens: int, rank: int) -> LoRALaunch:
+    """The expand's launch: the rank in one step, 64 output columns per tile at up to 16
+    tokens, 128 beyond."""
+    block_r = min(64, max(16, triton.next_power_of_2(rank)))
+    return LoRALaunch(block_m_for(num_tokens), 64 if num_tokens <= 16 else 128, block_r)
+
+
+def shrink_split(num_tokens: int, num_tiles: int, num_slots: int, k: int, launch: LoRALaunch, device: torch.device) -> tuple[int, int]:
+    """``(SPLIT_K, inputs per split)`` of a shrink: enough programs for ``WAVES`` per
+    multiprocessor counting the slots a block likely holds (every slot in decode, one per
+    block in prefill), each split a whole number of ``block_k`` steps."""
+    num_steps = triton.cdiv(k, launch.block_k)
+    split = launch.split_k
+    if split <= 0:
+        num_blocks = triton.cdiv(num_tokens, launch.block_m)
+        busy = min(num_slots, num_tokens) if num_tokens <= DECODE_TOKENS else num_blocks
+        split = min(MAX_SPLIT, num_steps, triton.cdiv(WAVES * num_sms(device), max(1, busy * num_tiles)))
+    steps_per_split = triton.cdiv(num_steps, max(1, min(split, num_steps)))
+    return triton.cdiv(num_steps, steps_per_split), steps_per_split * launch.block_k
+
+
+@triton.jit
+def _lora_shrink_kernel(
+    x_ptr, a_ptr, slots_ptr, y_ptr,
+    T, N, K, num_slots, k_per_split,
+    stride_xt, stride_xk, stride_as, stride_an, stride_ak, stride_ys, stride_yt, stride_yn,
+    NUM_TILES: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    pid_tile = tl.program_id(1)
+    tile, split = pid_tile % NUM_TILES, pid_tile // NUM_TILES
+    slot = tl.program_id(2)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    token_slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
+    own = token_slots == slot
+    # the slot-0 programs also write the zeros of tokens without a slot
+    no_slot = (offs_m < T) & ((token_slots < 0) | (token_slots >= num_slots))
+    write = own | (no_slot & (slot == 0))
+    if tl.max(write.to(tl.int32), axis=0) == 0:
+        return
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt
+    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_n.to(tl.int64)[:, None] * stride_an
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        k = k0 + offs_k
+        k_mask = k < k_end
+        x = tl.load(x_rows + k[None, :] * stride_xk, mask=own[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+        a = tl.load(a_rows + k[None, :] * stride_ak, mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if IEEE:
+            acc += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(a.to(x.dtype)))
+    y_ptrs = y_ptr + split * stride_ys + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc, mask=write[:, None] & n_mask[None, :])
+
+
+@triton.jit
+def _part_of(pid, tile0, y_col, r0, r1, P_TILE, P_Y, P_R0, P_R1):
+    """The next part (column tiles from ``P_TILE``, ``y`` columns from ``P_Y``, rows
+    ``P_R0:P_R1``) where ``pid`` is one of its tiles, else the part so far."""
+    inside = pid >= P_TILE
+    return (
+        tl.where(inside, P_TILE, tile0),
+        tl.where(inside, P_Y, y_col),
+        tl.where(inside, P_R0, r0),
+        tl.where(inside, P_R1, r1),
+    )
+
+
+@triton.jit
+def _lora_expand_kernel(
+    y_ptr, b_ptr, slots_ptr, out_ptr,
+    T, R, num_slots,
+    stride_yt, stride_yn, stride_bs, stride_bo, stride_br, stride_ot, stride_oo,
+    P0_Y, P0_R0, P0_R1, P1_TILE, P1_Y, P1_R0, P1_R1,
+    P2_TILE, P2_Y, P2_R0, P2_R1, P3_TILE, P3_Y, P3_R0, P3_R1,
+    NUM_PARTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(2)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    token_slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
+    own = token_slots == slot
+    if tl.max(own.to(tl.int32), axis=0) == 0:
+        return
+    # the part of this column tile: part i's tiles start at tile Pi_TILE (part 0's at 0)
+    pid = tl.program_id(1)
+    tile0, y_col, r0, r1 = 0, P0_Y, P0_R0, P0_R1
+    if NUM_PARTS > 1:
+        tile0, y_col, r0, r1 = _part_of(pid, tile0, y_col, r0, r1, P1_TILE, P1_Y, P1_R0, P1_R1)
+    if NUM_PARTS > 2:
+        tile0, y_col, r0, r1 = _part_of(pid, tile0, y_col, r0, r1, P2_TILE, P2_Y, P2_R0, P2_R1)
+    if NUM_PARTS > 3:
+        tile0, y_col, r0, r1 = _part_of(pid, tile0, y_col, r0, r1, P3_TILE, P3_Y, P3_R0, P3_R1)
+    offs_o = r0 + (pid - tile0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_mask = offs_o < r1
+    offs_r = tl.arange(0, BLOCK_R)
+    y_rows = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + y_col * stride_yn
+    b_cols = b_ptr + slot.to(tl.int64) * stride_bs + offs_o.to(tl.int64)[None, :] * stride_bo
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for rank0 in range(0, R, BLOCK_R):
+        r = rank0 + offs_r
+        r_mask = r < R
+        b = tl.load(b_cols + r[:, None] * stride_br, mask=r_mask[:, None] & o_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+        y = tl.load(y_rows + r[None, :] * stride_yn, mask=own[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+        if IEEE:
+            acc += tl.dot(y.to(b.dtype), b, input_precision="ieee")
+        else:
+            acc += tl.dot(y.to(b.dtype), b)
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + offs_o[None, :] * stride_oo
+    mask = own[:, None] & o_mask[None, :]
+    old = tl.load(out_ptrs, mask=mask, other=0.0)
+    tl.store(out_ptrs, (old.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _check_slots(token_slots: torch.Tensor, num_tokens: int, device: torch.device) -> None:
+    if token_slots.shape != (num_tokens,) or token_slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError(
+            f"token_slots must be an int32 tensor of shape ({num_tokens},), got {token_slots.dtype} of shape {tuple(token_slots.shape)}"
+        )
+    if token_slots.device != device:
+        raise ValueError(f"token_slots is on {token_slots.device}, the activations on {device}")
+
+
+def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, launch: LoRALaunch | None = None) -> torch.Tensor:
+    """``y[t] = x[t] @ a[token_slots[t]].T`` for ``x [T, in]`` and ``a [S, N, in]`` (floating,
+    any strides): ``[T, N]`` float32, zero for tokens without a slot (``launch``: for tuning)."""
+    if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
+        raise ValueError(f"lora_shrink takes x [T, in] and a [S, N, in]; got x {tuple(x.shape)} and a {tuple(a.shape)}")
+    if a.device != x.device:
+        raise ValueError(f"the adapters' A weights are on {a.device}, the activations on {x.device}")
+    num_tokens, k = x.shape
+    num_slots, n = a.shape[0], a.shape[1]
+    _check_slots(token_slots, num_tokens, x.device)
+    if num_tokens == 0 or n == 0 or num_slots == 0 or k == 0:
+        return torch.zeros(num_tokens, n, dtype=torch.float32, device=x.device)
+    launch = launch or shrink_launch(num_tokens, n)
+    num_tiles = triton.cdiv(n, launch.block_n)
+    split, k_per_split = shrink_split(num_tokens, num_tiles, num_slots, k, launch, x.device)
+    y = torch.empty(num_tokens, n, dtype=torch.float32, device=x.device)
+    partials = torch.empty(split, num_tokens, n, dtype=torch.float32, device=x.device) if split > 1 else y.unsqueeze(0)
+    grid = (triton.cdiv(num_tokens, launch.block_m), num_tiles * split, num_slots)
+    _lora_shrink_kernel[grid](
+        x, a, token_slots, partials,
+        num_tokens, n, k, num_slots, k_per_split,
+        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
+        partials.stride(0), partials.stride(1), partials.stride(2),
+        NUM_TILES=num_tiles, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        IEEE=x.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+    return sum_splits(partials, None, y) if split > 1 else y
+
+
+def lora_expand(
+    y: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
+    out: torch.Tensor,
+    part_rows: tuple[tuple[int, int], ...],
+    launch: LoRALaunch | None = None,
+) -> torch.Tensor:
+    """``out[t, r0:r1] += y[t, p*R:(p+1)*R] @ b[token_slots[t], r0:r1].T`` for every part
+    ``p`` with rows ``part_rows[p] = (r0, r1)`` (``R = b.shape[-1]``), in place, in ``out``'s
+    dtype; tokens without a slot are left as they are. Returns ``out`` (``launch``: for tuning)."""
+    if y.dim() != 2 or b.dim() != 3 or out.dim() != 2 or out.shape[0] != y.shape[0] or out.shape[1] != b.shape[1]:
+        raise ValueError(
+            f"lora_expand takes y [T, N], b [S, out, R] and out [T, out]; got y {tuple(y.shape)}, b {tuple(b.shape)}, out {tuple(out.shape)}"
+        )
+    if b.device != out.device or y.device != out.device:
+        raise ValueError(f"y ({y.device}), b ({b.device}) and out ({out.device}) must be on one device")
+    num_tokens, (num_slots, num_out, rank) = y.shape[0], b.shape
+    if y.shape[1] < len(part_rows) * rank:
+        raise ValueError(f"y has {y.shape[1]} columns; {len(part_rows)} parts of rank {rank} need {len(part_rows) * rank}")
+    for r0, r1 in part_rows:
+        if not 0 <= r0 <= r1 <= num_out:
+            raise ValueError(f"part rows ({r0}, {r1}) outside the {num_out} rows of b")
+    _check_slots(token_slots, num_tokens, out.device)
+    if num_tokens == 0 or num_slots == 0 or rank == 0:
+        return out
+    launch = launch or expand_launch(num_tokens, rank)
+    num_blocks = triton.cdiv(num_tokens, launch.block_m)
+    parts = [(p * rank, r0, r1) for p, (r0, r1) in enumerate(part_rows) if r1 > r0]  # (y column, rows)
+    for first in range(0, len(parts), MAX_PARTS):
+        group = parts[first : first + MAX_PARTS]
+        # part i's column tiles start at tiles[i]; unused parts start past the last tile
+        tiles = [0]
+        for _, r0, r1 in group:
+            tiles.append(tiles[-1] + triton.cdiv(r1 - r0, launch.block_n))
+        part_args: list[int] = []
+        for i in range(MAX_PARTS):
+            part_args += [tiles[i], *group[i]] if i < len(group) else [tiles[-1], 0, 0, 0]
+        _lora_expand_kernel[(num_blocks, tiles[-1], num_slots)](
+            y, b, token_slots, out,
+            num_tokens, rank, num_slots,
+            y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+            *part_args[1:],
+            NUM_PARTS=len(group), BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_R=launch.block_k,
+            IEEE=b.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        )  # fmt: skip
+    return out
+

@@ -1,0 +1,195 @@
+"""The LoRA shrink and expand kernels against the torch versions of ``sonar.lora.ops``: batches
+that mix adapters and tokens without one, fused parts of unequal sizes, ranks, inputs and
+outputs that are no powers of two, prefill runs and decode mixes, split inputs, strided views;
+the ops' dispatch; and on the GPU: Llama-3.1-8B's shapes and capture in a CUDA graph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_batch import GPU_DTYPES, dtypes_for
+
+from sonar import ops
+from sonar.lora import ops as lora_ops
+from sonar.lora.ops import torch_lora_expand, torch_lora_shrink
+from sonar_cuda import ops as cuda_ops
+from sonar_cuda.kernels.lora import LoRALaunch, lora_expand, lora_shrink
+
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+QKV_PARTS = ((0, 40), (40, 64), (64, 88))  # q, k, v of unequal sizes
+
+
+def adapters(num_slots: int, n: int, k: int, num_out: int, rank: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(num_slots, n, k, generator=gen) / k**0.5).to(dtype).to(device)
+    b = (torch.randn(num_slots, num_out, rank, generator=gen) / rank**0.5).to(dtype).to(device)
+    return a, b
+
+
+def runs(*pieces: tuple[int, int]) -> torch.Tensor:
+    """Token slots from ``(slot, count)`` runs (a prefill batch: each request's tokens in a row)."""
+    return torch.cat([torch.full((count,), slot, dtype=torch.int32) for slot, count in pieces])
+
+
+def check(
+    slots: torch.Tensor,
+    k: int,
+    rank: int,
+    parts: tuple[tuple[int, int], ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    num_slots: int = 3,
+    shrink_with: LoRALaunch | None = None,
+    expand_with: LoRALaunch | None = None,
+) -> None:
+    num_tokens, num_out = slots.shape[0], max(r1 for _, r1 in parts)
+    a, b = adapters(num_slots, len(parts) * rank, k, num_out, rank, dtype, device, seed=num_tokens + k)
+    gen = torch.Generator().manual_seed(k)
+    x = torch.randn(num_tokens, k, generator=gen).to(dtype).to(device)
+    out = torch.randn(num_tokens, num_out, generator=gen).to(dtype).to(device)
+    slots = slots.to(device)
+    none = ((slots < 0) | (slots >= num_slots)).cpu()
+
+    y = lora_shrink(x, a, slots, shrink_with)
+    expected_y = torch_lora_shrink(x.float().cpu(), a.float().cpu(), torch.where(none, -1, slots.cpu()))
+    assert y.dtype == torch.float32 and y.shape == (num_tokens, len(parts) * rank)
+    torch.testing.assert_close(y.cpu(), expected_y, atol=1e-4, rtol=1e-4)
+    assert torch.equal(y.cpu()[none], torch.zeros_like(expected_y[none]))
+
+    before = out.clone()
+    assert lora_expand(y, b, slots, out, parts, expand_with) is out
+    expected = torch_lora_expand(y.to(dtype).float().cpu(), b.float().cpu(), torch.where(none, -1, slots.cpu()), before.float().cpu(), parts)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float().cpu(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+    assert torch.equal(out.cpu()[none], before.cpu()[none])
+
+
+DECODE_SLOTS = torch.tensor([2, -1, 0, 0, 1, 2, -1, 1, 0, 2, 2, 1, 3, 0, -1, 1, 2, 0, 1, 1, -1, 2], dtype=torch.int32)  # 3: past the slots
+
+
+@pytest.mark.parametrize(
+    "shrink_with, expand_with",
+    [(None, None), (LoRALaunch(16, 16, 32, split_k=3), LoRALaunch(16, 16, 16))],
+    ids=["chosen", "split-inputs-and-small-blocks"],
+)
+def test_a_decode_mix_of_adapters_over_fused_parts(shrink_with, expand_with, device: torch.device) -> None:
+    for dtype in dtypes_for(device):
+        check(DECODE_SLOTS, 200, 12, QKV_PARTS, dtype, device, shrink_with=shrink_with, expand_with=expand_with)
+
+
+def test_prefill_runs_of_one_adapter_span_blocks(device: torch.device) -> None:
+    slots = runs((1, 70), (-1, 9), (0, 50), (2, 21))  # 150 tokens: three blocks of 64, runs across them
+    for dtype in dtypes_for(device):
+        check(slots, 96, 8, ((0, 72),), dtype, device)
+
+
+def test_ranks_past_one_dot_step_and_many_parts(device: torch.device) -> None:
+    # rank 80: two steps of 64; five parts (one empty): two launches of the expand kernel
+    parts = ((0, 20), (20, 36), (36, 36), (36, 57), (57, 70))
+    check(runs((0, 5), (1, 4), (-1, 2), (0, 3)), 48, 80, parts, torch.float32, device, num_slots=2)
+
+
+def test_strided_views_and_rows_outside_the_parts_are_left_alone(device: torch.device) -> None:
+    a, b = adapters(2, 2 * 16, 64, 50, 16, torch.float32, device)
+    slots = torch.tensor([1, -1, 0, 1, 0], dtype=torch.int32, device=device)
+    x = torch.randn(5, 80, device=device)[:, 8:72]  # rows of stride 80
+    big = torch.randn(5, 70, device=device)
+    out = big[:, 10:60]  # [5, 50] inside a wider buffer
+    before = big.clone()
+    y = lora_shrink(x, a, slots)
+    torch.testing.assert_close(y, torch_lora_shrink(x, a, slots), atol=1e-4, rtol=1e-4)
+    parts = ((0, 20), (30, 50))  # rows 20:30 belong to no part
+    lora_expand(y, b, slots, out, parts)
+    expected = torch_lora_expand(y, b, slots, before[:, 10:60].clone(), parts)
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(big[:, :10], before[:, :10]) and torch.equal(big[:, 60:], before[:, 60:])
+    assert torch.equal(out[:, 20:30], before[:, 30:40])
+
+
+def test_the_ops_dispatch_to_the_registered_kernels(device: torch.device) -> None:
+    a, b = adapters(2, 16, 32, 24, 16, torch.float32, device)
+    slots = torch.tensor([0, 1, -1], dtype=torch.int32, device=device)
+    x = torch.randn(3, 32, device=device)
+    calls: list[str] = []
+
+    def counting(name: str):
+        def call(*args):
+            calls.append(name)
+            return cuda_ops.OPS[name](*args)
+
+        return call
+
+    ops.register_ops(device.type, {"lora_shrink": counting("lora_shrink"), "lora_expand": counting("lora_expand")})
+    try:
+        y = lora_ops.lora_shrink(x, a, slots)
+        out = lora_ops.lora_expand(y, b, slots, torch.zeros(3, 24, device=device), ((0, 24),))
+    finally:
+        ops.unregister_ops(device.type)
+    assert calls == ["lora_shrink", "lora_expand"]
+    expected = torch_lora_expand(torch_lora_shrink(x, a, slots), b, slots, torch.zeros(3, 24, device=device), ((0, 24),))
+    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_mismatched_shapes_are_refused_with_what_was_given(device: torch.device) -> None:
+    a, b = adapters(2, 16, 32, 24, 16, torch.float32, device)
+    x = torch.randn(3, 32, device=device)
+    slots = torch.zeros(3, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match=r"a \[S, N, in\]"):
+        lora_shrink(torch.randn(3, 40, device=device), a, slots)
+    with pytest.raises(ValueError, match="token_slots"):
+        lora_shrink(x, a, slots[:2])
+    with pytest.raises(ValueError, match="outside the 24 rows"):
+        lora_expand(torch.zeros(3, 16, device=device), b, slots, torch.zeros(3, 24, device=device), ((0, 30),))
+    with pytest.raises(ValueError, match="2 parts of rank 16"):
+        lora_expand(torch.zeros(3, 16, device=device), b, slots, torch.zeros(3, 24, device=device), ((0, 8), (8, 24)))
+    assert lora_shrink(x[:0], a, slots[:0]).shape == (0, 16)
+
+
+# -- GPU: Llama-3.1-8B's projections, rank 16, 8 adapters ---------------------------------
+
+LLAMA_LAYERS = {  # in, parts
+    "qkv": (4096, ((0, 4096), (4096, 5120), (5120, 6144))),
+    "o": (4096, ((0, 4096),)),
+    "gate_up": (4096, ((0, 14336), (14336, 28672))),
+    "down": (14336, ((0, 4096),)),
+}
+
+
+def llama_batches() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {
+        "batch-1": torch.tensor([3], dtype=torch.int32),
+        "decode-64": torch.randint(-1, 8, (64,), generator=gen, dtype=torch.int32),
+        "decode-200": torch.randint(-1, 8, (200,), generator=gen, dtype=torch.int32),
+        "prefill-2048": runs((5, 700), (-1, 300), (0, 1000), (7, 48)),
+    }
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layer", LLAMA_LAYERS)
+@pytest.mark.parametrize("batch", ["batch-1", "decode-64", "decode-200", "prefill-2048"])
+def test_lora_kernels_at_llama_8b_shapes(layer: str, batch: str, device: torch.device) -> None:
+    k, parts = LLAMA_LAYERS[layer]
+    for dtype in GPU_DTYPES[1:]:
+        check(llama_batches()[batch], k, 16, parts, dtype, device, num_slots=8)
+    check(llama_batches()[batch][:64], k, 64, parts, torch.bfloat16, device, num_slots=16)
+
+
+@pytest.mark.cuda
+def test_lora_kernels_capture_in_a_cuda_graph(device: torch.device) -> None:
+    k, parts = LLAMA_LAYERS["qkv"]
+    a, b = adapters(8, 48, k, 6144, 16, torch.bfloat16, device)
+    for num_tokens in (1, 64):
+        x = torch.randn(num_tokens, k, device=device, dtype=torch.bfloat16)
+        slots = torch.randint(0, 8, (num_tokens,), dtype=torch.int32, device=device)
+        out = torch.zeros(num_tokens, 6144, device=device, dtype=torch.bfloat16)
+        lora_expand(lora_shrink(x, a, slots), b, slots, out, parts)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out.zero_()
+            lora_expand(lora_shrink(x, a, slots), b, slots, out, parts)
+        for new_slots in (torch.randint(-1, 8, (num_tokens,)), torch.full((num_tokens,), -1)):
+            slots.copy_(new_slots)
+            graph.replay()
+            expected = torch_lora_expand(torch_lora_shrink(x, a, slots), b, slots, torch.zeros_like(out), parts)
+            torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
