@@ -4,7 +4,9 @@ Models call ``sonar.ops``; for CUDA tensors those calls land here. The norms, ro
 activation run as single Triton launches; the fused add + norm and the rotary work in place.
 Products of one row of activations (decode at batch 1) and argmaxes over the vocabulary run
 as Triton kernels; other products go to the library. The LoRA shrink and expand of batches
-that mix adapters are Triton kernels (``sonar_cuda.kernels.lora``).
+that mix adapters are Triton kernels (``sonar_cuda.kernels.lora``); the experts of a
+mixture-of-experts layer run as two grouped GEMMs over tokens sorted by expert
+(``sonar_cuda.kernels.fused_moe``).
 """
 
 from __future__ import annotations
@@ -14,10 +16,12 @@ from typing import Any, Callable
 import torch
 
 import sonar.lora.ops  # noqa: F401  (declares "lora_shrink" and "lora_expand")
+import sonar.moe  # noqa: F401  (declares "fused_moe")
 import sonar.quantization.int4_packing  # noqa: F401  (declares "int4_linear")
 from sonar_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from sonar_cuda.kernels.argmax import argmax as _argmax
 from sonar_cuda.kernels.fp8_linear import fp8_linear
+from sonar_cuda.kernels.fused_moe import fused_moe
 from sonar_cuda.kernels.gemv import gemv, gemv_pays, gemv_supported
 from sonar_cuda.kernels.int4_gemm import int4_linear
 from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
@@ -89,6 +93,7 @@ OPS: dict[str, Callable[..., Any]] = {
     "apply_rotary": apply_rotary,
     "int4_linear": int4_linear,
     "fp8_linear": fp8_linear,  # declared by sonar.quantization.fp8
+    "fused_moe": fused_moe,  # the experts of a mixture-of-experts layer, two grouped GEMMs
     "lora_shrink": lora_shrink,
     "lora_expand": lora_expand,
 }

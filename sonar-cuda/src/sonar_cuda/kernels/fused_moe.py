@@ -1,0 +1,199 @@
+"""The experts of a mixture-of-experts layer (``sonar.moe.fused_moe``) as two grouped GEMMs.
+
+``T`` tokens each chose ``k`` experts, so there are ``T * k`` (token, expert) pairs; pair
+``p`` is token ``p // k``'s ``p % k``-th choice. The launch:
+
+1. :func:`align_by_expert` sorts the pairs by expert and pads each expert's run to a multiple
+   of ``BLOCK_M``: ``sorted_pairs`` (padding holds ``T * k``, no pair) and, per block of
+   ``BLOCK_M`` entries, its expert (``E`` past the last run: nothing to do). All of it is
+   torch on the device, sized from the shapes alone (at most ``min(E, T * k)`` runs are
+   padded), so the host reads nothing and CUDA graphs capture it.
+2. Gate/up: each program takes one block (one expert) and ``BLOCK_N`` columns of the
+   intermediate size, gathers its tokens' rows of ``x``, multiplies them by the expert's gate
+   and up tiles (two float32 accumulators, one pass over ``x``), and writes
+   ``silu(gate) * up`` for its pairs: ``[T * k, I]``.
+3. Down: the same blocks over ``w2``; the float32 product is multiplied by the pair's routing
+   weight and written per pair, ``[T * k, H]``; a sum over the ``k`` pairs of each token gives
+   the output (no atomics: the same order every run).
+
+Each expert's weight tiles are read once per block of its tokens: at decode (a few tokens per
+expert) a step reads the weights of the experts it touches, about once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from sonar.moe import check_moe_shapes
+
+
+@dataclass(frozen=True, slots=True)
+class MoELaunch:
+    """Pairs per block, columns per tile, inputs per ``tl.dot`` step, warps, pipeline stages."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def launch_for(num_pairs: int, num_experts: int, device: torch.device) -> MoELaunch:
+    """The launch for ``num_pairs`` (token, expert) pairs over ``num_experts`` experts: blocks of
+    16 pairs while experts see few tokens each (decode), larger blocks as the runs grow."""
+    if device.type != "cuda":  # Triton's interpreter: small tiles keep it quick
+        return MoELaunch(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=1)
+    pairs_per_expert = num_pairs / max(num_experts, 1)
+    if pairs_per_expert <= 16:
+        return MoELaunch(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if pairs_per_expert <= 64:
+        return MoELaunch(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=4)
+    return MoELaunch(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sorted_pairs [num_blocks * block_m] int32, block_experts [num_blocks] int32)``.
+
+    The pairs of each expert are contiguous, in pair order, each expert's run padded with
+    ``T * k`` to a multiple of ``block_m``; ``block_experts[b]`` is the expert of block ``b``
+    (``num_experts`` for blocks past the last run). No host synchronisation.
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    device = flat.device
+    max_runs = min(num_experts, num_pairs)
+    num_blocks = triton.cdiv(num_pairs + max_runs * (block_m - 1), block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    run_start = torch.cumsum(counts, 0) - counts  # where each expert's pairs start, unpadded
+    experts_sorted, order = torch.sort(flat, stable=True)
+    rank = torch.arange(num_pairs, device=device) - run_start[experts_sorted]
+    dest = padded_end[experts_sorted] - padded[experts_sorted] + rank
+    sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    block_starts = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
+    block_experts = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    return sorted_pairs, block_experts
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr,
+    num_pairs, N, K,
+    stride_am, stride_we, stride_wn, stride_om,
+    A_ROWS_PER_PAIR: tl.constexpr,  # k: a row of x per token; 1: a row of the intermediate per pair
+    NUM_EXPERTS: tl.constexpr,
+    GATED: tl.constexpr,  # gate rows [0, N) and up rows [N, 2N): write silu(gate) * up
+    WEIGHTED: tl.constexpr,  # multiply each pair's row by its routing weight
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_experts_ptr + pid_m)
+    if expert >= NUM_EXPERTS:
+        return
+    pairs = tl.load(sorted_pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    pair_mask = pairs < num_pairs
+    a_rows = (pairs // A_ROWS_PER_PAIR).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + ks[None, :]  # [BLOCK_M, BLOCK_K]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]  # [BLOCK_K, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if GATED:
+        up_ptrs = w_ptrs + N * stride_wn
+        acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = ks < K - k0
+        a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
+        if GATED:
+            w_up = tl.load(up_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
+            up_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if GATED:
+        acc = acc * tl.sigmoid(acc) * acc_up
+    if WEIGHTED:
+        acc = acc * tl.load(weights_ptr + pairs, mask=pair_mask, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=pair_mask[:, None] & col_mask[None, :])
+
+
+def _grouped_gemm(
+    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, sorted_pairs: torch.Tensor,
+    block_experts: torch.Tensor, top_k: int, gated: bool, launch: MoELaunch,
+) -> None:  # fmt: skip
+    num_pairs, n = out.shape
+    k = a.shape[1]
+    grid = (block_experts.shape[0], triton.cdiv(n, launch.block_n))
+    _moe_gemm_kernel[grid](
+        a, w, out, weights, sorted_pairs, block_experts,
+        num_pairs, n, k,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        A_ROWS_PER_PAIR=top_k if gated else 1,
+        NUM_EXPERTS=w.shape[0],
+        GATED=gated,
+        WEIGHTED=not gated,
+        BLOCK_M=launch.block_m,
+        BLOCK_N=launch.block_n,
+        BLOCK_K=launch.block_k,
+        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+    )  # fmt: skip
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    launch: MoELaunch | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``sonar.moe.fused_moe`` in two Triton launches (after the device-side sort): ``[T, H]``
+    in ``x``'s dtype. ``launch`` overrides :func:`launch_for` (benchmarks sweep it)."""
+    check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
+    num_tokens, top_k = topk_ids.shape
+    num_experts, two_i, hidden = w13.shape
+    if num_tokens == 0:
+        return x.new_zeros((0, hidden))
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    w13 = w13 if w13.stride(-1) == 1 else w13.contiguous()
+    w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
+    num_pairs = num_tokens * top_k
+    launch = launch or launch_for(num_pairs, num_experts, x.device)
+    sorted_pairs, block_experts = align_by_expert(topk_ids, num_experts, launch.block_m)
+    weights = topk_weights.reshape(-1).contiguous()
+    intermediate = x.new_empty((num_pairs, two_i // 2))
+    _grouped_gemm(x, w13, intermediate, weights, sorted_pairs, block_experts, top_k, True, launch)
+    per_pair = x.new_empty((num_pairs, hidden))
+    _grouped_gemm(intermediate, w2, per_pair, weights, sorted_pairs, block_experts, top_k, False, launch)
+    if top_k == 1:
+        return per_pair
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+def loop_over_experts(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+) -> torch.Tensor:
+    """The baseline the fused kernel is measured against: every expert in turn, its tokens
+    picked with a mask, its two products through the library (``E`` iterations, each of which
+    reads the mask on the host)."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for expert in range(w13.shape[0]):
+        tokens, slots = torch.where(topk_ids == expert)
+        if tokens.numel() == 0:
+            continue
+        gate, up = torch.nn.functional.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
+        y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
+        out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots, None].float())
+    return out.to(x.dtype)

@@ -1,0 +1,150 @@
+"""The fused MoE kernel (two grouped GEMMs over pairs sorted by expert) against the torch
+version of ``sonar.moe.fused_moe``; the interpreter runs the small shapes on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_batch import TOLERANCE, dtypes_for
+
+from sonar.moe import torch_fused_moe
+from sonar_cuda.kernels.fused_moe import MoELaunch, align_by_expert, fused_moe, loop_over_experts
+
+# (num_tokens, num_experts, top_k, hidden, intermediate): uneven sizes exercise the masks
+SMALL_CASES = [(1, 4, 2, 64, 32), (7, 8, 2, 48, 40), (33, 4, 1, 32, 32)]
+# Qwen3-30B-A3B's layer (128 experts, top 8, hidden 2048, intermediate 768) and Mixtral's shape class
+LARGE_CASES = [(1, 128, 8, 2048, 768), (64, 128, 8, 2048, 768), (1000, 128, 8, 2048, 768), (300, 8, 2, 1024, 3584)]
+
+
+def make_case(num_tokens: int, num_experts: int, top_k: int, hidden: int, intermediate: int, dtype: torch.dtype, device: torch.device):
+    gen = torch.Generator().manual_seed(num_tokens * 31 + num_experts)
+    x = torch.randn(num_tokens, hidden, generator=gen)
+    w13 = torch.randn(num_experts, 2 * intermediate, hidden, generator=gen) * hidden**-0.5
+    w2 = torch.randn(num_experts, hidden, intermediate, generator=gen) * intermediate**-0.5
+    logits = torch.randn(num_tokens, num_experts, generator=gen)
+    weights, ids = torch.topk(torch.softmax(logits, -1), top_k, dim=-1)
+    tensors = (x.to(dtype), w13.to(dtype), w2.to(dtype))
+    return *(t.to(device) for t in tensors), weights.to(device), ids.to(device)
+
+
+def check(case: tuple, dtype: torch.dtype, device: torch.device, launch: MoELaunch | None = None) -> None:
+    x, w13, w2, weights, ids = make_case(*case, dtype, device)
+    out = fused_moe(x, w13, w2, weights, ids, launch)
+    assert out.shape == x.shape and out.dtype == dtype
+    expected = torch_fused_moe(x.float(), w13.float(), w2.float(), weights, ids)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_pairs_are_grouped_by_expert_in_padded_blocks() -> None:
+    ids = torch.tensor([[3, 0], [0, 2], [3, 0], [1, 0]])  # experts 0 (4 pairs), 1, 2, 3 (2 pairs)
+    sorted_pairs, block_experts = align_by_expert(ids, num_experts=5, block_m=4)
+    pad = ids.numel()
+    # room for min(5 experts, 8 pairs) padded runs: ceil((8 + 5 * 3) / 4) = 6 blocks, the last two unused
+    assert block_experts.tolist() == [0, 1, 2, 3, 5, 5]
+    assert sorted_pairs.tolist() == [1, 2, 5, 7, 6, pad, pad, pad, 3, pad, pad, pad, 0, 4] + [pad] * 10
+    flat = ids.reshape(-1)
+    for block, expert in enumerate(block_experts.tolist()):
+        pairs = [p for p in sorted_pairs[block * 4 : block * 4 + 4].tolist() if p < pad]
+        assert all(int(flat[p]) == expert for p in pairs)
+
+
+@pytest.mark.parametrize("case", SMALL_CASES)
+def test_fused_moe_small(case: tuple, device: torch.device) -> None:
+    for dtype in dtypes_for(device):
+        check(case, dtype, device)
+
+
+def test_loop_baseline_equals_the_torch_version() -> None:
+    x, w13, w2, weights, ids = make_case(*SMALL_CASES[1], torch.float32, torch.device("cpu"))
+    torch.testing.assert_close(loop_over_experts(x, w13, w2, weights, ids), torch_fused_moe(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_no_tokens(device: torch.device) -> None:
+    x, w13, w2, weights, ids = make_case(1, 4, 2, 32, 32, torch.float32, device)
+    assert fused_moe(x[:0], w13, w2, weights[:0], ids[:0]).shape == (0, 32)
+
+
+def test_shapes_that_do_not_fit_are_refused(device: torch.device) -> None:
+    x, w13, w2, weights, ids = make_case(3, 4, 2, 32, 32, torch.float32, device)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(x[:, :16], w13, w2, weights, ids)
+    with pytest.raises(ValueError, match="topk_ids"):
+        fused_moe(x, w13, w2, weights[:, :1], ids)
+
+
+def test_the_op_behind_sonar_moe_is_the_kernel(device: torch.device) -> None:
+    """``sonar.moe.fused_moe`` reaches the kernel once the platform's ops are registered."""
+    from sonar import moe, ops
+    from sonar_cuda.ops import OPS
+
+    assert OPS["fused_moe"] is fused_moe
+    x, w13, w2, weights, ids = make_case(*SMALL_CASES[1], torch.float32, device)
+    calls = []
+    ops.register_ops(device.type, {"fused_moe": lambda *args: calls.append(args) or OPS["fused_moe"](*args)})
+    try:
+        out = moe.fused_moe(x, w13, w2, weights, ids)
+    finally:
+        ops.unregister_ops(device.type)
+    assert len(calls) == 1
+    torch.testing.assert_close(out, torch_fused_moe(x, w13, w2, weights, ids), atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", LARGE_CASES)
+def test_fused_moe_large(case: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    check(case, dtype, device)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("launch", [MoELaunch(16, 64, 128), MoELaunch(32, 64, 64), MoELaunch(64, 128, 64, 8, 3)])
+def test_every_launch_gives_the_same_result(launch: MoELaunch, device: torch.device) -> None:
+    check((256, 128, 8, 2048, 768), torch.bfloat16, device, launch)
+
+
+@pytest.mark.cuda
+def test_a_cuda_graph_captures_the_whole_layer(device: torch.device) -> None:
+    """Sort, alignment and both GEMMs replay from a graph: no host read of the routing."""
+    x, w13, w2, weights, ids = make_case(8, 128, 8, 2048, 768, torch.bfloat16, device)
+    expected = fused_moe(x, w13, w2, weights, ids)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fused_moe(x, w13, w2, weights, ids)  # warm up (compiles) outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_moe(x, w13, w2, weights, ids)
+    new_x, _, _, new_weights, new_ids = make_case(8, 128, 8, 2048, 768, torch.bfloat16, device)
+    new_x, new_ids = new_x.flip(0), new_ids.flip(0)
+    x.copy_(new_x), weights.copy_(new_weights.flip(0)), ids.copy_(new_ids)
+    graph.replay()
+    torch.testing.assert_close(out, fused_moe(x, w13, w2, weights, ids))
+    assert not torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_models_with_the_kernel_match_transformers(arch: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The tiny MoE models with the kernel behind ``sonar.moe.fused_moe`` (interpreted on CPU)."""
+    from engine_helpers import use_tokenizer_folder_if_needed
+    from transformers import AutoModelForCausalLM
+
+    from sonar import ops
+    from sonar_models.testing import PagedCacheDriver, build_tiny_model, load_sonar_model
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only: Triton's interpreter is off where a GPU is present")
+    use_tokenizer_folder_if_needed()
+    path = build_tiny_model(arch, tmp_path_factory.mktemp("moe") / arch)
+    prompt = [1, 504, 3458, 282, 4649, 314, 253, 1789, 30, 378, 1345, 314]
+    model = load_sonar_model(path)
+    ops.register_ops("cpu", {"fused_moe": fused_moe})
+    try:
+        ours = model.compute_logits(PagedCacheDriver(model, block_size=4).step(model, [(0, prompt)]))
+    finally:
+        ops.unregister_ops("cpu")
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0].float()
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
