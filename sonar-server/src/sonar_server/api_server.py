@@ -18,6 +18,8 @@ from sonar_server.settings import ServerSettings
 
 logger = logging.getLogger("sonar_server")
 
+STARTUP_FAILED = 3  # the exit code of an API server that could not start serving
+
 
 class ApiServerLaunch(msgspec.Struct):
     config: EngineConfig
@@ -48,7 +50,7 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
         launch.config, tokenizer, launch.addresses, launch.client_index, launch.max_in_flight, launch.engine_step_timeout, check_started
     )
     try:
-        state = ServerState(client, launch.settings)
+        state = ServerState(client, launch.settings, launch.client_index)
         app = build_app(state)
         config = uvicorn.Config(
             app,
@@ -80,7 +82,11 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s %(levelname)s api-server-{launch.client_index} %(name)s: %(message)s")
     logger.setLevel(launch.log_level)
     listener = socket.socket(fileno=launch.listen_fd)
-    return run_api_server(launch, listener)
+    try:
+        return run_api_server(launch, listener)
+    except ValueError as exc:  # a bad --lora-modules adapter: a message, not a traceback
+        logger.error("%s", exc)
+        return STARTUP_FAILED
 
 
 if __name__ == "__main__":

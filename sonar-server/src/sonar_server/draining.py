@@ -25,6 +25,12 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self._draining = False
 
+    async def startup(self, sockets: list | None = None) -> None:
+        """Load the ``--lora-modules`` adapters, then start answering: until they are loaded
+        connections wait in the listening socket's backlog (``/health`` included)."""
+        await self.state.adapters.load_startup()
+        await super().startup(sockets=sockets)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining:
             super().handle_exit(sig, frame)

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sonar.engine.async_client import RequestStream
+from sonar.lora import LoRARequest
 from sonar.outputs import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from sonar.sampling_params import SamplingParams
 from sonar_server.state import ServerState
@@ -200,14 +201,16 @@ async def start_generation(
     arrival: float,
     prompt_text: str | None = None,
     priority: int = 0,
+    lora_request: LoRARequest | None = None,
 ) -> Generation:
-    """Admit a request into the engine; raises ValueError (bad input), QueueFull or
-    EngineDeadError before anything is streamed."""
+    """Admit a request into the engine (with ``lora_request``: through that adapter); raises
+    ValueError (bad input), QueueFull or EngineDeadError before anything is streamed."""
     state.check_n(params.n)
     prompt: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
     if prompt_text is not None:
         prompt["prompt"] = prompt_text
-    stream = await state.client.add_request(request_id, prompt, params, priority)
+    adapter = {"lora_request": lora_request} if lora_request is not None else {}
+    stream = await state.client.add_request(request_id, prompt, params, priority, **adapter)
     state.metrics.update_in_flight()
     return Generation(state, api, stream, params, prompt_token_ids, arrival)
 

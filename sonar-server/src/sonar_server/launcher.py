@@ -116,6 +116,8 @@ def _supervise(launches: list[Any], listener: socket.socket, engines: Any) -> in
     ``EngineProcesses``; forward one SIGTERM to each child on the first signal."""
     import msgspec
 
+    from sonar_server.api_server import STARTUP_FAILED
+
     metrics_dir = tempfile.mkdtemp(prefix="sonar-metrics-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     children: list[subprocess.Popen] = []
@@ -146,6 +148,8 @@ def _supervise(launches: list[Any], listener: socket.socket, engines: Any) -> in
             children.append(child)
         while any(child.poll() is None for child in children):
             engines.reap()
+            if any(child.returncode == STARTUP_FAILED for child in children):  # e.g. a bad --lora-modules adapter
+                return STARTUP_FAILED
             time.sleep(0.2)
         return 0 if stopping.is_set() else max(child.returncode for child in children)
     finally:

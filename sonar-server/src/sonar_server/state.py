@@ -7,6 +7,8 @@ import uuid
 from typing import Any
 
 from sonar.engine.async_client import AsyncLLM
+from sonar.lora import LoRARequest
+from sonar_server.adapters import ServedAdapters
 from sonar_server.errors import ApiError
 from sonar_server.metrics import ServerMetrics
 from sonar_server.settings import ServerSettings
@@ -19,7 +21,7 @@ class ServerState:
     :param settings: the server's settings.
     """
 
-    def __init__(self, client: AsyncLLM, settings: ServerSettings) -> None:
+    def __init__(self, client: AsyncLLM, settings: ServerSettings, server_index: int = 0) -> None:
         self.client = client
         self.settings = settings
         self.tokenizer = client.tokenizer
@@ -30,16 +32,16 @@ class ServerState:
         self.metrics = ServerMetrics(client.get_stats, lambda: client.num_in_flight, settings.model_name)
         self.surface_data: dict[str, Any] = {}  # per-surface state, keyed by surface name
         self.enabled_apis: list[str] = []
+        self.adapters = ServedAdapters(client, settings, server_index)
 
     @property
     def model_name(self) -> str:
         return self.settings.model_name
 
-    def check_model(self, name: str | None) -> None:
-        """Reject a request for a model this server does not serve (None: the default one)."""
-        if name is not None and name not in self.settings.served_model_names:
-            served = ", ".join(repr(n) for n in self.settings.served_model_names)
-            raise ApiError(404, f"model {name!r} is not served here; this server serves {served}", param="model")
+    async def resolve_model(self, name: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's ``model`` names, None for the base model (or no name);
+        a 404 ApiError for a model this server does not serve."""
+        return await self.adapters.resolve(name)
 
     def require_tokenizer(self) -> Any:
         if self.tokenizer is None:

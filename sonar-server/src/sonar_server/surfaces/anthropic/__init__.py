@@ -127,7 +127,7 @@ def _content_blocks(parsed: ParsedOutput) -> list[dict[str, Any]]:
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     arrival = time.monotonic()
     state: ServerState = request.app.state.sonar
-    state.check_model(body.model)
+    lora_request = await state.resolve_model(body.model)
     plan = anthropic_tool_plan(body.tools, body.tool_choice, state.settings)
     plan.adapt_to(state.require_tokenizer())
     guide = plan.constraint(body_guide(body))
@@ -150,7 +150,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         },
     )
     message_id = state.new_request_id("msg")
-    generation = await start_generation(state, API, message_id, prompt_ids, params, arrival, prompt_text)
+    generation = await start_generation(state, API, message_id, prompt_ids, params, arrival, prompt_text, lora_request=lora_request)
     if body.stream:
         parser = output_parser(plan, state.settings, guide)
         return EventStreamResponse(_stream(state, body, generation, stop_sequences, parser), closer([generation]))
@@ -274,7 +274,7 @@ class _BlockWriter:
 
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     state: ServerState = request.app.state.sonar
-    state.check_model(body.model)
+    await state.resolve_model(body.model)
     _, token_ids = await render_chat(state, chat_messages(body.system, body.messages))
     return {"input_tokens": len(token_ids)}
 

@@ -38,6 +38,7 @@ def _jobs(state: ServerState) -> dict[str, Generation]:
 
 async def _start(body: GenerateRequest, state: ServerState) -> tuple[str, Generation]:
     arrival = time.monotonic()
+    lora_request = await state.resolve_model(body.model)
     max_length = body.max_length if body.max_length is not None else state.settings.kobold_default_max_length
     params = kobold_sampling_params(body, max_length)
     prompt_ids = await encode_prompt(state, body.prompt)
@@ -45,7 +46,7 @@ async def _start(body: GenerateRequest, state: ServerState) -> tuple[str, Genera
     jobs = _jobs(state)
     if genkey in jobs:
         raise ApiError(400, f"genkey {genkey!r} is already generating")
-    generation = await start_generation(state, API, state.new_request_id("kobold"), prompt_ids, params, arrival, body.prompt)
+    generation = await start_generation(state, API, state.new_request_id("kobold"), prompt_ids, params, arrival, body.prompt, lora_request=lora_request)
     jobs[genkey] = generation
     return genkey, generation
 

@@ -29,6 +29,7 @@ class GenerateRequest(BaseModel):
     trim_stop: bool = True
     genkey: str | None = None
     grammar: str | None = None  # a GBNF grammar the output must follow
+    model: str | None = None  # Sonar's: a LoRA adapter's name (or the served model's); KoboldCpp has no per-request model
 
 
 class GenkeyRequest(BaseModel):

@@ -1,4 +1,5 @@
-"""The OpenAI API surface: models, completions, chat completions, tokenize, detokenize."""
+"""The OpenAI API surface: models, completions, chat completions, tokenize, detokenize; and,
+with ``--allow-runtime-lora-updating``, vLLM's LoRA load and unload routes."""
 
 from __future__ import annotations
 
@@ -18,7 +19,9 @@ from sonar_server.surfaces.openai.protocol import DetokenizeRequest, TokenizeReq
 
 
 async def list_models(request: Request) -> dict[str, Any]:
+    """The served model's names, then each loaded LoRA adapter with the model as ``parent``."""
     state: ServerState = request.app.state.sonar
+    adapters = await state.adapters.model_cards(state.started_at, state.max_model_len)
     return {
         "object": "list",
         "data": [
@@ -31,13 +34,14 @@ async def list_models(request: Request) -> dict[str, Any]:
                 "max_model_len": state.max_model_len,
             }
             for name in state.settings.served_model_names
-        ],
+        ]
+        + adapters,
     }
 
 
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.sonar
-    state.check_model(body.model)
+    await state.resolve_model(body.model)
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "send exactly one of prompt or messages")
     if body.messages is not None:
@@ -51,7 +55,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
     state: ServerState = request.app.state.sonar
-    state.check_model(body.model)
+    await state.resolve_model(body.model)
     return {"prompt": await decode_tokens(state, body.tokens)}
 
 
@@ -63,4 +67,9 @@ def install(app: FastAPI, state: ServerState) -> None:
     router.add_api_route("/v1/chat/completions", create_chat_completion, methods=["POST"], summary="Chat completion (SSE with stream=true)")
     router.add_api_route("/tokenize", tokenize, methods=["POST"], summary="Token ids of a prompt or of chat messages")
     router.add_api_route("/detokenize", detokenize, methods=["POST"], summary="Text of token ids")
+    if state.settings.allow_runtime_lora_updating:
+        from sonar_server.surfaces.openai.lora_adapters import load_lora_adapter, unload_lora_adapter
+
+        router.add_api_route("/v1/load_lora_adapter", load_lora_adapter, methods=["POST"], summary="Load a LoRA adapter from --lora-root")
+        router.add_api_route("/v1/unload_lora_adapter", unload_lora_adapter, methods=["POST"], summary="Unload a LoRA adapter")
     app.include_router(router)

@@ -56,7 +56,7 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     state: ServerState = request.app.state.sonar
-    state.check_model(body.model)
+    lora_request = await state.resolve_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     plan = openai_tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings)
@@ -88,7 +88,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         },
     )
     request_id = state.new_request_id("chatcmpl")
-    generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text, body.priority)
+    generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text, body.priority, lora_request)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(_stream(state, body, generation, include_usage, plan, guide), closer([generation]))

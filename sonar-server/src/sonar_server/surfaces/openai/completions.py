@@ -46,7 +46,7 @@ async def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, li
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     arrival = time.monotonic()
     state: ServerState = request.app.state.sonar
-    state.check_model(body.model)
+    lora_request = await state.resolve_model(body.model)
     if body.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
     prompts = await _prompts(state, body.prompt)
@@ -75,7 +75,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     generations: list[Generation] = []
     try:
         for i, (text, token_ids) in enumerate(prompts):
-            generations.append(await start_generation(state, API, f"{request_id}-{i}", token_ids, params, arrival, text, body.priority))
+            generations.append(await start_generation(state, API, f"{request_id}-{i}", token_ids, params, arrival, text, body.priority, lora_request))
     except BaseException:
         for generation in generations:
             await generation.close()
