@@ -69,12 +69,12 @@ DECODE_SLOTS = torch.tensor([2, -1, 0, 0, 1, 2, -1, 1, 0, 2, 2, 1, 3, 0, -1, 1, 
 
 @pytest.mark.parametrize(
     "shrink_with, expand_with",
-    [(None, None), (LoRALaunch(16, 16, 32, split_k=3), LoRALaunch(16, 16, 16))],
-    ids=["chosen", "split-inputs-and-small-blocks"],
+    [(None, None), (LoRALaunch(16, 16, 32, split_k=3, slot_programs=2), LoRALaunch(16, 32, 16, slot_programs=2))],
+    ids=["chosen", "split-inputs-small-blocks-two-slot-programs"],
 )
 def test_a_decode_mix_of_adapters_over_fused_parts(shrink_with, expand_with, device: torch.device) -> None:
     for dtype in dtypes_for(device):
-        check(DECODE_SLOTS, 200, 12, QKV_PARTS, dtype, device, shrink_with=shrink_with, expand_with=expand_with)
+        check(DECODE_SLOTS, 72, 12, QKV_PARTS, dtype, device, shrink_with=shrink_with, expand_with=expand_with)
 
 
 def test_prefill_runs_of_one_adapter_span_blocks(device: torch.device) -> None:

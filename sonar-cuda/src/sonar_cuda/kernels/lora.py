@@ -4,32 +4,38 @@ A layer's adapters are stacked by slot: ``a [S, N, in]`` (the A matrices of its 
 ``N = P * R``) and ``b [S, out, R]``; ``token_slots [T]`` names each token's slot (``-1``, or
 anything outside ``[0, S)``: none).
 
-Both kernels run the same grid shape: token blocks of ``BLOCK_M`` along axis 0, tiles of the
-product's columns along axis 1, one slot per index of axis 2. A program loads its block's
-slots, keeps the tokens of its own slot (a mask) and leaves at once when there are none; the
-others multiply that slot's weight tile by the block's kept rows in one ``tl.dot``
-(float32 accumulation), so no program reads another slot's weights and the host never reads
-``token_slots`` (no sort, no counts: CUDA graphs capture both launches, and the grid depends
-on the shapes alone).
+Both kernels share one grid: token blocks of ``BLOCK_M`` along axis 0, tiles of the product's
+columns along axis 1, and ``SLOT_PROGRAMS`` programs along axis 2, program ``j`` serving the
+slots ``j, j + SLOT_PROGRAMS, ...``. A program loads its block's slots and leaves at once when
+none of its tokens is one of its slots; otherwise, for each of its slots some token holds, it
+multiplies that slot's weight tile by the block's rows of that slot (the others masked to
+zero) in ``tl.dot`` steps, float32 accumulation. Rows of different slots are disjoint, so one
+accumulator serves all of a program's slots. No program reads the weights of a slot its
+tokens lack, and the host never reads ``token_slots`` (no sort, no counts): CUDA graphs
+capture both launches, and the grid depends on the shapes alone.
 
-- Prefill (long runs of one adapter): ``BLOCK_M = 64``; a block falls inside one run (or
-  across two), so one or two slot programs per block do the work and each reuses its slot's
-  weight tile for all the block's tokens, as a segmented GEMM does.
-- Decode (up to 64 tokens, adapters mixed in any order): one block holds the whole batch, so
-  every adapter's weights are read once per step, whatever the order of its tokens (a
-  gathered GEMV's work without reading a matrix per token).
+- Prefill (more than ``DECODE_TOKENS`` tokens; long runs of one adapter): blocks of 64 tokens
+  and one slot program, so a block inside a run reads one slot's weight tile once for all
+  its tokens, as a segmented GEMM does, and a block across runs takes its few slots in turn.
+- Decode (up to ``DECODE_TOKENS`` tokens, adapters mixed in any order): one block holds the
+  whole batch and ``min(S, T)`` slot programs run side by side, so each adapter present is
+  read once per step whatever the order of its tokens, and batch 1 launches no more programs
+  than a plain product would.
 
-:func:`lora_shrink` (``[T, in] -> [T, N]``, float32): the product's inputs are long and its
-outputs few, so where the tiles alone are too few to fill the GPU the inputs are split among
-programs (float32 partials ``[SPLIT_K, T, N]`` and one short sum: the same order every run).
-Tokens without a slot get zeros, written by the slot-0 programs.
+:func:`lora_shrink` (``[T, in] -> [T, N]``, float32): the inputs are long and the outputs few,
+so where the tiles alone are too few to fill the GPU the inputs are split among programs
+(float32 partials ``[SPLIT_K, T, N]`` and one short sum: the same order every run, no
+atomics). Tokens without a slot get zeros, written by slot program 0.
 
 :func:`lora_expand` (``out[T, r0:r1] += y_p @ b[slot, r0:r1].T`` per part): one launch for all
-of a fused layer's parts (up to ``MAX_PARTS``; tiles of ``BLOCK_N`` columns, each in one
-part), the rank in one ``tl.dot`` step (padded to a power of two of at least 16 with masks),
+of a fused layer's parts (up to ``MAX_PARTS``; tiles of ``BLOCK_N`` columns, each inside one
+part), the rank in steps of at most 64 (padded to a power of two of at least 16 with masks),
 ``y`` rounded to the weights' dtype as the torch version does, and ``out`` read, added to in
 float32 and written back only for the program's own tokens: rows without a slot stay as
 they were.
+
+Launches: ``LoRALaunch``; :func:`shrink_launch` and :func:`expand_launch` choose them from the
+shapes (``sonar-cuda/benchmarks/lora_kernels.py --sweep`` measures the alternatives).
 """
 
 from __future__ import annotations
@@ -52,12 +58,13 @@ WAVES = 2  # programs the shrink's split aims at, per multiprocessor
 class LoRALaunch:
     """How a launch covers its product: tokens per block, columns per tile, inputs (shrink)
     or ranks (expand) per ``tl.dot`` step, split-K factor (shrink; 0: chosen from the
-    shape), warps and pipeline stages."""
+    shape), slot programs per block and tile (0: chosen), warps and pipeline stages."""
 
     block_m: int
     block_n: int
     block_k: int
     split_k: int = 0
+    slot_programs: int = 0
     num_warps: int = 4
     num_stages: int = 3
 
@@ -68,31 +75,39 @@ def block_m_for(num_tokens: int) -> int:
     return max(16, min(triton.next_power_of_2(max(num_tokens, 1)), DECODE_TOKENS))
 
 
-def shrink_launch(num_tokens: int, n: int) -> LoRALaunch:
-    """The shrink's launch: decode takes 16-column tiles of 256 inputs (many small programs
-    to stream the few A rows), prefill 64-column tiles of 128 inputs."""
+def slot_programs_for(num_tokens: int, num_slots: int, launch: LoRALaunch) -> int:
+    """Slot programs per block and tile: the launch's, else ``min(S, T)`` in decode (every
+    adapter of the batch side by side) and 1 in prefill (a block's few slots in turn)."""
+    if launch.slot_programs > 0:
+        return min(launch.slot_programs, num_slots)
+    return min(num_slots, num_tokens) if num_tokens <= DECODE_TOKENS else 1
+
+
+def shrink_launch(num_tokens: int, n: int, dtype: torch.dtype) -> LoRALaunch:
+    """The shrink's launch: decode takes 16-column tiles (many small programs to stream the
+    few A rows), prefill tiles of up to 64 columns; steps of 256 (decode) or 128 inputs of
+    2-byte values, half that of float32."""
+    scale = 2 if dtype.itemsize > 2 else 1
     if num_tokens <= DECODE_TOKENS:
-        return LoRALaunch(block_m_for(num_tokens), 16, 256)
-    return LoRALaunch(64, min(64, max(16, triton.next_power_of_2(n))), 128)
+        return LoRALaunch(block_m_for(num_tokens), 16, 256 // scale)
+    return LoRALaunch(64, min(64, max(16, triton.next_power_of_2(n))), 128 // scale)
 
 
 def expand_launch(num_tokens: int, rank: int) -> LoRALaunch:
-    """The expand's launch: the rank in one step, 64 output columns per tile at up to 16
-    tokens, 128 beyond."""
+    """The expand's launch: the rank in one step up to 64, 64 output columns per tile at up
+    to 16 tokens, 128 beyond."""
     block_r = min(64, max(16, triton.next_power_of_2(rank)))
     return LoRALaunch(block_m_for(num_tokens), 64 if num_tokens <= 16 else 128, block_r)
 
 
-def shrink_split(num_tokens: int, num_tiles: int, num_slots: int, k: int, launch: LoRALaunch, device: torch.device) -> tuple[int, int]:
-    """``(SPLIT_K, inputs per split)`` of a shrink: enough programs for ``WAVES`` per
-    multiprocessor counting the slots a block likely holds (every slot in decode, one per
-    block in prefill), each split a whole number of ``block_k`` steps."""
+def shrink_split(num_busy: int, k: int, launch: LoRALaunch, device: torch.device) -> tuple[int, int]:
+    """``(SPLIT_K, inputs per split)`` of a shrink whose unsplit grid has ``num_busy``
+    programs with work: enough programs for ``WAVES`` per multiprocessor, each split a whole
+    number of ``block_k`` steps (the launch's factor where it names one)."""
     num_steps = triton.cdiv(k, launch.block_k)
     split = launch.split_k
     if split <= 0:
-        num_blocks = triton.cdiv(num_tokens, launch.block_m)
-        busy = min(num_slots, num_tokens) if num_tokens <= DECODE_TOKENS else num_blocks
-        split = min(MAX_SPLIT, num_steps, triton.cdiv(WAVES * num_sms(device), max(1, busy * num_tiles)))
+        split = min(MAX_SPLIT, triton.cdiv(WAVES * num_sms(device), max(1, num_busy)))
     steps_per_split = triton.cdiv(num_steps, max(1, min(split, num_steps)))
     return triton.cdiv(num_steps, steps_per_split), steps_per_split * launch.block_k
 
@@ -103,6 +118,7 @@ def _lora_shrink_kernel(
     T, N, K, num_slots, k_per_split,
     stride_xt, stride_xk, stride_as, stride_an, stride_ak, stride_ys, stride_yt, stride_yn,
     NUM_TILES: tl.constexpr,
+    SLOT_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -110,32 +126,36 @@ def _lora_shrink_kernel(
 ):  # fmt: skip
     pid_tile = tl.program_id(1)
     tile, split = pid_tile % NUM_TILES, pid_tile // NUM_TILES
-    slot = tl.program_id(2)
+    first_slot = tl.program_id(2)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     token_slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
-    own = token_slots == slot
-    # the slot-0 programs also write the zeros of tokens without a slot
-    no_slot = (offs_m < T) & ((token_slots < 0) | (token_slots >= num_slots))
-    write = own | (no_slot & (slot == 0))
+    has_slot = (token_slots >= 0) & (token_slots < num_slots)
+    mine = has_slot & (token_slots % SLOT_PROGRAMS == first_slot)
+    # slot program 0 also writes the zeros of tokens without a slot
+    write = mine | ((offs_m < T) & ~has_slot & (first_slot == 0))
     if tl.max(write.to(tl.int32), axis=0) == 0:
         return
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt
-    a_rows = a_ptr + slot.to(tl.int64) * stride_as + offs_n.to(tl.int64)[:, None] * stride_an
+    a_rows = a_ptr + offs_n.to(tl.int64)[:, None] * stride_an
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        k = k0 + offs_k
-        k_mask = k < k_end
-        x = tl.load(x_rows + k[None, :] * stride_xk, mask=own[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        a = tl.load(a_rows + k[None, :] * stride_ak, mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
-        if IEEE:
-            acc += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(a.to(x.dtype)))
+    for slot in range(first_slot, num_slots, SLOT_PROGRAMS):
+        own = token_slots == slot
+        if tl.max(own.to(tl.int32), axis=0) > 0:
+            a_slot = a_rows + slot * stride_as  # below 2^31: S * N * in elements
+            for k0 in range(k_start, k_end, BLOCK_K):
+                k = k0 + offs_k
+                k_mask = k < k_end
+                x = tl.load(x_rows + k[None, :] * stride_xk, mask=own[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+                a = tl.load(a_slot + k[None, :] * stride_ak, mask=n_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+                if IEEE:
+                    acc += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision="ieee")
+                else:
+                    acc += tl.dot(x, tl.trans(a.to(x.dtype)))
     y_ptrs = y_ptr + split * stride_ys + offs_m.to(tl.int64)[:, None] * stride_yt + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc, mask=write[:, None] & n_mask[None, :])
 
@@ -161,16 +181,17 @@ def _lora_expand_kernel(
     P0_Y, P0_R0, P0_R1, P1_TILE, P1_Y, P1_R0, P1_R1,
     P2_TILE, P2_Y, P2_R0, P2_R1, P3_TILE, P3_Y, P3_R0, P3_R1,
     NUM_PARTS: tl.constexpr,
+    SLOT_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     IEEE: tl.constexpr,
 ):  # fmt: skip
-    slot = tl.program_id(2)
+    first_slot = tl.program_id(2)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     token_slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
-    own = token_slots == slot
-    if tl.max(own.to(tl.int32), axis=0) == 0:
+    mine = (token_slots >= 0) & (token_slots < num_slots) & (token_slots % SLOT_PROGRAMS == first_slot)
+    if tl.max(mine.to(tl.int32), axis=0) == 0:
         return
     # the part of this column tile: part i's tiles start at tile Pi_TILE (part 0's at 0)
     pid = tl.program_id(1)
@@ -185,19 +206,23 @@ def _lora_expand_kernel(
     o_mask = offs_o < r1
     offs_r = tl.arange(0, BLOCK_R)
     y_rows = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + y_col * stride_yn
-    b_cols = b_ptr + slot.to(tl.int64) * stride_bs + offs_o.to(tl.int64)[None, :] * stride_bo
+    b_cols = b_ptr + offs_o.to(tl.int64)[None, :] * stride_bo
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for rank0 in range(0, R, BLOCK_R):
-        r = rank0 + offs_r
-        r_mask = r < R
-        b = tl.load(b_cols + r[:, None] * stride_br, mask=r_mask[:, None] & o_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-        y = tl.load(y_rows + r[None, :] * stride_yn, mask=own[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
-        if IEEE:
-            acc += tl.dot(y.to(b.dtype), b, input_precision="ieee")
-        else:
-            acc += tl.dot(y.to(b.dtype), b)
+    for slot in range(first_slot, num_slots, SLOT_PROGRAMS):
+        own = token_slots == slot
+        if tl.max(own.to(tl.int32), axis=0) > 0:
+            b_slot = b_cols + slot * stride_bs  # below 2^31: S * out * R elements
+            for rank0 in range(0, R, BLOCK_R):
+                r = rank0 + offs_r
+                r_mask = r < R
+                b = tl.load(b_slot + r[:, None] * stride_br, mask=r_mask[:, None] & o_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+                y = tl.load(y_rows + r[None, :] * stride_yn, mask=own[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+                if IEEE:
+                    acc += tl.dot(y.to(b.dtype), b, input_precision="ieee")
+                else:
+                    acc += tl.dot(y.to(b.dtype), b)
     out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + offs_o[None, :] * stride_oo
-    mask = own[:, None] & o_mask[None, :]
+    mask = mine[:, None] & o_mask[None, :]
     old = tl.load(out_ptrs, mask=mask, other=0.0)
     tl.store(out_ptrs, (old.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -223,18 +248,19 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, lau
     _check_slots(token_slots, num_tokens, x.device)
     if num_tokens == 0 or n == 0 or num_slots == 0 or k == 0:
         return torch.zeros(num_tokens, n, dtype=torch.float32, device=x.device)
-    launch = launch or shrink_launch(num_tokens, n)
-    num_tiles = triton.cdiv(n, launch.block_n)
-    split, k_per_split = shrink_split(num_tokens, num_tiles, num_slots, k, launch, x.device)
+    launch = launch or shrink_launch(num_tokens, n, x.dtype)
+    num_blocks, num_tiles = triton.cdiv(num_tokens, launch.block_m), triton.cdiv(n, launch.block_n)
+    slot_programs = slot_programs_for(num_tokens, num_slots, launch)
+    split, k_per_split = shrink_split(num_blocks * num_tiles * slot_programs, k, launch, x.device)
     y = torch.empty(num_tokens, n, dtype=torch.float32, device=x.device)
     partials = torch.empty(split, num_tokens, n, dtype=torch.float32, device=x.device) if split > 1 else y.unsqueeze(0)
-    grid = (triton.cdiv(num_tokens, launch.block_m), num_tiles * split, num_slots)
-    _lora_shrink_kernel[grid](
+    _lora_shrink_kernel[(num_blocks, num_tiles * split, slot_programs)](
         x, a, token_slots, partials,
         num_tokens, n, k, num_slots, k_per_split,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
         partials.stride(0), partials.stride(1), partials.stride(2),
-        NUM_TILES=num_tiles, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        NUM_TILES=num_tiles, SLOT_PROGRAMS=slot_programs,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
         IEEE=x.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return sum_splits(partials, None, y) if split > 1 else y
@@ -268,6 +294,7 @@ def lora_expand(
         return out
     launch = launch or expand_launch(num_tokens, rank)
     num_blocks = triton.cdiv(num_tokens, launch.block_m)
+    slot_programs = slot_programs_for(num_tokens, num_slots, launch)
     parts = [(p * rank, r0, r1) for p, (r0, r1) in enumerate(part_rows) if r1 > r0]  # (y column, rows)
     for first in range(0, len(parts), MAX_PARTS):
         group = parts[first : first + MAX_PARTS]
@@ -278,13 +305,13 @@ def lora_expand(
         part_args: list[int] = []
         for i in range(MAX_PARTS):
             part_args += [tiles[i], *group[i]] if i < len(group) else [tiles[-1], 0, 0, 0]
-        _lora_expand_kernel[(num_blocks, tiles[-1], num_slots)](
+        _lora_expand_kernel[(num_blocks, tiles[-1], slot_programs)](
             y, b, token_slots, out,
             num_tokens, rank, num_slots,
             y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
             *part_args[1:],
-            NUM_PARTS=len(group), BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_R=launch.block_k,
+            NUM_PARTS=len(group), SLOT_PROGRAMS=slot_programs,
+            BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_R=launch.block_k,
             IEEE=b.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
         )  # fmt: skip
     return out
-
