@@ -36,7 +36,7 @@ def run_sonar(*args: str, plugins: str = FIRST_PARTY_PLUGINS) -> tuple[subproces
     [
         (["-tp", "2"], "--tensor-parallel-size is not supported yet (tensor parallelism; issue 19 brings it)"),
         (["--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's context of 8192 tokens"),
-        (["--enable-lora"], "--enable-lora is not supported yet (LoRA adapters; issue 18 brings it)"),
+        (["--fully-sharded-loras"], "--fully-sharded-loras is not supported yet (LoRA adapters; issue 18 brings it)"),
         (["--enable-auto-tool-choice", "--tool-call-parser", "nope"], "--tool-call-parser 'nope' is not registered"),
     ],
 )

@@ -18,6 +18,7 @@ _PUBLIC = {
     "CompletionOutput": "sonar.outputs",
     "Logprob": "sonar.outputs",
     "EngineArgs": "sonar.config",
+    "LoRARequest": "sonar.lora.request",
 }
 
 __all__ = [*_PUBLIC, "__version__"]

@@ -25,6 +25,7 @@ _DTYPES = {
 }
 # KV-cache dtype names users pass -> the canonical one ("auto": the model's dtype)
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
+MAX_LORA_RANK = 512
 
 
 def default_model_path() -> str:
@@ -76,6 +77,10 @@ class EngineArgs:
     kv_transfer_config: dict[str, Any] | None = None  # vLLM's keys: {"kv_connector": "SonarConnector", "kv_role": "kv_producer", ...}
     kv_offload_bytes: int = 0  # host memory for blocks evicted from the device prefix cache (0: none)
     kv_transfer_timeout: float | None = None  # seconds a producer's blocks wait to be pulled (None: the connector's default)
+    enable_lora: bool = False  # serve LoRA adapters (a LoRARequest per request)
+    max_loras: int = 1  # adapters one step may use (device slots)
+    max_lora_rank: int = 16  # the largest adapter rank (every slot is padded to it)
+    max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
@@ -100,6 +105,14 @@ class EngineArgs:
             raise ValueError(f"kv_transfer_timeout must be a positive number of seconds, got {self.kv_transfer_timeout!r}")
         if self.kv_offload_bytes and not self.enable_prefix_caching:
             raise ValueError("kv_offload_bytes keeps blocks evicted from the prefix cache: it needs enable_prefix_caching")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_lora_rank > MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer >= max_loras ({self.max_loras})")
 
 
 def resolve_dtype(requested: str | torch.dtype, hf_config: Any, supported: tuple[torch.dtype, ...]) -> torch.dtype:
@@ -155,6 +168,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8_e4m3"
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector (host offload is one)
+    enable_lora: bool = False
+    max_loras: int = 1  # adapters one step may use (device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int = 1  # adapters kept read in host memory
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -173,6 +190,7 @@ class EngineConfig:
         return SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.scheduling_policy,
             spec_max_batch_size=0 if spec is None else spec.max_batch_size,
+            max_loras=self.max_loras if self.enable_lora else 0,
         )
 
 
@@ -214,6 +232,7 @@ class SchedulerConfig:
     max_model_len: int
     policy: str = "fcfs"
     spec_max_batch_size: int = 0  # drafts are verified while at most this many requests run (0: no speculation)
+    max_loras: int = 0  # distinct adapters the running requests may use (0: LoRA off)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -35,7 +35,12 @@ class Linear(nn.Module):
     state-dict names and runs through ``sonar.ops.linear``, so a platform's kernel serves the
     shapes it does better. ``prefix`` is the layer's checkpoint module name
     (``model.layers.0.mlp.down_proj``): a quantization method may treat layers differently.
+
+    ``lora`` is set on the layers of a model built with LoRA enabled (``sonar.lora.layers``):
+    the base output, whatever the method, gets each adapter token's delta added.
     """
+
+    lora = None  # a sonar.lora.layers.LoRALinear once adapters are attached
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, prefix: str = "") -> None:
         super().__init__()
@@ -49,7 +54,10 @@ class Linear(nn.Module):
         self.linear_method.create_weights(self, in_features, output_sizes, bias, torch.get_default_dtype())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_method.apply(self, x)
+        out = self.linear_method.apply(self, x)
+        if self.lora is not None:
+            out = self.lora.add(x, out)
+        return out
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, method={type(self.linear_method).__name__}"

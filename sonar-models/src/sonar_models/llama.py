@@ -182,6 +182,7 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: follow config.attention_bias
     o_bias: bool | None = None  # None: follow config.attention_bias
     qk_norm: bool = False
+    fused_projections = FUSED_PROJECTIONS  # where each checkpoint projection sits (LoRA adapters name those)
 
     def __init__(self, hf_config: Any, attention: AttentionFactory) -> None:
         super().__init__()

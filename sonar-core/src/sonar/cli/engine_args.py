@@ -80,6 +80,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         "--kv-offload-bytes", type=_byte_count, default=0, metavar="BYTES",
         help="host memory (pinned on a GPU) that keeps blocks evicted from the device prefix cache, loaded back on a later hit instead of recomputed (0: off; accepts 8GiB-style sizes)",
     )
+    group.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders, safetensors only) beside the base model; see docs/lora.md")
+    group.add_argument("--max-loras", type=int, default=defaults.max_loras, help="with --enable-lora: adapters one step may use (device slots); requests of other adapters wait")
+    group.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank, help="with --enable-lora: the largest adapter rank accepted (every slot is padded to it)")
+    group.add_argument("--max-cpu-loras", type=int, default=None, help="with --enable-lora: adapters kept read in host memory, least recently used dropped (default: --max-loras)")
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs, help="largest logprobs / prompt_logprobs a request may ask for")
     group.add_argument("--enforce-eager", action="store_true", help="accepted for vLLM command lines: Sonar captures no CUDA graphs yet, so it always runs eagerly")
     add_unsupported_flags(parser, server=server)
@@ -160,4 +164,8 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         kv_transfer_config=getattr(args, "kv_transfer_config", None),
         kv_offload_bytes=getattr(args, "kv_offload_bytes", 0),
         kv_transfer_timeout=getattr(args, "kv_transfer_timeout", None),
+        enable_lora=getattr(args, "enable_lora", False),
+        max_loras=getattr(args, "max_loras", 1),
+        max_lora_rank=getattr(args, "max_lora_rank", 16),
+        max_cpu_loras=getattr(args, "max_cpu_loras", None),
     )

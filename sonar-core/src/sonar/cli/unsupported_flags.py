@@ -48,10 +48,6 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--cpu-offload-gb", "offloading weights to CPU memory", KV_TRANSFER, accepted=("0",)),
     _flag("--swap-space", "swapping preempted KV blocks to CPU memory", KV_TRANSFER),
     # LoRA
-    _flag("--enable-lora", "LoRA adapters", LORA, takes_value=False),
-    _flag("--max-loras", "LoRA adapters", LORA),
-    _flag("--max-lora-rank", "LoRA adapters", LORA),
-    _flag("--max-cpu-loras", "LoRA adapters", LORA),
     _flag("--fully-sharded-loras", "LoRA adapters", LORA, takes_value=False),
     _flag("--lora-dtype", "LoRA adapters", LORA),
     # parallelism

@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from sonar.lora.errors import LoRAError
+from sonar.lora.request import LoRARequest
 from sonar.outputs import RequestOutput
 from sonar.sampling_params import SamplingParams
 
@@ -47,6 +49,14 @@ class _AddCommand:
     params: SamplingParams
     done: concurrent.futures.Future[None]
     priority: int = 0
+    lora_request: LoRARequest | None = None
+
+
+@dataclass(slots=True)
+class _LoRACommand:
+    method: str  # "add", "remove", "list"
+    argument: Any  # a LoRARequest, an adapter id, or None
+    done: concurrent.futures.Future[Any]
 
 
 class RequestStream:
@@ -107,6 +117,8 @@ class AsyncLLM:
         self._stream_loops: dict[str, asyncio.AbstractEventLoop] = {}
         self._adds: list[_AddCommand] = []
         self._aborts: list[str] = []
+        self._lora_commands: list[_LoRACommand] = []
+        self._pending_removals: list[tuple[int, concurrent.futures.Future[Any]]] = []  # removals waiting for their requests
         self._wakeup = threading.Condition()
         self._stopping = False
         self._dead_error: EngineDeadError | None = None
@@ -123,13 +135,17 @@ class AsyncLLM:
 
     # -- requests ------------------------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, lora_request: LoRARequest | None = None
+    ) -> RequestStream:
         """Hand a request to the engine and return its output stream (``priority``: lower runs
-        first, with the priority scheduling policy).
+        first, with the priority scheduling policy; ``lora_request``: the LoRA adapter it runs
+        with, added first where the engine does not serve it yet).
 
         A string prompt is tokenized here, in a worker thread, not in the step loop.
 
         :raises ValueError: the engine rejected the request (the message says why).
+        :raises LoRAError: its adapter cannot be served.
         :raises QueueFull: ``max_in_flight`` requests are already admitted.
         :raises EngineDeadError: the step loop has failed.
         """
@@ -152,7 +168,7 @@ class AsyncLLM:
                 raise QueueFull(f"{len(self._streams)} requests are in flight, the limit is {self.max_in_flight}; retry later")
             self._streams[request_id] = stream
             self._stream_loops[request_id] = loop
-            self._adds.append(_AddCommand(request_id, prompt, params, done, priority))
+            self._adds.append(_AddCommand(request_id, prompt, params, done, priority, lora_request))
             self._wakeup.notify()
         try:
             await asyncio.wrap_future(done)
@@ -162,11 +178,11 @@ class AsyncLLM:
         return stream
 
     async def generate(
-        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
+        self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, lora_request: LoRARequest | None = None
     ) -> AsyncIterator[RequestOutput]:
         """Stream a request's cumulative outputs; stopping early (or being cancelled, as when an
-        HTTP client disconnects) aborts it."""
-        stream = await self.add_request(request_id, prompt, params, priority)
+        HTTP client disconnects) aborts it. ``lora_request``: as ``add_request``."""
+        stream = await self.add_request(request_id, prompt, params, priority, lora_request)
         try:
             async for output in stream:
                 yield output
@@ -178,6 +194,39 @@ class AsyncLLM:
         with self._wakeup:
             self._aborts.append(request_id)
             self._wakeup.notify()
+
+    # -- LoRA adapters -------------------------------------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Serve a LoRA adapter (read and checked in the step loop's thread, between steps);
+        adding one already served is a no-op.
+
+        :raises LoRAError: it cannot be served (the engine's message says why).
+        """
+        if not isinstance(lora_request, LoRARequest):
+            raise LoRAError(f"add_lora takes a LoRARequest, got {type(lora_request).__name__}")
+        await self._lora_command("add", lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Stop serving an adapter. One that running or waiting requests use takes no new
+        requests and is dropped once they have finished; this returns then.
+
+        :raises LoRAError: no adapter with that id is served.
+        """
+        if not await self._lora_command("remove", lora_int_id):
+            raise LoRAError(f"no LoRA adapter with lora_int_id {lora_int_id} is served")
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters served (those being removed left out), by id."""
+        return await self._lora_command("list", None)
+
+    async def _lora_command(self, method: str, argument: Any) -> Any:
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._wakeup:
+            self._check_accepting()
+            self._lora_commands.append(_LoRACommand(method, argument, done))
+            self._wakeup.notify()
+        return await asyncio.wrap_future(done)
 
     def abort_all(self) -> None:
         with self._wakeup:
@@ -229,20 +278,26 @@ class AsyncLLM:
         try:
             while True:
                 with self._wakeup:
-                    while not (self._adds or self._aborts or self._stopping or self.engine.has_unfinished_requests()):
+                    while not (
+                        self._adds or self._aborts or self._lora_commands or self._stopping or self.engine.has_unfinished_requests()
+                    ):
                         self._wakeup.wait()
                     adds, self._adds = self._adds, []
                     aborts, self._aborts = self._aborts, []
+                    lora_commands, self._lora_commands = self._lora_commands, []
                     stopping = self._stopping
                 self._apply_aborts(aborts)
                 if stopping:
                     self._fail_all(EngineClosedError("the engine shut down"))
                     return
+                for lora_command in lora_commands:
+                    self._apply_lora(lora_command)
                 for command in adds:
                     self._apply_add(command)
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
                         self._deliver(output)
+                self._answer_removals()
                 self._stats = self._read_stats()
         except BaseException as exc:  # the step loop is dead: fail everything, loudly
             logger.error("engine step loop failed:\n%s", "".join(traceback.format_exception(exc)))
@@ -255,12 +310,45 @@ class AsyncLLM:
                 command.done.set_result(None)
                 return
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority)
+            if command.lora_request is not None:
+                self.engine.add_request(
+                    command.request_id, command.prompt, command.params, priority=command.priority, lora_request=command.lora_request
+                )
+            else:
+                self.engine.add_request(command.request_id, command.prompt, command.params, priority=command.priority)
         except Exception as exc:  # bad input (ValueError): the caller gets it, the loop lives on
             self._forget(command.request_id)
             command.done.set_exception(exc)
             return
         command.done.set_result(None)
+
+    def _apply_lora(self, command: _LoRACommand) -> None:
+        engine = self.engine
+        try:
+            if command.method == "add":
+                result: Any = engine.add_lora(command.argument)
+            elif command.method == "remove":
+                result = engine.remove_lora(command.argument)
+                if result and engine.lora_removal_pending(command.argument):  # answered once its requests finish
+                    self._pending_removals.append((command.argument, command.done))
+                    return
+            else:
+                result = engine.get_loras()
+        except Exception as exc:  # a bad adapter (LoRAError): the caller gets it, the loop lives on
+            command.done.set_exception(exc)
+            return
+        command.done.set_result(result)
+
+    def _answer_removals(self) -> None:
+        if not self._pending_removals:
+            return
+        pending = []
+        for lora_int_id, done in self._pending_removals:
+            if self.engine.lora_removal_pending(lora_int_id):
+                pending.append((lora_int_id, done))
+            else:
+                done.set_result(True)
+        self._pending_removals = pending
 
     def _apply_aborts(self, request_ids: list[str]) -> None:
         if not request_ids:
@@ -293,12 +381,17 @@ class AsyncLLM:
     def _fail_all(self, error: BaseException) -> None:
         with self._wakeup:
             adds, self._adds = self._adds, []
+            lora_commands, self._lora_commands = self._lora_commands, []
             streams = list(self._streams.items())
             self._streams.clear()
             loops, self._stream_loops = self._stream_loops, {}
         for command in adds:
             if not command.done.done():
                 command.done.set_exception(error)
+        for done in [c.done for c in lora_commands] + [done for _, done in self._pending_removals]:
+            if not done.done():
+                done.set_exception(error)
+        self._pending_removals = []
         for request_id, stream in streams:
             _call_soon(loops[request_id], stream.put, error)
 

@@ -14,10 +14,12 @@ from typing import Any
 
 from sonar.config import EngineConfig
 from sonar.engine.async_client import AsyncLLM, EngineClosedError, EngineDeadError, QueueFull, RequestStream, _aborted_output, _call_soon
-from sonar.engine.core_client import MPCoreClient
+from sonar.engine.core_client import MPCoreClient, lora_reply_result
 from sonar.engine.input_processor import InputProcessor, PromptType
 from sonar.engine.output_processor import OutputProcessor
-from sonar.engine.wire import ClientAddresses, EngineCoreOutputs, SchedulerStats
+from sonar.engine.wire import ClientAddresses, EngineCoreOutputs, LoRAReply, SchedulerStats
+from sonar.lora.errors import LoRAError
+from sonar.lora.request import LoRARequest
 from sonar.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -57,23 +59,32 @@ class AsyncMPLLM:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self._dead_error: EngineDeadError | None = None
+        self._served_loras: dict[int, LoRARequest] = {}  # adapters this frontend added or listed (skips re-adding per request)
         self.client = MPCoreClient(
             addresses, client_index, config.data_parallel_size, self._outputs_arrived, self._engine_died, check_started
         )
 
     # -- requests ------------------------------------------------------------------------
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0) -> RequestStream:
-        """Hand a request to an engine core and return its output stream.
+    async def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams, priority: int = 0, lora_request: LoRARequest | None = None
+    ) -> RequestStream:
+        """Hand a request to an engine core and return its output stream; ``lora_request``
+        names the LoRA adapter it runs with (added to every engine core first where this
+        frontend has not seen it served).
 
         :raises ValueError: the request is invalid (the message says why).
+        :raises LoRAError: its adapter cannot be served.
         :raises QueueFull: ``max_in_flight`` requests are already admitted.
         :raises EngineDeadError: no engine core is alive.
         """
         self._check_accepting()
         loop = self._bind_loop()
+        self.input_processor.check_lora(lora_request)
+        if lora_request is not None and self._served_loras.get(lora_request.lora_int_id) != lora_request:
+            await self.add_lora(lora_request)
         processed = await loop.run_in_executor(
-            None, self.input_processor.process, request_id, prompt, params, self.client.client_index, priority
+            None, self.input_processor.process, request_id, prompt, params, self.client.client_index, priority, lora_request
         )
         self._check_accepting()
         if request_id in self._streams:
@@ -90,7 +101,48 @@ class AsyncMPLLM:
         self.client.add(engine, processed.core_requests)
         return stream
 
-    generate = AsyncLLM.generate  # streams ``add_request``'s outputs; stopping early aborts
+    generate = AsyncLLM.generate  # streams ``add_request``'s outputs (``lora_request`` too); stopping early aborts
+
+    # -- LoRA adapters -------------------------------------------------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> None:
+        """Serve a LoRA adapter in every engine core (each reads and checks it between its
+        steps); adding one already served is a no-op.
+
+        :raises LoRAError: it cannot be served (an engine core's message says why).
+        """
+        self.input_processor.check_lora(lora_request)
+        lora_reply_result(await self._call_everywhere("add", lora_request=lora_request))
+        self._served_loras[lora_request.lora_int_id] = lora_request
+
+    async def remove_lora(self, lora_int_id: int) -> None:
+        """Stop serving an adapter in every engine core. One that running or waiting requests
+        use takes no new requests and is dropped once they have finished; this returns when
+        every engine core has dropped it.
+
+        :raises LoRAError: no engine core serves an adapter with that id.
+        """
+        self._served_loras.pop(lora_int_id, None)
+        if not lora_reply_result(await self._call_everywhere("remove", lora_int_id=lora_int_id)):
+            raise LoRAError(f"no LoRA adapter with lora_int_id {lora_int_id} is served")
+
+    async def list_loras(self) -> list[LoRARequest]:
+        """The adapters the engine cores serve (they all serve the same), by id. Another API
+        server may have changed them: ``get_stats().lora_registry_version`` changes then."""
+        self._bind_loop()
+        engine = self.client.choose_engine()
+        reply = await asyncio.wrap_future(self.client.call_lora(engine, "list"))
+        lora_reply_result([reply])
+        self._served_loras = {r.lora_int_id: r for r in reply.loras}
+        return list(reply.loras)
+
+    async def _call_everywhere(self, method: str, **kwargs: Any) -> list[LoRAReply]:
+        self._check_accepting()
+        self._bind_loop()
+        futures = self.client.call_lora_everywhere(method, **kwargs)
+        if not futures:
+            raise EngineDeadError("no engine core is alive")
+        return list(await asyncio.gather(*(asyncio.wrap_future(f) for f in futures)))
 
     def abort(self, request_id: str) -> None:
         """Abort a request from any thread; its stream ends and its KV blocks are freed."""

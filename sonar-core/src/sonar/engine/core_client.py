@@ -9,6 +9,8 @@ through a pidfd, so an engine that dies is noticed at once.
 
 from __future__ import annotations
 
+import concurrent.futures
+import itertools
 import logging
 import os
 import subprocess
@@ -26,7 +28,9 @@ from sonar.config import EngineConfig
 from sonar.engine import wire
 from sonar.engine.core_process import engine_identity
 from sonar.spec_decode.stats import sum_per_position
-from sonar.engine.wire import ClientAddresses, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from sonar.engine.wire import ClientAddresses, EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, LoRACall, LoRAReply, SchedulerStats
+from sonar.lora.errors import LoRAError, LoRAInUseError
+from sonar.lora.request import LoRARequest
 
 if TYPE_CHECKING:
     from sonar.engine.engine_core import EngineCore
@@ -62,6 +66,19 @@ class InprocCoreClient:
 
     def get_stats(self) -> SchedulerStats:
         return self.core.get_stats()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return self.core.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Marks it removed; dropped once its requests finish (the caller steps them)."""
+        return self.core.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return self.core.list_loras()
+
+    def lora_removal_pending(self, lora_int_id: int) -> bool:
+        return lora_int_id in self.core.loras.removing
 
     def close(self) -> None:
         pass
@@ -189,6 +206,8 @@ class MPCoreClient:
         self.outputs.setsockopt(zmq.LINGER, 0)
         self.outputs.bind(addresses.output)
         self._send_lock = threading.Lock()
+        self._call_ids = itertools.count(1)
+        self._lora_calls: dict[tuple[int, int], concurrent.futures.Future[LoRAReply]] = {}  # (engine, call id) -> its reply
         self._closed = False
         self._pidfds: dict[int, int] = {}
         self._wait_ready(check_started, startup_timeout)
@@ -222,6 +241,28 @@ class MPCoreClient:
                 self.requests.send_multipart([engine_identity(engine_index), *wire.encode_abort(request_ids)])
         except zmq.ZMQError as exc:  # the engine is gone: its requests are gone with it
             logger.debug("abort not sent to engine core %d: %s", engine_index, exc)
+
+    def call_lora(self, engine_index: int, method: str, lora_request: LoRARequest | None = None, lora_int_id: int = 0) -> concurrent.futures.Future[LoRAReply]:
+        """Send a LoRA call to one engine core; the future gets its reply (or fails with
+        ``RuntimeError`` if the engine dies first)."""
+        call = LoRACall(next(self._call_ids), method, lora_request, lora_int_id)
+        future: concurrent.futures.Future[LoRAReply] = concurrent.futures.Future()
+        engine = self.engines[engine_index]
+        with self._send_lock:
+            if not engine.alive:
+                future.set_exception(RuntimeError(f"engine core {engine_index} is dead: {engine.error}"))
+                return future
+            self._lora_calls[(engine_index, call.call_id)] = future
+            try:
+                self.requests.send_multipart([engine_identity(engine_index), *wire.encode_lora_call(call)])
+            except zmq.ZMQError as exc:
+                del self._lora_calls[(engine_index, call.call_id)]
+                future.set_exception(RuntimeError(f"engine core {engine_index} cannot be reached: {exc}"))
+        return future
+
+    def call_lora_everywhere(self, method: str, lora_request: LoRARequest | None = None, lora_int_id: int = 0) -> list[concurrent.futures.Future[LoRAReply]]:
+        """The same LoRA call on every live engine core (each serves the same adapters)."""
+        return [self.call_lora(e.index, method, lora_request, lora_int_id) for e in self.engines if e.alive]
 
     def shutdown_engines(self) -> None:
         """Ask every live engine core to exit once it has read what was sent before."""
@@ -343,6 +384,9 @@ class MPCoreClient:
                     continue
                 elif kind == wire.READY:
                     continue
+                elif kind == wire.LORA_REPLY:
+                    self._lora_replied(wire.decode_lora_reply(frames))
+                    continue
                 else:
                     raise wire.BadFrame(f"unknown message type {kind[:8]!r}")
                 engine = self.engines[self._valid_engine(outputs.engine_index)]
@@ -356,6 +400,12 @@ class MPCoreClient:
                     self.on_outputs(outputs)
                 except Exception:
                     logger.exception("processing engine outputs failed")
+
+    def _lora_replied(self, reply: LoRAReply) -> None:
+        with self._send_lock:
+            future = self._lora_calls.pop((reply.engine_index, reply.call_id), None)
+        if future is not None and not future.done():
+            future.set_result(reply)
 
     def _valid_engine(self, index: int) -> int:
         if not 0 <= index < len(self.engines):
@@ -377,5 +427,21 @@ class MPCoreClient:
         fd = self._pidfds.pop(index, None)
         if fd is not None:
             os.close(fd)
+        with self._send_lock:
+            calls = [key for key in self._lora_calls if key[0] == index]
+            futures = [self._lora_calls.pop(key) for key in calls]
+        for future in futures:
+            if not future.done():
+                future.set_exception(RuntimeError(f"engine core {index} died before answering: {reason}"))
         self.on_engine_dead(index, reason)
 
+
+
+def lora_reply_result(replies: list[LoRAReply]) -> bool:
+    """Whether any engine core changed its adapters; raises the first error an engine core
+    answered (``LoRAInUseError`` or ``LoRAError``, with the engine's message)."""
+    for reply in replies:
+        if reply.error is not None:
+            error_cls = LoRAInUseError if reply.error_type == "LoRAInUseError" else LoRAError
+            raise error_cls(reply.error)
+    return any(reply.changed for reply in replies)

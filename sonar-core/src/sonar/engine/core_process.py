@@ -4,6 +4,10 @@
 Three threads: the input thread receives and decodes requests (and compiles their grammars),
 the main thread only steps, the output thread encodes and sends each step's outputs to the
 frontend that sent the request, plus a heartbeat with the engine's load every 0.25 s.
+
+LoRA calls (add, remove, list adapters) are applied by the main thread between steps and
+answered to the frontend that made them; a removal of an adapter still in use is answered
+once its last request has finished.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import zmq
 from sonar.config import EngineConfig
 from sonar.engine import wire
 from sonar.engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from sonar.lora.errors import LoRAError
 
 logger = logging.getLogger("sonar.engine_core")
 
@@ -44,8 +49,9 @@ class EngineCoreProc:
         self.stats = self.core.get_stats()
         self.step_started: float | None = None  # set while the main thread steps
         self.commands: queue.Queue[tuple[bytes, Any]] = queue.Queue()
-        self.sends: queue.Queue[tuple[int, EngineCoreOutputs] | None] = queue.Queue()
+        self.sends: queue.Queue[tuple[int, EngineCoreOutputs | list[bytes]] | None] = queue.Queue()
         self.client_of: dict[str, int] = {}  # request id -> the frontend its outputs go to
+        self.pending_removals: dict[int, list[tuple[int, int]]] = {}  # adapter id -> (frontend, call id) awaiting it
         self.context = zmq.Context()
         self._tokenizer: Any = None
 
@@ -94,13 +100,14 @@ class EngineCoreProc:
         for socket in sockets:
             poller.register(socket, zmq.POLLIN)
         try:
+            client_of_socket = {socket: index for index, socket in enumerate(sockets)}
             while True:
                 for socket, _ in poller.poll():
-                    self._accept(socket.recv_multipart(copy=False))
+                    self._accept(socket.recv_multipart(copy=False), client_of_socket[socket])
         except zmq.ZMQError:  # the context is gone: the process is exiting
             return
 
-    def _accept(self, frames: list[Any]) -> None:
+    def _accept(self, frames: list[Any], client_index: int = 0) -> None:
         kind = frames[0].bytes if frames else b""
         try:
             if kind == wire.ADD:
@@ -113,6 +120,8 @@ class EngineCoreProc:
                 self.commands.put((kind, request))
             elif kind == wire.ABORT:
                 self.commands.put((kind, wire.decode_abort([f.bytes for f in frames]).request_ids))
+            elif kind == wire.LORA:
+                self.commands.put((kind, (client_index, wire.decode_lora_call([f.bytes for f in frames]))))
             elif kind == wire.SHUTDOWN and len(frames) == 1:
                 self.commands.put((kind, None))
             else:
@@ -165,7 +174,8 @@ class EngineCoreProc:
             now = time.monotonic()
             if item:
                 client_index, outputs = item
-                sockets[client_index].send_multipart(wire.encode_outputs(outputs), copy=False)
+                frames = outputs if isinstance(outputs, list) else wire.encode_outputs(outputs)
+                sockets[client_index].send_multipart(frames, copy=False)
                 last_sent[client_index] = now
             for index, socket in enumerate(sockets):
                 if now - last_sent[index] >= HEARTBEAT_S:
@@ -192,6 +202,7 @@ class EngineCoreProc:
                 if kind == wire.SHUTDOWN:
                     return
                 self._apply(kind, payload)
+            self._answer_removals()
             if not core.has_unfinished_requests():
                 self.stats = core.get_stats()  # aborts freed blocks: the heartbeat says so
                 continue
@@ -200,6 +211,7 @@ class EngineCoreProc:
             self.step_started = None
             self.stats = core.get_stats()
             self._route(outputs)
+            self._answer_removals()
 
     def _apply(self, kind: bytes, payload: Any) -> None:
         if kind == wire.ADD:
@@ -207,13 +219,46 @@ class EngineCoreProc:
             if request.request_id in self.client_of:
                 logger.warning("engine core %d: request id %r is already running; dropped", self.engine_index, request.request_id)
                 return
+            try:
+                self.core.add_request(request)
+            except LoRAError as exc:  # its adapter cannot be served
+                self._reject(request, str(exc))
+                return
             self.client_of[request.request_id] = request.client_index
-            self.core.add_request(request)
+        elif kind == wire.LORA:
+            self._lora_call(*payload)
         elif kind == wire.ABORT:
             known = [r for r in payload if r in self.client_of]
             self.core.abort_requests(known)
             for request_id in known:
                 del self.client_of[request_id]
+
+    def _lora_call(self, client_index: int, call: wire.LoRACall) -> None:
+        core = self.core
+        reply = wire.LoRAReply(self.engine_index, call.call_id)
+        try:
+            if call.method == "add":
+                reply.changed = core.add_lora(call.lora_request)
+            elif call.method == "remove":
+                reply.changed = core.remove_lora(call.lora_int_id)
+                if reply.changed and call.lora_int_id in core.loras.removing:  # answered once its requests finish
+                    self.pending_removals.setdefault(call.lora_int_id, []).append((client_index, call.call_id))
+                    return
+            else:
+                reply.loras = core.list_loras()
+        except LoRAError as exc:
+            reply.error_type, reply.error = type(exc).__name__, str(exc)
+        except Exception as exc:  # a broken adapter must not take the engine down
+            logger.exception("engine core %d: LoRA %s failed", self.engine_index, call.method)
+            reply.error_type, reply.error = "LoRAError", f"{type(exc).__name__}: {exc}"
+        self.stats = core.get_stats()  # the new adapter set's version, in the next heartbeat
+        self.sends.put((client_index, wire.encode_lora_reply(reply)))
+
+    def _answer_removals(self) -> None:
+        """Answer the removals of adapters whose last request has finished."""
+        for lora_int_id in self.core.loras.pop_removed():
+            for client_index, call_id in self.pending_removals.pop(lora_int_id, []):
+                self.sends.put((client_index, wire.encode_lora_reply(wire.LoRAReply(self.engine_index, call_id, changed=True))))
 
     def _route(self, outputs: list[EngineCoreOutput]) -> None:
         by_client: dict[int, list[EngineCoreOutput]] = {}

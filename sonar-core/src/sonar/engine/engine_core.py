@@ -18,6 +18,8 @@ from sonar.engine.wire import EngineCoreOutput, EngineCoreRequest, SchedulerStat
 from sonar.executor.base import Executor
 from sonar.kv_transfer.factory import build_kv_connector
 from sonar.kv_transfer.interface import KVConnector, KVConnectorRole
+from sonar.lora.registry import LoRARegistry
+from sonar.lora.request import LoRARequest
 from sonar.structured_output.manager import StructuredOutputManager
 from sonar.worker.phase_timer import PhaseTimer
 from sonar.platform import Platform
@@ -61,6 +63,9 @@ class EngineCore:
             self.kv_connector = build_kv_connector(config.kv_transfer_config, KVConnectorRole.SCHEDULER, self.executor.kv_cache_layout())
             self.kv_connector.set_handshake_metadata(self.executor.kv_connector_handshake())
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache, policy_cls(), self.kv_connector)
+        self.loras = LoRARegistry(
+            config.enable_lora, self.executor.add_lora, self.executor.remove_lora, self.scheduler.num_requests_of_lora.__getitem__
+        )
         self.step_costs: StepCostModel | None = None  # the profiled step-time curve, where a policy needs it
         self._init_verification(config)
         self.structured_output = StructuredOutputManager(self.model_config)
@@ -115,6 +120,11 @@ class EngineCore:
         return CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
 
     def add_request(self, request: Request | EngineCoreRequest) -> None:
+        """Queue a request; an adapter it names that is not served yet is added first.
+
+        :raises LoRAError: its adapter cannot be served (the request is not queued).
+        """
+        self.loras.check_request(request.lora_request)
         if isinstance(request, EngineCoreRequest):
             request = Request(
                 request.request_id,
@@ -124,12 +134,35 @@ class EngineCore:
                 request.max_tokens,
                 arrival_time=request.arrival_time,
                 priority=request.priority,
+                lora_request=request.lora_request,
             )
         self.structured_output.add_request(request)
         self.scheduler.add_request(request)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.scheduler.abort_requests(request_ids)
+        if self.loras.removing:
+            self.loras.finish_removals()
+
+    # -- LoRA adapters -------------------------------------------------------------------
+
+    def add_lora(self, request: LoRARequest) -> bool:
+        """Serve an adapter (read and checked now, by the workers); False where this very
+        adapter is served already.
+
+        :raises LoRAError: it cannot be served (the message says why).
+        """
+        return self.loras.add(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Stop serving an adapter: at once where no request uses it, else once its running
+        and waiting requests have finished (it takes no new ones meanwhile). False where it
+        is not served."""
+        return self.loras.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The adapters served, by id."""
+        return self.loras.listed()
 
     def finish_request(self, request_id: str, stop_reason: str) -> None:
         request = self.scheduler.requests.get(request_id)
@@ -178,6 +211,8 @@ class EngineCore:
         if self._in_flight is not None and not self.async_scheduling:
             outputs += self._collect(self._in_flight)
             self._in_flight = None
+        if self.loras.removing:  # adapters whose last request just ended
+            self.loras.finish_removals()
         return outputs
 
     def _connector_busy(self, scheduled: SchedulerOutput) -> bool:
@@ -298,4 +333,5 @@ class EngineCore:
             external_prefix_cache_hits=self.scheduler.num_external_hits,
             num_kv_load_failures=self.scheduler.num_kv_load_failures,
             **spec_decode_stats_fields(self.scheduler.spec_stats),
+            lora_registry_version=self.loras.version,
         )

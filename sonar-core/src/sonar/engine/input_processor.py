@@ -10,6 +10,8 @@ from typing import Any
 
 from sonar.config import EngineConfig
 from sonar.engine.wire import EngineCoreRequest
+from sonar.lora.errors import LoRAError
+from sonar.lora.request import LoRARequest
 from sonar.sampler.metadata import check_token_ids
 from sonar.sampling_params import SamplingParams
 
@@ -35,16 +37,20 @@ class InputProcessor:
         self.tokenizer = tokenizer
 
     def process(
-        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, client_index: int = 0, priority: int = 0
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, client_index: int = 0, priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> ProcessedRequest:
         """Check and prepare one request (``priority``: lower runs first under the priority
-        scheduling policy; any other policy accepts only 0).
+        scheduling policy; any other policy accepts only 0; ``lora_request``: the adapter it
+        runs with).
 
         :raises ValueError: the prompt or the parameters are invalid for this model (the
             message says why), or its grammar does not compile.
+        :raises LoRAError: an adapter was named but the engine serves none.
         """
         params = params or SamplingParams()
         self.check_priority(priority)
+        self.check_lora(lora_request)
         text, prompt_token_ids = self.tokenize_prompt(prompt)
         params = self.resolve_word_lists(params)
         max_tokens = self.validate(prompt_token_ids, params)
@@ -56,7 +62,7 @@ class InputProcessor:
             child_params = [params.clone(n=1, seed=None if params.seed is None else params.seed + i) for i in range(params.n)]
         now = time.monotonic()  # one clock for every process of the host
         core_requests = [
-            EngineCoreRequest(child_id, prompt_token_ids, cparams, max_tokens, now, client_index, priority)
+            EngineCoreRequest(child_id, prompt_token_ids, cparams, max_tokens, now, client_index, priority, lora_request)
             for child_id, cparams in zip(child_ids, child_params)
         ]
         return ProcessedRequest(request_id, text, prompt_token_ids, params, child_ids, child_params, core_requests)
@@ -69,6 +75,14 @@ class InputProcessor:
                 f"priority={priority} needs the priority scheduling policy (this engine runs "
                 f"{self.config.scheduling_policy!r}; start it with --scheduling-policy priority)"
             )
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise LoRAError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if not getattr(self.config, "enable_lora", False):
+            raise LoRAError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora)")
 
     def _policy_uses_priority(self) -> bool:
         from sonar import registry

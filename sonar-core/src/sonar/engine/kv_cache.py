@@ -1,7 +1,8 @@
 """Paged KV-cache manager: block tables, a free list, reference counts and prefix caching.
 
 Full blocks are identified by a hash chained over every token before them, so two requests
-with the same prefix share the same physical blocks. Freed blocks keep their hash and stay
+with the same prefix share the same physical blocks (a LoRA adapter's requests chain from their
+adapter's own seed, so two adapters, or an adapter and the base model, never share one). Freed blocks keep their hash and stay
 findable until the LRU free list hands them out again.
 
 Sliding window: when every layer of the model slides (``SlidingWindowSpec``), the leading blocks
@@ -121,7 +122,7 @@ class KVCacheManager:
         bs = self.block_size
         while (len(hashes) + 1) * bs <= num_tokens:
             start = len(hashes) * bs
-            hashes.append(hash_block(hashes[-1] if hashes else None, request.tokens_range(start, start + bs)))
+            hashes.append(hash_block(hashes[-1] if hashes else request.block_hash_seed, request.tokens_range(start, start + bs)))
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Cached blocks holding a prefix of the request, and how many tokens they cover."""

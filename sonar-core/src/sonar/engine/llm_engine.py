@@ -8,12 +8,13 @@ import weakref
 from typing import Any
 
 from sonar.config import EngineArgs, EngineConfig, ModelConfig
-from sonar.engine.core_client import EngineProcesses, InprocCoreClient, MPCoreClient, client_addresses, new_ipc_dir
+from sonar.engine.core_client import EngineProcesses, InprocCoreClient, MPCoreClient, client_addresses, lora_reply_result, new_ipc_dir
 from sonar.engine.engine_core import EngineCore
 from sonar.engine.input_processor import InputProcessor, PromptType
 from sonar.engine.output_processor import OutputProcessor
 from sonar.engine.resolve import model_config_of, resolve_engine_config
 from sonar.engine.wire import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
+from sonar.lora.request import LoRARequest
 from sonar.outputs import RequestOutput
 from sonar.platform import Platform, current_platform
 from sonar.sampling_params import SamplingParams
@@ -37,6 +38,7 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.scheduler_config = self.config.scheduler_config
         self._timer = PhaseTimer()
+        self._served_loras: dict[int, LoRARequest] = {}  # adapters added through this engine (skips re-adding per request)
         self.core: EngineCore | None = None
         if self.config.data_parallel_size == 1:
             self.core = EngineCore.from_config(self.config, self.platform)
@@ -52,10 +54,22 @@ class LLMEngine:
 
     # -- input ---------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0) -> None:
+    def add_request(
+        self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, priority: int = 0,
+        lora_request: LoRARequest | None = None,
+    ) -> None:
+        """Queue a request; ``lora_request`` names the LoRA adapter it runs with (added first
+        where the engine does not serve it yet).
+
+        :raises ValueError: the request is invalid (the message says why).
+        :raises LoRAError: its adapter cannot be served.
+        """
         if request_id in self.output_processor.parents:
             raise ValueError(f"request id {request_id!r} is already in use")
-        processed = self.input_processor.process(request_id, prompt, params, priority=priority)
+        self.input_processor.check_lora(lora_request)
+        if lora_request is not None and self._served_loras.get(lora_request.lora_int_id) != lora_request:
+            self.add_lora(lora_request)
+        processed = self.input_processor.process(request_id, prompt, params, priority=priority, lora_request=lora_request)
         self.output_processor.add(
             request_id, processed.prompt, processed.prompt_token_ids, processed.params, processed.child_ids, processed.child_params
         )
@@ -63,6 +77,40 @@ class LLMEngine:
 
     def encode(self, text: str) -> list[int]:
         return self.input_processor.encode(text)
+
+    # -- LoRA adapters -------------------------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Serve a LoRA adapter (read and checked now, in every engine core); False where
+        this very adapter is served already.
+
+        :raises LoRAError: it cannot be served (a missing or pickled file, an unsupported
+            PEFT option, a rank above ``max_lora_rank``, shapes of another base model), or
+            LoRA is off.
+        """
+        self.input_processor.check_lora(lora_request)
+        changed = self.client.add_lora(lora_request)
+        self._served_loras[lora_request.lora_int_id] = lora_request
+        return changed
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Stop serving an adapter; False where it is not served. One that running or waiting
+        requests use takes no new requests and is dropped once they finish (stepping them
+        finishes them), so no request breaks."""
+        self._served_loras.pop(lora_int_id, None)
+        return self.client.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters served."""
+        return {r.lora_int_id for r in self.client.list_loras()}
+
+    def get_loras(self) -> list[LoRARequest]:
+        """The adapters served, by id."""
+        return self.client.list_loras()
+
+    def lora_removal_pending(self, lora_int_id: int) -> bool:
+        """Whether a removed adapter still waits for its requests to finish."""
+        return self.client.lora_removal_pending(lora_int_id)
 
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile a request's structured-output constraint (thread-safe; off the step loop).
@@ -183,8 +231,27 @@ class _ReplicaClient:
     def get_stats(self) -> SchedulerStats:
         return self.mp.get_stats()
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        return lora_reply_result([f.result() for f in self.mp.call_lora_everywhere("add", lora_request)])
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Returns once every engine core has dropped it (they step its requests to the end)."""
+        return lora_reply_result([f.result() for f in self.mp.call_lora_everywhere("remove", lora_int_id=lora_int_id)])
+
+    def list_loras(self) -> list[LoRARequest]:
+        engine = self.mp.choose_engine()
+        return lora_reply_result_loras(self.mp.call_lora(engine, "list").result())
+
+    def lora_removal_pending(self, lora_int_id: int) -> bool:
+        return False  # remove_lora waited for it
+
     def close(self) -> None:
         self._finalizer()
+
+
+def lora_reply_result_loras(reply: Any) -> list[LoRARequest]:
+    lora_reply_result([reply])
+    return list(reply.loras)
 
 
 def _stop_replicas(mp: MPCoreClient, processes: EngineProcesses) -> None:

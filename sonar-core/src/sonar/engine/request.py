@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import time
 from dataclasses import dataclass, field
 
+from sonar.lora.request import LoRARequest
 from sonar.sampling_params import SamplingParams
 
 
@@ -42,6 +44,14 @@ def token_ids_in(prompt_token_ids: list[int], output_token_ids: list[int], start
     return prompt_token_ids[start:] + output_token_ids[: end - n]
 
 
+def lora_hash_seed(lora_int_id: int) -> bytes | None:
+    """What a request of adapter ``lora_int_id`` chains its block hashes from (None: the base
+    model, whose hashes are unchanged)."""
+    if not lora_int_id:
+        return None
+    return hashlib.blake2b(f"sonar-lora:{lora_int_id}".encode(), digest_size=16).digest()
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
@@ -64,9 +74,17 @@ class Request:
     spec_confidence: list[float] | None = None  # their survival estimates, where the proposer gives them
     reads_output_tokens: bool = field(init=False)  # its sampling needs earlier tokens' values
     kv_transfer_params: dict | None = None  # what its KV connector hands back when it finishes
+    lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
+    block_hash_seed: bytes | None = field(init=False)  # its first block's hash parent: adapters never share KV
 
     def __post_init__(self) -> None:
         self.reads_output_tokens = self.sampling_params.reads_output_tokens
+        self.block_hash_seed = lora_hash_seed(self.lora_int_id)
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's id; 0 for the base model."""
+        return self.lora_request.lora_int_id if self.lora_request is not None else 0
 
     @property
     def num_prompt_tokens(self) -> int:

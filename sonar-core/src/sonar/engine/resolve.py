@@ -167,6 +167,10 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, platform),
         speculative_config=speculative_config,
         kv_transfer_config=resolve_kv_transfer_config(args.kv_transfer_config, args.kv_offload_bytes, args.kv_transfer_timeout),
+        enable_lora=args.enable_lora,
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras,
     )
     return config, tokenizer
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from collections import Counter
 from dataclasses import dataclass
 
 from sonar.config import SchedulerConfig
@@ -54,6 +55,10 @@ class Scheduler:
     each step first chooses how many of every request's drafts are worth verifying, given the
     step's other tokens, and whether the proposer drafts after the step; without it every
     draft is verified while the batch is within ``disable_by_batch_size``.
+
+    LoRA (``max_loras`` > 0): the running requests never use more than ``max_loras`` distinct
+    adapters (the device slots), so no step needs more; a waiting request of another adapter
+    waits, and the requests queued behind it are admitted past it.
     """
 
     def __init__(
@@ -83,12 +88,16 @@ class Scheduler:
         self._sent_blocks: dict[str, int] = {}  # block ids already sent to the workers
         self.spec_stats = SpecDecodeStats()
         self.verification: ConfidenceVerification | None = None  # None: fixed verification
+        self.num_requests_of_lora: Counter[int] = Counter()  # adapter id -> its unfinished requests
+        self.num_running_of_lora: Counter[int] = Counter()  # adapter id -> its running requests
 
     # -- lifecycle -----------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queue a validated request; it is admitted by a later ``schedule()``."""
         self.requests[request.request_id] = request
+        if request.lora_int_id:
+            self.num_requests_of_lora[request.lora_int_id] += 1
         self.waiting.add(request)
 
     def abort_requests(self, request_ids: list[str]) -> list[Request]:
@@ -112,8 +121,11 @@ class Scheduler:
 
     def _finish(self, request: Request) -> None:
         req_id = request.request_id
+        if request.lora_int_id and self.requests.get(req_id) is request:
+            self._count_lora(self.num_requests_of_lora, request, -1)
         if request in self.running:
             self.running.remove(request)
+            self._count_lora(self.num_running_of_lora, request, -1)
         elif request in self._loaded:
             self._loaded.remove(request)
         elif request in self.waiting:
@@ -226,17 +238,21 @@ class Scheduler:
         while self._loaded and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._loaded[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache.allocate_slots(request, num_new):
+            if not self._lora_fits(request) or not self.kv_cache.allocate_slots(request, num_new):
                 break
             self._loaded.pop(0)
             self._admit(request, request.num_computed_tokens, num_new, out)
             budget -= num_new
 
         # waiting: new and preempted requests, in the policy's order
+        passed_over: list[Request] = []  # of adapters the running requests leave no slot for
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if request.num_pending_tokens:
                 break  # preempted with a token on the way: prefilled again once it is known
+            if not self._lora_fits(request):
+                passed_over.append(self.waiting.pop())
+                continue
             computed_blocks, num_cached = ([], 0)
             num_external, load_async = 0, False
             first_lookup = request.num_computed_tokens == 0
@@ -267,6 +283,8 @@ class Scheduler:
             self.num_external_hits += num_external
             self._admit(request, num_cached + num_external, num_new, out)
             budget -= num_new
+        for request in reversed(passed_over):  # back at the head, in their order
+            self.waiting.add_preempted(request)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         return out
@@ -279,6 +297,7 @@ class Scheduler:
         request.num_computed_tokens = num_computed
         request.status = RequestStatus.RUNNING
         self.running.append(request)
+        self._count_lora(self.num_running_of_lora, request, 1)
         out.new_reqs.append(
             NewRequestData(
                 req_id=request.request_id,
@@ -288,6 +307,7 @@ class Scheduler:
                 eos_token_ids=request.eos_token_ids,
                 block_ids=self.kv_cache.block_ids(request.request_id),
                 num_computed_tokens=num_computed,
+                lora_int_id=request.lora_int_id,
             )
         )
         self._sent_blocks[request.request_id] = len(out.new_reqs[-1].block_ids)
@@ -387,7 +407,24 @@ class Scheduler:
         self._sent_blocks[request.request_id] = sent + len(new_ids)
         return new_ids
 
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether admitting ``request`` keeps the running requests within ``max_loras``
+        adapters."""
+        lora_int_id = request.lora_int_id
+        running = self.num_running_of_lora
+        return not lora_int_id or lora_int_id in running or len(running) < self.config.max_loras
+
+    @staticmethod
+    def _count_lora(counts: Counter[int], request: Request, delta: int) -> None:
+        lora_int_id = request.lora_int_id
+        if not lora_int_id:
+            return
+        counts[lora_int_id] += delta
+        if counts[lora_int_id] <= 0:
+            del counts[lora_int_id]
+
     def _preempt(self, request: Request) -> None:
+        self._count_lora(self.num_running_of_lora, request, -1)
         self.kv_cache.free(request)
         self._sent_blocks.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED

@@ -20,6 +20,7 @@ class NewRequestData:
     eos_token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
+    lora_int_id: int = 0  # its LoRA adapter (0: the base model)
 
 
 @dataclass(slots=True)

@@ -20,15 +20,18 @@ import msgspec
 
 from sonar.config import EngineConfig
 from sonar.engine.scheduler_output import RequestLogprobs
+from sonar.lora.request import LoRARequest
 from sonar.sampling_params import SamplingParams
 
 # frame 0 of every message: what the rest is
 ADD = b"\x00"  # client -> engine: EngineCoreRequest
 ABORT = b"\x01"  # client -> engine: AbortRequests
 SHUTDOWN = b"\x02"  # client -> engine: nothing more; the engine exits
+LORA = b"\x03"  # client -> engine: LoRACall (add, remove or list adapters)
 READY = b"\x10"  # engine -> client: EngineReady, once per client
 OUTPUTS = b"\x11"  # engine -> client: EngineCoreOutputs (also sent as a heartbeat)
 FAILED = b"\x12"  # engine -> client: EngineFailed, right before the engine exits on an error
+LORA_REPLY = b"\x13"  # engine -> client: LoRAReply, to the client that made the call
 
 ARRAY_EXT = 1  # Ext code of a token-id array sent as its own frame
 ARRAY_FRAME_MIN_TOKENS = 256  # shorter arrays stay inline
@@ -44,10 +47,42 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=T
     arrival_time: float
     client_index: int = 0  # which API server's socket its outputs go to
     priority: int = 0  # with the priority policy: lower runs first
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
 class AbortRequests(msgspec.Struct, array_like=True):
     request_ids: list[str]
+
+
+LORA_METHODS = ("add", "remove", "list")
+
+
+class LoRACall(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A frontend's call on an engine core's adapters; answered by a ``LoRAReply`` with the
+    same ``call_id`` (a removal once the adapter's last request has finished)."""
+
+    call_id: int
+    method: str  # one of LORA_METHODS
+    lora_request: LoRARequest | None = None  # add
+    lora_int_id: int = 0  # remove
+
+    def __post_init__(self) -> None:
+        if self.method not in LORA_METHODS:
+            raise ValueError(f"unknown LoRA call {self.method!r}")
+        if self.method == "add" and self.lora_request is None:
+            raise ValueError("a LoRA add names its adapter")
+
+
+class LoRAReply(msgspec.Struct, array_like=True):
+    """An engine core's answer to a ``LoRACall``: ``changed`` (an adapter was added or
+    removed), the adapters served (a list call), or the error (its class name and message)."""
+
+    engine_index: int
+    call_id: int
+    changed: bool = False
+    loras: list[LoRARequest] = msgspec.field(default_factory=list)
+    error_type: str | None = None  # "LoRAError" or "LoRAInUseError"
+    error: str | None = None
 
 
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -92,6 +127,9 @@ class SchedulerStats(msgspec.Struct, array_like=True):
     # draft tokens verified by position
     spec_num_proposed_tokens: int = 0
     spec_verified_per_position: list[int] = msgspec.field(default_factory=list)
+    # LoRA: changes whenever the engine core's served adapters change (summed over engine
+    # cores by a frontend: it changes when any of theirs does); read list_loras again then
+    lora_registry_version: int = 0
 
 
 class EngineCoreOutputs(msgspec.Struct, array_like=True):
@@ -121,6 +159,8 @@ _ABORT_DECODER = msgspec.msgpack.Decoder(AbortRequests)
 _OUTPUTS_DECODER = msgspec.msgpack.Decoder(EngineCoreOutputs)
 _READY_DECODER = msgspec.msgpack.Decoder(EngineReady)
 _FAILED_DECODER = msgspec.msgpack.Decoder(EngineFailed)
+_LORA_CALL_DECODER = msgspec.msgpack.Decoder(LoRACall)
+_LORA_REPLY_DECODER = msgspec.msgpack.Decoder(LoRAReply)
 _ENCODER = msgspec.msgpack.Encoder()
 
 
@@ -192,6 +232,22 @@ def encode_failed(failed: EngineFailed) -> list[Any]:
 
 def decode_failed(frames: list[Any]) -> EngineFailed:
     return _decode(_FAILED_DECODER, frames, "failed")
+
+
+def encode_lora_call(call: LoRACall) -> list[Any]:
+    return [LORA, _ENCODER.encode(call)]
+
+
+def decode_lora_call(frames: list[Any]) -> LoRACall:
+    return _decode(_LORA_CALL_DECODER, frames, "LoRA call")
+
+
+def encode_lora_reply(reply: LoRAReply) -> list[Any]:
+    return [LORA_REPLY, _ENCODER.encode(reply)]
+
+
+def decode_lora_reply(frames: list[Any]) -> LoRAReply:
+    return _decode(_LORA_REPLY_DECODER, frames, "LoRA reply")
 
 
 def _decode(decoder: msgspec.msgpack.Decoder, frames: list[Any], what: str) -> Any:

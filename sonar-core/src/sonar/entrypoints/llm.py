@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from sonar.config import EngineArgs
 from sonar.engine.llm_engine import LLMEngine, PromptType
+from sonar.lora.request import LoRARequest
 from sonar.outputs import RequestOutput
 from sonar.sampling_params import SamplingParams
 
@@ -50,10 +51,15 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt and return the finished outputs, in the prompts' order.
 
         ``priority`` (one per prompt; needs ``scheduling_policy="priority"``): lower runs first.
+        ``lora_request`` (needs ``enable_lora=True``): the LoRA adapter every prompt runs
+        with, or one per prompt (None: the base model); an adapter not served yet is added.
+
+        :raises LoRAError: an adapter cannot be served (nothing was generated).
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
@@ -69,11 +75,17 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            loras = [lora_request] * len(prompts)
+        else:
+            loras = list(lora_request)
+            if len(loras) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(loras)} LoRA requests")
         engine = self.llm_engine
         request_ids = [str(next(self._ids)) for _ in prompts]
         try:
-            for request_id, prompt, params, prio in zip(request_ids, prompts, params_list, priorities):
-                engine.add_request(request_id, prompt, params.clone(output_kind="final_only"), priority=prio)
+            for request_id, prompt, params, prio, lora in zip(request_ids, prompts, params_list, priorities, loras):
+                engine.add_request(request_id, prompt, params.clone(output_kind="final_only"), priority=prio, lora_request=lora)
             return self._run(request_ids, use_tqdm)
         except BaseException:
             engine.abort_request(request_ids)

@@ -65,6 +65,17 @@ class Executor:
         """What the workers' KV connector halves publish for the scheduler half (rank 0's)."""
         raise NotImplementedError(f"the {type(self).__name__} executor does not support KV connectors")
 
+    def add_lora(self, lora_request: Any) -> None:
+        """Have every worker read, check and keep a LoRA adapter (a ``LoRARequest``).
+
+        :raises LoRAError: the adapter cannot be served on this model.
+        """
+        raise NotImplementedError(f"the {type(self).__name__} executor does not support LoRA adapters")
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        """Have every worker drop an adapter (no request uses it any more)."""
+        raise NotImplementedError(f"the {type(self).__name__} executor does not support LoRA adapters")
+
     def launch(self, scheduler_output: SchedulerOutput) -> Any:
         """Start one step on the workers and return a handle without waiting for it."""
         raise NotImplementedError

@@ -49,6 +49,12 @@ class UniprocExecutor(Executor):
     def shutdown(self) -> None:
         self.worker.shutdown_kv_connector()
 
+    def add_lora(self, lora_request: Any) -> None:
+        self.worker.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.worker.remove_lora(lora_int_id)
+
     def launch(self, scheduler_output: SchedulerOutput) -> Any:
         return self.worker.launch(scheduler_output)
 

@@ -21,6 +21,7 @@ class CachedRequestState:
     num_computed_tokens: int
     sampling: RequestSamplingState  # holds params, generator and output_token_ids
     draft_token_ids: list[int] = field(default_factory=list)  # drafts this step verifies after its known tokens
+    lora_int_id: int = 0  # its LoRA adapter (0: the base model)
 
     @property
     def output_token_ids(self) -> list[int]:

@@ -15,6 +15,8 @@ from sonar.config import EngineConfig, ModelConfig, kv_cache_torch_dtype
 from sonar.engine.scheduler_output import ModelRunnerOutput, RequestLogprobs, SchedulerOutput
 from sonar.kv_transfer.factory import build_kv_connector
 from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorOutput, KVConnectorRole
+from sonar.lora.manager import LoRAManager
+from sonar.lora.request import LoRARequest
 from sonar.model_interface import make_attention_factory, warn_unscaled_fp8_layers
 from sonar.quantization import building_with, quantization_method_of
 from sonar.registry import import_class, resolve_model_class, weight_formats
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 
 PLACEHOLDER = -1  # an output token sampled by a step whose results are not back yet
 PROMPT_LOGPROBS_ROWS = 512  # prompt logprobs are computed this many positions at a time
+LORA_MIN_ROWS = 512  # the LoRA slot buffer holds at least this many rows (decode graphs pad up to their size)
 
 
 @dataclass(slots=True, eq=False)
@@ -112,6 +115,7 @@ class ModelRunner:
         self._last_sampling: LaunchedStep | None = None  # the last launched step that sampled
         spec = config.speculative_config
         self.spec: SpeculativeDecoder | None = None if spec is None else SpeculativeDecoder(spec, device)
+        self.lora: LoRAManager | None = None  # with enable_lora, once the model is loaded
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -128,9 +132,34 @@ class ModelRunner:
         model = self.build_model()
         load_weights(model, config)
         self.model = model.to(self.device).eval()
+        if self.config.enable_lora:
+            self.init_lora()
         if self.spec is not None:
             self.spec.load_model(self.model, self)
         logger.info("loaded %s in %.1f s", type(model).__name__, time.perf_counter() - started)
+
+    def init_lora(self) -> None:
+        """Give every linear layer of the loaded model its LoRA adapter slots."""
+        config = self.config
+        rows = max(config.max_num_batched_tokens, LORA_MIN_ROWS)
+        self.lora = LoRAManager(
+            self.model, config.max_loras, config.max_lora_rank, config.max_cpu_loras, rows, self.model_config.dtype, self.device
+        )
+
+    def add_lora(self, lora_request: LoRARequest) -> None:
+        """Read, check and keep an adapter.
+
+        :raises LoRAError: it cannot be served on this model, or LoRA is off.
+        """
+        if self.lora is None:
+            from sonar.lora.errors import LoRAError
+
+            raise LoRAError("this engine serves no LoRA adapters: start it with enable_lora=True (--enable-lora)")
+        self.lora.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        if self.lora is not None:
+            self.lora.remove(lora_int_id)
 
     def profile_peak_bytes(self, platform: type) -> int:
         """Device memory the largest step the configuration allows needs beyond what is
@@ -249,6 +278,7 @@ class ModelRunner:
                 prompt_token_ids=new.prompt_token_ids,
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=sampling,
+                lora_int_id=new.lora_int_id,
             )
             self.block_table.add(new.req_id, new.block_ids)
         for cached in so.cached_reqs:
@@ -287,6 +317,8 @@ class ModelRunner:
         for req_id in so.scheduled_spec_decode_tokens:  # laid out in the batch: used once
             self.requests[req_id].draft_token_ids = []
         self._feed_pending_tokens(batch)
+        if self.lora is not None:  # the step's adapters into slots (none: the LoRA path stays off)
+            self.lora.prepare_step([s.lora_int_id for s in batch.states], batch.num_scheduled)
         if self.backend_cls is not None:
             self.backend_cls.prepare_metadata(batch.attn_metadata)
         hooked = connector if connector is not None and connector.uses_layer_hooks else None

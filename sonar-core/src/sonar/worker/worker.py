@@ -90,6 +90,13 @@ class Worker:
         if connector is not None:
             connector.shutdown()
 
+    def add_lora(self, lora_request: Any) -> None:
+        """Read, check and keep a LoRA adapter (``LoRAError`` where it cannot be served)."""
+        self.model_runner.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self.model_runner.remove_lora(lora_int_id)
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
 

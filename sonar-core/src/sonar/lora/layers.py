@@ -1,0 +1,138 @@
+"""The per-slot adapter weights every linear layer of a LoRA-enabled model holds.
+
+``attach_lora(model, ...)`` gives each linear layer (every module whose class declares a
+``lora`` attribute and that has ``in_features``, ``out_features`` and a checkpoint ``prefix``;
+``sonar_models.layers.Linear`` does) a :class:`LoRALinear`: its stacked A and B of
+``max_loras`` slots, rank padded to ``max_lora_rank``. The layer's ``LinearMethod`` computes
+the base output (quantized or not); the layer then calls ``lora.add(x, out)``, which adds the
+adapters' products for the tokens of adapter requests, and does nothing at all in a step
+where no request has one.
+
+A fused layer (q/k/v, gate/up) holds one A block per part (``a [S, P * R, in]``) and one B over
+all its output rows; an adapter that targets some parts only (q and v, say) leaves the
+others zero. A tensor-parallel shard would slice ``b``'s rows (column-parallel layers) or
+``a``'s columns (row-parallel ones) the way the base layer is sliced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from sonar.lora import ops as lora_ops
+from sonar.lora.adapter import LoRATarget
+from sonar.tensors import to_device
+
+EXCLUDED_LEAVES = frozenset({"lm_head"})  # LoRA on the output head is not supported
+
+
+class LoRABatch:
+    """One step's adapters, shared by every layer: ``token_slots`` is a persistent buffer
+    (captured CUDA graphs keep reading it) of each token's slot, -1 for none; ``active`` is
+    False in a step without any adapter request, and then no layer runs any LoRA work."""
+
+    def __init__(self, max_tokens: int, device: torch.device) -> None:
+        self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.active = False
+        self.device = device
+        self._num_written = 0  # tokens from 0 that may hold a slot; the rest hold -1
+
+    @property
+    def max_tokens(self) -> int:
+        return self.token_slots.shape[0]
+
+    def set(self, slots: np.ndarray) -> None:
+        """This step's slot per token (int32 ``[T]``); the rows after ``T`` (graph padding)
+        become -1."""
+        count = len(slots)
+        if count > self.max_tokens:
+            raise ValueError(f"a step of {count} tokens exceeds the LoRA slot buffer of {self.max_tokens}")
+        self.token_slots[:count].copy_(to_device(slots.astype(np.int32, copy=False), self.device), non_blocking=True)
+        if self._num_written > count:
+            self.token_slots[count : self._num_written].fill_(-1)
+        self._num_written = count
+        self.active = True
+
+    def deactivate(self) -> None:
+        self.active = False
+
+
+class LoRALinear:
+    """The adapter slots of one linear layer (not a module: it adds no parameters or state-dict
+    names to the base model).
+
+    :param part_sizes: output rows of each fused part, in order (one part when unfused).
+    """
+
+    def __init__(
+        self, in_features: int, part_sizes: list[int], batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype
+    ) -> None:
+        self.batch = batch
+        self.max_rank = max_rank
+        device = batch.device
+        self.a = torch.zeros(max_loras, len(part_sizes) * max_rank, in_features, dtype=dtype, device=device)  # [S, P*R, in]
+        self.b = torch.zeros(max_loras, sum(part_sizes), max_rank, dtype=dtype, device=device)  # [S, out, R]
+        starts = np.cumsum([0, *part_sizes])
+        self.part_rows = tuple((int(starts[i]), int(starts[i + 1])) for i in range(len(part_sizes)))
+
+    def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the base output for ``x [T, in]``) plus each token's adapter delta."""
+        batch = self.batch
+        if not batch.active:
+            return out
+        slots = batch.token_slots[: x.shape[0]]
+        shrunk = lora_ops.lora_shrink(x, self.a, slots)  # [T, P*R] float32
+        return lora_ops.lora_expand(shrunk, self.b, slots, out, self.part_rows)
+
+    def clear_slot(self, slot: int) -> None:
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+
+    def set_part(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        """Fill part ``part`` of ``slot`` with ``a [r, in]`` and ``b [rows of part, r]`` (the
+        rest of the slot's rank stays zero: call ``clear_slot`` first)."""
+        rank = a.shape[0]
+        r0, r1 = self.part_rows[part]
+        start = part * self.max_rank
+        self.a[slot, start : start + rank].copy_(a, non_blocking=True)
+        self.b[slot, r0:r1, :rank].copy_(b, non_blocking=True)
+
+
+@dataclass(frozen=True, slots=True)
+class LoRASite:
+    """Where one checkpoint module's adapter goes: part ``part`` of ``layer``."""
+
+    layer: LoRALinear
+    part: int
+    target: LoRATarget
+
+
+def attach_lora(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype) -> dict[str, LoRASite]:
+    """Give every linear layer of ``model`` (``lm_head`` aside) its adapter slots; returns
+    each checkpoint module name (``model.layers.0.self_attn.q_proj``) an adapter may target.
+
+    Fused layers are mapped back to their checkpoint modules through the model's
+    ``fused_projections`` (``(checkpoint_name, fused_name, part)`` entries)."""
+    fused = {(f.fused_name, f.part): f.checkpoint_name for f in getattr(model, "fused_projections", ())}
+    sites: dict[str, LoRASite] = {}
+    for module in model.modules():
+        if not hasattr(type(module), "lora") or not getattr(module, "prefix", ""):
+            continue
+        prefix: str = module.prefix
+        parent, _, leaf = prefix.rpartition(".")
+        if leaf in EXCLUDED_LEAVES:
+            continue
+        parts: dict[str, int] = dict(getattr(module, "parts", None) or {leaf: module.out_features})
+        layer = LoRALinear(module.in_features, list(parts.values()), batch, max_loras, max_rank, dtype)
+        for index, (part, size) in enumerate(parts.items()):
+            name = prefix if len(parts) == 1 and part == leaf else fused.get((leaf, part))
+            if name is None:
+                raise ValueError(f"{prefix}: the model names no checkpoint module for fused part {part!r} (fused_projections)")
+            if name != prefix:
+                name = f"{parent}.{name}" if parent else name
+            sites[name] = LoRASite(layer, index, LoRATarget(name, module.in_features, size))
+        module.lora = layer
+    return sites
