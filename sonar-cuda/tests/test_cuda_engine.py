@@ -16,7 +16,7 @@ from engine_helpers import ARCHS, HFOracle, InterpretedCudaPlatform, generate, r
 
 from sonar import ops
 from sonar.sampling_params import SamplingParams
-from sonar_models.testing import PagedCacheDriver, build_tiny_model, load_sonar_model
+from sonar_models.testing import MOE_ARCHS, PagedCacheDriver, build_tiny_model, load_sonar_model
 
 BF16_LOGPROB_TOL = 0.15  # |ours - float32 transformers| per top-5 entry, bf16 weights and activations
 
@@ -79,12 +79,12 @@ def test_platform_ops_in_the_model_match_transformers(tiny_models, arch: str) ->
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + list(MOE_ARCHS))  # MoE: the fused kernel behind sonar.moe
 def test_float32_greedy_equals_transformers(tiny_models, arch: str) -> None:
     from sonar_cuda.platform import CudaPlatform
 
     path = tiny_models(arch)
-    prompts = random_prompts(16, seed=ARCHS.index(arch), max_len=90)
+    prompts = random_prompts(16, seed=(ARCHS + list(MOE_ARCHS)).index(arch), max_len=90)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     for budget in (None, 48):  # 48: prefill chunks mixed with decodes
         outputs, engine = generate(

@@ -221,9 +221,14 @@ class MixtralForCausalLM(MoeForCausalLM):
     def expert_sizes(self, config: Any) -> tuple[int, int]:
         return int(config.intermediate_size), 0
 
-    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-        """Mixtral's ``block_sparse_moe.experts.{e}.w1/w3/w2`` read as ``mlp.experts.{e}.gate/up/down_proj``."""
-        return super().checkpoint_tensors((_mixtral_name(name), tensor) for name, tensor in weights)
+    def resolve_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
+        """Mixtral's ``block_sparse_moe.gate`` and ``block_sparse_moe.experts.{e}.w1/w3/w2`` are
+        the ``mlp.gate`` and ``mlp.experts.{e}.gate/up/down_proj`` of the other layouts."""
+        renamed = _mixtral_name(name)
+        resolved = super().resolve_checkpoint_name(renamed)
+        if resolved is None and renamed != name:
+            return renamed, None
+        return resolved
 
 
 def _mixtral_name(name: str) -> str:
