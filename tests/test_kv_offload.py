@@ -141,3 +141,35 @@ def test_on_cuda_the_tier_is_pinned_and_output_unchanged(tiny_model_dir) -> None
     assert outputs == expected
     assert engine.get_stats().external_prefix_cache_hits == 400 - 9 * 16
     assert all(t.is_pinned() for t in engine.core.executor.worker.model_runner.kv_connector.host)
+
+
+def test_the_device_copy_path_moves_the_same_bytes_as_the_plain_one(monkeypatch) -> None:
+    """The GPU path (a staging tensor and one host copy per run of slots) run on CPU tensors,
+    in small staging chunks, against the plain index copies."""
+    import torch
+
+    from sonar.kv_transfer import offload
+    from sonar.kv_transfer.offload import OffloadingConnector, slot_runs
+
+    assert slot_runs([0, 1, 2, 5, 6, 9]) == [(0, 0, 3), (3, 5, 2), (5, 9, 1)]
+    monkeypatch.setattr(offload, "STAGING_BYTES", 3 * 2 * 4 * 2 * 8 * 4)  # three blocks a chunk
+    kv_caches = [torch.randn(2, 12, 4, 2, 8) for _ in range(3)]
+    pairs = [(7, 0), (2, 1), (9, 2), (3, 3), (0, 6), (11, 7), (5, 4), (1, 9)]
+
+    def connector() -> OffloadingConnector:
+        c = OffloadingConnector.__new__(OffloadingConnector)
+        c.kv_caches = [kv.clone() for kv in kv_caches]
+        c.host = [torch.zeros(10, 2, 4, 2, 8) for _ in kv_caches]
+        return c
+
+    plain, staged = connector(), connector()
+    plain._copy(pairs, to_host=True)
+    staged._copy_device(pairs, to_host=True)
+    for a, b in zip(plain.host, staged.host):
+        assert torch.equal(a, b)
+    back = [(b, s) for b, s in zip([4, 6, 8, 10, 0, 1, 2, 3], [s for _, s in pairs])]
+    plain._copy(back, to_host=False)
+    staged._copy_device(back, to_host=False)
+    for a, b in zip(plain.kv_caches, staged.kv_caches):
+        assert torch.equal(a, b)
+    assert not torch.equal(plain.kv_caches[0], kv_caches[0])  # the loads did write

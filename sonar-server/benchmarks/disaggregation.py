@@ -13,8 +13,8 @@ on one GPU:
    throughput (prompt + generated tokens per second of wall time), and the ratios b/a.
 2. **Host offload**: one server with ``--kv-offload-bytes`` and a device KV budget
    (``--offload-device-kv-bytes``) that holds one long request but not two; a 6,000-token
-   prefix is sent (TTFT: computed), then a request of other 6,000 tokens evicts it from the
-   device, then the prefix again with another suffix (TTFT: loaded from host memory, checked on
+   prefix is sent (TTFT: computed), then two requests of other 6,000 tokens each evict it from
+   the device, then the prefix again with another suffix (TTFT: loaded from host memory, checked on
    ``/metrics``). Repeated ``--offload-rounds`` times with fresh prefixes; medians reported.
 
 The 8B runs use ``Llama-3.1-8B`` from ``sonar bench suite`` with random weights
@@ -168,7 +168,8 @@ async def offload_ttft(url: str, sizes: Sizes, rounds: int, seed: int) -> dict:
         for _ in range(rounds):
             prefix = random_ids(rng, sizes.prefix_len)
             first = await stream_completion(client, url, prefix + random_ids(rng, 8), 1)
-            await stream_completion(client, url, random_ids(rng, sizes.prefix_len), 1)  # evicts the prefix from the device
+            for _ in range(2):  # other long prompts: together more than the device cache holds, so the prefix leaves it
+                await stream_completion(client, url, random_ids(rng, sizes.prefix_len), 1)
             before = metric(url, "sonar:external_prefix_cache_hits_total")
             again = await stream_completion(client, url, prefix + random_ids(rng, 8), 1)
             hits.append(metric(url, "sonar:external_prefix_cache_hits_total") - before)

@@ -33,7 +33,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="most sequences in one step")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV-cache block")
-    group.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="exact KV-cache budget in bytes")
+    group.add_argument("--kv-cache-memory-bytes", type=_byte_count, default=None, metavar="BYTES", help="exact KV-cache budget in bytes (1073741824, 1GiB, 512MiB)")
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization, help="fraction of device memory for weights and KV cache")
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True, help="reuse KV blocks of shared prefixes")
     group.add_argument(

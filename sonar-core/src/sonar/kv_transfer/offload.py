@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+STAGING_BYTES = 64 << 20  # device memory one layer's copies of a step go through at most
+
 
 @dataclass(slots=True)
 class OffloadMetadata(KVConnectorMetadata):
@@ -170,9 +172,44 @@ class OffloadingConnector(KVConnector):
                 else:
                     kv.index_copy_(1, block_ids, host.index_select(0, slots).transpose(0, 1))
             return
-        for kv, host in zip(self.kv_caches, self.host):  # queued on the step's stream, host not waiting
-            for block_id, slot in pairs:
-                if to_host:
-                    host[slot].copy_(kv[:, block_id], non_blocking=True)
+        self._copy_device(pairs, to_host)
+
+    def _copy_device(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        """The same on a GPU, queued on the step's stream with the host not waiting: per layer,
+        one gather or scatter on the device through a staging tensor, and one host copy per
+        run of consecutive host slots (evicted blocks take slots in order, so a prefix's
+        blocks are a few long runs): a few large copies at the bus's speed, not one small
+        copy per block and layer."""
+        import torch
+
+        device = self.kv_caches[0].device
+        pairs = sorted(pairs, key=lambda pair: pair[1])
+        per_block = self.host[0][0].numel() * self.host[0].element_size()
+        chunk = max(1, STAGING_BYTES // per_block)
+        for start in range(0, len(pairs), chunk):
+            part = pairs[start : start + chunk]
+            block_ids = torch.tensor([b for b, _ in part], dtype=torch.int64).to(device, non_blocking=True)
+            runs = slot_runs([s for _, s in part])
+            for kv, host in zip(self.kv_caches, self.host):
+                if to_host:  # [2, n, ...] -> [n, 2, ...], then each run to its slots
+                    staged = kv.index_select(1, block_ids).transpose(0, 1).contiguous()
+                    for first, slot, count in runs:
+                        host[slot : slot + count].copy_(staged[first : first + count], non_blocking=True)
                 else:
-                    kv[:, block_id].copy_(host[slot], non_blocking=True)
+                    staged = torch.empty((len(part), *host.shape[1:]), dtype=host.dtype, device=device)
+                    for first, slot, count in runs:
+                        staged[first : first + count].copy_(host[slot : slot + count], non_blocking=True)
+                    kv.index_copy_(1, block_ids, staged.transpose(0, 1))
+
+
+def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """``(index of its first pair, first slot, length)`` of each run of consecutive slots in
+    ``slots`` (sorted)."""
+    runs: list[tuple[int, int, int]] = []
+    for index, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            first, start, count = runs[-1]
+            runs[-1] = (first, start, count + 1)
+        else:
+            runs.append((index, slot, 1))
+    return runs
