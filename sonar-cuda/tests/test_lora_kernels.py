@@ -142,6 +142,8 @@ def test_mismatched_shapes_are_refused_with_what_was_given(device: torch.device)
         lora_expand(torch.zeros(3, 16, device=device), b, slots, torch.zeros(3, 24, device=device), ((0, 30),))
     with pytest.raises(ValueError, match="2 parts of rank 16"):
         lora_expand(torch.zeros(3, 16, device=device), b, slots, torch.zeros(3, 24, device=device), ((0, 8), (8, 24)))
+    with pytest.raises(ValueError, match=r"\(0, 16\) and \(8, 24\) overlap"):
+        lora_expand(torch.zeros(3, 32, device=device), b, slots, torch.zeros(3, 24, device=device), ((0, 16), (8, 24)))
     assert lora_shrink(x[:0], a, slots[:0]).shape == (0, 16)
 
 

@@ -115,9 +115,8 @@ def shrink_split(num_busy: int, k: int, launch: LoRALaunch, device: torch.device
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, slots_ptr, y_ptr,
-    T, N, K, num_slots, k_per_split,
+    T, N, K, num_slots, k_per_split, num_tiles,
     stride_xt, stride_xk, stride_as, stride_an, stride_ak, stride_ys, stride_yt, stride_yn,
-    NUM_TILES: tl.constexpr,
     SLOT_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -125,7 +124,7 @@ def _lora_shrink_kernel(
     IEEE: tl.constexpr,
 ):  # fmt: skip
     pid_tile = tl.program_id(1)
-    tile, split = pid_tile % NUM_TILES, pid_tile // NUM_TILES
+    tile, split = pid_tile % num_tiles, pid_tile // num_tiles
     first_slot = tl.program_id(2)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     token_slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
@@ -256,11 +255,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, lau
     partials = torch.empty(split, num_tokens, n, dtype=torch.float32, device=x.device) if split > 1 else y.unsqueeze(0)
     _lora_shrink_kernel[(num_blocks, num_tiles * split, slot_programs)](
         x, a, token_slots, partials,
-        num_tokens, n, k, num_slots, k_per_split,
+        num_tokens, n, k, num_slots, k_per_split, num_tiles,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
         partials.stride(0), partials.stride(1), partials.stride(2),
-        NUM_TILES=num_tiles, SLOT_PROGRAMS=slot_programs,
-        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        SLOT_PROGRAMS=slot_programs, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
         IEEE=x.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return sum_splits(partials, None, y) if split > 1 else y
@@ -289,6 +287,10 @@ def lora_expand(
     for r0, r1 in part_rows:
         if not 0 <= r0 <= r1 <= num_out:
             raise ValueError(f"part rows ({r0}, {r1}) outside the {num_out} rows of b")
+    spans = sorted((r0, r1) for r0, r1 in part_rows if r1 > r0)
+    for (r0, r1), (next0, next1) in zip(spans, spans[1:]):
+        if next0 < r1:  # one launch adds all parts: rows of two parts would race
+            raise ValueError(f"part rows ({r0}, {r1}) and ({next0}, {next1}) overlap; each output row belongs to one part")
     _check_slots(token_slots, num_tokens, out.device)
     if num_tokens == 0 or num_slots == 0 or rank == 0:
         return out

@@ -1,0 +1,250 @@
+"""LoRA shrink + expand on Llama-3.1-8B's projections against the base product, per layer kind.
+
+    python sonar-cuda/benchmarks/lora_kernels.py [--out lora.json] [--sweep] [--rank 16] [--adapters 8]
+
+For each projection (qkv 4096 -> 4096 + 1024 + 1024, o 4096 -> 4096, gate_up 4096 -> 2 x 14336,
+down 14336 -> 4096) and batch (batch 1; 64 decode tokens, the 8 adapters mixed and shuffled;
+a 2048-token prefill of one adapter; four 512-token prompts of three adapters and the base),
+microseconds, each timed as a CUDA graph replayed over copies of the layer's weights that
+together exceed L2 (each decode layer finds its LoRA weights in memory, not in cache):
+
+- ``base``: ``torch.nn.functional.linear`` alone;
+- ``base_lora``: the same product followed by ``lora_shrink`` and ``lora_expand`` into its output;
+- ``lora``: ``base_lora - base``, what the adapters add to the layer; ``ratio``: ``base_lora / base``;
+- ``shrink``, ``expand``: each alone (copies of its weights only: an L2-warm lower bound).
+
+Each case is first checked against the torch versions of ``sonar.lora.ops`` (largest error
+over the largest value of the reference). ``per_layer`` sums the four kinds: one decoder
+layer's projections with and without the adapters. ``--sweep`` also times alternative
+launches (``LoRALaunch``) per case, each as ``base`` + the kernel minus ``base``. Prints a
+table and writes one JSON document to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import triton
+
+import sonar_cuda.graph_timing
+
+from sonar.lora.ops import torch_lora_expand, torch_lora_shrink
+from sonar_cuda.kernels.lora import LoRALaunch, expand_launch, lora_expand, lora_shrink, shrink_launch
+
+HIDDEN, INTERMEDIATE, KV = 4096, 14336, 1024
+LAYERS = {  # in, part sizes
+    "qkv": (HIDDEN, (HIDDEN, KV, KV)),
+    "o": (HIDDEN, (HIDDEN,)),
+    "gate_up": (HIDDEN, (INTERMEDIATE, INTERMEDIATE)),
+    "down": (INTERMEDIATE, (HIDDEN,)),
+}
+BYTES_PER_CASE = 400e6  # the copies of one layer's base weight, together: beyond the 50 MB L2
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+
+
+def timed(calls: list) -> float:
+    """Microseconds per call, replayed from one CUDA graph (``sonar_cuda.graph_timing``)."""
+    return sonar_cuda.graph_timing.graph_us(calls)
+
+
+def batches(num_adapters: int) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    decode = torch.arange(64) % num_adapters
+    decode = decode[torch.randperm(64, generator=gen)]
+    return {
+        "batch-1": [min(3, num_adapters - 1)],
+        "decode-64": decode.tolist(),
+        "prefill-2048": [0] * 2048,
+        "prefill-4x512": [1 % num_adapters] * 512 + [5 % num_adapters] * 512 + [-1] * 512 + [2 % num_adapters] * 512,
+    }
+
+
+class Case:
+    """One layer kind at one batch: copies of its base weight and adapters, inputs, slots."""
+
+    def __init__(self, layer: str, slots: list[int], rank: int, num_adapters: int) -> None:
+        k, sizes = LAYERS[layer]
+        num_out = sum(sizes)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.parts = tuple((s, s + n) for s, n in zip(starts, sizes))
+        copies = max(2, int(BYTES_PER_CASE // (num_out * k * 2)))
+        self.weights = [torch.randn(num_out, k, device=DEVICE, dtype=DTYPE) * 0.02 for _ in range(copies)]
+        n = len(sizes) * rank
+        self.a = [torch.randn(num_adapters, n, k, device=DEVICE, dtype=DTYPE) / k**0.5 for _ in range(copies)]
+        self.b = [torch.randn(num_adapters, num_out, rank, device=DEVICE, dtype=DTYPE) / rank**0.5 for _ in range(copies)]
+        self.slots = torch.tensor(slots, dtype=torch.int32, device=DEVICE)
+        self.x = torch.randn(len(slots), k, device=DEVICE, dtype=DTYPE)
+        self.y = lora_shrink(self.x, self.a[0], self.slots)
+
+    def check(self) -> dict:
+        """Largest error over the largest reference value, shrink and expand (of base + delta)."""
+        base = torch.nn.functional.linear(self.x, self.weights[0])
+        y = lora_shrink(self.x, self.a[0], self.slots)
+        out = lora_expand(y, self.b[0], self.slots, base.clone(), self.parts)
+        y_ref = torch_lora_shrink(self.x, self.a[0], self.slots)
+        out_ref = torch_lora_expand(y_ref, self.b[0], self.slots, base.clone(), self.parts)
+        delta_ref = (out_ref.float() - base.float()).abs().max().item()
+        return {
+            "shrink_err": round((y - y_ref).abs().max().item() / max(y_ref.abs().max().item(), 1e-30), 6),
+            "out_err": round((out.float() - out_ref.float()).abs().max().item() / max(out_ref.abs().max().item(), 1e-30), 6),
+            "delta_max": round(delta_ref, 4),
+        }
+
+    def base_calls(self) -> list:
+        return [lambda w=w: torch.nn.functional.linear(self.x, w) for w in self.weights]
+
+    def lora_calls(self, shrink_with: LoRALaunch | None = None, expand_with: LoRALaunch | None = None) -> list:
+        def call(w, a, b):
+            out = torch.nn.functional.linear(self.x, w)
+            return lora_expand(lora_shrink(self.x, a, self.slots, shrink_with), b, self.slots, out, self.parts, expand_with)
+
+        return [lambda w=w, a=a, b=b: call(w, a, b) for w, a, b in zip(self.weights, self.a, self.b)]
+
+    def shrink_calls(self, launch: LoRALaunch | None = None, with_base: bool = False) -> list:
+        def call(w, a):
+            if with_base:
+                torch.nn.functional.linear(self.x, w)
+            return lora_shrink(self.x, a, self.slots, launch)
+
+        return [lambda w=w, a=a: call(w, a) for w, a in zip(self.weights, self.a)]
+
+    def expand_calls(self, launch: LoRALaunch | None = None, with_base: bool = False) -> list:
+        out = torch.zeros(self.x.shape[0], self.weights[0].shape[0], device=DEVICE, dtype=DTYPE)
+
+        def call(w, b):
+            if with_base:
+                torch.nn.functional.linear(self.x, w)
+            return lora_expand(self.y, b, self.slots, out, self.parts, launch)
+
+        return [lambda w=w, b=b: call(w, b) for w, b in zip(self.weights, self.b)]
+
+
+def time_case(case: Case) -> dict:
+    base = timed(case.base_calls())
+    base_lora = timed(case.lora_calls())
+    return {
+        "base": base,
+        "base_lora": base_lora,
+        "lora": round(base_lora - base, 2),
+        "ratio": round(base_lora / base, 3),
+        "shrink": timed(case.shrink_calls()),
+        "expand": timed(case.expand_calls()),
+    }
+
+
+def shrink_alternatives(num_tokens: int, n: int) -> list[LoRALaunch]:
+    chosen = shrink_launch(num_tokens, n, DTYPE)
+    launches = [chosen]
+    for block_k in (128, 256):
+        for split in (0, 1, 2, 4, 8, 16, 32):
+            launches.append(LoRALaunch(chosen.block_m, chosen.block_n, block_k, split_k=split))
+    for block_n in (16, 32, 64):
+        launches.append(LoRALaunch(chosen.block_m, block_n, chosen.block_k))
+    launches.append(LoRALaunch(chosen.block_m, chosen.block_n, 512, num_stages=2))
+    if num_tokens > 1:
+        launches += [LoRALaunch(chosen.block_m, chosen.block_n, chosen.block_k, slot_programs=1), LoRALaunch(chosen.block_m, chosen.block_n, chosen.block_k, slot_programs=8)]
+    launches += [LoRALaunch(chosen.block_m, chosen.block_n, chosen.block_k, num_stages=s) for s in (2, 4)]
+    return list(dict.fromkeys(launches))
+
+
+def expand_alternatives(num_tokens: int, rank: int) -> list[LoRALaunch]:
+    chosen = expand_launch(num_tokens, rank)
+    launches = [chosen]
+    for block_n in (32, 64, 128, 256):
+        for warps in (4, 8):
+            launches.append(LoRALaunch(chosen.block_m, block_n, chosen.block_k, num_warps=warps))
+    if num_tokens > 1:
+        launches += [LoRALaunch(chosen.block_m, chosen.block_n, chosen.block_k, slot_programs=p) for p in (1, 2, 8)]
+    if num_tokens > 64:
+        launches += [LoRALaunch(m, n, chosen.block_k) for m in (32, 128) for n in (64, 128)]
+    launches += [LoRALaunch(chosen.block_m, chosen.block_n, chosen.block_k, num_stages=s) for s in (1, 2)]
+    return list(dict.fromkeys(launches))
+
+
+def label(launch: LoRALaunch) -> str:
+    return f"m{launch.block_m}n{launch.block_n}k{launch.block_k}s{launch.split_k}p{launch.slot_programs}w{launch.num_warps}st{launch.num_stages}"
+
+
+def sweep_case(case: Case, rank: int) -> dict:
+    base = timed(case.base_calls())
+    num_tokens, n = case.x.shape[0], case.a[0].shape[1]
+    result: dict = {"shrink": {}, "expand": {}}
+    for launch in shrink_alternatives(num_tokens, n):
+        try:
+            result["shrink"][label(launch)] = round(timed(case.shrink_calls(launch, with_base=True)) - base, 2)
+        except Exception as error:  # a launch the GPU cannot take (shared memory): noted, not fatal
+            result["shrink"][label(launch)] = f"{type(error).__name__}: {str(error)[:120]}"
+    for launch in expand_alternatives(num_tokens, rank):
+        try:
+            result["expand"][label(launch)] = round(timed(case.expand_calls(launch, with_base=True)) - base, 2)
+        except Exception as error:
+            result["expand"][label(launch)] = f"{type(error).__name__}: {str(error)[:120]}"
+    for kind in ("shrink", "expand"):
+        measured = {key: us for key, us in result[kind].items() if isinstance(us, float)}
+        result[f"best_{kind}"] = min(measured, key=measured.get) if measured else None
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=None, help="where to write the JSON results")
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--adapters", type=int, default=8)
+    parser.add_argument("--sweep", action="store_true", help="also time alternative launches per case")
+    parser.add_argument("--layers", default=",".join(LAYERS), help="comma-separated layer kinds")
+    parser.add_argument("--batches", default=None, help="comma-separated batches (default: all)")
+    args = parser.parse_args()
+    all_batches = batches(args.adapters)
+    chosen_batches = args.batches.split(",") if args.batches else list(all_batches)
+    summary: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "dtype": str(DTYPE),
+        "rank": args.rank,
+        "adapters": args.adapters,
+        "cases": {},
+        "per_layer": {},
+    }
+
+    def save() -> None:
+        if args.out:
+            args.out.write_text(json.dumps(summary, indent=1))
+
+    started = time.perf_counter()
+    print(f"{'case':<24}{'base':>10}{'base+lora':>11}{'lora':>9}{'ratio':>8}{'shrink':>9}{'expand':>9}{'out_err':>10}", flush=True)
+    for batch in chosen_batches:
+        for layer in args.layers.split(","):
+            case = Case(layer, all_batches[batch], args.rank, args.adapters)
+            result = {**case.check(), **time_case(case)}
+            if args.sweep:
+                result["sweep"] = sweep_case(case, args.rank)
+            summary["cases"][f"{layer} {batch}"] = result
+            print(
+                f"{layer + ' ' + batch:<24}{result['base']:>10.2f}{result['base_lora']:>11.2f}{result['lora']:>9.2f}"
+                f"{result['ratio']:>8.3f}{result['shrink']:>9.2f}{result['expand']:>9.2f}{result['out_err']:>10.2e}",
+                flush=True,
+            )
+            if args.sweep:
+                print(f"    best shrink {result['sweep']['best_shrink']}, best expand {result['sweep']['best_expand']}", flush=True)
+            del case
+            torch.cuda.empty_cache()
+            save()
+        kinds = [summary["cases"].get(f"{layer} {batch}") for layer in args.layers.split(",")]
+        base = sum(k["base"] for k in kinds)
+        base_lora = sum(k["base_lora"] for k in kinds)
+        summary["per_layer"][batch] = {"base": round(base, 2), "base_lora": round(base_lora, 2), "ratio": round(base_lora / base, 3)}
+        print(f"{'  one decoder layer':<24}{base:>10.2f}{base_lora:>11.2f}{base_lora - base:>9.2f}{base_lora / base:>8.3f}", flush=True)
+        save()
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    save()
+    print(json.dumps(summary["per_layer"]))
+
+
+if __name__ == "__main__":
+    main()
