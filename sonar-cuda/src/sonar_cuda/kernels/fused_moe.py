@@ -3,11 +3,13 @@
 ``T`` tokens each chose ``k`` experts, so there are ``T * k`` (token, expert) pairs; pair
 ``p`` is token ``p // k``'s ``p % k``-th choice. The launch:
 
-1. :func:`align_by_expert` sorts the pairs by expert and pads each expert's run to a multiple
-   of ``BLOCK_M``: ``sorted_pairs`` (padding holds ``T * k``, no pair) and, per block of
-   ``BLOCK_M`` entries, its expert (``E`` past the last run: nothing to do). All of it is
-   torch on the device, sized from the shapes alone (at most ``min(E, T * k)`` runs are
-   padded), so the host reads nothing and CUDA graphs capture it.
+1. :func:`align_by_expert` groups the pairs by expert (in pair order) and pads each expert's
+   run to a multiple of ``BLOCK_M``: ``sorted_pairs`` (padding holds ``T * k``, no pair) and,
+   per block of ``BLOCK_M`` entries, its expert (``E`` past the last run: nothing to do). Up
+   to ``ALIGN_KERNEL_MAX_PAIRS`` pairs (decode batches) it is one single-program Triton launch
+   (a histogram, a prefix sum, each pair placed after the earlier pairs of its expert); more
+   pairs take a device sort in torch. Both are sized from the shapes alone (at most
+   ``min(E, T * k)`` runs are padded), so the host reads nothing and CUDA graphs capture them.
 2. Gate/up: each program takes one block (one expert) and ``BLOCK_N`` columns of the
    intermediate size, gathers its tokens' rows of ``x``, multiplies them by the expert's gate
    and up tiles (two float32 accumulators, one pass over ``x``), and writes
@@ -31,6 +33,11 @@ import triton.language as tl
 from sonar.moe import check_moe_shapes
 
 
+# the single-program alignment kernel's reach (beyond it: a device sort, a dozen launches)
+ALIGN_KERNEL_MAX_PAIRS = 1024  # 128 tokens at top 8; benchmarks/moe.py times both ways
+ALIGN_KERNEL_MAX_BINS = 512
+
+
 @dataclass(frozen=True, slots=True)
 class MoELaunch:
     """Pairs per block, columns per tile, inputs per ``tl.dot`` step, warps, pipeline stages."""
@@ -46,7 +53,7 @@ def launch_for(num_pairs: int, num_experts: int, device: torch.device) -> MoELau
     """The launch for ``num_pairs`` (token, expert) pairs over ``num_experts`` experts: blocks of
     16 pairs while experts see few tokens each (decode), larger blocks as the runs grow."""
     if device.type != "cuda":  # Triton's interpreter: small tiles keep it quick
-        return MoELaunch(block_m=16, block_n=32, block_k=32, num_warps=1, num_stages=1)
+        return MoELaunch(block_m=16, block_n=64, block_k=64, num_warps=1, num_stages=1)
     pairs_per_expert = num_pairs / max(num_experts, 1)
     if pairs_per_expert <= 16:
         return MoELaunch(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=4)
@@ -60,13 +67,31 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
     The pairs of each expert are contiguous, in pair order, each expert's run padded with
     ``T * k`` to a multiple of ``block_m``; ``block_experts[b]`` is the expert of block ``b``
-    (``num_experts`` for blocks past the last run). No host synchronisation.
+    (``num_experts`` for blocks past the last run). No host synchronisation: up to
+    ``ALIGN_KERNEL_MAX_PAIRS`` pairs (decode) in one Triton launch, more with a device sort.
     """
+    num_pairs = topk_ids.numel()
+    max_runs = min(num_experts, num_pairs)
+    num_blocks = triton.cdiv(num_pairs + max_runs * (block_m - 1), block_m)
+    bins = triton.next_power_of_2(num_experts + 1)  # one more bin: masked-off pairs land there
+    if num_pairs <= ALIGN_KERNEL_MAX_PAIRS and bins <= ALIGN_KERNEL_MAX_BINS:
+        flat = topk_ids.reshape(-1)
+        sorted_pairs = torch.empty(num_blocks * block_m, dtype=torch.int32, device=flat.device)
+        block_experts = torch.empty(num_blocks, dtype=torch.int32, device=flat.device)
+        _align_kernel[(1,)](
+            flat, sorted_pairs, block_experts, num_pairs, num_blocks,
+            NUM_EXPERTS=num_experts, BINS=bins, BLOCK_M=block_m, CHUNK=32, num_warps=4,
+        )  # fmt: skip
+        return sorted_pairs, block_experts
+    return _align_by_sorting(topk_ids, num_experts, block_m, num_blocks)
+
+
+def _align_by_sorting(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     device = flat.device
-    max_runs = min(num_experts, num_pairs)
-    num_blocks = triton.cdiv(num_pairs + max_runs * (block_m - 1), block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
@@ -79,6 +104,49 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
     block_starts = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
     block_experts = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
     return sorted_pairs, block_experts
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_pairs_ptr, block_experts_ptr,
+    num_pairs, num_blocks,
+    NUM_EXPERTS: tl.constexpr,
+    BINS: tl.constexpr,  # a power of two > NUM_EXPERTS
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+):  # fmt: skip
+    # one program: count the pairs per expert, lay the padded runs out, then place each pair
+    # at its run's start plus the number of earlier pairs of its expert (pair order kept)
+    bins = tl.arange(0, BINS)
+    is_expert = bins < NUM_EXPERTS
+    counts = tl.zeros([BINS], dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        experts = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=NUM_EXPERTS).to(tl.int32)
+        counts += tl.histogram(experts, BINS)
+    counts = tl.where(is_expert, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    starts = ends - padded
+    # each block's expert: the number of runs that end at or before the block's first entry
+    for block0 in range(0, num_blocks, CHUNK):
+        blocks = block0 + tl.arange(0, CHUNK)
+        ended = (ends[None, :] <= blocks[:, None] * BLOCK_M) & is_expert[None, :]  # [CHUNK, BINS]
+        tl.store(block_experts_ptr + blocks, tl.sum(ended.to(tl.int32), axis=1), mask=blocks < num_blocks)
+    for pos0 in range(0, num_blocks * BLOCK_M, CHUNK):  # padding everywhere first
+        pos = pos0 + tl.arange(0, CHUNK)
+        tl.store(sorted_pairs_ptr + pos, tl.full([CHUNK], 0, tl.int32) + num_pairs, mask=pos < num_blocks * BLOCK_M)
+    tl.debug_barrier()
+    placed = tl.zeros([BINS], dtype=tl.int32)  # pairs of each expert placed so far
+    for start in range(0, num_pairs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        mask = offs < num_pairs
+        experts = tl.load(ids_ptr + offs, mask=mask, other=NUM_EXPERTS).to(tl.int32)
+        onehot = (experts[:, None] == bins[None, :]).to(tl.int32)  # [CHUNK, BINS]
+        earlier = tl.cumsum(onehot, 0) - onehot + placed[None, :]
+        dest = tl.sum(onehot * (starts[None, :] + earlier), axis=1)
+        tl.store(sorted_pairs_ptr + dest, offs.to(tl.int32), mask=mask)
+        placed += tl.sum(onehot, axis=0)
 
 
 @triton.jit
@@ -179,7 +247,7 @@ def fused_moe(
     _grouped_gemm(intermediate, w2, per_pair, weights, sorted_pairs, block_experts, top_k, False, launch)
     if top_k == 1:
         return per_pair
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)  # float32 accumulation, one launch
 
 
 def loop_over_experts(
