@@ -14,6 +14,13 @@ A pull, decode side first:  ``Hello`` -> ``HelloReply`` (the prefill side refuse
 differs from its own, naming what differs), then ``Pull`` -> ``PullReply`` and, when it is ok,
 one frame per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in the cache's
 dtype.
+
+Two engines on one GPU (the same host and device, as their ``Hello`` and the prefill side's
+own identity say) skip the frames: the prefill side's ``HelloReply`` carries CUDA IPC handles
+of its KV-cache tensors, the decode side maps them once per prefill engine, asks with
+``Pull(transport="cuda_ipc")``, copies the blocks device to device itself and says
+``PullDone``; the prefill side frees the blocks only then (or when the connection ends).
+Handles are plain bytes and integers, opened by the CUDA driver, never unpickled.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from typing import Union
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 MAX_HEADER_BYTES = 64 * 1024
 _HEADER_LEN = struct.Struct("<I")
 _FRAME_LEN = struct.Struct("<Q")
@@ -42,12 +49,30 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
     num_kv_heads: int
     head_dim: int
     tensor_parallel_size: int
+    host_id: str = ""  # the machine (host name and boot id): equal on one host
+    device_uuid: str = ""  # the GPU the decode side's cache is on ("": not a GPU)
+
+
+class CudaIpcHandle(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One layer's KV-cache tensor as CUDA IPC shares it: the allocation holding its storage
+    and where in it the ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor lies."""
+
+    handle: bytes
+    storage_size_bytes: int
+    storage_offset_bytes: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes
+    event_sync_required: bool
+    tensor_offset: int  # in elements, within the storage
+    num_blocks: int
 
 
 class HelloReply(msgspec.Struct, tag="hello_reply", forbid_unknown_fields=True):
     ok: bool
     engine_id: str
     error: str = ""
+    cuda_ipc: list[CudaIpcHandle] = []  # one per layer, when both caches are on one GPU
 
 
 class Pull(msgspec.Struct, tag="pull", forbid_unknown_fields=True):
@@ -55,6 +80,13 @@ class Pull(msgspec.Struct, tag="pull", forbid_unknown_fields=True):
 
     request_id: str
     block_ids: list[int]
+    transport: str = "tcp"  # "tcp": frames follow the reply; "cuda_ipc": the decode side copies
+
+
+class PullDone(msgspec.Struct, tag="pull_done", forbid_unknown_fields=True):
+    """The decode side copied the blocks of a ``cuda_ipc`` pull: they may be freed."""
+
+    request_id: str
 
 
 class PullReply(msgspec.Struct, tag="pull_reply", forbid_unknown_fields=True):
@@ -64,7 +96,7 @@ class PullReply(msgspec.Struct, tag="pull_reply", forbid_unknown_fields=True):
     error: str = ""
 
 
-KVMessage = Union[Hello, HelloReply, Pull, PullReply]
+KVMessage = Union[Hello, HelloReply, Pull, PullReply, PullDone]
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(KVMessage)

@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sonar.kv_transfer import kv_wire
+from sonar.kv_transfer import cuda_ipc, kv_wire
 from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorMetadata, KVConnectorRole, KVTransferConfig
 
 if TYPE_CHECKING:
@@ -105,6 +105,11 @@ class SonarConnector(KVConnector):
         self._listener: socket.socket | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
+        self._host_id = cuda_ipc.host_identity()
+        self._ipc_exports: list[kv_wire.CudaIpcHandle] | None = None  # prefill side, made at the first same-GPU peer
+        self._ipc_imports: dict[str, list[torch.Tensor] | None] = {}  # decode side: per prefill engine (None: failed)
+        self._pull_stream = None
+        self._pull_lock = threading.Lock()
 
     @classmethod
     def check_config(cls, config: KVTransferConfig) -> None:
@@ -247,6 +252,7 @@ class SonarConnector(KVConnector):
         return kv_wire.Hello(
             kv_wire.PROTOCOL_VERSION, self.engine_id, layout.model, layout.dtype, layout.block_size,
             layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.tensor_parallel_size,
+            host_id=self._host_id, device_uuid=cuda_ipc.device_uuid(self.kv_caches[0].device) if self.kv_caches else "",
         )
 
     def _pull(self, load: RemoteLoad) -> None:
@@ -270,10 +276,16 @@ class SonarConnector(KVConnector):
             reply = kv_wire.recv_message(sock, kv_wire.HelloReply)
             if not reply.ok:
                 raise kv_wire.KVWireError(f"the prefill engine refused: {reply.error}")
-            kv_wire.send_message(sock, kv_wire.Pull(load.remote_request_id, load.remote_block_ids))
+            remote = self._mapped_caches(reply)
+            transport = "tcp" if remote is None else "cuda_ipc"
+            kv_wire.send_message(sock, kv_wire.Pull(load.remote_request_id, load.remote_block_ids, transport))
             pulled = kv_wire.recv_message(sock, kv_wire.PullReply)
             if not pulled.ok:
                 raise kv_wire.KVWireError(f"the prefill engine refused the pull: {pulled.error}")
+            if remote is not None:
+                self._copy_from_mapped(remote, load)
+                kv_wire.send_message(sock, kv_wire.PullDone(load.remote_request_id))
+                return
             first = self.kv_caches[0]
             _, _, block_size, num_kv_heads, head_dim = first.shape
             num_blocks = len(load.block_ids)
@@ -289,6 +301,45 @@ class SonarConnector(KVConnector):
                 kv.index_copy_(1, index, buffer.to(kv.device))
             if first.device.type == "cuda":
                 torch.cuda.current_stream(first.device).synchronize()
+
+    def _mapped_caches(self, reply: kv_wire.HelloReply) -> list[torch.Tensor] | None:
+        """The prefill engine's caches mapped here, when it offered them (same GPU) and they
+        map (once per engine; a failure falls back to frames for good)."""
+        if not reply.cuda_ipc or not self.kv_caches or self.kv_caches[0].device.type != "cuda":
+            return None
+        if reply.engine_id not in self._ipc_imports:
+            mapped = None
+            try:
+                device = self.kv_caches[0].device
+                mapped = cuda_ipc.import_kv_caches(reply.cuda_ipc, self.kv_caches, device.index or 0)
+                logger.info("KV from engine %s: its cache is on this GPU, blocks are copied device to device", reply.engine_id)
+            except Exception as exc:  # a driver that refuses: frames over the socket instead
+                logger.warning("KV from engine %s: its CUDA IPC handles did not map (%s); blocks come over TCP", reply.engine_id, exc)
+            with self._lock:
+                self._ipc_imports[reply.engine_id] = mapped
+        return self._ipc_imports[reply.engine_id]
+
+    def _copy_from_mapped(self, remote: list[torch.Tensor], load: RemoteLoad) -> None:
+        """Gather the request's blocks from the other engine's caches into this one's, on a
+        side stream that first waits for the work queued so far, and wait for it."""
+        import torch
+
+        if len(load.remote_block_ids) != len(load.block_ids):
+            raise kv_wire.KVWireError(f"{len(load.remote_block_ids)} remote blocks for {len(load.block_ids)} local ones")
+        if any(b >= remote[0].shape[1] for b in load.remote_block_ids):
+            raise kv_wire.KVWireError(f"a remote block id beyond the prefill engine's {remote[0].shape[1]} blocks")
+        device = self.kv_caches[0].device
+        if self._pull_stream is None:
+            self._pull_stream = torch.cuda.Stream(device)
+        stream = self._pull_stream
+        with torch.cuda.device(device), self._pull_lock:  # one pull at a time on the side stream
+            stream.wait_stream(torch.cuda.default_stream(device))
+            with torch.cuda.stream(stream):
+                source = torch.tensor(load.remote_block_ids, dtype=torch.int64).to(device)
+                dest = torch.tensor(load.block_ids, dtype=torch.int64).to(device)
+                for kv, theirs in zip(self.kv_caches, remote):
+                    kv.index_copy_(1, dest, theirs.index_select(1, source))
+            stream.synchronize()
 
     def _finish_recv(self, req_id: str, ok: bool) -> None:
         with self._lock:
@@ -325,7 +376,8 @@ class SonarConnector(KVConnector):
             kv_wire.send_message(conn, kv_wire.HelloReply(False, self.engine_id, error))
             logger.warning("KV port: refused engine %s: %s", hello.engine_id, error)
             return
-        kv_wire.send_message(conn, kv_wire.HelloReply(True, self.engine_id))
+        handles = self._ipc_handles() if self._offers_ipc(hello) else []
+        kv_wire.send_message(conn, kv_wire.HelloReply(True, self.engine_id, cuda_ipc=handles))
         pull = kv_wire.recv_message(conn, kv_wire.Pull)
         served = self._wait_registered(pull.request_id)
         if served is None:
@@ -335,6 +387,18 @@ class SonarConnector(KVConnector):
             kv_wire.send_message(conn, kv_wire.PullReply(False, error=f"request {pull.request_id!r} does not hold those blocks"))
             return
         try:
+            if pull.transport == "cuda_ipc":
+                if not self._offers_ipc(hello):
+                    kv_wire.send_message(conn, kv_wire.PullReply(False, error="this engine's cache is not on the puller's GPU"))
+                    return
+                kv_wire.send_message(conn, kv_wire.PullReply(True))
+                done = kv_wire.recv_message(conn, kv_wire.PullDone)  # the blocks stay until the copy is done
+                if done.request_id != pull.request_id:
+                    raise kv_wire.KVWireError(f"pull_done for {done.request_id!r}, not {pull.request_id!r}")
+                return
+            if pull.transport != "tcp":
+                kv_wire.send_message(conn, kv_wire.PullReply(False, error=f"unknown transport {pull.transport!r}"))
+                return
             first = self.kv_caches[0]
             index = torch.tensor(pull.block_ids, dtype=torch.int64, device=first.device)
             frame_bytes = len(pull.block_ids) * self.layout.bytes_per_block // self.layout.num_layers
@@ -346,6 +410,23 @@ class SonarConnector(KVConnector):
             with self._lock:
                 if self._served.pop(pull.request_id, None) is not None:
                     self._done_sending.add(pull.request_id)
+
+    def _offers_ipc(self, hello: kv_wire.Hello) -> bool:
+        """Whether the puller's cache is on this engine's GPU, on this host."""
+        if not self.kv_caches or self.kv_caches[0].device.type != "cuda":
+            return False
+        return bool(hello.device_uuid) and hello.host_id == self._host_id and hello.device_uuid == cuda_ipc.device_uuid(self.kv_caches[0].device)
+
+    def _ipc_handles(self) -> list[kv_wire.CudaIpcHandle]:
+        """This engine's caches as CUDA IPC handles, made once ([] where they cannot be)."""
+        with self._lock:
+            if self._ipc_exports is None:
+                try:
+                    self._ipc_exports = cuda_ipc.export_kv_caches(self.kv_caches)
+                except Exception as exc:
+                    logger.warning("KV port: the KV cache cannot be shared through CUDA IPC (%s); blocks go over TCP", exc)
+                    self._ipc_exports = []
+            return self._ipc_exports
 
     def _layout_mismatches(self, hello: kv_wire.Hello) -> list[str]:
         if hello.version != kv_wire.PROTOCOL_VERSION:
