@@ -5,20 +5,21 @@ A layer's adapters are stacked by slot: ``a [S, N, in]`` (the A matrices of its 
 anything outside ``[0, S)``: none).
 
 Both kernels share one grid: token blocks of ``BLOCK_M`` along axis 0, tiles of the product's
-columns along axis 1, and ``SLOT_PROGRAMS`` programs along axis 2, program ``j`` serving the
-slots ``j, j + SLOT_PROGRAMS, ...``. A program loads its block's slots and leaves at once when
-none of its tokens is one of its slots; otherwise, for each of its slots some token holds, it
+columns along axis 1, and ``G`` slot programs along axis 2, program ``j`` serving the slots
+``j, j + G, j + 2G, ...``. A program loads its block's slots and leaves at once when none of
+its tokens holds one of its slots; otherwise, for each of its slots that some token holds, it
 multiplies that slot's weight tile by the block's rows of that slot (the others masked to
 zero) in ``tl.dot`` steps, float32 accumulation. Rows of different slots are disjoint, so one
 accumulator serves all of a program's slots. No program reads the weights of a slot its
 tokens lack, and the host never reads ``token_slots`` (no sort, no counts): CUDA graphs
 capture both launches, and the grid depends on the shapes alone.
 
-- Prefill (more than ``DECODE_TOKENS`` tokens; long runs of one adapter): blocks of 64 tokens
-  and one slot program, so a block inside a run reads one slot's weight tile once for all
-  its tokens, as a segmented GEMM does, and a block across runs takes its few slots in turn.
+- Prefill (more than ``DECODE_TOKENS`` tokens; long runs of one adapter): blocks of 64
+  tokens and one slot program (``G = 1``), so a block inside a run reads one slot's weight
+  tile once for all its tokens, as a segmented GEMM does, and a block across runs takes its
+  few slots in turn.
 - Decode (up to ``DECODE_TOKENS`` tokens, adapters mixed in any order): one block holds the
-  whole batch and ``min(S, T)`` slot programs run side by side, so each adapter present is
+  whole batch and ``G = min(S, T)`` slot programs run side by side, so each adapter present is
   read once per step whatever the order of its tokens, and batch 1 launches no more programs
   than a plain product would.
 
@@ -115,9 +116,8 @@ def shrink_split(num_busy: int, k: int, launch: LoRALaunch, device: torch.device
 @triton.jit
 def _lora_shrink_kernel(
     x_ptr, a_ptr, slots_ptr, y_ptr,
-    T, N, K, num_slots, k_per_split, num_tiles,
+    T, N, K, num_slots, slot_programs, k_per_split, num_tiles,
     stride_xt, stride_xk, stride_as, stride_an, stride_ak, stride_ys, stride_yt, stride_yn,
-    SLOT_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -129,7 +129,7 @@ def _lora_shrink_kernel(
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     token_slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
     has_slot = (token_slots >= 0) & (token_slots < num_slots)
-    mine = has_slot & (token_slots % SLOT_PROGRAMS == first_slot)
+    mine = has_slot & (token_slots % slot_programs == first_slot)
     # slot program 0 also writes the zeros of tokens without a slot
     write = mine | ((offs_m < T) & ~has_slot & (first_slot == 0))
     if tl.max(write.to(tl.int32), axis=0) == 0:
@@ -142,7 +142,7 @@ def _lora_shrink_kernel(
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for slot in range(first_slot, num_slots, SLOT_PROGRAMS):
+    for slot in range(first_slot, num_slots, slot_programs):
         own = token_slots == slot
         if tl.max(own.to(tl.int32), axis=0) > 0:
             a_slot = a_rows + slot * stride_as  # below 2^31: S * N * in elements
@@ -175,12 +175,11 @@ def _part_of(pid, tile0, y_col, r0, r1, P_TILE, P_Y, P_R0, P_R1):
 @triton.jit
 def _lora_expand_kernel(
     y_ptr, b_ptr, slots_ptr, out_ptr,
-    T, R, num_slots,
+    T, R, num_slots, slot_programs,
     stride_yt, stride_yn, stride_bs, stride_bo, stride_br, stride_ot, stride_oo,
     P0_Y, P0_R0, P0_R1, P1_TILE, P1_Y, P1_R0, P1_R1,
     P2_TILE, P2_Y, P2_R0, P2_R1, P3_TILE, P3_Y, P3_R0, P3_R1,
     NUM_PARTS: tl.constexpr,
-    SLOT_PROGRAMS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -189,7 +188,7 @@ def _lora_expand_kernel(
     first_slot = tl.program_id(2)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     token_slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
-    mine = (token_slots >= 0) & (token_slots < num_slots) & (token_slots % SLOT_PROGRAMS == first_slot)
+    mine = (token_slots >= 0) & (token_slots < num_slots) & (token_slots % slot_programs == first_slot)
     if tl.max(mine.to(tl.int32), axis=0) == 0:
         return
     # the part of this column tile: part i's tiles start at tile Pi_TILE (part 0's at 0)
@@ -207,7 +206,7 @@ def _lora_expand_kernel(
     y_rows = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + y_col * stride_yn
     b_cols = b_ptr + offs_o.to(tl.int64)[None, :] * stride_bo
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for slot in range(first_slot, num_slots, SLOT_PROGRAMS):
+    for slot in range(first_slot, num_slots, slot_programs):
         own = token_slots == slot
         if tl.max(own.to(tl.int32), axis=0) > 0:
             b_slot = b_cols + slot * stride_bs  # below 2^31: S * out * R elements
@@ -255,10 +254,10 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, lau
     partials = torch.empty(split, num_tokens, n, dtype=torch.float32, device=x.device) if split > 1 else y.unsqueeze(0)
     _lora_shrink_kernel[(num_blocks, num_tiles * split, slot_programs)](
         x, a, token_slots, partials,
-        num_tokens, n, k, num_slots, k_per_split, num_tiles,
+        num_tokens, n, k, num_slots, slot_programs, k_per_split, num_tiles,
         x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
         partials.stride(0), partials.stride(1), partials.stride(2),
-        SLOT_PROGRAMS=slot_programs, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
         IEEE=x.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return sum_splits(partials, None, y) if split > 1 else y
@@ -309,11 +308,10 @@ def lora_expand(
             part_args += [tiles[i], *group[i]] if i < len(group) else [tiles[-1], 0, 0, 0]
         _lora_expand_kernel[(num_blocks, tiles[-1], slot_programs)](
             y, b, token_slots, out,
-            num_tokens, rank, num_slots,
+            num_tokens, rank, num_slots, slot_programs,
             y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
             *part_args[1:],
-            NUM_PARTS=len(group), SLOT_PROGRAMS=slot_programs,
-            BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_R=launch.block_k,
+            NUM_PARTS=len(group), BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_R=launch.block_k,
             IEEE=b.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
         )  # fmt: skip
     return out
