@@ -1,6 +1,7 @@
 """LoRA shrink + expand on Llama-3.1-8B's projections against the base product, per layer kind.
 
     python sonar-cuda/benchmarks/lora_kernels.py [--out lora.json] [--sweep] [--rank 16] [--adapters 8]
+        [--layers qkv,o,gate_up,down] [--batches batch-1,decode-64,prefill-2048,prefill-4x512]
 
 For each projection (qkv 4096 -> 4096 + 1024 + 1024, o 4096 -> 4096, gate_up 4096 -> 2 x 14336,
 down 14336 -> 4096) and batch (batch 1; 64 decode tokens, the 8 adapters mixed and shuffled;
@@ -14,7 +15,8 @@ together exceed L2 (each decode layer finds its LoRA weights in memory, not in c
 - ``shrink``, ``expand``: each alone (copies of its weights only: an L2-warm lower bound).
 
 Each case is first checked against the torch versions of ``sonar.lora.ops`` (largest error
-over the largest value of the reference). ``per_layer`` sums the four kinds: one decoder
+over the largest value of the reference; ``ok``: below 1e-3 for the shrink, 2e-2 for the
+layer's output, and rows without an adapter unchanged). ``per_layer`` sums the four kinds: one decoder
 layer's projections with and without the adapters. ``--sweep`` also times alternative
 launches (``LoRALaunch``) per case, each as ``base`` + the kernel minus ``base``. Prints a
 table and writes one JSON document to ``--out``.
@@ -89,10 +91,14 @@ class Case:
         y_ref = torch_lora_shrink(self.x, self.a[0], self.slots)
         out_ref = torch_lora_expand(y_ref, self.b[0], self.slots, base.clone(), self.parts)
         delta_ref = (out_ref.float() - base.float()).abs().max().item()
+        shrink_err = (y - y_ref).abs().max().item() / max(y_ref.abs().max().item(), 1e-30)
+        out_err = (out.float() - out_ref.float()).abs().max().item() / max(out_ref.abs().max().item(), 1e-30)
+        untouched = bool(torch.equal(out[self.slots < 0], base[self.slots < 0]))
         return {
-            "shrink_err": round((y - y_ref).abs().max().item() / max(y_ref.abs().max().item(), 1e-30), 6),
-            "out_err": round((out.float() - out_ref.float()).abs().max().item() / max(out_ref.abs().max().item(), 1e-30), 6),
+            "shrink_err": round(shrink_err, 6),
+            "out_err": round(out_err, 6),
             "delta_max": round(delta_ref, 4),
+            "ok": shrink_err < 1e-3 and out_err < 2e-2 and untouched,
         }
 
     def base_calls(self) -> list:
@@ -217,7 +223,7 @@ def main() -> None:
             args.out.write_text(json.dumps(summary, indent=1))
 
     started = time.perf_counter()
-    print(f"{'case':<24}{'base':>10}{'base+lora':>11}{'lora':>9}{'ratio':>8}{'shrink':>9}{'expand':>9}{'out_err':>10}", flush=True)
+    print(f"{'case':<24}{'base':>10}{'base+lora':>11}{'lora':>9}{'ratio':>8}{'shrink':>9}{'expand':>9}{'out_err':>10}{'ok':>4}", flush=True)
     for batch in chosen_batches:
         for layer in args.layers.split(","):
             case = Case(layer, all_batches[batch], args.rank, args.adapters)
@@ -227,7 +233,7 @@ def main() -> None:
             summary["cases"][f"{layer} {batch}"] = result
             print(
                 f"{layer + ' ' + batch:<24}{result['base']:>10.2f}{result['base_lora']:>11.2f}{result['lora']:>9.2f}"
-                f"{result['ratio']:>8.3f}{result['shrink']:>9.2f}{result['expand']:>9.2f}{result['out_err']:>10.2e}",
+                f"{result['ratio']:>8.3f}{result['shrink']:>9.2f}{result['expand']:>9.2f}{result['out_err']:>10.2e}{'yes' if result['ok'] else 'NO':>4}",
                 flush=True,
             )
             if args.sweep:
