@@ -14,10 +14,18 @@ decode-like; 256 and 2048: prefill-like) it times, with the L2 cache flushed bef
 Beside each: the memory floor, the bytes of the experts the step touches (plus activations)
 over 4.8 TB/s, and the compute floor at 989 TFLOP/s; and, graphed, the alignment alone
 (``align_us``: what ``align_by_expert`` picks; ``align_sort_us``: the device sort), to place
-``ALIGN_KERNEL_MAX_PAIRS``. ``--sweep`` also tries every launch of
+``ALIGN_KERNEL_MAX_PAIRS``.
+
+``--engine fused|loop`` instead runs workloads b (1,000 requests, 1,024 in / 128 out) and c
+(500 requests, 128 in / 2,048 out) of ``sonar bench suite`` through the whole engine on a
+Qwen3-30B-A3B-shaped model with random weights (``load_format="dummy"``): ``fused`` as the
+CUDA platform runs it (decode steps in CUDA graphs), ``loop`` with ``loop_over_experts`` behind
+``sonar.moe.fused_moe`` (it reads the routing on the host, so no graphs: ``SONAR_ENFORCE_EAGER``).
+``--scale`` runs a fraction of each workload's requests. One variant per process. ``--sweep`` also tries every launch of
 ``SWEEP`` per token count. JSON (one object, ``rows`` per token count) to ``--out``.
 
     python sonar-cuda/benchmarks/moe.py [--tokens 1 64 256 2048] [--sweep] [--out moe.json]
+    python sonar-cuda/benchmarks/moe.py --engine fused [--scale 0.25] [--out moe-engine-fused.json]
 """
 
 from __future__ import annotations
@@ -25,7 +33,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import sys
+import tempfile
+import time
+from pathlib import Path
 
 import torch
 import triton
@@ -41,6 +53,19 @@ SWEEP = [
     MoELaunch(block_m, block_n, block_k, num_warps, num_stages)
     for block_m, block_n, block_k, num_warps, num_stages in itertools.product((16, 32, 64), (64, 128), (64, 128), (4, 8), (3, 4))
 ]
+
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": HIDDEN,
+    "intermediate_size": 6144, "moe_intermediate_size": INTERMEDIATE, "num_experts": NUM_EXPERTS,
+    "num_experts_per_tok": TOP_K, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "hidden_act": "silu",
+    "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "bos_token_id": 151643, "eos_token_id": 151645,
+}
+# (requests, prompt tokens, output tokens) of bench suite's b and c
+ENGINE_WORKLOADS = {"b": (1000, 1024, 128), "c": (500, 128, 2048)}
 
 
 def make_layer(dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,15 +146,64 @@ def measure(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, router: torch.
     return row
 
 
+def run_engine(variant: str, scale: float) -> dict:
+    """Workloads b and c through the engine with the experts run by ``variant``."""
+    if variant == "loop":
+        os.environ["SONAR_ENFORCE_EAGER"] = "1"  # before the engine reads it
+    from sonar import LLM, SamplingParams, ops
+    from sonar.cli.bench import random_workload
+
+    folder = Path(tempfile.mkdtemp(prefix="sonar-moe-"))
+    (folder / "config.json").write_text(json.dumps(QWEN3_30B_A3B))
+    started = time.perf_counter()
+    llm = LLM(
+        str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=2304,
+        gpu_memory_utilization=0.88, enable_prefix_caching=False, max_num_batched_tokens=8192, max_num_seqs=1024,
+    )  # fmt: skip
+    load_s = time.perf_counter() - started
+    if variant == "loop":
+        ops.register_ops("cuda", {"fused_moe": loop_over_experts})
+    vocab = QWEN3_30B_A3B["vocab_size"]
+
+    def generate(prompts: list[list[int]], output_lens: list[int]) -> tuple[float, int]:
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in output_lens]
+        torch.cuda.synchronize()
+        begun = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        torch.cuda.synchronize()
+        return time.perf_counter() - begun, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+    generate(random_workload(16, (8, 64), (8, 16), vocab, 1).prompts, [16] * 16)  # warm-up: compiles
+    result = {"variant": variant, "model": "Qwen3-30B-A3B-shaped, dummy bf16 weights", "load_s": round(load_s, 1), "workloads": {}}
+    for key, (num_prompts, prompt_len, output_len) in ENGINE_WORKLOADS.items():
+        count = max(1, round(num_prompts * scale))
+        workload = random_workload(count, (prompt_len, prompt_len), (output_len, output_len), vocab, 0)
+        elapsed, num_output = generate(workload.prompts, workload.output_lens)
+        result["workloads"][key] = {
+            "requests": count, "prompt_tokens": count * prompt_len, "output_tokens": num_output,
+            "elapsed_s": round(elapsed, 2), "output_tok_s": round(num_output / elapsed, 1),
+        }  # fmt: skip
+        print(f"{variant} {key}: {count} requests, {num_output / elapsed:,.1f} output tok/s ({elapsed:.1f} s)", flush=True)
+    return result
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
     parser.add_argument("--sweep", action="store_true", help="also time every launch in SWEEP")
+    parser.add_argument("--engine", choices=("fused", "loop"), default=None, help="workloads b and c through the engine instead")
+    parser.add_argument("--scale", type=float, default=1.0, help="--engine: fraction of each workload's requests")
     parser.add_argument("--out", default=None, help="write the JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("needs an NVIDIA GPU", file=sys.stderr)
         return 1
+    if args.engine:
+        result = run_engine(args.engine, args.scale)
+        print(json.dumps(result))
+        if args.out:
+            Path(args.out).write_text(json.dumps(result, indent=2))
+        return 0
     device = torch.device("cuda")
     w13, w2, router = make_layer(torch.bfloat16, device)
     rows = []
