@@ -31,9 +31,10 @@ from pathlib import Path
 
 import torch
 import triton
+from triton.compiler.errors import CompilationError
+from triton.runtime.errors import OutOfResources
 
 import sonar_cuda.graph_timing
-
 from sonar.lora.ops import torch_lora_expand, torch_lora_shrink
 from sonar_cuda.kernels.lora import LoRALaunch, expand_launch, lora_expand, lora_shrink, shrink_launch
 
@@ -183,12 +184,12 @@ def sweep_case(case: Case, rank: int) -> dict:
     for launch in shrink_alternatives(num_tokens, n):
         try:
             result["shrink"][label(launch)] = round(timed(case.shrink_calls(launch, with_base=True)) - base, 2)
-        except Exception as error:  # a launch the GPU cannot take (shared memory): noted, not fatal
+        except (OutOfResources, CompilationError) as error:  # a launch the GPU cannot take: noted, not fatal
             result["shrink"][label(launch)] = f"{type(error).__name__}: {str(error)[:120]}"
     for launch in expand_alternatives(num_tokens, rank):
         try:
             result["expand"][label(launch)] = round(timed(case.expand_calls(launch, with_base=True)) - base, 2)
-        except Exception as error:
+        except (OutOfResources, CompilationError) as error:
             result["expand"][label(launch)] = f"{type(error).__name__}: {str(error)[:120]}"
     for kind in ("shrink", "expand"):
         measured = {key: us for key, us in result[kind].items() if isinstance(us, float)}

@@ -41,6 +41,7 @@ shapes (``sonar-cuda/benchmarks/lora_kernels.py --sweep`` measures the alternati
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -287,7 +288,7 @@ def lora_expand(
         if not 0 <= r0 <= r1 <= num_out:
             raise ValueError(f"part rows ({r0}, {r1}) outside the {num_out} rows of b")
     spans = sorted((r0, r1) for r0, r1 in part_rows if r1 > r0)
-    for (r0, r1), (next0, next1) in zip(spans, spans[1:]):
+    for (r0, r1), (next0, next1) in itertools.pairwise(spans):
         if next0 < r1:  # one launch adds all parts: rows of two parts would race
             raise ValueError(f"part rows ({r0}, {r1}) and ({next0}, {next1}) overlap; each output row belongs to one part")
     _check_slots(token_slots, num_tokens, out.device)
