@@ -67,6 +67,13 @@ def test_qwen3_moe_sparse_step_and_unnormalised_weights_match_hf(tmp_path: Path)
     torch.testing.assert_close(sonar_logits(path, PROMPT), hf_logits(path, PROMPT), atol=1e-4, rtol=0)
 
 
+def test_qwen3_moe_sliding_window_is_in_every_layer_as_in_hf(tmp_path: Path) -> None:
+    """transformers slides every Qwen3-MoE layer when ``use_sliding_window`` (``max_window_layers`` unused)."""
+    path = build_tiny_model("qwen3_moe", tmp_path / "window", use_sliding_window=True, sliding_window=6, max_window_layers=1)
+    assert load_sonar_model(path).sliding_windows == [6, 6]
+    torch.testing.assert_close(sonar_logits(path, PROMPT), hf_logits(path, PROMPT), atol=1e-4, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model("mixtral", tmp_path_factory.mktemp("mixtral") / "mixtral")

@@ -196,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         qkv_bias = attention_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = attention_bias if self.o_bias is None else self.o_bias
         mlp_bias = bool(getattr(config, "mlp_bias", False))
-        self.sliding_windows = sliding_windows_of(config)
+        self.sliding_windows = self.layer_windows(config)
         layers = [
             DecoderLayer(
                 DecoderAttention(config, attention, i, qkv_bias, o_bias, self.qk_norm, self.sliding_windows[i]),
@@ -211,6 +211,10 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.aux_hidden_states = self.model.aux_hidden_states  # see sonar_models.aux_hidden_states
+
+    def layer_windows(self, config: Any) -> list[int | None]:
+        """Each layer's attention window (None: full attention); see ``sliding_windows_of``."""
+        return sliding_windows_of(config)
 
     def build_mlp(self, config: Any, layer_idx: int, bias: bool) -> nn.Module:
         """Layer ``layer_idx``'s feed-forward block, ``[T, hidden] -> [T, hidden]``, named

@@ -190,6 +190,12 @@ class Qwen3MoeForCausalLM(MoeForCausalLM):
 
     qk_norm = True
 
+    def layer_windows(self, config: Any) -> list[int | None]:
+        """``sliding_window`` in every layer where the config keeps one (transformers clears it
+        unless ``use_sliding_window``; ``max_window_layers`` plays no part here)."""
+        window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", False) else None
+        return [int(window) if window else None] * config.num_hidden_layers
+
 
 class Qwen2MoeForCausalLM(MoeForCausalLM):
     """Qwen2-MoE: Qwen2's attention (biases on q/k/v); sparse layers add a gated shared
