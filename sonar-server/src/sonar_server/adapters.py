@@ -1,8 +1,10 @@
 """The LoRA adapters one API server serves, by the names clients send in ``model``.
 
 The engine cores hold the loaded set (``list_loras``), so every API server and every
-data-parallel replica agrees on it; this class asks them on each lookup instead of keeping a
-copy that another API server's load or unload would make stale.
+data-parallel replica agrees on it. An engine core answers a list call between two steps, so
+asking on every request would add a step to each adapter request's first token; this class
+keeps the last list and asks again when the engines' ``lora_registry_version`` (in their
+stats) has moved, when a name is not in it, and after its own loads and unloads.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 import time
 from typing import Any
 
-from sonar.lora import LoRARequest
+from sonar.lora import LoRAError, LoRAInUseError, LoRARequest
 from sonar_server.errors import ApiError
 from sonar_server.lora import LoRAPathError, check_adapter_name, confine_adapter_path
 from sonar_server.settings import ServerSettings
@@ -21,13 +23,6 @@ from sonar_server.settings import ServerSettings
 logger = logging.getLogger("sonar_server")
 
 STARTUP_WAIT_S = 600.0  # how long an API server other than the first waits for --lora-modules
-
-
-def _engine_errors() -> tuple[type[Exception], type[Exception]]:
-    """The engine's ``(LoRAError, LoRAInUseError)``."""
-    from sonar.lora import LoRAError, LoRAInUseError
-
-    return LoRAError, LoRAInUseError
 
 
 class ServedAdapters:
@@ -48,14 +43,29 @@ class ServedAdapters:
         # ids: --lora-modules take 1..N in order; runtime loads are never given an id twice
         self._next_id = len(settings.lora_modules) + 1 + server_index
         self._lock = asyncio.Lock()
+        self._known: dict[str, LoRARequest] | None = None  # the last list, by name
+        self._known_version: Any = None
 
     # -- lookup --------------------------------------------------------------------------
 
     async def loaded(self) -> list[LoRARequest]:
-        """Every adapter the engine cores hold now."""
+        """Every adapter the engine cores hold now (asked of them)."""
         if not self.enabled:
             return []
-        return list(await self.client.list_loras())
+        version = self._registry_version()
+        adapters = list(await self.client.list_loras())
+        self._known, self._known_version = {a.lora_name: a for a in adapters}, version
+        return adapters
+
+    def _registry_version(self) -> Any:
+        return getattr(self.client.get_stats(), "lora_registry_version", None)
+
+    async def _lookup(self, name: str) -> LoRARequest | None:
+        known = self._known
+        version = self._registry_version()
+        if known is not None and version is not None and version == self._known_version and name in known:
+            return known[name]
+        return next((a for a in await self.loaded() if a.lora_name == name), None)
 
     async def resolve(self, name: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names; None for the base model (or no name).
@@ -64,10 +74,11 @@ class ServedAdapters:
         """
         if name is None or name in self.settings.served_model_names:
             return None
-        adapters = await self.loaded()
-        for adapter in adapters:
-            if adapter.lora_name == name:
+        if self.enabled:
+            adapter = await self._lookup(name)
+            if adapter is not None:
                 return adapter
+        adapters = list((self._known or {}).values())
         served = ", ".join(repr(n) for n in [*self.settings.served_model_names, *(a.lora_name for a in adapters[:20])])
         more = f" and {len(adapters) - 20} more adapters" if len(adapters) > 20 else ""
         shown = name if len(name) <= 200 else name[:200] + "..."
@@ -103,14 +114,13 @@ class ServedAdapters:
         if self.server_index != 0:
             await self._wait_for({m.name for m in modules})
             return
-        LoRAError, _ = _engine_errors()
         for number, module in enumerate(modules, start=1):
             adapter = LoRARequest(module.name, number, os.path.abspath(module.path))
             started = time.monotonic()
             try:
                 await self.client.add_lora(adapter)
             except LoRAError as exc:
-                raise ValueError(f"--lora-modules {module.name!r} ({module.path}): {exc}") from None
+                raise ValueError(f"--lora-modules {module.name!r}: {exc}") from None
             logger.info("loaded LoRA adapter %r from %s in %.2fs", module.name, module.path, time.monotonic() - started)
 
     async def _wait_for(self, names: set[str]) -> None:
@@ -140,7 +150,6 @@ class ServedAdapters:
             raise ApiError(400, str(exc), param="lora_path") from None
         if name in self.settings.served_model_names:
             raise ApiError(400, f"{name!r} is the served model's name; give the adapter another name", param="lora_name")
-        LoRAError, LoRAInUseError = _engine_errors()
         async with self._lock:
             if any(a.lora_name == name for a in await self.loaded()):
                 raise ApiError(400, f"an adapter named {name!r} is already loaded; unload it first or pick another name", param="lora_name")
@@ -149,26 +158,40 @@ class ServedAdapters:
             try:
                 await self.client.add_lora(adapter)
             except LoRAError as exc:
-                raise ApiError(400, f"LoRA adapter {name!r}: {exc}", param="lora_path") from None
+                raise ApiError(400, _relative_to(root, str(exc)), param="lora_path") from None
+            finally:
+                self._known = None
         logger.info("loaded LoRA adapter %r (id %d) from %s", name, adapter.lora_int_id, real_path)
         return adapter
 
     async def unload(self, name: Any, lora_int_id: int | None = None) -> LoRARequest:
         """Unload the adapter called ``name`` (whose id, when given, must be ``lora_int_id``).
+        New requests for it are refused at once; this returns once the engines have dropped
+        it, after the requests that were using it have finished.
 
-        :raises ApiError: 404 when no adapter has that name (and id); 409 while requests use it.
+        :raises ApiError: 404 when no adapter has that name (and id); 409 when the engine
+            refuses because it is in use.
         """
         if not isinstance(name, str):
             raise ApiError(400, f"lora_name must be a string, got {type(name).__name__}", param="lora_name")
-        _, LoRAInUseError = _engine_errors()
-        async with self._lock:
-            adapter = next((a for a in await self.loaded() if a.lora_name == name and lora_int_id in (None, a.lora_int_id)), None)
-            if adapter is None:
-                shown = name if len(name) <= 200 else name[:200] + "..."
-                raise ApiError(404, f"no LoRA adapter named {shown!r} is loaded", param="lora_name")
-            try:
-                await self.client.remove_lora(adapter.lora_int_id)
-            except LoRAInUseError as exc:
-                raise ApiError(409, f"LoRA adapter {name!r} is in use: {exc}", param="lora_name") from None
+        adapter = next((a for a in await self.loaded() if a.lora_name == name and lora_int_id in (None, a.lora_int_id)), None)
+        shown = name if len(name) <= 200 else name[:200] + "..."
+        if adapter is None:
+            raise ApiError(404, f"no LoRA adapter named {shown!r} is loaded", param="lora_name")
+        self._known = None
+        try:
+            await self.client.remove_lora(adapter.lora_int_id)
+        except LoRAInUseError as exc:
+            raise ApiError(409, f"LoRA adapter {shown!r} is in use: {exc}", param="lora_name") from None
+        except LoRAError:  # unloaded meanwhile (by another API server)
+            raise ApiError(404, f"no LoRA adapter named {shown!r} is loaded", param="lora_name") from None
+        finally:
+            self._known = None
         logger.info("unloaded LoRA adapter %r (id %d)", name, adapter.lora_int_id)
         return adapter
+
+
+def _relative_to(root: str, message: str) -> str:
+    """``message`` with paths under ``root`` made relative to it: a client is not told where
+    on the host the adapters are kept."""
+    return message.replace(root.rstrip(os.sep) + os.sep, "").replace(root, "--lora-root")

@@ -59,14 +59,17 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
             timeout_graceful_shutdown=5,
             timeout_keep_alive=5,
         )
-        server = DrainingServer(config, state)
-        if launch.client_index == 0:
+        def report_serving() -> None:
             host, port = listener.getsockname()[:2]
+            adapters = state.settings.lora_modules
             logger.info(
-                "serving %s (context %d tokens) on http://%s:%d with APIs: %s%s",
+                "serving %s (context %d tokens) on http://%s:%d with APIs: %s%s%s",
                 state.model_name, state.max_model_len, host, port, ", ".join(state.enabled_apis),
+                f"; LoRA adapters: {', '.join(m.name for m in adapters)}" if adapters else "",
                 "; API keys required" if state.settings.api_keys else "",
             )
+
+        server = DrainingServer(config, state, report_serving if launch.client_index == 0 else None)
         server.run(sockets=[listener])
     finally:
         client.shutdown()

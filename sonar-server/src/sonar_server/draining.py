@@ -6,6 +6,7 @@ import logging
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -20,16 +21,20 @@ class DrainingServer(uvicorn.Server):
     503, running requests get up to ``shutdown_timeout`` seconds to finish (then are
     aborted), and only then does the server stop. A second signal stops it at once."""
 
-    def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, on_serving: Callable[[], None] | None = None) -> None:
         super().__init__(config)
         self.state = state
+        self.on_serving = on_serving
         self._draining = False
 
     async def startup(self, sockets: list | None = None) -> None:
-        """Load the ``--lora-modules`` adapters, then start answering: until they are loaded
-        connections wait in the listening socket's backlog (``/health`` included)."""
+        """Load the ``--lora-modules`` adapters, then start answering (and call
+        ``on_serving``): until then connections wait in the listening socket's backlog,
+        ``/health`` included."""
         await self.state.adapters.load_startup()
         await super().startup(sockets=sockets)
+        if self.on_serving is not None:
+            self.on_serving()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining:

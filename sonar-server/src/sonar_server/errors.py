@@ -8,6 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from sonar.engine.async_client import EngineClosedError, EngineDeadError, QueueFull
+from sonar.lora import LoRAInUseError
 
 # error kinds, named as OpenAI and Anthropic name them
 INVALID_REQUEST = "invalid_request_error"
@@ -60,6 +61,8 @@ def to_api_error(exc: BaseException, retry_after_s: int = 1) -> ApiError:
         return ApiError(503, str(exc))
     if isinstance(exc, EngineClosedError):
         return ApiError(503, "the server is shutting down", headers={"Retry-After": str(retry_after_s)})
+    if isinstance(exc, LoRAInUseError):  # its adapter is being unloaded
+        return ApiError(409, str(exc), param="model")
     if isinstance(exc, ValueError):
         return ApiError(400, str(exc))
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")

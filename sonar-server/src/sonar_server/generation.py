@@ -209,8 +209,7 @@ async def start_generation(
     prompt: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
     if prompt_text is not None:
         prompt["prompt"] = prompt_text
-    adapter = {"lora_request": lora_request} if lora_request is not None else {}
-    stream = await state.client.add_request(request_id, prompt, params, priority, **adapter)
+    stream = await state.client.add_request(request_id, prompt, params, priority, lora_request)
     state.metrics.update_in_flight()
     return Generation(state, api, stream, params, prompt_token_ids, arrival)
 
