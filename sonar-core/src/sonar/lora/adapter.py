@@ -41,6 +41,11 @@ REFUSED_LEAVES = {
     "lora_embedding_B": "LoRA on embeddings is not supported",
 }
 
+NON_LINEAR_TARGETS = {
+    "lm_head": "LoRA on lm_head is not supported",
+    "embed_tokens": "LoRA on embeddings is not supported",
+}
+
 
 @dataclass(frozen=True, slots=True)
 class LoRATarget:
@@ -116,7 +121,7 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_rank:
         if tuple(b.shape) != (target.out_features, module_rank):
             raise LoRAError(
                 f"{where}: {name}.lora_B has shape {tuple(b.shape)}, expected {(target.out_features, module_rank)} "
-                f"for the base model's {name}"
+                f"for the base model's {name} (an adapter for another base model?)"
             )
         scale = alpha / (math.sqrt(module_rank) if use_rslora else module_rank)
         modules[name] = LoRAModuleWeights(a.to(dtype).contiguous(), (b.float() * scale).to(dtype).contiguous())
@@ -176,6 +181,10 @@ def _check_target_modules(target_modules: Any, targets: dict[str, LoRATarget], w
     if not isinstance(target_modules, list) or not all(isinstance(m, str) for m in target_modules):
         raise LoRAError(f"{where}: target_modules must be a list of module names or a pattern, got {target_modules!r}")
     leaves = {name.rsplit(".", 1)[-1] for name in targets}
+    for module in target_modules:
+        leaf = module.rsplit(".", 1)[-1]
+        if leaf in NON_LINEAR_TARGETS:
+            raise LoRAError(f"{where}: {NON_LINEAR_TARGETS[leaf]} (target_modules names {module!r})")
     unknown = sorted(m for m in target_modules if m.rsplit(".", 1)[-1] not in leaves and m not in targets)
     if unknown:
         raise LoRAError(
