@@ -9,8 +9,8 @@ from conftest import HFOracle, random_prompts
 from sonar import LLM, SamplingParams
 from sonar_models.testing import MOE_ARCHS
 
-NUM_PROMPTS = 6
-NUM_TOKENS = 16
+NUM_PROMPTS = 4
+NUM_TOKENS = 12
 
 
 @pytest.mark.parametrize("arch", MOE_ARCHS)

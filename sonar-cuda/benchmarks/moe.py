@@ -138,7 +138,7 @@ def measure(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, router: torch.
         for launch in SWEEP:
             try:
                 fused_moe(x, w13, w2, weights, ids, launch)
-                timings.append((time_us(graphed(lambda: fused_moe(x, w13, w2, weights, ids, launch))), launch))
+                timings.append((time_us(graphed(lambda launch=launch: fused_moe(x, w13, w2, weights, ids, launch))), launch))
             except (triton.runtime.errors.OutOfResources, RuntimeError) as error:  # too many stages for shared memory
                 print(f"  {launch}: {type(error).__name__}", file=sys.stderr)
         timings.sort(key=lambda item: item[0])
