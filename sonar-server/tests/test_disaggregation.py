@@ -24,6 +24,7 @@ from sonar.kv_transfer import kv_wire
 
 PRODUCER = '{"kv_connector": "SonarConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"kv_transfer_timeout": 3}}'
 CONSUMER = '{"kv_connector": "SonarConnector", "kv_role": "kv_consumer"}'
+CONSUMER_TCP = '{"kv_connector": "SonarConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": {"kv_transport": "tcp"}}'
 PROMPT = "The lighthouse keeper counted the ships that passed in the night, one by one, " * 4
 MESSAGES = [{"role": "user", "content": "Tell me about the sea and the ships that cross it. " * 3}]
 
@@ -222,11 +223,11 @@ LONG_PROMPT = "The harbour master wrote down every ship, its cargo, its crew and
 @pytest.fixture(scope="module")
 def victims(tiny_model: str) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     """A second prefill server (its timeout from --kv-transfer-timeout) and a second decode
-    server, started side by side, each to be killed by a test."""
+    server that pulls over TCP only, started side by side, each to be killed by a test."""
     with ThreadPoolExecutor(2) as pool:
         started = [
             pool.submit(_server, tiny_model, VICTIM_PRODUCER, "--kv-transfer-timeout", "3"),
-            pool.submit(_server, tiny_model, CONSUMER),
+            pool.submit(_server, tiny_model, CONSUMER_TCP),  # frames over TCP, which a kill can cut
         ]
     processes = [future.result() for future in started]
     yield processes[0], processes[1]
@@ -259,6 +260,49 @@ def _connection_open_to(port: int) -> bool:
             if fields[3] == "01" and int(fields[2].rsplit(":", 1)[1], 16) == port:
                 return True
     return False
+
+
+def test_a_decode_server_pulling_over_tcp_equals_one_server(victims, producer, expected) -> None:
+    _, tcp_consumer = victims
+    params = _prefill(producer.url)
+    before = metrics(tcp_consumer.url)["sonar:external_prefix_cache_hits_total"]
+    decoded = _complete(tcp_consumer.url, kv_transfer_params=params)
+    assert decoded["choices"][0]["text"] == expected
+    hits = metrics(tcp_consumer.url)["sonar:external_prefix_cache_hits_total"] - before
+    assert hits == decoded["usage"]["prompt_tokens"] - 1
+    assert _all_blocks_free(producer.url, timeout=2.0)
+
+
+def test_on_one_host_the_cache_is_shared_read_only_with_the_same_user_only(producer, tiny_model) -> None:
+    """A puller on this host is offered the prefill cache in shared memory; one that says it is
+    elsewhere is not; the memory it maps is the prefill server's blocks, and read-only."""
+    import mmap
+
+    import torch
+
+    from sonar.kv_transfer.cuda_ipc import host_identity
+    from sonar.kv_transfer.host_shm import map_kv_caches
+
+    params = _prefill(producer.url)
+    model = f"{Path(tiny_model).name}:LlamaForCausalLM"
+    with _connect(params) as sock:
+        kv_wire.send_message(sock, _hello(model=model, host_id="elsewhere/0"))
+        assert kv_wire.recv_message(sock, kv_wire.HelloReply).shm is None
+    with _connect(params) as sock:
+        kv_wire.send_message(sock, _hello(model=model, host_id=host_identity()))
+        reply = kv_wire.recv_message(sock, kv_wire.HelloReply)
+    assert reply.ok and reply.shm is not None and reply.shm.name.startswith("sonar-kv-")
+    like = [torch.zeros(2, 1, 16, 2, 16) for _ in range(2)]
+    layers, mapping = map_kv_caches(reply.shm.name, reply.shm.layer_bytes, reply.shm.num_blocks, like)
+    assert layers[0].shape[1] == reply.shm.num_blocks
+    blocks = layers[0].index_select(1, torch.tensor(params["remote_block_ids"]))
+    assert blocks.abs().sum() > 0  # the prompt's keys and values are there
+    with pytest.raises(TypeError):
+        mapping[0] = 1  # mapped read-only
+    with pytest.raises(ValueError, match="not a Sonar KV-cache socket"):
+        map_kv_caches("/etc/passwd", reply.shm.layer_bytes, reply.shm.num_blocks, like)
+    with pytest.raises(ValueError, match="blocks take"):
+        map_kv_caches(reply.shm.name, reply.shm.layer_bytes + 4, reply.shm.num_blocks, like)
 
 
 def test_a_prefill_server_killed_before_the_pull(victims, producer, consumer) -> None:

@@ -20,7 +20,9 @@ own identity say) skip the frames: the prefill side's ``HelloReply`` carries CUD
 of its KV-cache tensors, the decode side maps them once per prefill engine, asks with
 ``Pull(transport="cuda_ipc")``, copies the blocks device to device itself and says
 ``PullDone``; the prefill side frees the blocks only then (or when the connection ends).
-Handles are plain bytes and integers, opened by the CUDA driver, never unpickled.
+Handles are plain bytes and integers, opened by the CUDA driver, never unpickled. Two CPU
+engines on one host do the same through shared memory (``HelloReply.shm``: where to ask for a
+read-only descriptor of it; pulled with ``transport="shm"``).
 """
 
 from __future__ import annotations
@@ -68,11 +70,22 @@ class CudaIpcHandle(msgspec.Struct, array_like=True, forbid_unknown_fields=True)
     num_blocks: int
 
 
+class SharedKVSegment(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """A CPU engine's KV cache in shared memory, handed out on the Unix socket ``name`` (abstract
+    namespace): every layer's ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` tensor,
+    ``layer_bytes`` each."""
+
+    name: str
+    layer_bytes: int
+    num_blocks: int
+
+
 class HelloReply(msgspec.Struct, tag="hello_reply", forbid_unknown_fields=True):
     ok: bool
     engine_id: str
     error: str = ""
     cuda_ipc: list[CudaIpcHandle] = []  # one per layer, when both caches are on one GPU
+    shm: SharedKVSegment | None = None  # when both caches are in one host's memory
 
 
 class Pull(msgspec.Struct, tag="pull", forbid_unknown_fields=True):
@@ -80,7 +93,7 @@ class Pull(msgspec.Struct, tag="pull", forbid_unknown_fields=True):
 
     request_id: str
     block_ids: list[int]
-    transport: str = "tcp"  # "tcp": frames follow the reply; "cuda_ipc": the decode side copies
+    transport: str = "tcp"  # "tcp": frames follow the reply; "cuda_ipc", "shm": the decode side copies
 
 
 class PullDone(msgspec.Struct, tag="pull_done", forbid_unknown_fields=True):

@@ -1,4 +1,5 @@
-"""``SonarConnector``: prefill/decode disaggregation with nothing installed, over TCP.
+"""``SonarConnector``: prefill/decode disaggregation with nothing installed: over TCP between
+hosts, through shared memory (CPU) or CUDA IPC (one GPU) between engines on one host.
 
 A prefill engine (``kv_role`` ``kv_producer`` or ``kv_both``) that finishes a request sent with
 ``kv_transfer_params: {"do_remote_decode": true}`` keeps its blocks and returns, in its
@@ -12,7 +13,11 @@ seconds (``kv_connector_extra_config``, default 30) when nobody pulls them. A de
 pull fails (the prefill engine is gone, refused the layout, timed out) computes the prompt
 itself: the output is the same, only slower, and ``sonar:kv_transfer_failures`` counts it.
 
-The wire format is ``sonar.kv_transfer.kv_wire``: msgspec headers and raw tensor frames.
+The wire format is ``sonar.kv_transfer.kv_wire``: msgspec headers and raw tensor frames. The
+handshake always runs over the KV port; on one host the blocks themselves are then copied
+straight out of the prefill engine's cache, which it shares read-only with same-user processes
+(CPU) or through CUDA IPC (same GPU). ``kv_connector_extra_config["kv_transport"]`` = ``"tcp"``
+keeps to frames.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from sonar.kv_transfer import cuda_ipc, kv_wire
+from sonar.kv_transfer import cuda_ipc, host_shm, kv_wire
 from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorMetadata, KVConnectorRole, KVTransferConfig
 
 if TYPE_CHECKING:
@@ -44,6 +49,9 @@ CONNECT_TIMEOUT_S = 5.0
 IO_TIMEOUT_S = 30.0
 REGISTRATION_WAIT_S = 5.0  # a pull may arrive before the prefill side's worker heard of the request
 MAX_PULL_THREADS = 4
+# "auto": shared memory (CPU) or CUDA IPC (one GPU) between engines on one host, TCP frames
+# otherwise; "tcp": always frames
+TRANSPORTS = ("auto", "tcp")
 
 
 def prompt_hash(token_ids: list[int]) -> str:
@@ -88,6 +96,7 @@ class SonarConnector(KVConnector):
             raise ValueError("SonarConnector needs the engine's KV-cache layout")
         extra = config.kv_connector_extra_config
         self.timeout_s = float(extra.get("kv_transfer_timeout", DEFAULT_TRANSFER_TIMEOUT_S))
+        self.same_host_transports = extra.get("kv_transport", "auto") == "auto"
         self.engine_id = config.engine_id or uuid.uuid4().hex[:12]
         # scheduler side
         self._address: dict[str, Any] | None = None
@@ -109,6 +118,8 @@ class SonarConnector(KVConnector):
         self._ipc_exports: list[kv_wire.CudaIpcHandle] | None = None  # prefill side, made at the first same-GPU peer
         self._ipc_imports: dict[str, list[torch.Tensor] | None] = {}  # decode side: per prefill engine (None: failed)
         self._pull_stream = None
+        self._shared: host_shm.SharedKVCache | None = None  # prefill side on the CPU: the cache in shared memory
+        self._shm_maps: dict[str, tuple[list[torch.Tensor], Any] | None] = {}  # decode side: per prefill engine
         self._pull_lock = threading.Lock()
 
     @classmethod
@@ -116,6 +127,9 @@ class SonarConnector(KVConnector):
         timeout = config.kv_connector_extra_config.get("kv_transfer_timeout", DEFAULT_TRANSFER_TIMEOUT_S)
         if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
             raise ValueError(f"kv_connector_extra_config['kv_transfer_timeout'] must be a positive number of seconds, got {timeout!r}")
+        transport = config.kv_connector_extra_config.get("kv_transport", "auto")
+        if transport not in TRANSPORTS:
+            raise ValueError(f"kv_connector_extra_config['kv_transport'] must be one of {list(TRANSPORTS)}, got {transport!r}")
 
     # -- scheduler side --------------------------------------------------------------------
 
@@ -194,6 +208,11 @@ class SonarConnector(KVConnector):
         if self.config.is_consumer:
             self._pool = ThreadPoolExecutor(MAX_PULL_THREADS, thread_name_prefix="sonar-kv-pull")
         if self.config.is_producer:
+            if self.same_host_transports and kv_caches and kv_caches[0].device.type == "cpu":
+                try:
+                    self._shared = host_shm.share_kv_caches(kv_caches, self.engine_id)
+                except OSError as exc:
+                    logger.warning("KV port: the KV cache cannot move to shared memory (%s); blocks go over TCP", exc)
             listener = socket.create_server((self.config.kv_ip, self.config.kv_port), reuse_port=False)
             self._listener = listener
             threading.Thread(target=self._serve, name="sonar-kv-port", daemon=True).start()
@@ -240,6 +259,8 @@ class SonarConnector(KVConnector):
 
     def shutdown(self) -> None:
         self._closed = True
+        if self._shared is not None:
+            self._shared.close()
         if self._listener is not None:
             self._listener.close()
         if self._pool is not None:
@@ -276,14 +297,20 @@ class SonarConnector(KVConnector):
             reply = kv_wire.recv_message(sock, kv_wire.HelloReply)
             if not reply.ok:
                 raise kv_wire.KVWireError(f"the prefill engine refused: {reply.error}")
-            remote = self._mapped_caches(reply)
-            transport = "tcp" if remote is None else "cuda_ipc"
+            remote, transport = self._mapped_caches(reply), "cuda_ipc"
+            if remote is None:
+                remote, transport = self._mapped_segment(reply), "shm"
+            if remote is None:
+                transport = "tcp"
             kv_wire.send_message(sock, kv_wire.Pull(load.remote_request_id, load.remote_block_ids, transport))
             pulled = kv_wire.recv_message(sock, kv_wire.PullReply)
             if not pulled.ok:
                 raise kv_wire.KVWireError(f"the prefill engine refused the pull: {pulled.error}")
             if remote is not None:
-                self._copy_from_mapped(remote, load)
+                if transport == "shm":
+                    self._copy_from_segment(remote, load)
+                else:
+                    self._copy_from_mapped(remote, load)
                 kv_wire.send_message(sock, kv_wire.PullDone(load.remote_request_id))
                 return
             first = self.kv_caches[0]
@@ -305,7 +332,7 @@ class SonarConnector(KVConnector):
     def _mapped_caches(self, reply: kv_wire.HelloReply) -> list[torch.Tensor] | None:
         """The prefill engine's caches mapped here, when it offered them (same GPU) and they
         map (once per engine; a failure falls back to frames for good)."""
-        if not reply.cuda_ipc or not self.kv_caches or self.kv_caches[0].device.type != "cuda":
+        if not self.same_host_transports or not reply.cuda_ipc or not self.kv_caches or self.kv_caches[0].device.type != "cuda":
             return None
         if reply.engine_id not in self._ipc_imports:
             mapped = None
@@ -318,6 +345,35 @@ class SonarConnector(KVConnector):
             with self._lock:
                 self._ipc_imports[reply.engine_id] = mapped
         return self._ipc_imports[reply.engine_id]
+
+    def _mapped_segment(self, reply: kv_wire.HelloReply) -> list[torch.Tensor] | None:
+        """The prefill engine's shared-memory cache mapped here, when it offered one (same
+        host, both on the CPU) and it maps (once per engine)."""
+        if not self.same_host_transports or reply.shm is None or not self.kv_caches or self.kv_caches[0].device.type != "cpu":
+            return None
+        if reply.engine_id not in self._shm_maps:
+            mapped = None
+            try:
+                mapped = host_shm.map_kv_caches(reply.shm.name, reply.shm.layer_bytes, reply.shm.num_blocks, self.kv_caches)
+                logger.info("KV from engine %s: its cache is in this host's shared memory", reply.engine_id)
+            except (OSError, ValueError) as exc:  # nothing shared: frames over the socket instead
+                logger.warning("KV from engine %s: its shared-memory cache did not map (%s); blocks come over TCP", reply.engine_id, exc)
+            with self._lock:
+                self._shm_maps[reply.engine_id] = mapped
+        mapped = self._shm_maps[reply.engine_id]
+        return None if mapped is None else mapped[0]
+
+    def _copy_from_segment(self, remote: list[torch.Tensor], load: RemoteLoad) -> None:
+        import torch
+
+        if len(load.remote_block_ids) != len(load.block_ids):
+            raise kv_wire.KVWireError(f"{len(load.remote_block_ids)} remote blocks for {len(load.block_ids)} local ones")
+        if any(b >= remote[0].shape[1] for b in load.remote_block_ids):
+            raise kv_wire.KVWireError(f"a remote block id beyond the prefill engine's {remote[0].shape[1]} blocks")
+        source = torch.tensor(load.remote_block_ids, dtype=torch.int64)
+        dest = torch.tensor(load.block_ids, dtype=torch.int64)
+        for kv, theirs in zip(self.kv_caches, remote):
+            kv.index_copy_(1, dest, theirs.index_select(1, source))
 
     def _copy_from_mapped(self, remote: list[torch.Tensor], load: RemoteLoad) -> None:
         """Gather the request's blocks from the other engine's caches into this one's, on a
@@ -377,7 +433,10 @@ class SonarConnector(KVConnector):
             logger.warning("KV port: refused engine %s: %s", hello.engine_id, error)
             return
         handles = self._ipc_handles() if self._offers_ipc(hello) else []
-        kv_wire.send_message(conn, kv_wire.HelloReply(True, self.engine_id, cuda_ipc=handles))
+        shm = None
+        if self._offers_shm(hello):
+            shm = kv_wire.SharedKVSegment(self._shared.socket_name, self._shared.layer_bytes, self._shared.num_blocks)
+        kv_wire.send_message(conn, kv_wire.HelloReply(True, self.engine_id, cuda_ipc=handles, shm=shm))
         pull = kv_wire.recv_message(conn, kv_wire.Pull)
         served = self._wait_registered(pull.request_id)
         if served is None:
@@ -387,9 +446,10 @@ class SonarConnector(KVConnector):
             kv_wire.send_message(conn, kv_wire.PullReply(False, error=f"request {pull.request_id!r} does not hold those blocks"))
             return
         try:
-            if pull.transport == "cuda_ipc":
-                if not self._offers_ipc(hello):
-                    kv_wire.send_message(conn, kv_wire.PullReply(False, error="this engine's cache is not on the puller's GPU"))
+            if pull.transport in ("cuda_ipc", "shm"):
+                offered = self._offers_ipc(hello) if pull.transport == "cuda_ipc" else self._offers_shm(hello)
+                if not offered:
+                    kv_wire.send_message(conn, kv_wire.PullReply(False, error=f"this engine offers no {pull.transport} transport to the puller"))
                     return
                 kv_wire.send_message(conn, kv_wire.PullReply(True))
                 done = kv_wire.recv_message(conn, kv_wire.PullDone)  # the blocks stay until the copy is done
@@ -413,9 +473,13 @@ class SonarConnector(KVConnector):
 
     def _offers_ipc(self, hello: kv_wire.Hello) -> bool:
         """Whether the puller's cache is on this engine's GPU, on this host."""
-        if not self.kv_caches or self.kv_caches[0].device.type != "cuda":
+        if not self.same_host_transports or not self.kv_caches or self.kv_caches[0].device.type != "cuda":
             return False
         return bool(hello.device_uuid) and hello.host_id == self._host_id and hello.device_uuid == cuda_ipc.device_uuid(self.kv_caches[0].device)
+
+    def _offers_shm(self, hello: kv_wire.Hello) -> bool:
+        """Whether the puller is on this host, with its cache (like this one's) in host memory."""
+        return self._shared is not None and not hello.device_uuid and hello.host_id == self._host_id
 
     def _ipc_handles(self) -> list[kv_wire.CudaIpcHandle]:
         """This engine's caches as CUDA IPC handles, made once ([] where they cannot be)."""
