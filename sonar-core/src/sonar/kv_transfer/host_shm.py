@@ -12,7 +12,6 @@ a request's blocks straight out of it.
 
 from __future__ import annotations
 
-import array
 import logging
 import mmap
 import os
