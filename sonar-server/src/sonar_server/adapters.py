@@ -2,9 +2,12 @@
 
 The engine cores hold the loaded set (``list_loras``), so every API server and every
 data-parallel replica agrees on it. An engine core answers a list call between two steps, so
-asking on every request would add a step to each adapter request's first token; this class
-keeps the last list and asks again when the engines' ``lora_registry_version`` (in their
-stats) has moved, when a name is not in it, and after its own loads and unloads.
+asking on every request would add a step to each adapter request's first token. The only API
+server of its engines therefore keeps the last list and asks again when the engines'
+``lora_registry_version`` (in their stats) has moved, when a name is not in it, and after its
+own loads and unloads. One of several API servers asks on every request: another one's unload
+reaches its stats only with the next heartbeat, and an engine core given a request for an
+adapter it no longer serves loads that adapter again.
 """
 
 from __future__ import annotations
@@ -63,7 +66,8 @@ class ServedAdapters:
     async def _lookup(self, name: str) -> LoRARequest | None:
         known = self._known
         version = self._registry_version()
-        if known is not None and version is not None and version == self._known_version and name in known:
+        alone = self.settings.api_server_count == 1
+        if alone and known is not None and version is not None and version == self._known_version and name in known:
             return known[name]
         return next((a for a in await self.loaded() if a.lora_name == name), None)
 
