@@ -283,3 +283,36 @@ def test_an_engine_core_process_adds_lists_serves_and_removes_adapters(llama) ->
             client.client.shutdown_engines()
             client.shutdown()
         engines.terminate()
+
+
+def test_adapters_add_onto_a_quantized_base_layer(llama) -> None:
+    """FP8 base weights (quantized at load): each linear layer's output is the quantized
+    product plus exactly the adapter's ``x @ A.T @ B.T * alpha / r``, read from its file."""
+    from safetensors.torch import load_file
+
+    from sonar.lora.manager import LoRAManager
+    from sonar_models.testing import load_sonar_model
+
+    path, root, _, requests, _, _ = llama
+    model = load_sonar_model(path, quantization="fp8")
+    manager = LoRAManager(model, max_loras=2, max_lora_rank=16, max_cpu_loras=2, max_tokens=64, dtype=torch.float32, device=torch.device("cpu"))
+    manager.add(requests["qv"])
+    tensors = load_file(str(root / "qv" / "adapter_model.safetensors"))
+    scale = 2 * 4 / 4  # lora_alpha / r
+    x = torch.randn(5, model.config.hidden_size)
+    manager.prepare_step([0, requests["qv"].lora_int_id], [2, 3])  # 2 base tokens, then 3 adapter tokens
+    layer = model.model.layers[1].self_attn.qkv_proj
+    assert type(layer.linear_method).__name__ != "UnquantizedLinearMethod"
+    with torch.inference_mode():
+        got = layer(x)
+        base = layer.linear_method.apply(layer, x)
+    expected = base.clone()
+    for part in ("q", "v"):
+        prefix = f"base_model.model.model.layers.1.self_attn.{part}_proj"
+        a, b = tensors[f"{prefix}.lora_A.weight"], tensors[f"{prefix}.lora_B.weight"]
+        expected[2:, layer.part_rows(part)] += x[2:] @ a.T @ b.T * scale
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got[2:], base[2:]) and torch.equal(got[:2], base[:2])
+    manager.prepare_step([0, 0], [2, 3])  # no adapter in the step: the base output, untouched
+    with torch.inference_mode():
+        assert torch.equal(layer(x), base)
