@@ -21,11 +21,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from conftest import KV_CACHE_BYTES, ServerProcess, sonar_command
 from sonar.cli.main import build_parser, parse_args
 from sonar_server.args import check_server_args
-from sonar_server.lora import LoRAModule, LoRAPathError, check_adapter_name, confine_adapter_path, parse_lora_module
+from sonar_server.lora import (
+    LoRAModule,
+    LoRAPathError,
+    check_adapter_name,
+    confine_adapter_path,
+    parse_lora_module,
+)
 
 API_KEY = "lora-test-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -115,7 +120,7 @@ def test_lora_flags_are_checked_before_loading(tmp_path: Path) -> None:
             check_server_args(serve_args(*argv))
     env = {**os.environ, "SONAR_PLATFORM": "cpu"}
     started = time.monotonic()
-    done = subprocess.run([*sonar_command(), "serve", "--enable-lora", "--lora-modules", f"a={adapter}"], capture_output=True, text=True, env=env, timeout=60)
+    done = subprocess.run([*sonar_command(), "serve", "--enable-lora", "--lora-modules", f"a={adapter}"], check=False, capture_output=True, text=True, env=env, timeout=60)
     assert done.returncode == 1
     assert "--lora-modules 'a': " in done.stderr and "holds no adapter_model.safetensors" in done.stderr
     assert "Traceback" not in done.stderr

@@ -19,6 +19,7 @@ import time
 from typing import Any
 
 from sonar.lora import LoRAError, LoRAInUseError, LoRARequest
+
 from sonar_server.errors import ApiError
 from sonar_server.lora import LoRAPathError, check_adapter_name, confine_adapter_path
 from sonar_server.settings import ServerSettings
