@@ -173,3 +173,25 @@ def test_the_device_copy_path_moves_the_same_bytes_as_the_plain_one(monkeypatch)
     for a, b in zip(plain.kv_caches, staged.kv_caches):
         assert torch.equal(a, b)
     assert not torch.equal(plain.kv_caches[0], kv_caches[0])  # the loads did write
+
+
+def test_a_finished_requests_blocks_are_copied_early_and_handed_out_without_a_copy(tiny_model_dir) -> None:
+    """With room on the host a request's full blocks are copied when it finishes (an engine
+    core steps once more for that when nothing else runs, as the serving loop does here); a
+    later eviction of them copies nothing."""
+    llm = LLM(str(tiny_model_dir("llama")), max_model_len=512, kv_cache_memory_bytes=DEVICE_BLOCKS * BLOCK_BYTES,
+              kv_offload_bytes=80 * BLOCK_BYTES)
+    connector = llm.llm_engine.core.kv_connector
+    first = llm.generate({"prompt_token_ids": PROMPTS[0]}, GREEDY)[0].outputs[0].token_ids
+    core = llm.llm_engine.core
+    assert core.has_unfinished_requests()  # no request, but copies to hand to the worker
+    while core.has_unfinished_requests():
+        core.step()
+    assert connector.num_cached_host_blocks == len(PROMPTS[0]) // 16  # every full prompt block, copied already
+    assert len(connector._shadow_of) == 25 and not connector._saves
+    llm.generate({"prompt_token_ids": PROMPTS[1]}, GREEDY)  # hands out 16 of the prefix's blocks
+    assert len(connector._slot_of) == 16  # kept for good, from the early copies
+    before = llm.llm_engine.get_stats().num_prompt_tokens
+    again = llm.generate({"prompt_token_ids": PREFIX + [11, 12, 13]}, GREEDY)[0].outputs[0].token_ids
+    assert again == first
+    assert llm.llm_engine.get_stats().num_prompt_tokens - before == 3  # the prefix came from host and device

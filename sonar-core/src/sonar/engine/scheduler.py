@@ -150,8 +150,8 @@ class Scheduler:
     @property
     def has_pending_transfers(self) -> bool:
         """Whether the connector still moves blocks that requests hold (the engine keeps
-        stepping, to hear when it is done)."""
-        return bool(self._loading or self._sending)
+        stepping, to hear when it is done), or has copies queued for the worker."""
+        return bool(self._loading or self._sending) or (self.connector is not None and self.connector.has_pending_work)
 
     def update_finished_transfers(self, output: KVConnectorOutput | None) -> None:
         """Free the blocks of finished sends; admit the requests whose loads ended (a failed

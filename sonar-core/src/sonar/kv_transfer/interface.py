@@ -206,6 +206,12 @@ class KVConnector:
         to the client (a disaggregated prefill tells the decode engine where the KV is)."""
         return False, None
 
+    @property
+    def has_pending_work(self) -> bool:
+        """Whether copies are queued for the next step's metadata that no request waits for
+        (an idle engine steps once more to hand them to the worker)."""
+        return False
+
     def set_handshake_metadata(self, metadata: dict[str, Any] | None) -> None:
         """What the worker half's ``get_handshake_metadata`` returned (plain data)."""
 

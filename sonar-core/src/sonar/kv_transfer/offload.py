@@ -1,15 +1,17 @@
 """Host offload: a second tier for the prefix cache (``kv_offload_bytes``).
 
-Blocks the device prefix cache hands out to new contents are first copied to host memory
-(pinned where the device has it), keyed by their prefix-cache hash and kept least recently
-used first up to the budget. A later request whose prefix misses on the device but is held
-here has those blocks copied back instead of computed, within the step that admits it.
+The full blocks of every request that finishes, and any cached block the device prefix cache
+hands out to new contents before it was kept, are copied to host memory (pinned where the
+device has it), keyed by their prefix-cache hash and kept least recently used first up to the
+budget. A later request whose prefix misses on the device but is held here has those blocks
+copied back instead of computed, within the step that admits it.
 
-Both kinds of copy run at the start of the step, before the forward, saves first: an evicted
-block is intact until the forward writes its new contents, and a block saved and loaded in
-the same step reads what was saved. On a GPU the copies are queued on the step's stream
-without waiting (they are ordered with the forwards around them, and the host goes on
-scheduling); on the CPU they are plain copies.
+Both kinds of copy are queued at the start of the step, before the forward, saves first. On
+the CPU they are plain copies. On a GPU the saves run on a side stream, beside the forwards
+that follow (so a finished request's blocks reach the host while others decode, not when a
+later prompt needs the room), and a step that hands out a block whose save is still running
+has its stream wait for that save first; loads run on the step's stream, ordered before its
+forward. The host never waits for either.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ class OffloadMetadata(KVConnectorMetadata):
 
     saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    evicted: list[int] = field(default_factory=list)  # cached blocks handed out to new contents this step
 
     @property
     def has_work(self) -> bool:
@@ -59,16 +62,22 @@ class OffloadingConnector(KVConnector):
                 f"kv_offload_bytes={num_bytes} holds no KV block: one block takes {layout.bytes_per_block} bytes "
                 f"({layout.block_size} tokens over {layout.num_layers} layers); give at least that"
             )
-        # scheduler side: which hash each host slot holds, least recently used first
+        # scheduler side: which hash each host slot holds, least recently used first; and the
+        # early copies of blocks still on the device (a finished request's), oldest first
         self._slot_of: OrderedDict[bytes, int] = OrderedDict()
+        self._shadow_of: OrderedDict[bytes, int] = OrderedDict()
         self._free_slots = list(range(self.num_host_blocks - 1, -1, -1))
         self._saves: list[tuple[int, int]] = []
         self._loads: list[tuple[int, int]] = []
+        self._evicted: list[int] = []
         self._pinned: set[int] = set()  # slots this step's loads read: not reused before they run
         self._matched: dict[str, tuple[int, list[int]]] = {}  # request -> (first block, slots found)
         # worker side: one host tensor per layer, [num_host_blocks, 2, block_size, num_kv_heads, head_dim]
         self.host: list[torch.Tensor] = []
         self.kv_caches: list[torch.Tensor] = []
+        self._save_stream = None
+        self._saves_in_flight: dict[int, object] = {}  # device block -> the event its save records
+        self._save_events: list[tuple[object, list[int]]] = []  # in issue order, pruned once done
 
     @classmethod
     def check_config(cls, config: KVTransferConfig) -> None:
@@ -77,9 +86,13 @@ class OffloadingConnector(KVConnector):
             raise ValueError(f"the offloading connector needs kv_connector_extra_config['kv_offload_bytes'] > 0, got {num_bytes!r}")
 
     @property
+    def has_pending_work(self) -> bool:
+        return bool(self._saves or self._loads)
+
+    @property
     def num_cached_host_blocks(self) -> int:
-        """Blocks the host tier holds now."""
-        return len(self._slot_of)
+        """Blocks the host tier holds now (early copies of device blocks among them)."""
+        return len(self._slot_of) + len(self._shadow_of)
 
     # -- scheduler side --------------------------------------------------------------------
 
@@ -106,9 +119,36 @@ class OffloadingConnector(KVConnector):
         for index, slot in enumerate(slots[: num_external_tokens // self.layout.block_size]):
             self._loads.append((slot, block_ids[first + index]))
 
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, None]:
+        """Copy the request's computed full blocks to free host slots early (or over older
+        early copies), never over blocks the tier holds for good: a block later handed out on
+        the device is then already on the host, and no copy waits in the step that needs it."""
+        num_full = min(len(block_ids), len(request.block_hashes), request.num_computed_tokens // self.layout.block_size)
+        older_shadows = len(self._shadow_of)
+        for block_id, block_hash in zip(block_ids[:num_full], request.block_hashes[:num_full]):
+            if block_id < 0 or block_hash in self._slot_of or block_hash in self._shadow_of:
+                continue
+            if self._free_slots:
+                slot = self._free_slots.pop()
+            elif older_shadows:
+                slot = self._reclaim_shadow()
+                older_shadows -= 1
+            else:
+                break
+            if slot is None:
+                break
+            self._saves.append((block_id, slot))
+            self._shadow_of[block_hash] = slot
+        return False, None
+
     def on_block_evicted(self, block_id: int, block_hash: bytes) -> None:
+        self._evicted.append(block_id)  # its early copy, if still running, must end before new contents
         if block_hash in self._slot_of:  # held already
             self._slot_of.move_to_end(block_hash)
+            return
+        slot = self._shadow_of.pop(block_hash, None)
+        if slot is not None:  # copied early: now the tier holds it for good
+            self._slot_of[block_hash] = slot
             return
         slot = self._take_slot()
         if slot is None:
@@ -116,9 +156,20 @@ class OffloadingConnector(KVConnector):
         self._saves.append((block_id, slot))
         self._slot_of[block_hash] = slot
 
+    def _reclaim_shadow(self) -> int | None:
+        """The slot of the oldest early copy (its block is still on the device)."""
+        for block_hash, slot in self._shadow_of.items():
+            if slot not in self._pinned:
+                del self._shadow_of[block_hash]
+                return slot
+        return None
+
     def _take_slot(self) -> int | None:
         if self._free_slots:
             return self._free_slots.pop()
+        slot = self._reclaim_shadow()
+        if slot is not None:
+            return slot
         for block_hash, slot in self._slot_of.items():  # least recently used first
             if slot not in self._pinned:
                 del self._slot_of[block_hash]
@@ -130,8 +181,8 @@ class OffloadingConnector(KVConnector):
         for block_id, slot in self._saves:  # a slot saved twice in one step keeps the later block
             saves.pop(slot, None)
             saves[slot] = block_id
-        metadata = OffloadMetadata([(block_id, slot) for slot, block_id in saves.items()], self._loads)
-        self._saves, self._loads = [], []
+        metadata = OffloadMetadata([(block_id, slot) for slot, block_id in saves.items()], self._loads, self._evicted)
+        self._saves, self._loads, self._evicted = [], [], []
         self._pinned.clear()
         self._matched.clear()
         return metadata
@@ -151,12 +202,47 @@ class OffloadingConnector(KVConnector):
                     self.num_host_blocks * self.layout.bytes_per_block / 2**20, ", pinned" if pin else "")
 
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
-        if not isinstance(metadata, OffloadMetadata) or not metadata.has_work:
+        if not isinstance(metadata, OffloadMetadata):
             return
-        if metadata.saves:
+        if self.kv_caches and self.kv_caches[0].device.type == "cuda":
+            self._save_beside(metadata)
+        elif metadata.saves:
             self._copy(metadata.saves, to_host=True)
         if metadata.loads:
             self._copy([(block_id, slot) for slot, block_id in metadata.loads], to_host=False)
+
+    def _save_beside(self, metadata: OffloadMetadata) -> None:
+        """Queue the step's saves on the side stream (after what the step's stream holds so
+        far: the blocks' contents); then have the step's stream wait for the saves of every
+        block handed out this step that are still running, this step's among them."""
+        import torch
+
+        device = self.kv_caches[0].device
+        main = torch.cuda.current_stream(device)
+        if metadata.saves:
+            if self._save_stream is None:
+                self._save_stream = torch.cuda.Stream(device)
+            side = self._save_stream
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                self._copy_device(metadata.saves, to_host=True)
+            done = torch.cuda.Event()
+            done.record(side)
+            blocks = [block_id for block_id, _ in metadata.saves]
+            for block_id in blocks:
+                self._saves_in_flight[block_id] = done
+            self._save_events.append((done, blocks))
+        waited: set[int] = set()
+        for block_id in metadata.evicted:
+            event = self._saves_in_flight.pop(block_id, None)
+            if event is not None and id(event) not in waited:
+                main.wait_event(event)
+                waited.add(id(event))
+        while self._save_events and self._save_events[0][0].query():  # finished: nothing to wait for
+            event, blocks = self._save_events.pop(0)
+            for block_id in blocks:
+                if self._saves_in_flight.get(block_id) is event:
+                    del self._saves_in_flight[block_id]
 
     def _copy(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         """Copy each ``(device block, host slot)`` pair of every layer, one way."""
