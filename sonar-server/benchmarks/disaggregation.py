@@ -15,7 +15,9 @@ on one GPU:
    (``--offload-device-kv-bytes``) that holds one long request but not two; a 6,000-token
    prefix is sent (TTFT: computed), then two requests of other 6,000 tokens each evict it from
    the device, then the prefix again with another suffix (TTFT: loaded from host memory, checked on
-   ``/metrics``). Repeated ``--offload-rounds`` times with fresh prefixes; medians reported.
+   ``/metrics``), sent at once and, in alternate rounds, after ``--offload-pause`` seconds of
+   idle time (by then the last evicting request's blocks have reached the host). Repeated
+   ``--offload-rounds`` times each with fresh prefixes; medians reported.
 
 The 8B runs use ``Llama-3.1-8B`` from ``sonar bench suite`` with random weights
 (``--load-format dummy``) and a word-level tokenizer of its full vocabulary; prompts are sent
@@ -159,28 +161,39 @@ def metric(url: str, name: str) -> float:
     return total
 
 
-async def offload_ttft(url: str, sizes: Sizes, rounds: int, seed: int) -> dict:
-    """TTFT of a long prefix computed, and of the same prefix loaded back from host memory."""
+async def offload_ttft(url: str, sizes: Sizes, rounds: int, seed: int, pause_s: float) -> dict:
+    """TTFT of a long prefix computed, and of the same prefix loaded back from host memory:
+    sent the moment the evicting requests end (the last one's blocks are still being copied to
+    the host, and the hit waits for that copy before its blocks are reused), and again after
+    ``pause_s`` of idle time, as a user's next turn comes."""
     rng = random.Random(seed + 1)
-    computed, loaded, hits = [], [], []
+    computed: list[float] = []
+    loaded: dict[float, list[float]] = {0.0: [], pause_s: []}
+    hits: list[float] = []
     async with httpx.AsyncClient(timeout=httpx.Timeout(1800.0, connect=30.0)) as client:
         await stream_completion(client, url, random_ids(rng, 32), 2)  # warm up
         for _ in range(rounds):
-            prefix = random_ids(rng, sizes.prefix_len)
-            first = await stream_completion(client, url, prefix + random_ids(rng, 8), 1)
-            for _ in range(2):  # other long prompts: together more than the device cache holds, so the prefix leaves it
-                await stream_completion(client, url, random_ids(rng, sizes.prefix_len), 1)
-            before = metric(url, "sonar:external_prefix_cache_hits_total")
-            again = await stream_completion(client, url, prefix + random_ids(rng, 8), 1)
-            hits.append(metric(url, "sonar:external_prefix_cache_hits_total") - before)
-            computed.append(first.ttft)
-            loaded.append(again.ttft)
-    ttft_computed, ttft_loaded = statistics.median(computed), statistics.median(loaded)
+            for pause in (0.0, pause_s):
+                prefix = random_ids(rng, sizes.prefix_len)
+                first = await stream_completion(client, url, prefix + random_ids(rng, 8), 1)
+                for _ in range(2):  # other long prompts: together more than the device cache holds, so the prefix leaves it
+                    await stream_completion(client, url, random_ids(rng, sizes.prefix_len), 1)
+                await asyncio.sleep(pause)
+                before = metric(url, "sonar:external_prefix_cache_hits_total")
+                again = await stream_completion(client, url, prefix + random_ids(rng, 8), 1)
+                hits.append(metric(url, "sonar:external_prefix_cache_hits_total") - before)
+                computed.append(first.ttft)
+                loaded[pause].append(again.ttft)
+    ttft_computed = statistics.median(computed)
+    at_once, later = statistics.median(loaded[0.0]), statistics.median(loaded[pause_s])
     return {
         "prefix_tokens": sizes.prefix_len,
         "ttft_computed_ms": round(1000 * ttft_computed, 2),
-        "ttft_host_hit_ms": round(1000 * ttft_loaded, 2),
-        "speedup": round(ttft_computed / ttft_loaded, 2),
+        "ttft_host_hit_ms": round(1000 * at_once, 2),
+        "speedup": round(ttft_computed / at_once, 2),
+        "pause_s": pause_s,
+        "ttft_host_hit_after_pause_ms": round(1000 * later, 2),
+        "speedup_after_pause": round(ttft_computed / later, 2),
         "host_hit_tokens_per_round": hits,
     }
 
@@ -226,6 +239,7 @@ def main() -> int:
     parser.add_argument("--offload-bytes", default="16GiB", help="--kv-offload-bytes of the offload run")
     parser.add_argument("--offload-device-kv-bytes", default="1GiB", help="--kv-cache-memory-bytes of the offload run: one long request fits, two do not (8B: 128 KiB a token)")
     parser.add_argument("--offload-rounds", type=int, default=3)
+    parser.add_argument("--offload-pause", type=float, default=0.5, help="seconds of idle time before the second kind of repeat")
     parser.add_argument("--engine-args", default="", help="more engine flags for every server")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: colocated, disaggregated, offload")
     parser.add_argument("--seed", type=int, default=0)
@@ -296,7 +310,7 @@ def main() -> int:
         server = start(model, [*offload_flags, *common])
         try:
             server.wait_ready(ready)
-            results["offload"] = asyncio.run(offload_ttft(server.url, sizes, 1 if args.tiny else args.offload_rounds, args.seed))
+            results["offload"] = asyncio.run(offload_ttft(server.url, sizes, 1 if args.tiny else args.offload_rounds, args.seed, args.offload_pause))
         finally:
             stop_all([server])
         print("offload:", json.dumps(results["offload"]), flush=True)
