@@ -195,6 +195,7 @@ class DecodeGraphs:
         with_lora = [False, True] if lora is not None and lora_graph_safe(lora.token_slots) else [False]
         if lora is not None:
             lora.token_slots.fill_(-1)  # padding rows: no adapter
+            lora.capturing = True  # every layer's LoRA path goes into the graphs, filled or not
         for size in reversed(self.sizes):
             for on in with_lora:
                 if lora is not None:
@@ -211,7 +212,7 @@ class DecodeGraphs:
                     aux_outputs[size] = self.aux.latest
                 graphs[size] = graph
         if lora is not None:
-            lora.active = False
+            lora.active = lora.capturing = False
         torch.cuda.synchronize()
         logger.info(
             "captured %d decode graphs (batch sizes %s%s) in %.1f s", len(self.graphs) + len(self.lora_graphs), self.sizes,

@@ -37,6 +37,7 @@ class LoRABatch:
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.token_slots = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.active = False
+        self.capturing = False  # a CUDA graph is being captured: every layer runs its LoRA path
         self.device = device
         self._num_written = 0  # tokens from 0 that may hold a slot; the rest hold -1
 
@@ -77,19 +78,24 @@ class LoRALinear:
         self.b = torch.zeros(max_loras, sum(part_sizes), max_rank, dtype=dtype, device=device)  # [S, out, R]
         starts = np.cumsum([0, *part_sizes])
         self.part_rows = tuple((int(starts[i]), int(starts[i + 1])) for i in range(len(part_sizes)))
+        self.filled: set[int] = set()  # slots an adapter targeting this layer fills
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """``out`` (the base output for ``x [T, in]``) plus each token's adapter delta."""
+        """``out`` (the base output for ``x [T, in]``) plus each token's adapter delta (nothing
+        to do where no adapter in a slot targets this layer, except while a graph that later
+        adapters will replay is captured)."""
         batch = self.batch
-        if not batch.active:
+        if not batch.active or not (self.filled or batch.capturing):
             return out
         slots = batch.token_slots[: x.shape[0]]
         shrunk = lora_ops.lora_shrink(x, self.a, slots)  # [T, P*R] float32
         return lora_ops.lora_expand(shrunk, self.b, slots, out, self.part_rows)
 
     def clear_slot(self, slot: int) -> None:
-        self.a[slot].zero_()
-        self.b[slot].zero_()
+        if slot in self.filled:  # the others are zero already
+            self.a[slot].zero_()
+            self.b[slot].zero_()
+        self.filled.discard(slot)
 
     def set_part(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         """Fill part ``part`` of ``slot`` with ``a [r, in]`` and ``b [rows of part, r]`` (the
@@ -99,6 +105,7 @@ class LoRALinear:
         start = part * self.max_rank
         self.a[slot, start : start + rank].copy_(a, non_blocking=True)
         self.b[slot, r0:r1, :rank].copy_(b, non_blocking=True)
+        self.filled.add(slot)
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ elsewhere. Kernels must not read ``token_slots`` on the host (CUDA graphs captur
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from sonar import ops
@@ -41,12 +42,26 @@ def lora_expand(
     return torch_lora_expand(y, b, token_slots, out, part_rows)
 
 
+def slot_segments(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor | slice]]:
+    """``(slot, rows)`` for every slot the tokens use (-1 left out): a request's tokens are
+    contiguous, so rows are slices where the runs are few, else index tensors per slot. Reads
+    ``token_slots`` on the host (the torch versions are never captured in a graph)."""
+    slots = token_slots.cpu().numpy()
+    if not len(slots):
+        return []
+    starts = np.flatnonzero(np.diff(slots)) + 1
+    bounds = [0, *starts.tolist(), len(slots)]
+    runs = [(int(slots[s]), s, e) for s, e in zip(bounds[:-1], bounds[1:]) if slots[s] >= 0]
+    distinct = {slot for slot, _, _ in runs}
+    if len(runs) <= 2 * len(distinct):
+        return [(slot, slice(s, e)) for slot, s, e in runs]
+    rows = torch.from_numpy(slots).to(token_slots.device)
+    return [(slot, (rows == slot).nonzero(as_tuple=True)[0]) for slot in sorted(distinct)]
+
+
 def torch_lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
     y = x.new_zeros((x.shape[0], a.shape[1]), dtype=torch.float32)
-    for slot in torch.unique(token_slots).tolist():
-        if slot < 0:
-            continue
-        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
+    for slot, rows in slot_segments(token_slots):
         y[rows] = (x[rows] @ a[slot].T).float()
     return y
 
@@ -55,11 +70,9 @@ def torch_lora_expand(
     y: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, out: torch.Tensor, part_rows: tuple[tuple[int, int], ...]
 ) -> torch.Tensor:
     rank = b.shape[-1]
-    for slot in torch.unique(token_slots).tolist():
-        if slot < 0:
-            continue
-        rows = (token_slots == slot).nonzero(as_tuple=True)[0]
+    for slot, rows in slot_segments(token_slots):
+        shrunk = y[rows].to(b.dtype)
         for p, (r0, r1) in enumerate(part_rows):
-            delta = y[rows, p * rank : (p + 1) * rank].to(b.dtype) @ b[slot, r0:r1].T
+            delta = shrunk[:, p * rank : (p + 1) * rank] @ b[slot, r0:r1].T
             out[rows, r0:r1] += delta.to(out.dtype)
     return out
