@@ -80,7 +80,12 @@ def test_the_registry_drains_an_adapter_in_use_and_refuses_clashes() -> None:
     in_use[1] = 0
     registry.finish_removals()
     assert unloaded == [1] and registry.pop_removed() == [1] and not registry.remove(1)
-    registry.check_request(B)  # a request naming an adapter not served adds it
+    with pytest.raises(LoRAError, match="is not served: add it first"):
+        registry.check_request(A)  # removed: a late request does not bring it back
+    registry.add(B)
+    registry.check_request(B)
+    with pytest.raises(LoRAError, match="lora_int_id 2 names adapter 'b'"):
+        registry.check_request(LoRARequest("b2", 2, "/adapters/b2"))
     assert loaded == [A, B] and registry.listed() == [B]
     with pytest.raises(LoRAError, match="start it with enable_lora=True"):
         LoRARegistry(False, loaded.append, unloaded.append, lambda i: 0).add(C)

@@ -120,9 +120,10 @@ class EngineCore:
         return CacheConfig(config.block_size, num_blocks, config.enable_prefix_caching)
 
     def add_request(self, request: Request | EngineCoreRequest) -> None:
-        """Queue a request; an adapter it names that is not served yet is added first.
+        """Queue a request.
 
-        :raises LoRAError: its adapter cannot be served (the request is not queued).
+        :raises LoRAError: it names an adapter that is not served (frontends add it first)
+            or is being removed; the request is not queued.
         """
         self.loras.check_request(request.lora_request)
         if isinstance(request, EngineCoreRequest):

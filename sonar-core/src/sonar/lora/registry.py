@@ -74,15 +74,23 @@ class LoRARegistry:
         return True
 
     def check_request(self, lora_request: LoRARequest | None) -> None:
-        """Make sure a request's adapter is served (an adapter named only by a request is
-        added now).
+        """Refuse a request whose adapter is not served as it names it (frontends add an
+        adapter before its first request; one removed meanwhile is not brought back).
 
-        :raises LoRAError: as ``add``.
+        :raises LoRAInUseError: the adapter is being removed.
+        :raises LoRAError: it is not served, or its id is another adapter's.
         """
         if lora_request is None:
             return
-        if self.adapters.get(lora_request.lora_int_id) != lora_request or lora_request.lora_int_id in self.removing:
-            self.add(lora_request)
+        self._check_enabled()
+        lora_int_id = lora_request.lora_int_id
+        if lora_int_id in self.removing:
+            raise LoRAInUseError(f"LoRA adapter {lora_request.lora_name!r} (id {lora_int_id}) is being removed and takes no new requests")
+        served = self.adapters.get(lora_int_id)
+        if served is None:
+            raise LoRAError(f"LoRA adapter {lora_request.lora_name!r} (id {lora_int_id}) is not served: add it first")
+        if served != lora_request:
+            raise LoRAError(f"lora_int_id {lora_int_id} names adapter {served.lora_name!r} ({served.lora_path}), not {lora_request.lora_name!r}")
 
     def finish_removals(self) -> None:
         """Drop the adapters marked removed that no request uses any more."""
