@@ -64,3 +64,34 @@ def test_the_profile_step_runs_the_largest_shape_and_leaves_nothing(engine: LLME
     assert profile_step_peak_bytes(runner, engine.platform, states, lengths) == 0  # the CPU measures nothing
     assert runner.block_table.row_of == rows_before
     _run(engine)  # the engine still serves
+
+
+def test_phase_timing_with_speculative_decoding_keeps_the_output(tmp_path_factory) -> None:
+    """Timing wraps the sampler's ``sample``, not the sampler: a verify step still reaches its
+    parts (``process``, ``final_probabilities``) and the tokens do not change."""
+    from sonar_models.testing import build_tiny_model
+
+    folder = tmp_path_factory.mktemp("introspection-spec")
+    build_tiny_model("llama", folder)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    engine = LLMEngine(EngineArgs(model=str(folder), kv_cache_memory_bytes=4 * 1024 * 1024, max_model_len=128,
+                                  speculative_config=spec))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6]
+
+    def generate(request_id: str) -> list[int]:
+        engine.add_request(request_id, prompt, params)
+        tokens: list[int] = []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens = list(output.outputs[0].token_ids)
+        return tokens
+
+    plain = generate("plain")
+    engine.set_phase_timing(True)
+    timed = generate("timed")
+    times = engine.phase_times()
+    engine.set_phase_timing(False)
+    assert timed == plain and len(timed) == 12
+    assert times.get("launch: sampler", 0.0) > 0.0
+    assert engine.get_stats().spec_num_drafts > 0  # drafts were verified while timed

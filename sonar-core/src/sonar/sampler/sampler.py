@@ -50,6 +50,10 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """Sample ``[B]`` token ids from ``logits`` ``[B, V]`` (rows follow ``meta.states``)."""
+        return self.sample(logits, meta)
+
+    def sample(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """What calling the sampler does (a method of its own, so a benchmark can time it)."""
         raw_logits = logits
         logits = self.process(logits, meta)
 

@@ -173,7 +173,7 @@ class ModelRunner:
             (self, "build_batch", "launch: build_batch"),
             (self, "_feed_pending_tokens", "launch: feed_pending"),
             (self.model, "forward", "launch: forward"),
-            (self, "sampler", "launch: sampler"),
+            (self.sampler, "sample", "launch: sampler"),  # the sampler itself stays: verification calls its parts
             (self.model, "compute_logits", "launch: compute_logits"),
             (self, "_prompt_logprobs", "launch: prompt_logprobs"),
             (SamplingMetadata, "build", "launch: sampling_metadata"),
