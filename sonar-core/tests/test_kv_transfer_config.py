@@ -28,13 +28,34 @@ def test_vllms_dictionary_resolves() -> None:
         ({"kv_connector": "SonarConnector", "kv_rol": "kv_producer"}, "unknown key\\(s\\) 'kv_rol'"),
         ({"kv_connector": "SonarConnector", "kv_port": 70000}, "must be a port number"),
         ({"kv_connector": "SonarConnector", "kv_connector_extra_config": {"kv_transfer_timeout": -1}}, "positive number of seconds"),
-        ({"kv_connector": "NixlConnector"}, "NixlConnector"),
         ([1, 2], "must be a JSON object"),
     ],
 )
 def test_a_bad_config_is_refused_with_its_reason(value, message) -> None:
     with pytest.raises(ValueError, match=message):
         resolve_kv_transfer_config(value)
+
+
+def test_nixl_connector_config_is_checked_where_nixl_is_installed_and_refused_where_not() -> None:
+    from sonar.kv_transfer.nixl_connector import nixl_module_name
+
+    if nixl_module_name() is None:
+        with pytest.raises(ValueError, match="'NixlConnector' needs the nixl package, which is not installed here"):
+            resolve_kv_transfer_config({"kv_connector": "NixlConnector"})
+        return
+    extra = {"backends": ["UCX"], "progress_thread": False, "kv_transfer_timeout": 5}
+    config = resolve_kv_transfer_config({"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_connector_extra_config": extra})
+    assert config.kv_connector == "NixlConnector" and config.is_consumer
+    refused = [
+        ({"backends": "UCX"}, "must be a list of NIXL backend names"),
+        ({"backends": []}, "must be a list of NIXL backend names"),
+        ({"progress_thread": "yes"}, "must be true or false"),
+        ({"kv_transfer_timeout": 0}, "positive number of seconds"),
+        ({"kv_transport": "tcp"}, "unknown key\\(s\\) 'kv_transport' for NixlConnector; known: backends"),
+    ]
+    for bad, message in refused:
+        with pytest.raises(ValueError, match=message):
+            resolve_kv_transfer_config({"kv_connector": "NixlConnector", "kv_connector_extra_config": bad})
 
 
 def test_offload_and_a_connector_together_are_refused() -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import socket
 import struct
-from typing import Union
 
 import msgspec
 
@@ -72,7 +71,7 @@ class NixlFree(msgspec.Struct, tag="nixl_free", forbid_unknown_fields=True):
     request_id: str
 
 
-SideChannelMessage = Union[NixlHello, NixlHelloReply, kv_wire.Hello]
+SideChannelMessage = NixlHello | NixlHelloReply | kv_wire.Hello
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(SideChannelMessage)
