@@ -19,6 +19,10 @@ on one GPU:
    idle time (by then the last evicting request's blocks have reached the host). Repeated
    ``--offload-rounds`` times each with fresh prefixes; medians reported.
 
+``--connector`` picks the disaggregated run's KV connector: ``SonarConnector`` (built in) or
+``NixlConnector`` (``pip install --no-deps nixl-cu12``); measure the other with ``--skip
+colocated,offload --connector NixlConnector --out results/disagg-nixl``.
+
 The 8B runs use ``Llama-3.1-8B`` from ``sonar bench suite`` with random weights
 (``--load-format dummy``) and a word-level tokenizer of its full vocabulary; prompts are sent
 as token ids, with ``ignore_eos`` so every request generates its full length. ``--tiny`` serves
@@ -49,8 +53,12 @@ from serve_vs_offline import write_dummy_model  # noqa: E402
 from sonar_server.bench_launch import LaunchedServer, free_port, healthy  # noqa: E402
 
 SONAR = [sys.executable, "-m", "sonar.cli.main"]
-PRODUCER = {"kv_connector": "SonarConnector", "kv_role": "kv_producer"}
-CONSUMER = {"kv_connector": "SonarConnector", "kv_role": "kv_consumer"}
+CONNECTORS = ("SonarConnector", "NixlConnector")
+
+
+def transfer_config(connector: str, role: str, extra: dict) -> str:
+    """The ``--kv-transfer-config`` of a prefill (``kv_producer``) or decode (``kv_consumer``) server."""
+    return json.dumps({"kv_connector": connector, "kv_role": role, "kv_connector_extra_config": extra})
 
 
 @dataclass
@@ -242,6 +250,8 @@ def main() -> int:
     parser.add_argument("--offload-pause", type=float, default=0.5, help="seconds of idle time before the second kind of repeat")
     parser.add_argument("--engine-args", default="", help="more engine flags for every server")
     parser.add_argument("--skip", default="", help="comma-separated parts to skip: colocated, disaggregated, offload")
+    parser.add_argument("--connector", choices=CONNECTORS, default="SonarConnector", help="the KV connector of the disaggregated run (NixlConnector: needs nixl installed)")
+    parser.add_argument("--connector-extra", default="{}", help="the connector's kv_connector_extra_config, as JSON")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="disaggregation-results")
     args = parser.parse_args()
@@ -269,7 +279,8 @@ def main() -> int:
         offload_flags = [*base, "--kv-cache-memory-bytes", args.offload_device_kv_bytes, "--kv-offload-bytes", args.offload_bytes]
     extra = shlex.split(args.engine_args)
     common = ["--served-model-name", "bench", *extra]
-    results: dict = {"model": "tiny" if args.tiny else args.model_name, "sizes": sizes.__dict__}
+    results: dict = {"model": "tiny" if args.tiny else args.model_name, "sizes": sizes.__dict__, "connector": args.connector}
+    connector_extra = json.loads(args.connector_extra)
     ready = 300 if args.tiny else 1800
 
     if "colocated" not in skip:
@@ -284,11 +295,11 @@ def main() -> int:
 
     if "disaggregated" not in skip:
         # started one after the other, so that each sizes its KV cache with the other's memory known
-        prefill = start(model, [*split_flags, *common, "--kv-transfer-config", json.dumps(PRODUCER)])
+        prefill = start(model, [*split_flags, *common, "--kv-transfer-config", transfer_config(args.connector, "kv_producer", connector_extra)])
         servers: list = [prefill]
         try:
             prefill.wait_ready(ready)
-            decode = start(model, [*decode_flags, *common, "--kv-transfer-config", json.dumps(CONSUMER)])
+            decode = start(model, [*decode_flags, *common, "--kv-transfer-config", transfer_config(args.connector, "kv_consumer", connector_extra)])
             servers.append(decode)
             decode.wait_ready(ready)
             proxy = Proxy(prefill.url, decode.url)
@@ -297,6 +308,7 @@ def main() -> int:
             asyncio.run(mixed_load(proxy.url, Sizes(**{**sizes.__dict__, "long_prompts": 1, "short_prompts": 2}), args.seed + 99))
             results["disaggregated"] = asyncio.run(mixed_load(proxy.url, sizes, args.seed))
             results["disaggregated"]["decode_server_transfer_failures"] = metric(decode.url, "sonar:kv_transfer_failures_total")
+            results["disaggregated"]["decode_server_external_hits"] = metric(decode.url, "sonar:external_prefix_cache_hits_total")
         finally:
             stop_all(reversed(servers))
         print("disaggregated:", json.dumps(results["disaggregated"]), flush=True)
