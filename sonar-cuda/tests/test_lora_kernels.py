@@ -1,7 +1,8 @@
 """The LoRA shrink and expand kernels against the torch versions of ``sonar.lora.ops``: batches
 that mix adapters and tokens without one, fused parts of unequal sizes, ranks, inputs and
 outputs that are no powers of two, prefill runs and decode mixes, split inputs, strided views;
-the ops' dispatch; and on the GPU: Llama-3.1-8B's shapes and capture in a CUDA graph."""
+the ops' dispatch; the fused single launch of few tokens against shrink then expand; and on
+the GPU: Llama-3.1-8B's shapes and capture in a CUDA graph."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from sonar import ops
 from sonar.lora import ops as lora_ops
 from sonar.lora.ops import torch_lora_expand, torch_lora_shrink
 from sonar_cuda import ops as cuda_ops
-from sonar_cuda.kernels.lora import LoRALaunch, lora_expand, lora_shrink
+from sonar_cuda.kernels.lora import FUSED_A_READS, FUSED_TOKENS, LoRALaunch, fused_launch, lora_expand, lora_shrink, lora_shrink_expand
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 QKV_PARTS = ((0, 40), (40, 64), (64, 88))  # q, k, v of unequal sizes
@@ -147,6 +148,83 @@ def test_mismatched_shapes_are_refused_with_what_was_given(device: torch.device)
     assert lora_shrink(x[:0], a, slots[:0]).shape == (0, 16)
 
 
+def check_fused(
+    slots: torch.Tensor,
+    k: int,
+    rank: int,
+    parts: tuple[tuple[int, int], ...],
+    dtype: torch.dtype,
+    device: torch.device,
+    num_slots: int = 3,
+    launch: LoRALaunch | None = None,
+) -> None:
+    """The fused launch against shrink then expand in float32 from the same weights (the
+    kernel keeps the intermediate in float32 and rounds ``out`` once)."""
+    num_tokens, num_out = slots.shape[0], max(r1 for _, r1 in parts)
+    a, b = adapters(num_slots, len(parts) * rank, k, num_out, rank, dtype, device, seed=num_tokens + k + 1)
+    gen = torch.Generator().manual_seed(k + 1)
+    x = torch.randn(num_tokens, k, generator=gen).to(dtype).to(device)
+    out = torch.randn(num_tokens, num_out, generator=gen).to(dtype).to(device)
+    slots = slots.to(device)
+    none = ((slots < 0) | (slots >= num_slots)).cpu()
+    before = out.clone()
+    assert lora_shrink_expand(x, a, b, slots, out, parts, launch) is out
+    cpu_slots = torch.where(none, -1, slots.cpu())
+    y = torch_lora_shrink(x.float().cpu(), a.float().cpu(), cpu_slots)
+    expected = torch_lora_expand(y, b.float().cpu(), cpu_slots, before.float().cpu(), parts)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(out.float().cpu(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+    assert torch.equal(out.cpu()[none], before.cpu()[none])
+
+
+def test_fused_batch_of_one_over_unequal_parts(device: torch.device) -> None:
+    for dtype in dtypes_for(device):
+        check_fused(torch.tensor([2], dtype=torch.int32), 72, 12, QKV_PARTS, dtype, device)
+    check_fused(torch.tensor([-1], dtype=torch.int32), 72, 12, QKV_PARTS, torch.float32, device)  # no adapter: untouched
+
+
+def test_fused_mix_of_adapters_and_tokens_without_one(device: torch.device) -> None:
+    slots = DECODE_SLOTS[:13]  # 13 tokens: slots 0-2, -1 and 3 (past the slots)
+    for dtype in dtypes_for(device):
+        check_fused(slots, 40, 12, ((0, 24), (24, 33)), dtype, device)
+    # narrow tiles and steps: several tiles per part, the inputs and the rank (80) in several steps
+    check_fused(slots, 100, 80, QKV_PARTS, torch.float32, device, launch=LoRALaunch(16, 16, 32, slot_programs=2, block_r=64))
+
+
+def test_fused_op_dispatch_and_many_tokens_fall_back(device: torch.device) -> None:
+    """The op runs the fused kernel where registered and equals the torch version (shrink then
+    expand); past ``FUSED_TOKENS`` tokens the kernel runs the two launches."""
+    a, b = adapters(2, 32, 48, 40, 16, torch.float32, device)
+    parts = ((0, 16), (16, 40))
+    for num_tokens in (3, FUSED_TOKENS + 2):
+        slots = (torch.arange(num_tokens, dtype=torch.int32) % 3 - 1).to(device)
+        x = torch.randn(num_tokens, 48, device=device)
+        out = torch.randn(num_tokens, 40, device=device)
+        expected = lora_ops.lora_shrink_expand(x, a, b, slots, out.clone(), parts)  # torch versions
+        ops.register_ops(device.type, {"lora_shrink_expand": cuda_ops.OPS["lora_shrink_expand"]})
+        try:
+            got = lora_ops.lora_shrink_expand(x, a, b, slots, out, parts)
+        finally:
+            ops.unregister_ops(device.type)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="2 parts of rank 16 need 32"):
+        lora_shrink_expand(x, a[:, :16], b, slots, out, parts)
+    with pytest.raises(ValueError, match="up to 16 tokens"):
+        lora_shrink_expand(x, a, b, slots, out, parts, LoRALaunch(16, 32, 32))
+
+
+def test_fused_launches_fill_the_gpu_at_llama_8b_shapes() -> None:
+    """Up to one program per multiprocessor of an H200 (132) for qkv, o and gate_up, fewer and
+    wider tiles for down (every program reads its part's whole A, 14336 x 16 for down), the A
+    reads of all programs within ``FUSED_A_READS``."""
+    programs = {}
+    for layer, (k, parts) in LLAMA_LAYERS.items():
+        launch = fused_launch(parts[-1][1], k, 16, 1, torch.bfloat16, torch.device("cpu"))
+        programs[layer] = sum(-(-(r1 - r0) // launch.block_n) for r0, r1 in parts)
+        assert programs[layer] * 16 * k * 2 <= FUSED_A_READS, layer
+    assert programs == {"qkv": 96, "o": 128, "gate_up": 112, "down": 32}
+
+
 # -- GPU: Llama-3.1-8B's projections, rank 16, 8 adapters ---------------------------------
 
 LLAMA_LAYERS = {  # in, parts
@@ -195,3 +273,30 @@ def test_lora_kernels_capture_in_a_cuda_graph(device: torch.device) -> None:
             graph.replay()
             expected = torch_lora_expand(torch_lora_shrink(x, a, slots), b, slots, torch.zeros_like(out), parts)
             torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.cuda
+def test_fused_lora_captures_in_a_cuda_graph(device: torch.device) -> None:
+    """One fused launch per layer in a graph: slots changed between replays (read on the
+    device), tokens without an adapter untouched; down's long inputs too."""
+    for layer in ("qkv", "down"):
+        k, parts = LLAMA_LAYERS[layer]
+        num_out = parts[-1][1]
+        a, b = adapters(8, 16 * len(parts), k, num_out, 16, torch.bfloat16, device)
+        for num_tokens in (1, 13):
+            x = torch.randn(num_tokens, k, device=device, dtype=torch.bfloat16)
+            base = torch.randn(num_tokens, num_out, device=device, dtype=torch.bfloat16)
+            out = base.clone()
+            slots = torch.randint(0, 8, (num_tokens,), dtype=torch.int32, device=device)
+            lora_shrink_expand(x, a, b, slots, out, parts)  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out.copy_(base)
+                lora_shrink_expand(x, a, b, slots, out, parts)
+            for new_slots in (torch.randint(-1, 8, (num_tokens,)), torch.full((num_tokens,), -1)):
+                slots.copy_(new_slots)
+                graph.replay()
+                y = torch_lora_shrink(x.float(), a.float(), slots)
+                expected = torch_lora_expand(y, b.float(), slots, base.float(), parts)
+                torch.testing.assert_close(out.float(), expected, atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
+                assert torch.equal(out[slots < 0], base[slots < 0])

@@ -4,9 +4,9 @@ Models call ``sonar.ops``; for CUDA tensors those calls land here. The norms, ro
 activation run as single Triton launches; the fused add + norm and the rotary work in place.
 Products of one row of activations (decode at batch 1) and argmaxes over the vocabulary run
 as Triton kernels; other products go to the library. The LoRA shrink and expand of batches
-that mix adapters are Triton kernels (``sonar_cuda.kernels.lora``); the experts of a
-mixture-of-experts layer run as two grouped GEMMs over tokens sorted by expert
-(``sonar_cuda.kernels.fused_moe``).
+that mix adapters are Triton kernels (``sonar_cuda.kernels.lora``), fused into one launch for
+up to 16 tokens; the experts of a mixture-of-experts layer run as two grouped GEMMs over
+tokens sorted by expert (``sonar_cuda.kernels.fused_moe``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-import sonar.lora.ops  # noqa: F401  (declares "lora_shrink" and "lora_expand")
+import sonar.lora.ops  # noqa: F401  (declares "lora_shrink", "lora_expand" and "lora_shrink_expand")
 import sonar.moe  # noqa: F401  (declares "fused_moe")
 import sonar.quantization.int4_packing  # noqa: F401  (declares "int4_linear")
 from sonar_cuda.kernels.activation import silu_and_mul as _silu_and_mul
@@ -26,7 +26,7 @@ from sonar_cuda.kernels.gemv import gemv, gemv_pays, gemv_supported
 from sonar_cuda.kernels.int4_gemm import int4_linear
 from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
 from sonar_cuda.kernels.layernorm import rms_norm as _rms_norm
-from sonar_cuda.kernels.lora import lora_expand, lora_shrink
+from sonar_cuda.kernels.lora import lora_expand, lora_shrink, lora_shrink_expand
 from sonar_cuda.kernels.rotary import rotary_embedding
 
 
@@ -96,4 +96,5 @@ OPS: dict[str, Callable[..., Any]] = {
     "fused_moe": fused_moe,  # the experts of a mixture-of-experts layer, two grouped GEMMs
     "lora_shrink": lora_shrink,
     "lora_expand": lora_expand,
+    "lora_shrink_expand": lora_shrink_expand,  # one launch up to FUSED_TOKENS tokens
 }

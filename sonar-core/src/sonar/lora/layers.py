@@ -88,8 +88,8 @@ class LoRALinear:
         if not batch.active or not (self.filled or batch.capturing):
             return out
         slots = batch.token_slots[: x.shape[0]]
-        shrunk = lora_ops.lora_shrink(x, self.a, slots)  # [T, P*R] float32
-        return lora_ops.lora_expand(shrunk, self.b, slots, out, self.part_rows)
+        # shrink then expand; a platform fuses them into one launch where the tokens are few
+        return lora_ops.lora_shrink_expand(x, self.a, self.b, slots, out, self.part_rows)
 
     def clear_slot(self, slot: int) -> None:
         if slot in self.filled:  # the others are zero already

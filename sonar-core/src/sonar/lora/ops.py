@@ -1,13 +1,18 @@
-"""The two batched products every LoRA layer runs, with a seam for platform kernels.
+"""The batched products every LoRA layer runs, with a seam for platform kernels.
 
 A layer with ``S`` adapter slots holds its adapters stacked: ``a [S, N, in]`` (the A matrices
 of its ``P`` fused parts, each zero-padded to rank ``R``, so ``N = P * R``) and
 ``b [S, out, R]`` (the B matrices, the adapter's scale folded in; part ``p`` fills its own
 output rows). ``token_slots [T]`` (int32) names each token's slot, ``-1`` for none.
 
-Both operations are registered like any other (``sonar.ops.declare_op``): a platform puts a
-kernel behind ``"lora_shrink"`` and ``"lora_expand"`` and the torch versions below run
-elsewhere. Kernels must not read ``token_slots`` on the host (CUDA graphs capture them).
+:func:`lora_shrink_expand` is the two in one call (what a layer runs): a platform may fuse
+them for few tokens, where the launches, not the bytes, cost the time.
+
+The operations are registered like any other (``sonar.ops.declare_op``): a platform puts a
+kernel behind ``"lora_shrink"``, ``"lora_expand"`` and ``"lora_shrink_expand"``, and the
+torch versions below run elsewhere (the torch ``lora_shrink_expand`` calls the other two, so
+a platform with only those two kernels still runs them). Kernels must not read
+``token_slots`` on the host (CUDA graphs capture them).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from sonar import ops
 
 ops.declare_op("lora_shrink")
 ops.declare_op("lora_expand")
+ops.declare_op("lora_shrink_expand")
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
@@ -40,6 +46,24 @@ def lora_expand(
     if impl is not None:
         return impl(y, b, token_slots, out, part_rows)
     return torch_lora_expand(y, b, token_slots, out, part_rows)
+
+
+def lora_shrink_expand(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
+    out: torch.Tensor,
+    part_rows: tuple[tuple[int, int], ...],
+) -> torch.Tensor:
+    """:func:`lora_shrink` then :func:`lora_expand`: ``out[t, r0:r1] += (x[t] @
+    a[slot, p*R:(p+1)*R].T) @ b[slot, r0:r1].T`` (``slot = token_slots[t]``) for every part
+    ``p``, in place; tokens with slot ``-1`` are left as they are. Returns ``out``. A
+    platform's kernel may compute it in one launch, without rounding the intermediate."""
+    impl = ops.platform_op(out, "lora_shrink_expand")
+    if impl is not None:
+        return impl(x, a, b, token_slots, out, part_rows)
+    return lora_expand(lora_shrink(x, a, token_slots), b, token_slots, out, part_rows)
 
 
 def slot_segments(token_slots: torch.Tensor) -> list[tuple[int, torch.Tensor | slice]]:

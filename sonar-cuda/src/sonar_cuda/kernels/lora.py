@@ -54,13 +54,16 @@ DECODE_TOKENS = 64  # up to this many tokens, one block holds the whole batch
 MAX_PARTS = 4  # fused parts per expand launch (qkv: 3, gate_up: 2)
 MAX_SPLIT = 32
 WAVES = 2  # programs the shrink's split aims at, per multiprocessor
+FUSED_TOKENS = 16  # up to this many tokens, lora_shrink_expand runs as one fused launch
+FUSED_A_READS = 16 << 20  # bytes of A the fused launch's programs read from L2, together, at most
 
 
 @dataclass(frozen=True, slots=True)
 class LoRALaunch:
-    """How a launch covers its product: tokens per block, columns per tile, inputs (shrink)
-    or ranks (expand) per ``tl.dot`` step, split-K factor (shrink; 0: chosen from the
-    shape), slot programs per block and tile (0: chosen), warps and pipeline stages."""
+    """How a launch covers its product: tokens per block, columns per tile, inputs (shrink,
+    fused) or ranks (expand) per ``tl.dot`` step, split-K factor (shrink; 0: chosen from the
+    shape), slot programs per block and tile (0: chosen), warps, pipeline stages, and ranks
+    per step of the fused launch."""
 
     block_m: int
     block_n: int
@@ -69,6 +72,7 @@ class LoRALaunch:
     slot_programs: int = 0
     num_warps: int = 4
     num_stages: int = 3
+    block_r: int = 0  # ranks per step of the fused launch (0: chosen from the rank)
 
 
 def block_m_for(num_tokens: int) -> int:
@@ -100,6 +104,21 @@ def expand_launch(num_tokens: int, rank: int) -> LoRALaunch:
     to 16 tokens, 128 beyond."""
     block_r = min(64, max(16, triton.next_power_of_2(rank)))
     return LoRALaunch(block_m_for(num_tokens), 64 if num_tokens <= 16 else 128, block_r)
+
+
+def fused_launch(num_out: int, k: int, rank: int, num_tokens: int, dtype: torch.dtype, device: torch.device) -> LoRALaunch:
+    """The fused launch's (``num_out`` rows over all parts, ``k`` inputs): every program
+    reads its part's whole A (``rank x k``) from L2, so tiles are as narrow as fills the
+    multiprocessors once while those reads stay under ``FUSED_A_READS`` together (32 to 256
+    columns: qkv and o get about 100 programs, gate_up 112, down 32); steps of 256 inputs of
+    2-byte values (512 from 8192 inputs: more of a long A in flight per program), half that
+    of float32."""
+    a_bytes = max(1, rank * k * dtype.itemsize)
+    programs = max(1, min(num_sms(device), FUSED_A_READS // a_bytes))
+    block_n = min(256, max(32, triton.next_power_of_2(triton.cdiv(max(num_out, 1), programs))))
+    block_k = (512 if k >= 8192 else 256) // (2 if dtype.itemsize > 2 else 1)
+    block_r = min(64, max(16, triton.next_power_of_2(rank)))
+    return LoRALaunch(block_m_for(num_tokens), block_n, block_k, num_warps=4, num_stages=3, block_r=block_r)
 
 
 def shrink_split(num_busy: int, k: int, launch: LoRALaunch, device: torch.device) -> tuple[int, int]:
@@ -226,6 +245,77 @@ def _lora_expand_kernel(
     tl.store(out_ptrs, (old.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _lora_fused_kernel(
+    x_ptr, a_ptr, b_ptr, slots_ptr, out_ptr,
+    T, K, R, num_slots, slot_programs,
+    stride_xt, stride_xk, stride_as, stride_an, stride_ak, stride_bs, stride_bo, stride_br, stride_ot, stride_oo,
+    P0_Y, P0_R0, P0_R1, P1_TILE, P1_Y, P1_R0, P1_R1,
+    P2_TILE, P2_Y, P2_R0, P2_R1, P3_TILE, P3_Y, P3_R0, P3_R1,
+    NUM_PARTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    IEEE: tl.constexpr,
+):  # fmt: skip
+    first_slot = tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)  # the whole batch: one block
+    token_slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
+    mine = (token_slots >= 0) & (token_slots < num_slots) & (token_slots % slot_programs == first_slot)
+    if tl.max(mine.to(tl.int32), axis=0) == 0:
+        return
+    pid = tl.program_id(0)
+    tile0, a_row, r0, r1 = 0, P0_Y, P0_R0, P0_R1
+    if NUM_PARTS > 1:
+        tile0, a_row, r0, r1 = _part_of(pid, tile0, a_row, r0, r1, P1_TILE, P1_Y, P1_R0, P1_R1)
+    if NUM_PARTS > 2:
+        tile0, a_row, r0, r1 = _part_of(pid, tile0, a_row, r0, r1, P2_TILE, P2_Y, P2_R0, P2_R1)
+    if NUM_PARTS > 3:
+        tile0, a_row, r0, r1 = _part_of(pid, tile0, a_row, r0, r1, P3_TILE, P3_Y, P3_R0, P3_R1)
+    offs_o = r0 + (pid - tile0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    o_mask = offs_o < r1
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + offs_o[None, :] * stride_oo
+    mask = mine[:, None] & o_mask[None, :]
+    old = tl.load(out_ptrs, mask=mask, other=0.0)  # issued first: its latency hides behind the products
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_r = tl.arange(0, BLOCK_R)
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt
+    b_cols = b_ptr + offs_o.to(tl.int64)[None, :] * stride_bo
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for slot in range(first_slot, num_slots, slot_programs):
+        own = token_slots == slot
+        if tl.max(own.to(tl.int32), axis=0) > 0:
+            a_slot = a_ptr + slot * stride_as  # below 2^31: S * N * in elements
+            b_slot = b_cols + slot * stride_bs
+            for rank0 in range(0, R, BLOCK_R):
+                r = rank0 + offs_r
+                r_mask = r < R
+                a_rows = a_slot + (a_row + r).to(tl.int64)[:, None] * stride_an
+                # this part's rank-R intermediate of the block's rows, over all the inputs
+                y = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+                for k0 in range(0, K, BLOCK_K):
+                    k = k0 + offs_k
+                    k_mask = k < K
+                    x = tl.load(x_rows + k[None, :] * stride_xk, mask=own[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
+                    a = tl.load(a_rows + k[None, :] * stride_ak, mask=r_mask[:, None] & k_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_K]
+                    if IEEE:
+                        y += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision="ieee")
+                    else:
+                        y += tl.dot(x, tl.trans(a.to(x.dtype)))
+                b = tl.load(b_slot + r[:, None] * stride_br, mask=r_mask[:, None] & o_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
+                if IEEE:
+                    acc += tl.dot(y, b.to(tl.float32), input_precision="ieee")
+                else:
+                    # y as the sum of two values of b's dtype: the product keeps y's float32
+                    # precision to about 2^-16 instead of rounding it to 8 bits
+                    y_hi = y.to(b.dtype)
+                    y_lo = (y - y_hi.to(tl.float32)).to(b.dtype)
+                    acc += tl.dot(y_hi, b)
+                    acc += tl.dot(y_lo, b)
+    tl.store(out_ptrs, (old.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _check_slots(token_slots: torch.Tensor, num_tokens: int, device: torch.device) -> None:
     if token_slots.shape != (num_tokens,) or token_slots.dtype not in (torch.int32, torch.int64):
         raise ValueError(
@@ -233,6 +323,33 @@ def _check_slots(token_slots: torch.Tensor, num_tokens: int, device: torch.devic
         )
     if token_slots.device != device:
         raise ValueError(f"token_slots is on {token_slots.device}, the activations on {device}")
+
+
+def _check_parts(part_rows: tuple[tuple[int, int], ...], num_out: int) -> None:
+    for r0, r1 in part_rows:
+        if not 0 <= r0 <= r1 <= num_out:
+            raise ValueError(f"part rows ({r0}, {r1}) outside the {num_out} rows of b")
+    spans = sorted((r0, r1) for r0, r1 in part_rows if r1 > r0)
+    for (r0, r1), (next0, next1) in itertools.pairwise(spans):
+        if next0 < r1:  # one launch adds all parts: rows of two parts would race
+            raise ValueError(f"part rows ({r0}, {r1}) and ({next0}, {next1}) overlap; each output row belongs to one part")
+
+
+def _part_groups(part_rows: tuple[tuple[int, int], ...], rank: int, block_n: int):
+    """Per launch (up to ``MAX_PARTS`` non-empty parts each): ``(parts, column tiles, part
+    arguments)``, the arguments ``P0_Y, P0_R0, P0_R1, P1_TILE, P1_Y, ...`` where part ``i``'s
+    tiles start at tile ``Pi_TILE``, its rank columns (of ``y``, or rows of ``a``) at ``Pi_Y``,
+    its rows of ``out`` are ``Pi_R0:Pi_R1``; unused parts start past the last tile."""
+    parts = [(p * rank, r0, r1) for p, (r0, r1) in enumerate(part_rows) if r1 > r0]
+    for first in range(0, len(parts), MAX_PARTS):
+        group = parts[first : first + MAX_PARTS]
+        tiles = [0]
+        for _, r0, r1 in group:
+            tiles.append(tiles[-1] + triton.cdiv(r1 - r0, block_n))
+        part_args: list[int] = []
+        for i in range(MAX_PARTS):
+            part_args += [tiles[i], *group[i]] if i < len(group) else [tiles[-1], 0, 0, 0]
+        yield len(group), tiles[-1], part_args[1:]
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, launch: LoRALaunch | None = None) -> torch.Tensor:
@@ -284,35 +401,80 @@ def lora_expand(
     num_tokens, (num_slots, num_out, rank) = y.shape[0], b.shape
     if y.shape[1] < len(part_rows) * rank:
         raise ValueError(f"y has {y.shape[1]} columns; {len(part_rows)} parts of rank {rank} need {len(part_rows) * rank}")
-    for r0, r1 in part_rows:
-        if not 0 <= r0 <= r1 <= num_out:
-            raise ValueError(f"part rows ({r0}, {r1}) outside the {num_out} rows of b")
-    spans = sorted((r0, r1) for r0, r1 in part_rows if r1 > r0)
-    for (r0, r1), (next0, next1) in itertools.pairwise(spans):
-        if next0 < r1:  # one launch adds all parts: rows of two parts would race
-            raise ValueError(f"part rows ({r0}, {r1}) and ({next0}, {next1}) overlap; each output row belongs to one part")
+    _check_parts(part_rows, num_out)
     _check_slots(token_slots, num_tokens, out.device)
     if num_tokens == 0 or num_slots == 0 or rank == 0:
         return out
     launch = launch or expand_launch(num_tokens, rank)
     num_blocks = triton.cdiv(num_tokens, launch.block_m)
     slot_programs = slot_programs_for(num_tokens, num_slots, launch)
-    parts = [(p * rank, r0, r1) for p, (r0, r1) in enumerate(part_rows) if r1 > r0]  # (y column, rows)
-    for first in range(0, len(parts), MAX_PARTS):
-        group = parts[first : first + MAX_PARTS]
-        # part i's column tiles start at tiles[i]; unused parts start past the last tile
-        tiles = [0]
-        for _, r0, r1 in group:
-            tiles.append(tiles[-1] + triton.cdiv(r1 - r0, launch.block_n))
-        part_args: list[int] = []
-        for i in range(MAX_PARTS):
-            part_args += [tiles[i], *group[i]] if i < len(group) else [tiles[-1], 0, 0, 0]
-        _lora_expand_kernel[(num_blocks, tiles[-1], slot_programs)](
+    for num_parts, num_tiles, part_args in _part_groups(part_rows, rank, launch.block_n):
+        _lora_expand_kernel[(num_blocks, num_tiles, slot_programs)](
             y, b, token_slots, out,
             num_tokens, rank, num_slots, slot_programs,
             y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
-            *part_args[1:],
-            NUM_PARTS=len(group), BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_R=launch.block_k,
+            *part_args,
+            NUM_PARTS=num_parts, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_R=launch.block_k,
             IEEE=b.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        )  # fmt: skip
+    return out
+
+
+def lora_shrink_expand(
+    x: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    token_slots: torch.Tensor,
+    out: torch.Tensor,
+    part_rows: tuple[tuple[int, int], ...],
+    launch: LoRALaunch | None = None,
+) -> torch.Tensor:
+    """``out[t, r0:r1] += (x[t] @ a[slot, p*R:(p+1)*R].T) @ b[slot, r0:r1].T`` with
+    ``slot = token_slots[t]``, for every part ``p`` with rows ``part_rows[p] = (r0, r1)``, in
+    place; tokens without a slot are left as they are. Returns ``out``.
+
+    Up to ``FUSED_TOKENS`` tokens (or whenever ``launch`` is given) in one launch: each
+    program computes its part's rank-``R`` intermediate itself, float32 throughout, and adds
+    its tile of columns to ``out`` rounding once; more tokens: :func:`lora_shrink` then
+    :func:`lora_expand`."""
+    if x.dim() != 2 or a.dim() != 3 or b.dim() != 3 or out.dim() != 2:
+        raise ValueError(
+            f"lora_shrink_expand takes x [T, in], a [S, N, in], b [S, out, R] and out [T, out]; "
+            f"got x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, out {tuple(out.shape)}"
+        )
+    num_tokens, k = x.shape
+    num_slots, num_out, rank = b.shape
+    if a.shape[0] != num_slots or a.shape[2] != k or out.shape != (num_tokens, num_out):
+        raise ValueError(
+            f"lora_shrink_expand takes x [T, in], a [S, N, in], b [S, out, R] and out [T, out]; "
+            f"got x {tuple(x.shape)}, a {tuple(a.shape)}, b {tuple(b.shape)}, out {tuple(out.shape)}"
+        )
+    if len({x.device, a.device, b.device, out.device}) > 1:
+        raise ValueError(f"x ({x.device}), a ({a.device}), b ({b.device}) and out ({out.device}) must be on one device")
+    if a.shape[1] < len(part_rows) * rank:
+        raise ValueError(f"a has {a.shape[1]} rows; {len(part_rows)} parts of rank {rank} need {len(part_rows) * rank}")
+    _check_parts(part_rows, num_out)
+    _check_slots(token_slots, num_tokens, out.device)
+    if num_tokens == 0 or num_slots == 0 or rank == 0:
+        return out
+    if launch is None and num_tokens > FUSED_TOKENS:
+        return lora_expand(lora_shrink(x, a, token_slots), b, token_slots, out, part_rows)
+    if num_tokens > FUSED_TOKENS:
+        raise ValueError(f"the fused launch takes up to {FUSED_TOKENS} tokens, got {num_tokens}")
+    if k == 0:
+        return out
+    launch = launch or fused_launch(num_out, k, rank, num_tokens, x.dtype, x.device)
+    block_m = max(launch.block_m, block_m_for(num_tokens))  # one block holds the whole batch
+    block_r = launch.block_r or min(64, max(16, triton.next_power_of_2(rank)))
+    slot_programs = slot_programs_for(num_tokens, num_slots, launch)
+    for num_parts, num_tiles, part_args in _part_groups(part_rows, rank, launch.block_n):
+        _lora_fused_kernel[(num_tiles, slot_programs)](
+            x, a, b, token_slots, out,
+            num_tokens, k, rank, num_slots, slot_programs,
+            x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
+            b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+            *part_args,
+            NUM_PARTS=num_parts, BLOCK_M=block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, BLOCK_R=block_r,
+            IEEE=x.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
         )  # fmt: skip
     return out
