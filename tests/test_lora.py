@@ -316,3 +316,40 @@ def test_adapters_add_onto_a_quantized_base_layer(llama) -> None:
     manager.prepare_step([0, 0], [2, 3])  # no adapter in the step: the base output, untouched
     with torch.inference_mode():
         assert torch.equal(layer(x), base)
+
+
+def test_the_in_process_async_frontend_adds_serves_and_removes_adapters(llama) -> None:
+    from sonar.config import EngineArgs
+    from sonar.engine.async_client import AsyncLLM
+
+    path, _, prompts, requests, expected, _ = llama
+    client = AsyncLLM.from_engine_args(
+        EngineArgs(str(path), dtype="float32", enable_lora=True, max_loras=2, max_model_len=256, kv_cache_memory_bytes=KV_BYTES)
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+
+    async def generate(request_id: str, lora: LoRARequest | None) -> list[int]:
+        final = None
+        async for output in client.generate(request_id, {"prompt_token_ids": prompts[0]}, params, lora_request=lora):
+            final = output
+        return final.outputs[0].token_ids
+
+    async def scenario() -> None:
+        await client.add_lora(requests["mlp"])
+        assert await client.list_loras() == [requests["mlp"]]
+        got = await asyncio.gather(generate("a", requests["mlp"]), generate("b", requests["all"]), generate("c", None))
+        assert got == [expected["mlp"][0], expected["all"][0], expected[None][0]]
+        running = asyncio.ensure_future(generate("d", requests["all"]))
+        await asyncio.sleep(0)
+        await client.remove_lora(requests["all"].lora_int_id)  # waits for "d" where it still runs
+        assert await running == expected["all"][0]
+        assert await client.list_loras() == [requests["mlp"]]
+        with pytest.raises(LoRAError, match="no LoRA adapter with lora_int_id 1"):
+            await client.remove_lora(requests["all"].lora_int_id)
+        with pytest.raises(LoRAError, match="lora_path is not a folder"):
+            await client.add_lora(LoRARequest("gone", 9, "/nowhere"))
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        client.shutdown()

@@ -290,10 +290,10 @@ class AsyncLLM:
                 if stopping:
                     self._fail_all(EngineClosedError("the engine shut down"))
                     return
+                for command in adds:  # before LoRA calls: a removal then waits for requests sent before it
+                    self._apply_add(command)
                 for lora_command in lora_commands:
                     self._apply_lora(lora_command)
-                for command in adds:
-                    self._apply_add(command)
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
                         self._deliver(output)
