@@ -12,12 +12,15 @@ together exceed L2 (each decode layer finds its LoRA weights in memory, not in c
 - ``base``: ``torch.nn.functional.linear`` alone;
 - ``base_lora``: the same product followed by ``lora_shrink`` and ``lora_expand`` into its output;
 - ``lora``: ``base_lora - base``, what the adapters add to the layer; ``ratio``: ``base_lora / base``;
+- ``fused``: ``base`` + the single-launch ``lora_shrink_expand`` minus ``base`` (batches of up to
+  64 tokens: past ``FUSED_TOKENS`` the engine does not use it, the figure says whether it should);
 - ``shrink``, ``expand``: each alone (copies of its weights only: an L2-warm lower bound).
 
-Each case is first checked against the torch versions of ``sonar.lora.ops`` (largest error
-over the largest value of the reference; ``ok``: below 1e-3 for the shrink, 2e-2 for the
-layer's output, and rows without an adapter unchanged). ``per_layer`` sums the four kinds: one decoder
-layer's projections with and without the adapters. ``--sweep`` also times alternative
+Each case is first checked against float32 torch versions of ``sonar.lora.ops`` from the same
+weights (the intermediate not rounded; largest error over the largest value of the reference;
+``ok``: below 1e-3 for the shrink, 2e-2 for the layer's output, fused and not, and rows
+without an adapter unchanged). ``per_layer`` sums the four kinds: one decoder layer's
+projections without the adapters, with the two launches, and fused. ``--sweep`` also times alternative
 launches (``LoRALaunch``) per case, each as ``base`` + the kernel minus ``base``. Prints a
 table and writes one JSON document to ``--out``.
 """
@@ -36,7 +39,16 @@ from triton.runtime.errors import OutOfResources
 
 import sonar_cuda.graph_timing
 from sonar.lora.ops import torch_lora_expand, torch_lora_shrink
-from sonar_cuda.kernels.lora import LoRALaunch, expand_launch, lora_expand, lora_shrink, shrink_launch
+from sonar_cuda.kernels.lora import (
+    DECODE_TOKENS,
+    LoRALaunch,
+    expand_launch,
+    fused_launch,
+    lora_expand,
+    lora_shrink,
+    lora_shrink_expand,
+    shrink_launch,
+)
 
 HIDDEN, INTERMEDIATE, KV = 4096, 14336, 1024
 LAYERS = {  # in, part sizes
@@ -84,23 +96,34 @@ class Case:
         self.x = torch.randn(len(slots), k, device=DEVICE, dtype=DTYPE)
         self.y = lora_shrink(self.x, self.a[0], self.slots)
 
+    @property
+    def fusable(self) -> bool:
+        return self.x.shape[0] <= DECODE_TOKENS
+
+    def fused_default(self) -> LoRALaunch:
+        return fused_launch(self.weights[0].shape[0], self.x.shape[1], self.b[0].shape[-1], self.x.shape[0], DTYPE, self.x.device)
+
     def check(self) -> dict:
-        """Largest error over the largest reference value, shrink and expand (of base + delta)."""
+        """Largest error over the largest reference value, shrink and expand (of base + delta),
+        against float32 products of the same weights."""
         base = torch.nn.functional.linear(self.x, self.weights[0])
         y = lora_shrink(self.x, self.a[0], self.slots)
         out = lora_expand(y, self.b[0], self.slots, base.clone(), self.parts)
-        y_ref = torch_lora_shrink(self.x, self.a[0], self.slots)
-        out_ref = torch_lora_expand(y_ref, self.b[0], self.slots, base.clone(), self.parts)
-        delta_ref = (out_ref.float() - base.float()).abs().max().item()
+        y_ref = torch_lora_shrink(self.x.float(), self.a[0].float(), self.slots)
+        out_ref = torch_lora_expand(y_ref, self.b[0].float(), self.slots, base.float().clone(), self.parts)
+        delta_ref = (out_ref - base.float()).abs().max().item()
+        scale = max(out_ref.abs().max().item(), 1e-30)
         shrink_err = (y - y_ref).abs().max().item() / max(y_ref.abs().max().item(), 1e-30)
-        out_err = (out.float() - out_ref.float()).abs().max().item() / max(out_ref.abs().max().item(), 1e-30)
+        out_err = (out.float() - out_ref).abs().max().item() / scale
         untouched = bool(torch.equal(out[self.slots < 0], base[self.slots < 0]))
-        return {
-            "shrink_err": round(shrink_err, 6),
-            "out_err": round(out_err, 6),
-            "delta_max": round(delta_ref, 4),
-            "ok": shrink_err < 1e-3 and out_err < 2e-2 and untouched,
-        }
+        result = {"shrink_err": round(shrink_err, 6), "out_err": round(out_err, 6), "delta_max": round(delta_ref, 4)}
+        ok = shrink_err < 1e-3 and out_err < 2e-2 and untouched
+        if self.fusable:
+            fused = lora_shrink_expand(self.x, self.a[0], self.b[0], self.slots, base.clone(), self.parts, self.fused_default())
+            result["fused_err"] = round((fused.float() - out_ref).abs().max().item() / scale, 6)
+            ok = ok and result["fused_err"] < 2e-2 and bool(torch.equal(fused[self.slots < 0], base[self.slots < 0]))
+        result["ok"] = ok
+        return result
 
     def base_calls(self) -> list:
         return [lambda w=w: torch.nn.functional.linear(self.x, w) for w in self.weights]
@@ -109,6 +132,15 @@ class Case:
         def call(w, a, b):
             out = torch.nn.functional.linear(self.x, w)
             return lora_expand(lora_shrink(self.x, a, self.slots, shrink_with), b, self.slots, out, self.parts, expand_with)
+
+        return [lambda w=w, a=a, b=b: call(w, a, b) for w, a, b in zip(self.weights, self.a, self.b)]
+
+    def fused_calls(self, launch: LoRALaunch | None = None) -> list:
+        launch = launch or self.fused_default()
+
+        def call(w, a, b):
+            out = torch.nn.functional.linear(self.x, w)
+            return lora_shrink_expand(self.x, a, b, self.slots, out, self.parts, launch)
 
         return [lambda w=w, a=a, b=b: call(w, a, b) for w, a, b in zip(self.weights, self.a, self.b)]
 
@@ -134,7 +166,7 @@ class Case:
 def time_case(case: Case) -> dict:
     base = timed(case.base_calls())
     base_lora = timed(case.lora_calls())
-    return {
+    result = {
         "base": base,
         "base_lora": base_lora,
         "lora": round(base_lora - base, 2),
@@ -142,6 +174,10 @@ def time_case(case: Case) -> dict:
         "shrink": timed(case.shrink_calls()),
         "expand": timed(case.expand_calls()),
     }
+    if case.fusable:
+        result["base_fused"] = timed(case.fused_calls())
+        result["fused"] = round(result["base_fused"] - base, 2)
+    return result
 
 
 def shrink_alternatives(num_tokens: int, n: int) -> list[LoRALaunch]:
@@ -173,6 +209,18 @@ def expand_alternatives(num_tokens: int, rank: int) -> list[LoRALaunch]:
     return list(dict.fromkeys(launches))
 
 
+def fused_alternatives(chosen: LoRALaunch, num_tokens: int) -> list[LoRALaunch]:
+    launches = [chosen]
+    for block_n in (32, 64, 128, 256):
+        for block_k in (128, 256, 512):
+            launches.append(LoRALaunch(chosen.block_m, block_n, block_k, block_r=chosen.block_r))
+    for warps, stages in ((8, 3), (4, 2), (4, 4), (8, 4)):
+        launches.append(LoRALaunch(chosen.block_m, chosen.block_n, chosen.block_k, num_warps=warps, num_stages=stages, block_r=chosen.block_r))
+    if num_tokens > 1:
+        launches += [LoRALaunch(chosen.block_m, chosen.block_n, chosen.block_k, slot_programs=p, block_r=chosen.block_r) for p in (1, 2)]
+    return list(dict.fromkeys(launches))
+
+
 def label(launch: LoRALaunch) -> str:
     return f"m{launch.block_m}n{launch.block_n}k{launch.block_k}s{launch.split_k}p{launch.slot_programs}w{launch.num_warps}st{launch.num_stages}"
 
@@ -191,7 +239,16 @@ def sweep_case(case: Case, rank: int) -> dict:
             result["expand"][label(launch)] = round(timed(case.expand_calls(launch, with_base=True)) - base, 2)
         except (OutOfResources, CompilationError) as error:
             result["expand"][label(launch)] = f"{type(error).__name__}: {str(error)[:120]}"
-    for kind in ("shrink", "expand"):
+    kinds = ["shrink", "expand"]
+    if case.fusable:
+        kinds.append("fused")
+        result["fused"] = {}
+        for launch in fused_alternatives(case.fused_default(), num_tokens):
+            try:
+                result["fused"][label(launch)] = round(timed(case.fused_calls(launch)) - base, 2)
+            except (OutOfResources, CompilationError) as error:
+                result["fused"][label(launch)] = f"{type(error).__name__}: {str(error)[:120]}"
+    for kind in kinds:
         measured = {key: us for key, us in result[kind].items() if isinstance(us, float)}
         result[f"best_{kind}"] = min(measured, key=measured.get) if measured else None
     return result
@@ -224,7 +281,7 @@ def main() -> None:
             args.out.write_text(json.dumps(summary, indent=1))
 
     started = time.perf_counter()
-    print(f"{'case':<24}{'base':>10}{'base+lora':>11}{'lora':>9}{'ratio':>8}{'shrink':>9}{'expand':>9}{'out_err':>10}{'ok':>4}", flush=True)
+    print(f"{'case':<24}{'base':>10}{'base+lora':>11}{'lora':>9}{'fused':>9}{'ratio':>8}{'shrink':>9}{'expand':>9}{'out_err':>10}{'ok':>4}", flush=True)
     for batch in chosen_batches:
         for layer in args.layers.split(","):
             case = Case(layer, all_batches[batch], args.rank, args.adapters)
@@ -234,19 +291,26 @@ def main() -> None:
             summary["cases"][f"{layer} {batch}"] = result
             print(
                 f"{layer + ' ' + batch:<24}{result['base']:>10.2f}{result['base_lora']:>11.2f}{result['lora']:>9.2f}"
-                f"{result['ratio']:>8.3f}{result['shrink']:>9.2f}{result['expand']:>9.2f}{result['out_err']:>10.2e}{'yes' if result['ok'] else 'NO':>4}",
+                f"{result['fused'] if 'fused' in result else '-':>9}{result['ratio']:>8.3f}{result['shrink']:>9.2f}{result['expand']:>9.2f}{result['out_err']:>10.2e}{'yes' if result['ok'] else 'NO':>4}",
                 flush=True,
             )
             if args.sweep:
-                print(f"    best shrink {result['sweep']['best_shrink']}, best expand {result['sweep']['best_expand']}", flush=True)
+                best_fused = result["sweep"].get("best_fused")
+                print(f"    best shrink {result['sweep']['best_shrink']}, best expand {result['sweep']['best_expand']}, best fused {best_fused}", flush=True)
             del case
             torch.cuda.empty_cache()
             save()
         kinds = [summary["cases"].get(f"{layer} {batch}") for layer in args.layers.split(",")]
         base = sum(k["base"] for k in kinds)
         base_lora = sum(k["base_lora"] for k in kinds)
-        summary["per_layer"][batch] = {"base": round(base, 2), "base_lora": round(base_lora, 2), "ratio": round(base_lora / base, 3)}
-        print(f"{'  one decoder layer':<24}{base:>10.2f}{base_lora:>11.2f}{base_lora - base:>9.2f}{base_lora / base:>8.3f}", flush=True)
+        per_layer = {"base": round(base, 2), "base_lora": round(base_lora, 2), "ratio": round(base_lora / base, 3)}
+        fused = "-"
+        if all("base_fused" in k for k in kinds):
+            base_fused = sum(k["base_fused"] for k in kinds)
+            per_layer |= {"base_fused": round(base_fused, 2), "fused_ratio": round(base_fused / base, 3)}
+            fused = f"{base_fused - base:.2f}"
+        summary["per_layer"][batch] = per_layer
+        print(f"{'  one decoder layer':<24}{base:>10.2f}{base_lora:>11.2f}{base_lora - base:>9.2f}{fused:>9}{base_lora / base:>8.3f}", flush=True)
         save()
     summary["seconds"] = round(time.perf_counter() - started, 1)
     save()

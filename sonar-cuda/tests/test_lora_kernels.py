@@ -189,6 +189,8 @@ def test_fused_mix_of_adapters_and_tokens_without_one(device: torch.device) -> N
         check_fused(slots, 40, 12, ((0, 24), (24, 33)), dtype, device)
     # narrow tiles and steps: several tiles per part, the inputs and the rank (80) in several steps
     check_fused(slots, 100, 80, QKV_PARTS, torch.float32, device, launch=LoRALaunch(16, 16, 32, slot_programs=2, block_r=64))
+    # 22 tokens in one block of 32 (the fused launch measured past FUSED_TOKENS)
+    check_fused(DECODE_SLOTS, 40, 12, ((0, 24), (24, 33)), torch.float32, device, launch=LoRALaunch(32, 32, 64))
 
 
 def test_fused_op_dispatch_and_many_tokens_fall_back(device: torch.device) -> None:
@@ -209,8 +211,9 @@ def test_fused_op_dispatch_and_many_tokens_fall_back(device: torch.device) -> No
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match="2 parts of rank 16 need 32"):
         lora_shrink_expand(x, a[:, :16], b, slots, out, parts)
-    with pytest.raises(ValueError, match="up to 16 tokens"):
-        lora_shrink_expand(x, a, b, slots, out, parts, LoRALaunch(16, 32, 32))
+    many = torch.zeros(65, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="up to 64 tokens"):
+        lora_shrink_expand(torch.zeros(65, 48, device=device), a, b, many, torch.zeros(65, 40, device=device), parts, LoRALaunch(64, 32, 32))
 
 
 def test_fused_launches_fill_the_gpu_at_llama_8b_shapes() -> None:

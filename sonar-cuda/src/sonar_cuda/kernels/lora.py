@@ -35,8 +35,19 @@ part), the rank in steps of at most 64 (padded to a power of two of at least 16 
 float32 and written back only for the program's own tokens: rows without a slot stay as
 they were.
 
-Launches: ``LoRALaunch``; :func:`shrink_launch` and :func:`expand_launch` choose them from the
-shapes (``sonar-cuda/benchmarks/lora_kernels.py --sweep`` measures the alternatives).
+:func:`lora_shrink_expand` (both in one launch, up to ``FUSED_TOKENS`` tokens): at batch 1
+the two launches (three with the shrink's split sum), not the bytes, cost the time, so one
+grid of column tiles (all parts, as the expand's) and slot programs does both: each program
+computes its part's rank-``R`` intermediate of the batch over all the inputs itself (a part's
+A, ``R x in``, is read from L2 by every program of that part, so tiles are as wide as keeps
+those reads within ``FUSED_A_READS``; see :func:`fused_launch`), keeps it in float32 (split
+into two values of the weights' dtype for the tensor-core product with B), and adds its tile
+to ``out``, rounding once. The tile of ``out`` is loaded first, so its latency hides behind
+the products.
+
+Launches: ``LoRALaunch``; :func:`shrink_launch`, :func:`expand_launch` and
+:func:`fused_launch` choose them from the shapes (``sonar-cuda/benchmarks/lora_kernels.py
+--sweep`` measures the alternatives).
 """
 
 from __future__ import annotations
@@ -433,10 +444,10 @@ def lora_shrink_expand(
     ``slot = token_slots[t]``, for every part ``p`` with rows ``part_rows[p] = (r0, r1)``, in
     place; tokens without a slot are left as they are. Returns ``out``.
 
-    Up to ``FUSED_TOKENS`` tokens (or whenever ``launch`` is given) in one launch: each
-    program computes its part's rank-``R`` intermediate itself, float32 throughout, and adds
-    its tile of columns to ``out`` rounding once; more tokens: :func:`lora_shrink` then
-    :func:`lora_expand`."""
+    Up to ``FUSED_TOKENS`` tokens (up to ``DECODE_TOKENS`` where ``launch`` is given: for
+    measuring) in one launch: each program computes its part's rank-``R`` intermediate
+    itself, float32 throughout, and adds its tile of columns to ``out`` rounding once; more
+    tokens: :func:`lora_shrink` then :func:`lora_expand`."""
     if x.dim() != 2 or a.dim() != 3 or b.dim() != 3 or out.dim() != 2:
         raise ValueError(
             f"lora_shrink_expand takes x [T, in], a [S, N, in], b [S, out, R] and out [T, out]; "
@@ -459,8 +470,8 @@ def lora_shrink_expand(
         return out
     if launch is None and num_tokens > FUSED_TOKENS:
         return lora_expand(lora_shrink(x, a, token_slots), b, token_slots, out, part_rows)
-    if num_tokens > FUSED_TOKENS:
-        raise ValueError(f"the fused launch takes up to {FUSED_TOKENS} tokens, got {num_tokens}")
+    if num_tokens > DECODE_TOKENS:
+        raise ValueError(f"the fused launch takes up to {DECODE_TOKENS} tokens (one block), got {num_tokens}")
     if k == 0:
         return out
     launch = launch or fused_launch(num_out, k, rank, num_tokens, x.dtype, x.device)
