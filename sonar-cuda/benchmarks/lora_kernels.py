@@ -204,7 +204,7 @@ def expand_alternatives(num_tokens: int, rank: int) -> list[LoRALaunch]:
     if num_tokens > 1:
         launches += [LoRALaunch(chosen.block_m, chosen.block_n, chosen.block_k, slot_programs=p) for p in (1, 2, 8)]
     if num_tokens > 64:
-        launches += [LoRALaunch(m, n, chosen.block_k) for m in (32, 128) for n in (64, 128)]
+        launches += [LoRALaunch(m, n, chosen.block_k, num_warps=w) for m in (32, 64, 128) for n in (64, 128, 256) for w in (4, 8)]
     launches += [LoRALaunch(chosen.block_m, chosen.block_n, chosen.block_k, num_stages=s) for s in (1, 2)]
     return list(dict.fromkeys(launches))
 

@@ -4,8 +4,10 @@ A layer's adapters are stacked by slot: ``a [S, N, in]`` (the A matrices of its 
 ``N = P * R``) and ``b [S, out, R]``; ``token_slots [T]`` names each token's slot (``-1``, or
 anything outside ``[0, S)``: none).
 
-Both kernels share one grid: token blocks of ``BLOCK_M`` along axis 0, tiles of the product's
-columns along axis 1, and ``G`` slot programs along axis 2, program ``j`` serving the slots
+Both kernels share one grid: token blocks of ``BLOCK_M`` and tiles of the product's columns
+along axes 0 and 1 (the shrink) or 1 and 0 (the expand: programs launched together cover
+whole rows of ``out``, long runs of memory, rather than one column tile of many rows), and
+``G`` slot programs along axis 2, program ``j`` serving the slots
 ``j, j + G, j + 2G, ...``. A program loads its block's slots and leaves at once when none of
 its tokens holds one of its slots; otherwise, for each of its slots that some token holds, it
 multiplies that slot's weight tile by the block's rows of that slot (the others masked to
@@ -31,9 +33,9 @@ atomics). Tokens without a slot get zeros, written by slot program 0.
 :func:`lora_expand` (``out[T, r0:r1] += y_p @ b[slot, r0:r1].T`` per part): one launch for all
 of a fused layer's parts (up to ``MAX_PARTS``; tiles of ``BLOCK_N`` columns, each inside one
 part), the rank in steps of at most 64 (padded to a power of two of at least 16 with masks),
-``y`` rounded to the weights' dtype as the torch version does, and ``out`` read, added to in
-float32 and written back only for the program's own tokens: rows without a slot stay as
-they were.
+``y`` rounded to the weights' dtype as the torch version does, and ``out`` read (first: its
+latency hides behind the product), added to in float32 and written back only for the
+program's own tokens: rows without a slot stay as they were.
 
 :func:`lora_shrink_expand` (both in one launch, up to ``FUSED_TOKENS`` tokens): at batch 1
 the two launches (three with the shrink's split sum), not the bytes, cost the time, so one
@@ -217,13 +219,13 @@ def _lora_expand_kernel(
     IEEE: tl.constexpr,
 ):  # fmt: skip
     first_slot = tl.program_id(2)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     token_slots = tl.load(slots_ptr + offs_m, mask=offs_m < T, other=-1)
     mine = (token_slots >= 0) & (token_slots < num_slots) & (token_slots % slot_programs == first_slot)
     if tl.max(mine.to(tl.int32), axis=0) == 0:
         return
     # the part of this column tile: part i's tiles start at tile Pi_TILE (part 0's at 0)
-    pid = tl.program_id(1)
+    pid = tl.program_id(0)
     tile0, y_col, r0, r1 = 0, P0_Y, P0_R0, P0_R1
     if NUM_PARTS > 1:
         tile0, y_col, r0, r1 = _part_of(pid, tile0, y_col, r0, r1, P1_TILE, P1_Y, P1_R0, P1_R1)
@@ -233,6 +235,9 @@ def _lora_expand_kernel(
         tile0, y_col, r0, r1 = _part_of(pid, tile0, y_col, r0, r1, P3_TILE, P3_Y, P3_R0, P3_R1)
     offs_o = r0 + (pid - tile0) * BLOCK_N + tl.arange(0, BLOCK_N)
     o_mask = offs_o < r1
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + offs_o[None, :] * stride_oo
+    mask = mine[:, None] & o_mask[None, :]
+    old = tl.load(out_ptrs, mask=mask, other=0.0)  # issued first: its latency hides behind the product
     offs_r = tl.arange(0, BLOCK_R)
     y_rows = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + y_col * stride_yn
     b_cols = b_ptr + offs_o.to(tl.int64)[None, :] * stride_bo
@@ -250,9 +255,6 @@ def _lora_expand_kernel(
                     acc += tl.dot(y.to(b.dtype), b, input_precision="ieee")
                 else:
                     acc += tl.dot(y.to(b.dtype), b)
-    out_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_ot + offs_o[None, :] * stride_oo
-    mask = mine[:, None] & o_mask[None, :]
-    old = tl.load(out_ptrs, mask=mask, other=0.0)
     tl.store(out_ptrs, (old.to(tl.float32) + acc).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -420,7 +422,7 @@ def lora_expand(
     num_blocks = triton.cdiv(num_tokens, launch.block_m)
     slot_programs = slot_programs_for(num_tokens, num_slots, launch)
     for num_parts, num_tiles, part_args in _part_groups(part_rows, rank, launch.block_n):
-        _lora_expand_kernel[(num_blocks, num_tiles, slot_programs)](
+        _lora_expand_kernel[(num_tiles, num_blocks, slot_programs)](
             y, b, token_slots, out,
             num_tokens, rank, num_slots, slot_programs,
             y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
