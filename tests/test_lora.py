@@ -15,7 +15,7 @@ import torch
 
 from conftest import HFOracle, random_prompts
 from sonar import LLM, SamplingParams
-from sonar.lora import LoRAError, LoRARequest
+from sonar.lora import LoRAError, LoRAInUseError, LoRARequest
 
 NUM_TOKENS = 10
 KV_BYTES = 16 << 20
@@ -263,12 +263,16 @@ def test_an_engine_core_process_adds_lists_serves_and_removes_adapters(llama) ->
             final = await stream.__anext__()
             removal = asyncio.ensure_future(client.remove_lora(2))
             num_while_running = 0
+            refused = None
             async for final in stream:
                 if not final.finished:
                     assert not removal.done()
                     num_while_running += 1
+                    if refused is None:  # a new request for the adapter being removed: an error, not an empty answer
+                        with pytest.raises(LoRAInUseError) as refused:
+                            await generate("e", prompts[0], requests["qv"])
             await removal
-            assert num_while_running > 0
+            assert num_while_running > 0 and refused is not None
             tokens = final.outputs[0].token_ids
             assert len(tokens) == 80 and tokens[:NUM_TOKENS] == expected["qv"][1]
             assert await client.list_loras() == [requests["all"]]

@@ -108,3 +108,16 @@ def test_lora_calls_cross_the_wire_as_plain_data() -> None:
     for frames in bad:
         with pytest.raises(wire.BadFrame):
             wire.decode_lora_call(frames)
+
+
+def test_a_refused_request_reads_back_as_its_error() -> None:
+    """An engine core's refusal (finish_reason abort, a stop_reason naming why) becomes the
+    error the frontend raises: LoRAInUseError for an adapter being removed, ValueError else."""
+    from sonar.engine import wire
+    from sonar.lora import LoRAInUseError
+
+    in_use = wire.rejection(f"{wire.REJECTED_ADAPTER_IN_USE}adapter 'qv' is being removed")
+    assert isinstance(in_use, LoRAInUseError) and str(in_use) == "adapter 'qv' is being removed"
+    other = wire.rejection(f"{wire.REJECTED}prompt token ids out of range")
+    assert type(other) is ValueError and "out of range" in str(other)
+    assert wire.rejection("stop") is None and wire.rejection(7) is None and wire.rejection(None) is None

@@ -17,7 +17,7 @@ from sonar.engine.async_client import AsyncLLM, EngineClosedError, EngineDeadErr
 from sonar.engine.core_client import MPCoreClient, lora_reply_result
 from sonar.engine.input_processor import InputProcessor, PromptType
 from sonar.engine.output_processor import OutputProcessor
-from sonar.engine.wire import ClientAddresses, EngineCoreOutputs, LoRAReply, SchedulerStats
+from sonar.engine.wire import ClientAddresses, EngineCoreOutputs, LoRAReply, SchedulerStats, rejection
 from sonar.lora.errors import LoRAError
 from sonar.lora.request import LoRARequest
 from sonar.sampling_params import SamplingParams
@@ -238,6 +238,10 @@ class AsyncMPLLM:
             if output.finished:
                 self._streams.pop(output.request_id, None)
                 self._engine_of.pop(output.request_id, None)
+                refused = rejection(output.outputs[0].stop_reason) if output.outputs and not output.outputs[0].token_ids else None
+                if refused is not None:  # the engine core refused it: an error, not an empty answer
+                    stream.put(refused)
+                    continue
             stream.put(output)
         if to_stop:  # stop strings found here: the engine core lets these go
             self.client.abort(outputs.engine_index, [child_id for child_id, _ in to_stop])

@@ -26,7 +26,7 @@ import zmq
 from sonar.config import EngineConfig
 from sonar.engine import wire
 from sonar.engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from sonar.lora.errors import LoRAError
+from sonar.lora.errors import LoRAError, LoRAInUseError
 
 logger = logging.getLogger("sonar.engine_core")
 
@@ -145,11 +145,12 @@ class EngineCoreProc:
         if request.sampling_params.guided_decoding is not None:
             self._grammar_compiler().compile(request.sampling_params.guided_decoding)
 
-    def _reject(self, request: EngineCoreRequest, reason: str) -> None:
-        """A request that decoded but cannot run ends at once, so its frontend never waits."""
+    def _reject(self, request: EngineCoreRequest, reason: str, kind: str = wire.REJECTED) -> None:
+        """A request that decoded but cannot run ends at once, so its frontend never waits
+        (and raises: ``wire.rejection`` reads the reason back)."""
         logger.warning("engine core %d rejected a request: %s", self.engine_index, reason)
         if 0 <= request.client_index < len(self.clients):
-            output = EngineCoreOutput(request.request_id, [], finish_reason="abort", stop_reason=f"rejected: {reason}")
+            output = EngineCoreOutput(request.request_id, [], finish_reason="abort", stop_reason=f"{kind}{reason}")
             self.sends.put((request.client_index, self._outputs_message([output])))
 
     def _grammar_compiler(self) -> Any:
@@ -222,7 +223,7 @@ class EngineCoreProc:
             try:
                 self.core.add_request(request)
             except LoRAError as exc:  # its adapter cannot be served
-                self._reject(request, str(exc))
+                self._reject(request, str(exc), wire.REJECTED_ADAPTER_IN_USE if isinstance(exc, LoRAInUseError) else wire.REJECTED)
                 return
             self.client_of[request.request_id] = request.client_index
         elif kind == wire.LORA:

@@ -50,6 +50,24 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=T
     lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
 
 
+# stop_reason prefixes of a request an engine core refused (finish_reason "abort", no tokens)
+REJECTED = "rejected: "
+REJECTED_ADAPTER_IN_USE = "rejected (adapter being removed): "
+
+
+def rejection(stop_reason: object) -> ValueError | None:
+    """The error a frontend raises for a request its engine core refused (None: not refused)."""
+    from sonar.lora.errors import LoRAInUseError
+
+    if not isinstance(stop_reason, str):
+        return None
+    if stop_reason.startswith(REJECTED_ADAPTER_IN_USE):
+        return LoRAInUseError(stop_reason[len(REJECTED_ADAPTER_IN_USE):])
+    if stop_reason.startswith(REJECTED):
+        return ValueError(stop_reason[len(REJECTED):])
+    return None
+
+
 class AbortRequests(msgspec.Struct, array_like=True):
     request_ids: list[str]
 
