@@ -101,7 +101,9 @@ class Case:
         return self.x.shape[0] <= DECODE_TOKENS
 
     def fused_default(self) -> LoRALaunch:
-        return fused_launch(self.weights[0].shape[0], self.x.shape[1], self.b[0].shape[-1], self.x.shape[0], DTYPE, self.x.device)
+        return fused_launch(
+            self.weights[0].shape[0], self.x.shape[1], self.b[0].shape[-1], self.x.shape[0], self.b[0].shape[0], DTYPE, self.x.device
+        )
 
     def check(self) -> dict:
         """Largest error over the largest reference value, shrink and expand (of base + delta),
@@ -211,10 +213,10 @@ def expand_alternatives(num_tokens: int, rank: int) -> list[LoRALaunch]:
 
 def fused_alternatives(chosen: LoRALaunch, num_tokens: int) -> list[LoRALaunch]:
     launches = [chosen]
-    for block_n in (32, 64, 128, 256):
+    for block_n in (32, 64, 128, 256, 512):
         for block_k in (128, 256, 512):
-            launches.append(LoRALaunch(chosen.block_m, block_n, block_k, block_r=chosen.block_r))
-    for warps, stages in ((8, 3), (4, 2), (4, 4), (8, 4)):
+            launches.append(LoRALaunch(chosen.block_m, block_n, block_k, num_warps=8 if block_n >= 256 else 4, block_r=chosen.block_r))
+    for warps, stages in ((4, 3), (8, 3), (4, 2), (4, 4), (8, 4)):
         launches.append(LoRALaunch(chosen.block_m, chosen.block_n, chosen.block_k, num_warps=warps, num_stages=stages, block_r=chosen.block_r))
     if num_tokens > 1:
         launches += [LoRALaunch(chosen.block_m, chosen.block_n, chosen.block_k, slot_programs=p, block_r=chosen.block_r) for p in (1, 2)]

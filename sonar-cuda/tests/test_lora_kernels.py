@@ -222,10 +222,13 @@ def test_fused_launches_fill_the_gpu_at_llama_8b_shapes() -> None:
     reads of all programs within ``FUSED_A_READS``."""
     programs = {}
     for layer, (k, parts) in LLAMA_LAYERS.items():
-        launch = fused_launch(parts[-1][1], k, 16, 1, torch.bfloat16, torch.device("cpu"))
+        launch = fused_launch(parts[-1][1], k, 16, 1, 8, torch.bfloat16, torch.device("cpu"))
         programs[layer] = sum(-(-(r1 - r0) // launch.block_n) for r0, r1 in parts)
         assert programs[layer] * 16 * k * 2 <= FUSED_A_READS, layer
     assert programs == {"qkv": 96, "o": 128, "gate_up": 112, "down": 32}
+    # 13 tokens of 8 adapters: a program per tile and slot, wider tiles
+    k, parts = LLAMA_LAYERS["gate_up"]
+    assert fused_launch(parts[-1][1], k, 16, 13, 8, torch.bfloat16, torch.device("cpu")).block_n == 512
 
 
 # -- GPU: Llama-3.1-8B's projections, rank 16, 8 adapters ---------------------------------

@@ -119,19 +119,24 @@ def expand_launch(num_tokens: int, rank: int) -> LoRALaunch:
     return LoRALaunch(block_m_for(num_tokens), 64 if num_tokens <= 16 else 128, block_r)
 
 
-def fused_launch(num_out: int, k: int, rank: int, num_tokens: int, dtype: torch.dtype, device: torch.device) -> LoRALaunch:
+def fused_launch(
+    num_out: int, k: int, rank: int, num_tokens: int, num_slots: int, dtype: torch.dtype, device: torch.device
+) -> LoRALaunch:
     """The fused launch's (``num_out`` rows over all parts, ``k`` inputs): every program
-    reads its part's whole A (``rank x k``) from L2, so tiles are as narrow as fills the
-    multiprocessors once while those reads stay under ``FUSED_A_READS`` together (32 to 256
-    columns: qkv and o get about 100 programs, gate_up 112, down 32); steps of 256 inputs of
-    2-byte values (512 from 8192 inputs: more of a long A in flight per program), half that
-    of float32."""
+    reads its part's whole A (``rank x k``) of its slot from L2, so tiles are as narrow as
+    fills the multiprocessors once while those reads stay under ``FUSED_A_READS`` together,
+    for each of the ``min(S, T)`` slot programs (32 to 512 columns; at batch 1 qkv runs 96
+    programs, o 128, gate_up 112, down 32); steps of 512 inputs of 2-byte values, half that
+    of float32 (a program's time is its A read, latency-bound: the wider the step, the more
+    of A is in flight)."""
     a_bytes = max(1, rank * k * dtype.itemsize)
-    programs = max(1, min(num_sms(device), FUSED_A_READS // a_bytes))
-    block_n = min(256, max(32, triton.next_power_of_2(triton.cdiv(max(num_out, 1), programs))))
-    block_k = (512 if k >= 8192 else 256) // (2 if dtype.itemsize > 2 else 1)
+    slot_programs = max(1, min(num_slots, num_tokens))
+    programs = max(1, min(num_sms(device), FUSED_A_READS // a_bytes) // slot_programs)
+    block_n = min(512, max(32, triton.next_power_of_2(triton.cdiv(max(num_out, 1), programs))))
+    block_k = 512 // (2 if dtype.itemsize > 2 else 1)
     block_r = min(64, max(16, triton.next_power_of_2(rank)))
-    return LoRALaunch(block_m_for(num_tokens), block_n, block_k, num_warps=4, num_stages=3, block_r=block_r)
+    warps = 8 if block_n >= 256 else 4
+    return LoRALaunch(block_m_for(num_tokens), block_n, block_k, num_warps=warps, num_stages=3, block_r=block_r)
 
 
 def shrink_split(num_busy: int, k: int, launch: LoRALaunch, device: torch.device) -> tuple[int, int]:
@@ -476,7 +481,7 @@ def lora_shrink_expand(
         raise ValueError(f"the fused launch takes up to {DECODE_TOKENS} tokens (one block), got {num_tokens}")
     if k == 0:
         return out
-    launch = launch or fused_launch(num_out, k, rank, num_tokens, x.dtype, x.device)
+    launch = launch or fused_launch(num_out, k, rank, num_tokens, num_slots, x.dtype, x.device)
     block_m = max(launch.block_m, block_m_for(num_tokens))  # one block holds the whole batch
     block_r = launch.block_r or min(64, max(16, triton.next_power_of_2(rank)))
     slot_programs = slot_programs_for(num_tokens, num_slots, launch)
