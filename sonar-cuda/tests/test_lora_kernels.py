@@ -262,6 +262,17 @@ def test_lora_kernels_at_llama_8b_shapes(layer: str, batch: str, device: torch.d
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("layer", LLAMA_LAYERS)
+def test_fused_lora_at_llama_8b_shapes(layer: str, device: torch.device) -> None:
+    k, parts = LLAMA_LAYERS[layer]
+    mixed = llama_batches()["decode-64"][:13]
+    for slots in (llama_batches()["batch-1"], mixed):
+        for dtype in GPU_DTYPES[1:]:
+            check_fused(slots, k, 16, parts, dtype, device, num_slots=8)
+        check_fused(slots, k, 64, parts, torch.bfloat16, device, num_slots=16)
+
+
+@pytest.mark.cuda
 def test_lora_kernels_capture_in_a_cuda_graph(device: torch.device) -> None:
     k, parts = LLAMA_LAYERS["qkv"]
     a, b = adapters(8, 48, k, 6144, 16, torch.bfloat16, device)
