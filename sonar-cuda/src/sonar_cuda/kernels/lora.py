@@ -9,7 +9,8 @@ along axes 0 and 1 (the shrink) or 1 and 0 (the expand: programs launched togeth
 whole rows of ``out``, long runs of memory, rather than one column tile of many rows), and
 ``G`` slot programs along axis 2, program ``j`` serving the slots
 ``j, j + G, j + 2G, ...``. A program loads its block's slots and leaves at once when none of
-its tokens holds one of its slots; otherwise, for each of its slots that some token holds, it
+its tokens holds one of its slots; otherwise, for each of its slots that some token holds
+(from the block's least to its greatest, so a block of one run checks one slot), it
 multiplies that slot's weight tile by the block's rows of that slot (the others masked to
 zero) in ``tl.dot`` steps, float32 accumulation. Rows of different slots are disjoint, so one
 accumulator serves all of a program's slots. No program reads the weights of a slot its
@@ -180,7 +181,8 @@ def _lora_shrink_kernel(
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for slot in range(first_slot, num_slots, slot_programs):
+    lowest, highest = tl.min(tl.where(mine, token_slots, num_slots), axis=0), tl.max(tl.where(mine, token_slots, -1), axis=0)
+    for slot in range(lowest, highest + 1, slot_programs):  # all congruent to first_slot
         own = token_slots == slot
         if tl.max(own.to(tl.int32), axis=0) > 0:
             a_slot = a_rows + slot * stride_as  # below 2^31: S * N * in elements
@@ -247,7 +249,8 @@ def _lora_expand_kernel(
     y_rows = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + y_col * stride_yn
     b_cols = b_ptr + offs_o.to(tl.int64)[None, :] * stride_bo
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for slot in range(first_slot, num_slots, slot_programs):
+    lowest, highest = tl.min(tl.where(mine, token_slots, num_slots), axis=0), tl.max(tl.where(mine, token_slots, -1), axis=0)
+    for slot in range(lowest, highest + 1, slot_programs):  # all congruent to first_slot
         own = token_slots == slot
         if tl.max(own.to(tl.int32), axis=0) > 0:
             b_slot = b_cols + slot * stride_bs  # below 2^31: S * out * R elements
@@ -301,7 +304,8 @@ def _lora_fused_kernel(
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xt
     b_cols = b_ptr + offs_o.to(tl.int64)[None, :] * stride_bo
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for slot in range(first_slot, num_slots, slot_programs):
+    lowest, highest = tl.min(tl.where(mine, token_slots, num_slots), axis=0), tl.max(tl.where(mine, token_slots, -1), axis=0)
+    for slot in range(lowest, highest + 1, slot_programs):  # all congruent to first_slot
         own = token_slots == slot
         if tl.max(own.to(tl.int32), axis=0) > 0:
             a_slot = a_ptr + slot * stride_as  # below 2^31: S * N * in elements
