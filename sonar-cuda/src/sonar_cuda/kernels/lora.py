@@ -314,7 +314,9 @@ def _lora_fused_kernel(
                 r = rank0 + offs_r
                 r_mask = r < R
                 a_rows = a_slot + (a_row + r).to(tl.int64)[:, None] * stride_an
-                # this part's rank-R intermediate of the block's rows, over all the inputs
+                # B's tile first (in flight during the inputs' loop), then this part's rank-R
+                # intermediate of the block's rows, over all the inputs
+                b = tl.load(b_slot + r[:, None] * stride_br, mask=r_mask[:, None] & o_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
                 y = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
                 for k0 in range(0, K, BLOCK_K):
                     k = k0 + offs_k
@@ -325,7 +327,6 @@ def _lora_fused_kernel(
                         y += tl.dot(x, tl.trans(a.to(x.dtype)), input_precision="ieee")
                     else:
                         y += tl.dot(x, tl.trans(a.to(x.dtype)))
-                b = tl.load(b_slot + r[:, None] * stride_br, mask=r_mask[:, None] & o_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
                 if IEEE:
                     acc += tl.dot(y, b.to(tl.float32), input_precision="ieee")
                 else:
