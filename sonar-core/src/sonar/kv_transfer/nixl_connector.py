@@ -44,13 +44,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from sonar.kv_transfer import kv_wire, nixl_wire
-from sonar.kv_transfer.interface import (
-    KVCacheLayout,
-    KVConnector,
-    KVConnectorMetadata,
-    KVConnectorRole,
-    KVTransferConfig,
-)
+from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorMetadata, KVConnectorRole, KVTransferConfig
 from sonar.kv_transfer.kv_wire import KVWireError
 from sonar.kv_transfer.sonar_connector import prompt_hash
 
@@ -394,16 +388,22 @@ class NixlConnector(KVConnector):
         if not notifications:
             return
         now = time.monotonic()
+        for agent_name, messages in notifications.items():
+            for message in messages:
+                req_id = nixl_wire.decode_free(message)
+                if req_id is None:
+                    logger.warning("NIXL: agent %s sent a notification that is not a free: %r", agent_name, message[:64])
+                else:
+                    self._free(req_id, now)
+
+    def _free(self, req_id: str, now: float) -> None:
+        """A decode engine is done with ``req_id``'s blocks: they go at the next step (or
+        once the send is registered, if this came first)."""
         with self._lock:
-            for agent_name, messages in notifications.items():
-                for message in messages:
-                    req_id = nixl_wire.decode_free(message)
-                    if req_id is None:
-                        logger.warning("NIXL: agent %s sent a notification that is not a free: %r", agent_name, message[:64])
-                    elif self._served.pop(req_id, None) is not None:
-                        self._done_sending.add(req_id)
-                    elif len(self._early_frees) < MAX_EARLY_FREES:
-                        self._early_frees[req_id] = now
+            if self._served.pop(req_id, None) is not None:
+                self._done_sending.add(req_id)
+            elif len(self._early_frees) < MAX_EARLY_FREES:
+                self._early_frees[req_id] = now
 
     def _serve(self) -> None:
         listener = self._listener
@@ -423,7 +423,11 @@ class NixlConnector(KVConnector):
                 logger.warning("NIXL side channel: connection from %s closed: %s", peer, exc)
 
     def _answer_hello(self, conn: socket.socket) -> None:
-        hello = nixl_wire.recv_message(conn, (nixl_wire.NixlHello, kv_wire.Hello))
+        hello = nixl_wire.recv_message(conn, (nixl_wire.NixlHello, nixl_wire.NixlFree, kv_wire.Hello))
+        if isinstance(hello, nixl_wire.NixlFree):
+            if hello.engine_id == self.engine_id:
+                self._free(hello.request_id, time.monotonic())
+            return
         if isinstance(hello, kv_wire.Hello):  # a SonarConnector engine
             error = "this KV port is a NixlConnector's; give the decode engine kv_connector 'NixlConnector' too"
             kv_wire.send_message(conn, kv_wire.HelloReply(False, self.engine_id, error))
@@ -472,13 +476,7 @@ class NixlConnector(KVConnector):
         self._finish_recv(load.request_id, ok)
 
     def _release(self, release: NixlRelease) -> None:
-        try:
-            reply = self._ask(release.remote_host, release.remote_port)
-            if reply.engine_id != release.remote_engine_id:
-                return  # another engine serves that port now: the blocks went with the old one
-            self._send_free(self._peer(reply, (release.remote_host, release.remote_port)), release.remote_request_id)
-        except Exception as exc:  # the prefill engine frees them after its timeout anyway
-            logger.debug("telling %s:%s to free %s failed: %s", release.remote_host, release.remote_port, release.remote_request_id, exc)
+        self._send_free(release.remote_host, release.remote_port, release.remote_engine_id, release.remote_request_id)
 
     def _hello(self) -> nixl_wire.NixlHello:
         layout = self.layout
@@ -509,15 +507,20 @@ class NixlConnector(KVConnector):
         if reply.engine_id != load.remote_engine_id:
             raise KVWireError(f"engine {reply.engine_id!r} serves that port now, not {load.remote_engine_id!r}, whose blocks these were")
         peer = self._peer(reply, (load.remote_host, load.remote_port))
-        if len(load.remote_block_ids) != len(load.block_ids):
-            raise KVWireError(f"{len(load.remote_block_ids)} remote blocks for {len(load.block_ids)} local ones")
-        if any(b >= peer.num_blocks for b in load.remote_block_ids):
-            raise KVWireError(f"a remote block id beyond the prefill engine's {peer.num_blocks} blocks")
+        try:
+            if len(load.remote_block_ids) != len(load.block_ids):
+                raise KVWireError(f"{len(load.remote_block_ids)} remote blocks for {len(load.block_ids)} local ones")
+            if any(b >= peer.num_blocks for b in load.remote_block_ids):
+                raise KVWireError(f"a remote block id beyond the prefill engine's {peer.num_blocks} blocks")
+        except KVWireError:
+            self._send_free(load.remote_host, load.remote_port, reply.engine_id, load.remote_request_id)  # nothing will read them
+            raise
         try:
             self._transfer(peer, load)
         except Exception:
-            self._send_free(peer, load.remote_request_id)  # whatever it read, the prefill side may free them
             self._forget(peer)
+            # whatever it read, the prefill side may free them (if it still can hear it)
+            self._send_free(load.remote_host, load.remote_port, reply.engine_id, load.remote_request_id)
             raise
 
     def _transfer(self, peer: _Peer, load: NixlLoad) -> None:
@@ -569,6 +572,10 @@ class NixlConnector(KVConnector):
             except Exception as exc:
                 self._agent.remove_remote_agent(added)
                 raise KVWireError(f"its cache does not match the memory its agent registered ({exc})") from None
+            try:  # connected now, so that a notification sent before any read gets through
+                self._agent.make_connection(added)
+            except Exception as exc:
+                logger.debug("NIXL: connecting to agent %s ahead of a read failed: %s", added, exc)
             peer = _Peer(added, reply.engine_id, reply.num_blocks, descriptors)
             self._peers[added] = peer
             self._peer_at[address] = added
@@ -592,11 +599,15 @@ class NixlConnector(KVConnector):
             return "a layer address out of range"
         return None
 
-    def _send_free(self, peer: _Peer, remote_request_id: str) -> None:
+    def _send_free(self, host: str, port: int, engine_id: str, remote_request_id: str) -> None:
+        """Tell the prefill engine at ``host:port`` that its blocks of ``remote_request_id``
+        will not be read (best effort: it frees them after its timeout anyway)."""
         try:
-            self._agent.send_notif(peer.agent_name, nixl_wire.encode_free(remote_request_id))
-        except Exception as exc:  # the peer is gone: its blocks went with it
-            logger.debug("NIXL: telling %s to free %s failed: %s", peer.agent_name, remote_request_id, exc)
+            with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as sock:
+                sock.settimeout(IO_TIMEOUT_S)
+                nixl_wire.send_message(sock, nixl_wire.NixlFree(remote_request_id, engine_id))
+        except OSError as exc:  # the peer is gone: its blocks went with it
+            logger.debug("telling %s:%s to free %s failed: %s", host, port, remote_request_id, exc)
 
     def _forget(self, peer: _Peer) -> None:
         """Drop a peer after a failed transfer: the next pull adds it afresh."""

@@ -12,8 +12,9 @@ tagged union; never pickle):
                         block of keys (or values) of one layer, the memory kind and device
 
 The blocks then move by NIXL alone: the decode engine READs them into its own blocks and its
-transfer carries a notification, ``NixlFree`` (also sent alone when a transfer fails), on which
-the prefill engine frees them. A receiver decodes each message into the one type it expects,
+transfer carries a notification, ``NixlFree``, on which the prefill engine frees them. A decode
+engine that reads none of them (its own prefix cache holds the prompt, or the read failed)
+sends ``NixlFree`` on a connection of its own instead, as its only message. A receiver decodes each message into the one type it expects,
 refuses a header longer than ``MAX_HEADER_BYTES``, and closes the connection on anything else.
 
 A built-in ``SonarConnector`` engine that connects to this port by mistake is answered with a
@@ -65,20 +66,22 @@ class NixlHelloReply(msgspec.Struct, tag="nixl_hello_reply", forbid_unknown_fiel
 
 
 class NixlFree(msgspec.Struct, tag="nixl_free", forbid_unknown_fields=True):
-    """A NIXL notification: the decode side is done with the blocks of prefill ``request_id``
-    (read, or given up on); the prefill side frees them."""
+    """The decode side is done with the blocks of prefill ``request_id`` (read, or given up
+    on): the prefill side frees them. It comes as the notification of a read, or alone on a
+    side-channel connection (then naming the engine it is meant for, ignored by any other)."""
 
     request_id: str
+    engine_id: str = ""
 
 
-SideChannelMessage = NixlHello | NixlHelloReply | kv_wire.Hello
+SideChannelMessage = NixlHello | NixlHelloReply | NixlFree | kv_wire.Hello
 
 _ENCODER = msgspec.msgpack.Encoder()
 _DECODER = msgspec.msgpack.Decoder(SideChannelMessage)
 _NOTIF_DECODER = msgspec.msgpack.Decoder(NixlFree)
 
 
-def send_message(sock: socket.socket, message: NixlHello | NixlHelloReply) -> None:
+def send_message(sock: socket.socket, message: NixlHello | NixlHelloReply | NixlFree) -> None:
     payload = _ENCODER.encode(message)
     sock.sendall(_HEADER_LEN.pack(len(payload)) + payload)
 
