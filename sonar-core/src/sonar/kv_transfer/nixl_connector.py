@@ -371,6 +371,7 @@ class NixlConnector(KVConnector):
         """Collect the decode engines' notifications, every millisecond while blocks are
         served (which also moves NIXL's transfers along where no progress thread runs), ten
         times a second otherwise."""
+        self._use_cache_device()
         while not self._closed:
             with self._lock:
                 serving = bool(self._served)
@@ -466,6 +467,7 @@ class NixlConnector(KVConnector):
     def _pull(self, load: NixlLoad) -> None:
         ok = False
         try:
+            self._use_cache_device()
             self._read_blocks(load)
             ok = True
         except Exception as exc:  # a failed pull recomputes; it never takes the engine down
@@ -622,6 +624,15 @@ class NixlConnector(KVConnector):
             self._agent.remove_remote_agent(peer.agent_name)
         except Exception as exc:
             logger.debug("NIXL: removing agent %s: %s", peer.agent_name, exc)
+
+    def _use_cache_device(self) -> None:
+        """Make the cache's GPU current in this thread (UCX's CUDA transports work in the
+        calling thread's context)."""
+        device = self.kv_caches[0].device
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
 
     def _finish_recv(self, req_id: str, ok: bool) -> None:
         with self._lock:
