@@ -86,7 +86,7 @@ def test_the_decode_half_reads_the_blocks_and_the_prefill_half_frees_them(pair) 
     assert time.monotonic() - started < 1.0  # the read's notification freed them, not the timeout
 
 
-def test_reads_it_cannot_trust_fail_and_free_the_prefill_blocks(pair) -> None:
+def test_reads_it_cannot_trust_fail_and_free_the_prefill_blocks(pair, caplog) -> None:
     prefill, decode = pair
     prefill.start_load_kv(NixlConnectorMetadata(sends={"a": [1, 2], "b": [4]}))
     bad = [
@@ -100,6 +100,11 @@ def test_reads_it_cannot_trust_fail_and_free_the_prefill_blocks(pair) -> None:
     _until(prefill, {"a"}, sending=True)  # told to free what it could not be read from
     assert time.monotonic() - started < 1.0
     _until(prefill, {"b"}, sending=True, timeout=5.0)  # another engine's: freed after the timeout
+    # freed unread, so perhaps reused: a read of them now is refused
+    decode.start_load_kv(NixlConnectorMetadata(loads=[_load(prefill, "b", [4], [0])]))
+    assert _until(decode, {"b"}, sending=False) == {"b"}
+    assert "request 'b''s blocks were freed unread after kv_transfer_timeout (2 s)" in caplog.text
+    assert not any(kv.any() for kv in decode.kv_caches)
 
 
 def test_a_decode_half_of_another_layout_is_refused(pair, caplog) -> None:

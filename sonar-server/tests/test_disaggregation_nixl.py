@@ -277,7 +277,7 @@ class _LyingSideChannel:
         self._thread.join(5)
 
 
-def test_a_decode_server_recomputes_when_the_prefill_side_lies_or_is_unreachable(producer, consumer) -> None:
+def test_a_decode_server_recomputes_when_the_prefill_side_lies_or_is_unreachable(producer, consumer, tiny_model) -> None:
     prompt = "A prompt the decode server has never seen, so that nothing of it is cached there. " * 3
     expected = _complete(producer.url, prompt)["choices"][0]["text"]
     params = _prefill(producer.url, prompt)  # never read: the prefill server frees it after its 3 s timeout
@@ -299,6 +299,10 @@ def test_a_decode_server_recomputes_when_the_prefill_side_lies_or_is_unreachable
     assert metrics(consumer.url)["sonar:kv_transfer_failures_total"] == before + len(attempts)
     assert _all_blocks_free(consumer.url, timeout=2.0)
     assert _all_blocks_free(producer.url, timeout=6.0)  # unread: freed after the timeout
+    with _connect(params) as sock:  # and perhaps reused since: a read of them is refused
+        nixl_wire.send_message(sock, _hello(model=f"{Path(tiny_model).name}:LlamaForCausalLM", request_id=params["remote_request_id"]))
+        reply = nixl_wire.recv_message(sock, nixl_wire.NixlHelloReply)
+    assert not reply.ok and "blocks were freed unread after kv_transfer_timeout (3 s)" in reply.error
 
 
 def test_a_prefill_server_killed_before_the_read(producer, consumer, expected) -> None:

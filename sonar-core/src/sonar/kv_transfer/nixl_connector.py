@@ -38,6 +38,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -68,6 +69,7 @@ MAX_PULL_THREADS = 4
 POLL_S = 0.0005  # between checks of a transfer in flight
 NOTIFY_POLL_S = 0.001  # between reads of the notifications while blocks are served
 IDLE_NOTIFY_POLL_S = 0.1
+EXPIRY_MARGIN_S = 0.5  # a read ends at least this long before the prefill side would free its blocks
 MAX_EARLY_FREES = 4096  # notifications that came before the worker heard of their request
 
 
@@ -166,6 +168,7 @@ class NixlConnector(KVConnector):
         self._lock = threading.Lock()
         self._served: dict[str, float] = {}  # request -> when its blocks are freed unread
         self._early_frees: dict[str, float] = {}  # freed before the send was registered -> when heard
+        self._expired: OrderedDict[str, None] = OrderedDict()  # the latest requests freed unread, oldest first
         self._done_sending: set[str] = set()
         self._done_recving: set[str] = set()
         self._failed: set[str] = set()
@@ -347,6 +350,9 @@ class NixlConnector(KVConnector):
                 logger.warning("request %s: no decode engine read its KV within %.0f s; its blocks are freed", req_id, self.timeout_s)
                 del self._served[req_id]
                 self._done_sending.add(req_id)
+                self._expired[req_id] = None
+                if len(self._expired) > MAX_EARLY_FREES:
+                    self._expired.popitem(last=False)
             for req_id in [r for r, heard in self._early_frees.items() if heard + self.timeout_s < now]:
                 del self._early_frees[req_id]
             sending, recving = self._done_sending, self._done_recving
@@ -440,9 +446,17 @@ class NixlConnector(KVConnector):
             nixl_wire.send_message(conn, nixl_wire.NixlHelloReply(False, self.engine_id, error))
             logger.warning("NIXL side channel: refused engine %s: %s", hello.engine_id, error)
             return
+        with self._lock:
+            expired = hello.request_id in self._expired
+            deadline = self._served.get(hello.request_id)
+        if expired:
+            error = f"request {hello.request_id!r}'s blocks were freed unread after kv_transfer_timeout ({self.timeout_s:g} s)"
+            nixl_wire.send_message(conn, nixl_wire.NixlHelloReply(False, self.engine_id, error))
+            return
         first = self.kv_caches[0]
         reply = nixl_wire.NixlHelloReply(
             True, self.engine_id,
+            expires_in_s=self.timeout_s if deadline is None else deadline - time.monotonic(),  # None: not registered yet
             agent_name=self._agent_name,
             agent_metadata=self._agent.get_agent_metadata(),
             mem_type=_mem_type(first),
@@ -480,22 +494,23 @@ class NixlConnector(KVConnector):
     def _release(self, release: NixlRelease) -> None:
         self._send_free(release.remote_host, release.remote_port, release.remote_engine_id, release.remote_request_id)
 
-    def _hello(self) -> nixl_wire.NixlHello:
+    def _hello(self, request_id: str) -> nixl_wire.NixlHello:
         layout = self.layout
         return nixl_wire.NixlHello(
             nixl_wire.PROTOCOL_VERSION, self.engine_id, layout.model, layout.dtype, layout.block_size,
-            layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.tensor_parallel_size,
+            layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.tensor_parallel_size, request_id,
         )
 
-    def _ask(self, host: str, port: int) -> nixl_wire.NixlHelloReply:
-        """The prefill engine's side channel's answer to this engine's hello.
+    def _ask(self, host: str, port: int, request_id: str) -> nixl_wire.NixlHelloReply:
+        """The prefill engine's side channel's answer to this engine's hello about the blocks
+        of its request ``request_id``.
 
         :raises KVWireError: it refused (the message says why) or answered wrongly.
         :raises OSError: nothing answers there.
         """
         with socket.create_connection((host, port), timeout=CONNECT_TIMEOUT_S) as sock:
             sock.settimeout(IO_TIMEOUT_S)
-            nixl_wire.send_message(sock, self._hello())
+            nixl_wire.send_message(sock, self._hello(request_id))
             try:
                 reply = nixl_wire.recv_message(sock, nixl_wire.NixlHelloReply)
             except KVWireError as exc:
@@ -505,9 +520,13 @@ class NixlConnector(KVConnector):
         return reply
 
     def _read_blocks(self, load: NixlLoad) -> None:
-        reply = self._ask(load.remote_host, load.remote_port)
+        reply = self._ask(load.remote_host, load.remote_port, load.remote_request_id)
         if reply.engine_id != load.remote_engine_id:
             raise KVWireError(f"engine {reply.engine_id!r} serves that port now, not {load.remote_engine_id!r}, whose blocks these were")
+        # the read must end before the prefill side frees the blocks (and may reuse them)
+        budget_s = min(self.timeout_s, reply.expires_in_s - EXPIRY_MARGIN_S)
+        if not budget_s > 0:
+            raise KVWireError(f"the prefill engine frees the blocks in {reply.expires_in_s:.2f} s: too soon to read them")
         peer = self._peer(reply, (load.remote_host, load.remote_port))
         try:
             if len(load.remote_block_ids) != len(load.block_ids):
@@ -518,14 +537,14 @@ class NixlConnector(KVConnector):
             self._send_free(load.remote_host, load.remote_port, reply.engine_id, load.remote_request_id)  # nothing will read them
             raise
         try:
-            self._transfer(peer, load)
+            self._transfer(peer, load, budget_s)
         except Exception:
             self._forget(peer)
             # whatever it read, the prefill side may free them (if it still can hear it)
             self._send_free(load.remote_host, load.remote_port, reply.engine_id, load.remote_request_id)
             raise
 
-    def _transfer(self, peer: _Peer, load: NixlLoad) -> None:
+    def _transfer(self, peer: _Peer, load: NixlLoad, budget_s: float) -> None:
         agent = self._agent
         local = _block_indices(load.block_ids, len(self.kv_caches), self.kv_caches[0].shape[1])
         remote = _block_indices(load.remote_block_ids, len(self.kv_caches), peer.num_blocks)
@@ -533,10 +552,10 @@ class NixlConnector(KVConnector):
         handle = agent.make_prepped_xfer("READ", self._local_descriptors, local, peer.descriptors, remote, notification)
         try:
             state = agent.transfer(handle)
-            deadline = time.monotonic() + self.timeout_s
+            deadline = time.monotonic() + budget_s
             while state == "PROC":
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the read did not finish in {self.timeout_s:.0f} s")
+                    raise TimeoutError(f"the read did not finish in {budget_s:.1f} s")
                 time.sleep(POLL_S)
                 state = agent.check_xfer_state(handle)
             if state != "DONE":

@@ -5,11 +5,13 @@ One short TCP connection per pull, decode side first, each message a header as i
 ``sonar.kv_transfer.kv_wire`` (u32 little-endian length, then a msgspec-msgpack struct of a
 tagged union; never pickle):
 
-    decode -> prefill   ``NixlHello``: the decode engine's KV layout
+    decode -> prefill   ``NixlHello``: the decode engine's KV layout, the request it reads
     prefill -> decode   ``NixlHelloReply``: refused (a layout that differs, each difference
-                        named), or the prefill engine's NIXL agent metadata and its cache:
-                        one base address per layer, its number of blocks, the bytes of one
-                        block of keys (or values) of one layer, the memory kind and device
+                        named; a request whose blocks were already freed), or the prefill
+                        engine's NIXL agent metadata and its cache: one base address per
+                        layer, its number of blocks, the bytes of one block of keys (or
+                        values) of one layer, the memory kind and device, and how long the
+                        request's blocks stay (the decode side gives up its read before then)
 
 The blocks then move by NIXL alone: the decode engine READs them into its own blocks and its
 transfer carries a notification, ``NixlFree``, on which the prefill engine frees them. A decode
@@ -48,6 +50,7 @@ class NixlHello(msgspec.Struct, tag="nixl_hello", forbid_unknown_fields=True):
     num_kv_heads: int
     head_dim: int
     tensor_parallel_size: int
+    request_id: str = ""  # the prefill request whose blocks it is about to read
 
 
 class NixlHelloReply(msgspec.Struct, tag="nixl_hello_reply", forbid_unknown_fields=True):
@@ -63,6 +66,7 @@ class NixlHelloReply(msgspec.Struct, tag="nixl_hello_reply", forbid_unknown_fiel
     layer_addresses: list[int] = []  # per layer: where its [2, num_blocks, block_size, heads, head_dim] tensor starts
     num_blocks: int = 0
     block_bytes: int = 0  # one block of keys (or of values) of one layer
+    expires_in_s: float = 0.0  # until the prefill side frees the request's blocks unread
 
 
 class NixlFree(msgspec.Struct, tag="nixl_free", forbid_unknown_fields=True):
