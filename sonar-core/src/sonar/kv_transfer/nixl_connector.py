@@ -561,10 +561,28 @@ class NixlConnector(KVConnector):
             if state != "DONE":
                 raise KVWireError(f"NIXL reported the read as {state}")
         finally:
+            self._release_transfer(handle)
+
+    def _release_transfer(self, handle: Any) -> None:
+        """Release a transfer; one NIXL cannot cancel is waited for first (for a while), so
+        that it no longer writes into blocks the prompt is about to be computed into."""
+        try:
+            handle.release()
+            return
+        except Exception as exc:
+            logger.warning("NIXL: a read could not be cancelled (%s); waiting for it to end", exc)
+        deadline = time.monotonic() + IO_TIMEOUT_S
+        while time.monotonic() < deadline:
             try:
-                handle.release()
-            except Exception as exc:  # a read still in flight that NIXL cannot cancel
-                logger.warning("NIXL: releasing a transfer failed: %s", exc)
+                if self._agent.check_xfer_state(handle) != "PROC":
+                    break
+            except Exception:
+                break
+            time.sleep(POLL_S)
+        try:
+            handle.release()
+        except Exception as exc:
+            logger.error("NIXL: a read still runs after %.0f s; its blocks may be written late: %s", IO_TIMEOUT_S, exc)
 
     def _peer(self, reply: nixl_wire.NixlHelloReply, address: tuple[str, int]) -> _Peer:
         """The prefill engine's agent as this engine knows it: added (once per agent) from
