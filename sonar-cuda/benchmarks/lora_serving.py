@@ -81,11 +81,17 @@ def main() -> int:
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--tpot-tokens", type=int, default=256)
+    parser.add_argument("--fused-tokens", type=int, default=None,
+                        help="up to this many tokens a LoRA layer runs the fused shrink+expand launch (default: the kernel module's)")
     parser.add_argument("--out", default="lora-serving-results")
     args = parser.parse_args()
 
     from sonar import LLM, SamplingParams
     from sonar.lora import LoRARequest
+    from sonar_cuda.kernels import lora as lora_kernels
+
+    if args.fused_tokens is not None:  # the engine runs in this process: its layers read this
+        lora_kernels.FUSED_TOKENS = args.fused_tokens
 
     root = Path(tempfile.mkdtemp(prefix="sonar-lora-bench-"))
     model = write_dummy_model(root, args.model_name)
@@ -105,7 +111,7 @@ def main() -> int:
     mixed = [adapters[i % len(adapters)] for i in range(args.batch)]
     results: dict = {"model": args.model_name, "adapters": args.adapters, "rank": args.rank, "batch": args.batch,
                      "prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "device": torch.cuda.get_device_name()}
+                     "device": torch.cuda.get_device_name(), "fused_tokens": lora_kernels.FUSED_TOKENS}
 
     small = [{"prompt_token_ids": p["prompt_token_ids"][:32]} for p in prompts[: min(8, args.batch)]]
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

@@ -134,10 +134,13 @@ def fused_launch(
     slot_programs = max(1, min(num_slots, num_tokens))
     programs = max(1, min(num_sms(device), FUSED_A_READS // a_bytes) // slot_programs)
     block_n = min(512, max(32, triton.next_power_of_2(triton.cdiv(max(num_out, 1), programs))))
-    block_k = 512 // (2 if dtype.itemsize > 2 else 1)
+    block_m = block_m_for(num_tokens)
+    # x's [block_m, block_k] tiles, three stages deep, must fit in shared memory (a 64-token
+    # block at 512 inputs would ask 256 KiB of the H200's 227)
+    block_k = (512 if block_m <= 16 else 128) // (2 if dtype.itemsize > 2 else 1)
     block_r = min(64, max(16, triton.next_power_of_2(rank)))
     warps = 8 if block_n >= 256 else 4
-    return LoRALaunch(block_m_for(num_tokens), block_n, block_k, num_warps=warps, num_stages=3, block_r=block_r)
+    return LoRALaunch(block_m, block_n, block_k, num_warps=warps, num_stages=3, block_r=block_r)
 
 
 def shrink_split(num_busy: int, k: int, launch: LoRALaunch, device: torch.device) -> tuple[int, int]:
