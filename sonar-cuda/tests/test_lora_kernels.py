@@ -198,7 +198,7 @@ def test_fused_op_dispatch_and_many_tokens_fall_back(device: torch.device) -> No
     expand); past ``FUSED_TOKENS`` tokens the kernel runs the two launches."""
     a, b = adapters(2, 32, 48, 40, 16, torch.float32, device)
     parts = ((0, 16), (16, 40))
-    for num_tokens in (3, FUSED_TOKENS + 2):
+    for num_tokens in (3, max(FUSED_TOKENS, 16) + 2):
         slots = (torch.arange(num_tokens, dtype=torch.int32) % 3 - 1).to(device)
         x = torch.randn(num_tokens, 48, device=device)
         out = torch.randn(num_tokens, 40, device=device)
