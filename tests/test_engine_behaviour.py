@@ -188,7 +188,7 @@ def test_a_failing_step_aborts_its_requests_and_the_engine_goes_on(llama_dir, wh
 def test_unsupported_options_are_refused_clearly(llama_dir) -> None:
     with pytest.raises(ValueError, match="quantization='nf5' is not a registered quantization method; registered: .*fp8"):
         LLM(str(llama_dir), quantization="nf5")
-    with pytest.raises(ValueError, match="tensor_parallel_size"):
-        LLM(str(llama_dir), tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(str(llama_dir), tensor_parallel_size=0)
     with pytest.raises(ValueError, match="exceeds the model's context"):
         LLM(str(llama_dir), max_model_len=10**6)

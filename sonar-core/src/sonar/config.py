@@ -83,8 +83,21 @@ class EngineArgs:
     max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+        if tp > 1:
+            refused = {
+                "enable_lora": self.enable_lora, "speculative_config": self.speculative_config,
+                "kv_transfer_config": self.kv_transfer_config, "kv_offload_bytes": self.kv_offload_bytes,
+                "data_parallel_size > 1": self.data_parallel_size > 1,
+            }
+            for name, value in refused.items():
+                if value:
+                    raise ValueError(
+                        f"tensor_parallel_size={tp} does not combine with {name} yet; "
+                        f"use tensor_parallel_size=1 for it"
+                    )
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -160,6 +173,7 @@ class EngineConfig:
     seed: int
     data_parallel_size: int
     platform: str  # the platform's name, as SONAR_PLATFORM takes it
+    tensor_parallel_size: int = 1  # worker processes, each with its shard of the model
     scheduling_policy: str = "fcfs"
     kv_cache_manager: str = "paged"
     executor: str = "uni"

@@ -40,8 +40,13 @@ class Platform:
     #: ``kv_cache_dtype`` values (canonical names) this platform's attention backend reads and
     #: writes; "auto" is the model's dtype.
     kv_cache_dtypes: tuple[str, ...] = ("auto",)
-    #: torch.distributed backend for multi-device runs.
+    #: The ``torch.distributed`` backend the ranks of a parallel run (tensor parallelism,
+    #: ``sonar.executor.multiproc``) join their group with: ``"gloo"`` on the CPU, ``"nccl"``
+    #: on NVIDIA GPUs.
     dist_backend: str = "gloo"
+    #: ``"module:Class"`` of the ``sonar.distributed.Communicator`` whose collectives
+    #: (all-reduce, all-gather) the tensor-parallel layers run on this platform.
+    communicator_cls: str = "sonar.distributed:Communicator"
     #: Whether the engine schedules and launches each step before reading the last one's
     #: results, by default. Worth it where launching returns before the device finishes the
     #: step (an accelerator's queue), so the host's work overlaps the device's; where the

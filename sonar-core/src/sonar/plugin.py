@@ -23,6 +23,7 @@ def sonar_register_kv_cache_managers(register: Callable[..., None]) -> None:
 @hookimpl
 def sonar_register_executors(register: Callable[..., None]) -> None:
     register("uni", "sonar.executor.uniproc:UniprocExecutor")
+    register("mp", "sonar.executor.multiproc:MultiprocExecutor")
 
 
 @hookimpl

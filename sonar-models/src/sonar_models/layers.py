@@ -6,7 +6,10 @@ import torch
 from torch import nn
 
 from sonar import ops
-from sonar.quantization import linear_method_for
+from sonar.distributed import ParallelGroup, current_group
+from sonar.quantization import UnquantizedLinearMethod, linear_method_for
+
+PARALLEL_MODES = ("replicated", "column", "row")
 
 
 class RMSNorm(nn.Module):
@@ -36,41 +39,104 @@ class Linear(nn.Module):
     shapes it does better. ``prefix`` is the layer's checkpoint module name
     (``model.layers.0.mlp.down_proj``): a quantization method may treat layers differently.
 
+    ``parallel`` says how it shards over the tensor-parallel group it is built for
+    (``sonar.distributed.current_group``): ``"replicated"`` (every rank the whole layer),
+    ``"column"`` (each rank its slice of the output rows; the caller gets a slice of the output)
+    or ``"row"`` (each rank its slice of the input columns; the partial outputs are summed by
+    one all-reduce). Checkpoint tensors are full-sized; ``shard_checkpoint_tensor`` cuts this
+    rank's piece before the method loads it. Only unquantized layers shard so far.
+
     ``lora`` is set on the layers of a model built with LoRA enabled (``sonar.lora.layers``):
     the base output, whatever the method, gets each adapter token's delta added.
     """
 
     lora = None  # a sonar.lora.layers.LoRALinear once adapters are attached
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, prefix: str = "") -> None:
+    def __init__(
+        self, in_features: int, out_features: int, bias: bool = True, prefix: str = "", parallel: str = "replicated"
+    ) -> None:
         super().__init__()
-        self._build(in_features, [out_features], bias, prefix)
+        self._build(in_features, {"": out_features}, bias, prefix, parallel, {})
 
-    def _build(self, in_features: int, output_sizes: list[int], bias: bool, prefix: str) -> None:
-        self.in_features = in_features
-        self.out_features = sum(output_sizes)
+    def _build(
+        self, in_features: int, parts: dict[str, int], bias: bool, prefix: str, parallel: str,
+        shards: dict[str, tuple[int, int]],
+    ) -> None:
+        if parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel={parallel!r} is not one of {PARALLEL_MODES}")
+        group = current_group()
+        self.group: ParallelGroup = group
+        self.parallel = parallel if group.world_size > 1 else "replicated"
         self.prefix = prefix
+        # column: part -> (this rank's shard index, number of shards); a part cut into fewer
+        # shards than ranks is replicated over the ranks that share a shard (KV heads)
+        self.shards = {name: shards.get(name, (group.rank, group.world_size)) for name in parts}
+        local_parts = dict(parts)
+        if self.parallel == "column":
+            local_parts = {name: -(-size // self.shards[name][1]) for name, size in parts.items()}
+        elif self.parallel == "row":
+            in_features = group.shard(in_features, f"{prefix} input features")
+        self.checkpoint_sizes = dict(parts)  # each part's rows in the checkpoint
+        self.local_parts = local_parts
+        self.in_features = in_features
+        self.out_features = sum(local_parts.values())
         self.linear_method = linear_method_for(prefix)
-        self.linear_method.create_weights(self, in_features, output_sizes, bias, torch.get_default_dtype())
+        if self.parallel != "replicated" and not isinstance(self.linear_method, UnquantizedLinearMethod):
+            raise ValueError(
+                f"{prefix}: {type(self.linear_method).__name__} layers do not shard for tensor parallelism yet; "
+                f"serve this checkpoint with tensor_parallel_size=1 or an unquantized one"
+            )
+        self.linear_method.create_weights(self, in_features, list(local_parts.values()), bias, torch.get_default_dtype())
+
+    def shard_checkpoint_tensor(self, param_name: str, tensor: torch.Tensor, part: str | None) -> torch.Tensor:
+        """This rank's piece of the full checkpoint tensor filling ``param_name`` (of fused
+        part ``part``): rows for a column-parallel layer (zero-padded where the rows do not
+        divide, as a vocabulary), columns of the weight for a row-parallel one, whose bias
+        rank 0 alone adds."""
+        if self.parallel == "column":
+            index, count = self.shards[part or ""]
+            local = self.local_parts[part or ""]
+            if tensor.shape[0] < local * count:
+                padding = tensor.new_zeros((local * count - tensor.shape[0], *tensor.shape[1:]))
+                tensor = torch.cat([tensor, padding])
+            return tensor.narrow(0, index * local, local)
+        if self.parallel == "row":
+            if tensor.dim() == 1:  # the bias: added once, after the sum
+                return tensor if self.group.rank == 0 else torch.zeros_like(tensor)
+            return tensor.narrow(1, self.group.rank * self.in_features, self.in_features)
+        return tensor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear_method.apply(self, x)
         if self.lora is not None:
             out = self.lora.add(x, out)
+        if self.parallel == "row":
+            out = self.group.communicator.all_reduce(out)
         return out
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, method={type(self.linear_method).__name__}"
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"method={type(self.linear_method).__name__}, parallel={self.parallel}"
+        )
 
 
 class MergedLinear(Linear):
     """A Linear whose output rows are several checkpoint projections stacked in order
-    (``{"q": 576, "k": 192, "v": 192}``); the weight loader fills each part separately."""
+    (``{"q": 576, "k": 192, "v": 192}``); the weight loader fills each part separately.
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool, prefix: str = "") -> None:
+    Column-parallel, each rank holds its slice of every part, in the same order; ``shards``
+    gives a part its own ``(shard index, number of shards)`` where it splits into fewer pieces
+    than ranks (KV heads when there are fewer of them than ranks). ``parts`` are this rank's
+    sizes."""
+
+    def __init__(
+        self, in_features: int, parts: dict[str, int], bias: bool, prefix: str = "", parallel: str = "replicated",
+        shards: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
         nn.Module.__init__(self)
-        self.parts = dict(parts)
-        self._build(in_features, list(self.parts.values()), bias, prefix)
+        self._build(in_features, dict(parts), bias, prefix, parallel, shards or {})
+        self.parts = dict(self.local_parts)
 
     def part_rows(self, part: str) -> slice:
         """The output rows that hold ``part``."""
@@ -80,6 +146,38 @@ class MergedLinear(Linear):
                 return slice(start, start + size)
             start += size
         raise KeyError(f"{part!r} is not one of this layer's parts {list(self.parts)}")
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """A token embedding whose vocabulary rows are split over the tensor-parallel group: each
+    rank holds ``ceil(vocab / ranks)`` rows (the last zero-padded), looks up the tokens that
+    fall in them, and one all-reduce sums the ranks' rows. On one rank it is ``nn.Embedding``."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        group = current_group()
+        self.group = group
+        self.vocab_size = num_embeddings
+        self.rows_per_rank = -(-num_embeddings // group.world_size)
+        self.first_row = group.rank * self.rows_per_rank
+        super().__init__(self.rows_per_rank if group.world_size > 1 else num_embeddings, embedding_dim)
+
+    def shard_checkpoint_tensor(self, param_name: str, tensor: torch.Tensor, part: str | None) -> torch.Tensor:
+        """This rank's rows of the full ``[vocab, hidden]`` checkpoint tensor (zero-padded)."""
+        if self.group.world_size == 1:
+            return tensor
+        rows = self.rows_per_rank * self.group.world_size
+        if tensor.shape[0] < rows:
+            tensor = torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
+        return tensor.narrow(0, self.first_row, self.rows_per_rank)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group.world_size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.first_row
+        outside = (local < 0) | (local >= self.rows_per_rank)
+        out = super().forward(local.masked_fill(outside, 0))  # [T, hidden]
+        out.masked_fill_(outside.unsqueeze(-1), 0)
+        return self.group.communicator.all_reduce(out)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,12 @@ from torch import nn
 
 from sonar import ops
 from sonar.attention import ForwardContext
+from sonar.distributed import ParallelGroup, current_group
 from sonar.engine.kv_cache_spec import KVCacheSpec
 from sonar.model_interface import AttentionFactory, kv_cache_spec_for
 from sonar_models.aux_hidden_states import AuxHiddenStates
 from sonar_models.kv_scales import KVScaleCollector
-from sonar_models.layers import Linear, MergedLinear, RMSNorm, silu_and_mul
+from sonar_models.layers import Linear, MergedLinear, RMSNorm, VocabParallelEmbedding, silu_and_mul
 from sonar_models.rope import RotaryEmbedding, rope_spec_from_config
 from sonar_models.weight_loading import FusedProjection, load_hf_weights
 
@@ -62,6 +63,20 @@ def sliding_windows_of(config: Any) -> list[int | None]:
     return [int(window) if i >= first_sliding else None for i in range(num_layers)]
 
 
+def kv_heads_of(num_kv_heads: int, group: ParallelGroup) -> tuple[int, tuple[int, int]]:
+    """This rank's KV heads and its ``(shard index, number of shards)`` of the k/v rows: split
+    over the ranks where there are at least as many heads as ranks, else one head per rank,
+    each head replicated over ``ranks / heads`` ranks."""
+    ranks = group.world_size
+    if num_kv_heads >= ranks:
+        return group.shard(num_kv_heads, "num_key_value_heads"), (group.rank, ranks)
+    if ranks % num_kv_heads:
+        raise ValueError(
+            f"tensor_parallel_size={ranks} is neither a divisor nor a multiple of num_key_value_heads={num_kv_heads}"
+        )
+    return 1, (group.rank // (ranks // num_kv_heads), num_kv_heads)
+
+
 class DecoderAttention(nn.Module):
     def __init__(
         self,
@@ -74,14 +89,18 @@ class DecoderAttention(nn.Module):
         sliding_window: int | None = None,
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        group = current_group()
+        self.num_heads = group.shard(config.num_attention_heads, "num_attention_heads")  # this rank's
+        self.num_kv_heads, kv_shard = kv_heads_of(config.num_key_value_heads, group)
         self.head_dim = head_dim_of(config)
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q_size, kv_size = config.num_attention_heads * self.head_dim, config.num_key_value_heads * self.head_dim
         prefix = f"model.layers.{layer_idx}.self_attn"
         parts = {"q": q_size, "k": kv_size, "v": kv_size}
-        self.qkv_proj = MergedLinear(config.hidden_size, parts, bias=qkv_bias, prefix=f"{prefix}.qkv_proj")
-        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias, prefix=f"{prefix}.o_proj")
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, parts, bias=qkv_bias, prefix=f"{prefix}.qkv_proj", parallel="column",
+            shards={"k": kv_shard, "v": kv_shard},
+        )
+        self.o_proj = Linear(q_size, config.hidden_size, bias=o_bias, prefix=f"{prefix}.o_proj", parallel="row")
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -110,8 +129,10 @@ class GatedMLP(nn.Module):
         if config.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         size = intermediate_size or config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias, prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = Linear(size, config.hidden_size, bias=bias, prefix=f"{prefix}.down_proj")
+        self.gate_up_proj = MergedLinear(
+            config.hidden_size, {"gate": size, "up": size}, bias=bias, prefix=f"{prefix}.gate_up_proj", parallel="column"
+        )
+        self.down_proj = Linear(size, config.hidden_size, bias=bias, prefix=f"{prefix}.down_proj", parallel="row")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -144,7 +165,7 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, layers: list[DecoderLayer], config: Any, head_dim: int) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         max_position = getattr(config, "max_position_embeddings", None) or 2048
@@ -183,13 +204,18 @@ class LlamaForCausalLM(nn.Module):
     o_bias: bool | None = None  # None: follow config.attention_bias
     qk_norm: bool = False
     fused_projections = FUSED_PROJECTIONS  # where each checkpoint projection sits (LoRA adapters name those)
+    supports_tensor_parallel = True  # shards over a tensor-parallel group (sonar.distributed)
 
     def __init__(self, hf_config: Any, attention: AttentionFactory) -> None:
         super().__init__()
         config = hf_config
         self.config = config
+        group = current_group()
+        if group.world_size > 1 and not self.supports_tensor_parallel:
+            raise ValueError(f"{type(self).__name__} does not run with tensor parallelism yet; use tensor_parallel_size=1")
+        self.group: ParallelGroup = group
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
+        self.num_kv_heads = kv_heads_of(config.num_key_value_heads, group)[0]  # this rank's
         self.head_dim = head_dim_of(config)
         self.vocab_size = config.vocab_size
         attention_bias = bool(getattr(config, "attention_bias", False))
@@ -206,7 +232,8 @@ class LlamaForCausalLM(nn.Module):
             for i in range(self.num_layers)
         ]
         self.model = DecoderModel(layers, config, self.head_dim)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, prefix="lm_head")
+        # vocabulary-parallel: each rank its rows (padded to divide), the logits gathered
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, prefix="lm_head", parallel="column")
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -232,8 +259,12 @@ class LlamaForCausalLM(nn.Module):
         return [kv_cache_spec_for(window) for window in self.sliding_windows]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """``[N, hidden]`` -> float32 logits ``[N, vocab]``."""
-        return self.lm_head(hidden_states).float()
+        """``[N, hidden]`` -> float32 logits ``[N, vocab]`` (gathered from every rank's
+        vocabulary rows under tensor parallelism)."""
+        logits = self.lm_head(hidden_states)
+        if self.group.world_size > 1:
+            logits = self.group.communicator.all_gather(logits, dim=-1)[:, : self.vocab_size]
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in (``model.layers.0.self_attn.q_proj.weight``, ...).

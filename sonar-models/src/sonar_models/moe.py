@@ -132,6 +132,8 @@ class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-style decoder whose sparse layers run a :class:`SparseMoeBlock`; see the
     subclasses for each architecture's routing and layer pattern."""
 
+    supports_tensor_parallel = False  # experts are not sharded yet (expert parallelism is planned)
+
     renormalize: bool | None = None  # None: follow config.norm_topk_prob
     round_weights: bool = True
 

@@ -35,7 +35,9 @@ def load_hf_weights(
     tied model) are dropped. ``resolve``, tried before ``fused``, maps a name to ``(parameter
     name, part)`` or None: a part of a module that is not a linear layer is the region its
     owner's ``part_rows(part)`` indexes, and such an owner lists the parts each parameter
-    expects with ``checkpoint_parts(leaf)`` (stacked experts do). Raises ``ValueError`` on a
+    expects with ``checkpoint_parts(leaf)`` (stacked experts do). An owner with
+    ``shard_checkpoint_tensor(leaf, tensor, part)`` (a layer sharded for tensor parallelism)
+    gets this rank's piece of each full checkpoint tensor. Raises ``ValueError`` on a
     name the model has no place for, a shape that does not fit, or parameters the checkpoint
     never filled.
     """
@@ -56,6 +58,9 @@ def load_hf_weights(
         owner_name, _, leaf = target.rpartition(".")
         owner = modules[owner_name]
         rows = owner.part_rows(part) if part is not None else None
+        shard = getattr(owner, "shard_checkpoint_tensor", None)
+        if shard is not None:  # tensor parallelism: this rank's piece of the full tensor
+            tensor = shard(leaf, tensor, part)
         if isinstance(owner, Linear):
             try:
                 owner.linear_method.load_checkpoint_tensor(owner, leaf, tensor, rows)

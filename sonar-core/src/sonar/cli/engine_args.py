@@ -52,6 +52,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         help="schedule and launch each step while the one before it still runs on the device (default: on for accelerators, off on the CPU)",
     )
     group.add_argument(
+        "--tensor-parallel-size", "-tp", type=int, default=defaults.tensor_parallel_size,
+        help="split each layer of a dense model (Llama, Mistral, Qwen2, Qwen3) over this many devices, one worker process each (unquantized checkpoints; gloo on the CPU, NCCL on GPUs)",
+    )
+    group.add_argument(
         "--data-parallel-size", "-dp", type=int, default=defaults.data_parallel_size,
         help="engine-core replicas, each in its own process on its own device (on the CPU: its share of the cores); requests go to the least loaded",
     )
@@ -62,7 +66,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     group.add_argument("--kv-cache-manager", default=defaults.kv_cache_manager, help="the KV-cache manager: paged, or a plugin's")
     group.add_argument(
         "--distributed-executor-backend", default=None,
-        help="what runs the engine core's workers: uni (one worker in the engine core's process), or a plugin's",
+        help="what runs the engine core's workers: uni (one worker in the engine core's process), mp (a process per tensor-parallel rank; the default with -tp > 1), or a plugin's",
     )
     group.add_argument(
         "--speculative-config", type=_json_object, default=None, metavar="JSON",
@@ -156,6 +160,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         seed=args.seed,
         max_logprobs=args.max_logprobs,
         async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
         data_parallel_size=args.data_parallel_size,
         scheduling_policy=args.scheduling_policy,
         kv_cache_manager=args.kv_cache_manager,

@@ -81,7 +81,7 @@ class InprocCoreClient:
         return lora_int_id in self.core.loras.removing
 
     def close(self) -> None:
-        pass
+        self.core.executor.shutdown()
 
 
 # -- engine-core processes ------------------------------------------------------------------

@@ -15,7 +15,7 @@ from sonar.engine.scheduler import Scheduler
 from sonar.engine.scheduler_output import SchedulerOutput
 from sonar.engine.step_cost import StepCostModel
 from sonar.engine.wire import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from sonar.executor.base import Executor
+from sonar.executor.base import Executor, WorkerDiedError
 from sonar.kv_transfer.factory import build_kv_connector
 from sonar.kv_transfer.interface import KVConnector, KVConnectorRole
 from sonar.lora.registry import LoRARegistry
@@ -285,9 +285,10 @@ class EngineCore:
     def _abort_failed_step(self, scheduled: SchedulerOutput, error: Exception) -> list[EngineCoreOutput]:
         """A step that raised aborts the requests in it (their KV blocks are freed and the
         workers drop them next step) instead of taking the engine down; several failures in a
-        row mean the device itself is broken, and the error propagates."""
+        row mean the device itself is broken, and the error propagates (at once where a worker
+        process died)."""
         self.num_failed_steps += 1
-        if self.num_failed_steps >= MAX_FAILED_STEPS:
+        if self.num_failed_steps >= MAX_FAILED_STEPS or isinstance(error, WorkerDiedError):
             raise error
         req_ids = list(scheduled.num_scheduled_tokens)
         logger.error("a step failed; aborting its %d requests", len(req_ids), exc_info=error)

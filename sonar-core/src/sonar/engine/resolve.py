@@ -161,7 +161,8 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         platform=platform.name,
         scheduling_policy=_registered("scheduling_policy", args.scheduling_policy, scheduler_policies()),
         kv_cache_manager=_registered("kv_cache_manager", args.kv_cache_manager, kv_cache_managers()),
-        executor=_registered("distributed_executor_backend", args.distributed_executor_backend or "uni", executors()),
+        tensor_parallel_size=args.tensor_parallel_size,
+        executor=_registered("distributed_executor_backend", _executor_name(args, quantization), executors()),
         default_sampling=default_sampling_of(model_path, args.generation_config),
         quantization=quantization,
         kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, platform),
@@ -173,6 +174,22 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         max_cpu_loras=args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras,
     )
     return config, tokenizer
+
+
+def _executor_name(args: EngineArgs, quantization: str | None) -> str:
+    """The executor ``distributed_executor_backend`` names, by default ``uni`` for one device
+    and ``mp`` (a process per rank) for tensor parallelism, which only the latter runs."""
+    tp = args.tensor_parallel_size
+    name = args.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+    if tp > 1:
+        if name == "uni":
+            raise ValueError(f"tensor_parallel_size={tp} needs a process per rank: use distributed_executor_backend='mp'")
+        if quantization not in (None, "unquantized"):
+            raise ValueError(
+                f"quantization={quantization!r} does not shard for tensor parallelism yet; "
+                f"use tensor_parallel_size=1 or an unquantized checkpoint"
+            )
+    return name
 
 
 def model_config_of(config: EngineConfig) -> ModelConfig:

@@ -1,5 +1,5 @@
 """Executors: what runs the workers of one engine core."""
 
-from sonar.executor.base import Executor
+from sonar.executor.base import Executor, WorkerDiedError
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "WorkerDiedError"]

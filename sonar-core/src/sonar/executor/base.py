@@ -10,6 +10,11 @@ from sonar.engine.step_cost import StepCostModel
 from sonar.platform import Platform
 
 
+class WorkerDiedError(RuntimeError):
+    """A worker process of the executor died or stopped answering: the engine cannot go on
+    (the engine core fails instead of retrying the step)."""
+
+
 class Executor:
     """Runs an engine core's workers: one in-process worker, or one worker per device of a
     parallel group in processes of their own. Registered through ``sonar_register_executors``

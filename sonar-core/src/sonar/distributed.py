@@ -1,0 +1,104 @@
+"""The tensor-parallel group a model is built for, and the communicator its layers reduce through.
+
+A worker of a parallel run joins ``torch.distributed`` (``init_distributed``) and builds its
+model inside ``building_for(group)``; every layer that shards asks ``current_group()`` once,
+when it is constructed, and keeps the group it got. Outside that context (one device, a model
+built by hand in a test) the group is the single rank, whose collectives do nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import datetime
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import torch
+
+DEFAULT_COLLECTIVE_TIMEOUT_S = 120.0  # a collective waiting this long on a rank gives up
+
+
+class Communicator:
+    """The collectives tensor-parallel layers use, over a ``torch.distributed`` process group.
+
+    Platforms may subclass it (``Platform.communicator_cls``) to run collectives through their
+    own kernels; this one calls ``torch.distributed`` on the default group.
+    """
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The element-wise sum of ``x`` over the ranks (may reuse ``x``'s memory)."""
+        if self.world_size == 1:
+            return x
+        torch.distributed.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's ``x`` concatenated along ``dim``, in rank order."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        torch.distributed.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=dim)
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelGroup:
+    """One rank's place in a tensor-parallel group and the communicator it reduces through."""
+
+    rank: int = 0
+    world_size: int = 1
+    communicator: Communicator = field(default_factory=lambda: Communicator(1))
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} is outside a group of {self.world_size}")
+
+    def shard(self, size: int, what: str) -> int:
+        """This rank's share of ``size`` (heads, rows, columns), which must divide evenly."""
+        if size % self.world_size:
+            raise ValueError(
+                f"{what} ({size}) is not divisible by tensor_parallel_size={self.world_size}; "
+                f"choose a tensor_parallel_size that divides it"
+            )
+        return size // self.world_size
+
+
+SINGLE_RANK = ParallelGroup()
+_building_for: contextvars.ContextVar[ParallelGroup] = contextvars.ContextVar("sonar_parallel_group", default=SINGLE_RANK)
+
+
+@contextlib.contextmanager
+def building_for(group: ParallelGroup) -> Iterator[None]:
+    """Models built inside this context shard their layers for ``group``."""
+    token = _building_for.set(group)
+    try:
+        yield
+    finally:
+        _building_for.reset(token)
+
+
+def current_group() -> ParallelGroup:
+    """The group a layer built now shards for (the single rank outside ``building_for``)."""
+    return _building_for.get()
+
+
+def init_distributed(
+    platform: type, rank: int, world_size: int, init_method: str, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+) -> ParallelGroup:
+    """Join the ``torch.distributed`` group of ``world_size`` ranks as ``rank`` (rendezvous at
+    ``init_method``, ``tcp://host:port``) with the platform's backend, and return this rank's
+    ``ParallelGroup`` with the platform's communicator."""
+    from sonar.registry import import_class
+
+    backend = platform.dist_backend
+    options = {"device_id": platform.device(rank)} if platform.device_type != "cpu" else {}
+    torch.distributed.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s), **options,
+    )
+    communicator_cls = import_class(platform.communicator_cls)
+    return ParallelGroup(rank, world_size, communicator_cls(world_size))

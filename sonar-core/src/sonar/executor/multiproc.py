@@ -1,0 +1,304 @@
+"""Runs one worker process per rank of a tensor-parallel group on this host.
+
+Each rank is a spawned process that joins ``torch.distributed`` with the platform's backend
+(``Platform.dist_backend``), builds its shard of the model and then executes what the
+executor sends it: every step's ``SchedulerOutput`` goes to every rank, as msgpack over the
+rank's socket (plain data, never pickled), and only rank 0 answers a step. A rank that dies or
+stops answering fails the engine with ``WorkerDiedError`` instead of leaving it waiting.
+
+Transport: one Unix socket pair per rank (a shared-memory broadcast ring is the planned replacement).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import msgspec
+
+from sonar.config import EngineConfig, ModelConfig
+from sonar.engine.kv_cache_spec import KVCacheSpec
+from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sonar.executor.base import Executor, WorkerDiedError
+from sonar.platform import Platform
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_ENV = "SONAR_WORKER_STARTUP_TIMEOUT_S"
+STEP_TIMEOUT_ENV = "SONAR_WORKER_STEP_TIMEOUT_S"
+DEFAULT_STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint
+DEFAULT_STEP_TIMEOUT_S = 300.0  # a step (or a profile) that runs longer is a hung rank
+# what the executor may ask every rank to run (anything else is refused by the worker)
+WORKER_CALLS = frozenset({
+    "kv_cache_windows", "kv_bytes_per_block", "available_kv_cache_bytes", "init_kv_cache", "profile_report", "step",
+})
+
+
+class WorkerCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """What the executor asks every rank: a worker method and its arguments (plain values)."""
+
+    method: str
+    args: list[Any] = []
+    step: SchedulerOutput | None = None  # for "step"
+    grammar_bitmask: bytes | None = None  # the step's bitmask as int32 bytes (its shape below)
+    grammar_bitmask_shape: list[int] = []
+
+
+class WorkerReply(msgspec.Struct, array_like=True):
+    """A rank's answer: a value, the output of a step (rank 0), or the error it raised."""
+
+    value: Any = None
+    output: ModelRunnerOutput | None = None
+    error: str | None = None
+
+
+def _timeout(env: str, default: float) -> float:
+    raw = os.environ.get(env, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{env}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise ValueError(f"{env}={value} must be positive")
+    return value
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class MultiprocExecutor(Executor):
+    """One spawned worker process per tensor-parallel rank; rank 0's results are the step's.
+
+    Selected for ``tensor_parallel_size > 1`` (registered as ``"mp"``). Construction starts the
+    ranks and returns once every one has loaded its shard of the model (or raises the first
+    error one reported).
+    """
+
+    def __init__(self, config: EngineConfig, model_config: ModelConfig, platform: type[Platform]) -> None:
+        super().__init__(config, model_config, platform)
+        self.world_size = config.tensor_parallel_size
+        self.step_timeout_s = _timeout(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
+        self._encoder = msgspec.msgpack.Encoder()
+        self._reply_decoder = msgspec.msgpack.Decoder(WorkerReply)
+        self._dead: WorkerDiedError | None = None
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        config_json = msgspec.json.encode(config)
+        self.processes: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self.sockets: list[socket.socket] = []
+        try:
+            for rank in range(self.world_size):
+                ours, theirs = socket.socketpair()
+                process = subprocess.Popen(
+                    [sys.executable, "-m", "sonar.executor.multiproc", str(rank), str(self.world_size), init_method, str(theirs.fileno())],
+                    pass_fds=(theirs.fileno(),),
+                )
+                theirs.close()
+                self.sockets.append(ours)  # kept to tell a closed peer from a pending reply
+                conn = Connection(os.dup(ours.fileno()))
+                conn.send_bytes(config_json)
+                self.processes.append(process)
+                self.conns.append(conn)
+            self._gather(_timeout(STARTUP_TIMEOUT_ENV, DEFAULT_STARTUP_TIMEOUT_S), "load the model")
+        except BaseException:
+            self.shutdown()
+            raise
+
+    @property
+    def worker_pids(self) -> list[int]:
+        """The process id of each rank, in rank order."""
+        return [process.pid for process in self.processes]
+
+    # -- talking to the ranks ------------------------------------------------------------
+
+    def _send(self, call: WorkerCall) -> None:
+        if self._dead is not None:
+            raise self._dead
+        data = self._encoder.encode(call)
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send_bytes(data)
+            except (BrokenPipeError, OSError):
+                self._fail(f"worker rank {rank} is gone (its pipe closed)")
+
+    def _receive(self, rank: int, timeout_s: float, what: str) -> WorkerReply:
+        """Rank ``rank``'s reply, watching every rank: one whose socket closes (it exited)
+        fails the engine, and so does a silence longer than ``timeout_s``."""
+        if self._dead is not None:
+            raise self._dead
+        ready = wait(self.conns, timeout_s)
+        if not ready:
+            self._fail(f"worker rank {rank} did not answer within {timeout_s:.0f} s when asked to {what}")
+        for other, conn in enumerate(self.conns):
+            if other != rank and conn in ready and self._closed(other):
+                self._fail(self._death(other, what))
+        try:
+            reply = self._reply_decoder.decode(self.conns[rank].recv_bytes())
+        except (EOFError, OSError):
+            self._fail(self._death(rank, what))
+        if reply.error is not None:
+            raise RuntimeError(f"worker rank {rank} failed to {what}: {reply.error}")
+        return reply
+
+    def _closed(self, rank: int) -> bool:
+        """Whether rank ``rank``'s end of its socket is closed (the process exited)."""
+        try:
+            return self.sockets[rank].recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
+    def _death(self, rank: int, what: str) -> str:
+        try:
+            code = self.processes[rank].wait(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        return f"worker rank {rank} died (exit code {code}) while asked to {what}"
+
+    def _fail(self, message: str) -> None:
+        self._dead = WorkerDiedError(message)
+        logger.error("%s; stopping the other ranks", message)
+        self.shutdown()
+        raise self._dead
+
+    def _gather(self, timeout_s: float, what: str) -> list[Any]:
+        return [self._receive(rank, timeout_s, what).value for rank in range(self.world_size)]
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        self._send(WorkerCall(method, list(args)))
+        return self._gather(self.step_timeout_s, method)
+
+    # -- the executor interface ----------------------------------------------------------
+
+    def kv_cache_specs(self) -> list[KVCacheSpec] | None:
+        from sonar.model_interface import kv_cache_spec_for
+
+        windows = self._call_all("kv_cache_windows")[0]
+        return None if windows is None else [kv_cache_spec_for(window) for window in windows]
+
+    def kv_bytes_per_block(self) -> int:
+        return self._call_all("kv_bytes_per_block")[0]
+
+    def available_kv_cache_bytes(self) -> int:
+        if self.config.kv_cache_memory_bytes is not None:
+            return self.config.kv_cache_memory_bytes
+        return min(self._call_all("available_kv_cache_bytes", self.config.gpu_memory_utilization))
+
+    def init_kv_cache(self, num_blocks: int) -> None:
+        self._call_all("init_kv_cache", num_blocks)
+
+    def profile_report(self) -> dict[str, int]:
+        return self._call_all("profile_report")[0]
+
+    def launch(self, scheduler_output: SchedulerOutput) -> Any:
+        bitmask = scheduler_output.grammar_bitmask
+        call = WorkerCall("step", step=scheduler_output)
+        if bitmask is not None:  # a host int32 tensor: sent as its bytes
+            call.grammar_bitmask = bitmask.contiguous().numpy().tobytes()
+            call.grammar_bitmask_shape = list(bitmask.shape)
+            scheduler_output.grammar_bitmask = None
+            try:
+                self._send(call)
+            finally:
+                scheduler_output.grammar_bitmask = bitmask
+        else:
+            self._send(call)
+        return None
+
+    def fetch(self, handle: Any) -> ModelRunnerOutput:
+        return self._receive(0, self.step_timeout_s, "run a step").output
+
+    def shutdown(self) -> None:
+        for conn in self.conns:
+            conn.close()
+        for sock in self.sockets:
+            sock.close()
+        self.sockets = []
+        for process in self.processes:
+            try:
+                process.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=2.0)
+        self.conns = []
+        if self._dead is None:
+            self._dead = WorkerDiedError("the executor was shut down")
+
+
+# -- the worker process ----------------------------------------------------------------------
+
+
+def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -> None:
+    """A rank's process: read the engine configuration (JSON), join the group, load this
+    rank's shard, then serve calls until the executor's end of the socket closes. A failure
+    at load is reported and ends the process; a failure in a step ends it too (the group
+    cannot go on without it)."""
+    import torch
+
+    from sonar.distributed import building_for, init_distributed
+    from sonar.engine.resolve import model_config_of
+    from sonar.platform import current_platform
+    from sonar.registry import import_class
+
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(WorkerCall)
+    try:
+        config = msgspec.json.decode(conn.recv_bytes(), type=EngineConfig)
+        platform = current_platform()
+        group = init_distributed(platform, rank, world_size, init_method)
+        model_config = model_config_of(config)
+        worker = import_class(platform.worker_cls)(platform, model_config, config, rank=rank)
+        with building_for(group):
+            worker.load_model()
+    except BaseException as exc:
+        conn.send_bytes(encoder.encode(WorkerReply(error=f"{type(exc).__name__}: {exc}")))
+        logger.error("worker rank %d failed to start:\n%s", rank, traceback.format_exc())
+        return
+    conn.send_bytes(encoder.encode(WorkerReply()))
+    while True:
+        try:
+            call = decoder.decode(conn.recv_bytes())
+        except (EOFError, OSError):  # the executor is gone
+            break
+        if call.method not in WORKER_CALLS:
+            conn.send_bytes(encoder.encode(WorkerReply(error=f"unknown worker call {call.method!r}")))
+            continue
+        try:
+            if call.method == "step":
+                step = call.step
+                if call.grammar_bitmask is not None:
+                    step.grammar_bitmask = torch.frombuffer(bytearray(call.grammar_bitmask), dtype=torch.int32).view(
+                        call.grammar_bitmask_shape
+                    )
+                output = worker.execute_model(step)
+                if rank == 0:
+                    conn.send_bytes(encoder.encode(WorkerReply(output=output)))
+            elif call.method == "kv_cache_windows":
+                specs = worker.kv_cache_specs()
+                windows = None if specs is None else [getattr(spec, "sliding_window", None) for spec in specs]
+                conn.send_bytes(encoder.encode(WorkerReply(value=windows)))
+            else:
+                conn.send_bytes(encoder.encode(WorkerReply(value=getattr(worker, call.method)(*call.args))))
+        except BaseException:
+            logger.error("worker rank %d failed in %s:\n%s", rank, call.method, traceback.format_exc())
+            os._exit(1)  # the other ranks wait on this one in collectives: fail the group
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _rank, _world_size, _init_method, _fd = sys.argv[1:5]
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {_rank} %(levelname)s %(name)s: %(message)s")
+    run_worker(int(_rank), int(_world_size), _init_method, Connection(int(_fd)))

@@ -1,0 +1,87 @@
+"""Tensor parallelism on the CPU: two real worker processes joined over gloo give the greedy
+tokens of one device (itself tested equal to transformers), and a rank that dies fails the
+engine's requests instead of hanging them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from sonar import LLM, SamplingParams
+from sonar.distributed import Communicator, ParallelGroup, building_for
+from sonar.executor import WorkerDiedError
+from sonar_models.testing import build_tiny_model
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [11, 12, 13], [5, 900, 17, 3, 44, 8, 2, 19, 6, 33, 71]]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+ENGINE = dict(kv_cache_memory_bytes=1 << 24, max_model_len=128, max_num_seqs=8)
+# what each case exercises beyond splitting q/k/v, gate/up, o and down over two ranks
+CASES = {
+    "llama": dict(vocab_size=1001, attention_bias=True, mlp_bias=True),  # padded vocabulary rows; row-parallel biases
+    "qwen2": {},  # q/k/v biases; embedding tied to the LM head
+    "qwen3": dict(num_key_value_heads=1),  # one KV head replicated on both ranks; q/k norms
+    "mistral": {},
+}
+
+
+def _generate(llm: LLM) -> list:
+    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Per architecture: the outputs with one device and with two ranks, and the TP=2 engine
+    of the last one (the fault test kills one of its ranks)."""
+    results = {}
+    for arch, overrides in CASES.items():
+        path = build_tiny_model(arch, tmp_path_factory.mktemp(arch), **overrides)
+        single = _generate(LLM(str(path), **ENGINE))
+        llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
+        results[arch] = (single, _generate(llm), llm)
+    return results
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_two_ranks_match_one_device(runs, arch: str) -> None:
+    single, parallel, _ = runs[arch]
+    for one, two in zip(single, parallel):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+        for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
+            assert list(a) == list(b)[: len(a)] or set(a) == set(b)
+            for token_id, logprob in a.items():
+                assert b[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-3)
+
+
+def test_a_killed_rank_fails_the_engine_cleanly(runs) -> None:
+    llm = runs["mistral"][2]
+    executor = llm.llm_engine.core.executor
+    os.kill(executor.worker_pids[1], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="worker rank 1 died"):
+        _generate(llm)
+    assert time.monotonic() - started < 15
+    with pytest.raises(WorkerDiedError):  # and stays failed
+        _generate(llm)
+    for pid in executor.worker_pids:  # no rank is left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_what_does_not_shard_yet_is_refused(tmp_path) -> None:
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not combine with enable_lora"):
+        LLM(str(tmp_path), tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        LLM(str(tmp_path), tensor_parallel_size=0)
+    from sonar.registry import resolve_model_class
+    from transformers import AutoConfig
+
+    moe = AutoConfig.from_pretrained(build_tiny_model("qwen3_moe", tmp_path / "moe"))
+    with building_for(ParallelGroup(0, 2, Communicator(2))), pytest.raises(ValueError, match="does not run with tensor parallelism"):
+        resolve_model_class(moe)(moe, lambda *args, **kwargs: torch.nn.Identity())
+    dense = AutoConfig.from_pretrained(build_tiny_model("llama", tmp_path / "dense", hidden_size=48, num_attention_heads=3, num_key_value_heads=3))
+    with building_for(ParallelGroup(0, 2, Communicator(2))), pytest.raises(ValueError, match=r"num_key_value_heads \(3\) is not divisible by tensor_parallel_size=2"):
+        resolve_model_class(dense)(dense, lambda *args, **kwargs: torch.nn.Identity())
