@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU: two real worker processes joined over gloo give the greedy
 tokens of one device (itself tested equal to transformers), and a rank that dies fails the
-engine's requests instead of hanging them."""
+engine's requests instead of hanging them. Mistral's case runs through ``sonar serve -tp 2``
+(``sonar-server/tests/test_tensor_parallel_server.py``)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,7 @@ CASES = {
     "llama": dict(vocab_size=1001, attention_bias=True, mlp_bias=True),  # padded vocabulary rows; row-parallel biases
     "qwen2": {},  # q/k/v biases; embedding tied to the LM head
     "qwen3": dict(num_key_value_heads=1),  # one KV head replicated on both ranks; q/k norms
-    "mistral": {},
-}
+}  # Mistral at TP=2 runs through `sonar serve -tp 2` (sonar-server/tests/test_tensor_parallel_server.py)
 
 
 def _generate(llm: LLM) -> list:
@@ -57,7 +57,7 @@ def test_two_ranks_match_one_device(runs, arch: str) -> None:
 
 
 def test_a_killed_rank_fails_the_engine_cleanly(runs) -> None:
-    llm = runs["mistral"][2]
+    llm = runs["qwen3"][2]
     executor = llm.llm_engine.core.executor
     os.kill(executor.worker_pids[1], signal.SIGKILL)
     started = time.monotonic()

@@ -299,6 +299,10 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
 
 
 if __name__ == "__main__":
+    from sonar.engine.process_util import exit_with_parent, set_process_title
+
     _rank, _world_size, _init_method, _fd = sys.argv[1:5]
+    exit_with_parent()  # a rank waiting in a collective does not read its socket
+    set_process_title(f"tp-worker-{_rank}")
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {_rank} %(levelname)s %(name)s: %(message)s")
     run_worker(int(_rank), int(_world_size), _init_method, Connection(int(_fd)))
