@@ -36,7 +36,8 @@ class CudaModelRunner(ModelRunner):
     """The core model runner plus CUDA graphs for decode steps.
 
     ``max_graph_batch_size`` bounds the captured sizes; ``SONAR_ENFORCE_EAGER=1`` turns graphs
-    off (the static-buffer decode path still runs, eagerly). On a CPU device (tests through
+    off (the static-buffer decode path still runs, eagerly), and so does tensor parallelism
+    (its all-reduces are not captured yet). On a CPU device (tests through
     Triton's interpreter) the same path runs without graphs.
     """
 
@@ -45,6 +46,8 @@ class CudaModelRunner(ModelRunner):
     def __init__(self, model_config, config, device: torch.device, attention_backend_cls: str) -> None:
         super().__init__(model_config, config, device, attention_backend_cls)
         self.use_graphs = device.type == "cuda" and os.environ.get("SONAR_ENFORCE_EAGER", "") not in ("1", "true")
+        if config.tensor_parallel_size > 1:  # graphs that capture the collectives are not built yet
+            self.use_graphs = False
         self.max_blocks_per_seq = self.block_table.max_blocks_per_seq
         self.graphs: DecodeGraphs | None = None
 
