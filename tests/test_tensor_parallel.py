@@ -6,6 +6,7 @@ engine's requests instead of hanging them. Mistral's case runs through ``sonar s
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -39,10 +40,19 @@ def runs(tmp_path_factory) -> dict:
     results = {}
     for arch, overrides in CASES.items():
         path = build_tiny_model(arch, tmp_path_factory.mktemp(arch), **overrides)
-        single = _generate(LLM(str(path), **ENGINE))
+        single = LLM(str(path), **ENGINE)
         llm = LLM(str(path), tensor_parallel_size=2, **ENGINE)
-        results[arch] = (single, _generate(llm), llm)
+        results[arch] = (_generate(single), _generate(llm), llm)
+        if arch == "qwen2":  # structured output: the grammar's bitmask travels to both ranks
+            results["guided"] = (_guided(single), _guided(llm))
     return results
+
+
+def _guided(llm: LLM) -> list[str]:
+    from sonar.structured_output import GuidedDecodingParams
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, guided_decoding=GuidedDecodingParams(regex="(cat|dog)[0-9]{2}"))
+    return [o.outputs[0].text for o in llm.generate(["Pick one:", "Animal:"], params)]
 
 
 @pytest.mark.parametrize("arch", list(CASES))
@@ -54,6 +64,12 @@ def test_two_ranks_match_one_device(runs, arch: str) -> None:
             assert list(a) == list(b)[: len(a)] or set(a) == set(b)
             for token_id, logprob in a.items():
                 assert b[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-3)
+
+
+def test_structured_output_at_two_ranks(runs) -> None:
+    single, parallel = runs["guided"]
+    assert parallel == single
+    assert all(re.fullmatch("(cat|dog)[0-9]{2}", text) for text in parallel)
 
 
 def test_a_killed_rank_fails_the_engine_cleanly(runs) -> None:
