@@ -61,6 +61,14 @@ class Platform:
         return {}
 
     @classmethod
+    def rank_env(cls, rank: int, world_size: int) -> dict[str, str]:
+        """Environment for the worker process of tensor-parallel rank ``rank`` of
+        ``world_size`` on this host (every rank sees every device and uses
+        ``device(rank)``): what gives it its share of the host where the ranks share one (CPU
+        threads). Default: nothing."""
+        return {}
+
+    @classmethod
     def device(cls, index: int = 0) -> torch.device:
         """The torch device for local rank ``index``."""
         return torch.device(cls.device_type)

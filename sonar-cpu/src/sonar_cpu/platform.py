@@ -65,6 +65,11 @@ class CpuPlatform(Platform):
         return {"SONAR_CPU_THREADS": str(max(1, num_usable_cores() // num_replicas))}
 
     @classmethod
+    def rank_env(cls, rank: int, world_size: int) -> dict[str, str]:
+        """Tensor-parallel ranks share the cores as replicas do: each its slice of the threads."""
+        return cls.replica_env(rank, world_size)
+
+    @classmethod
     def total_memory_bytes(cls) -> int:
         """Physical memory of the host (``MemTotal``)."""
         total = read_meminfo("MemTotal") or _sysconf_bytes("SC_PHYS_PAGES")

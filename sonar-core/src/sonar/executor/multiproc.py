@@ -102,7 +102,7 @@ class MultiprocExecutor(Executor):
                 ours, theirs = socket.socketpair()
                 process = subprocess.Popen(
                     [sys.executable, "-m", "sonar.executor.multiproc", str(rank), str(self.world_size), init_method, str(theirs.fileno())],
-                    pass_fds=(theirs.fileno(),),
+                    pass_fds=(theirs.fileno(),), env={**os.environ, **platform.rank_env(rank, self.world_size)},
                 )
                 theirs.close()
                 self.sockets.append(ours)  # kept to tell a closed peer from a pending reply
