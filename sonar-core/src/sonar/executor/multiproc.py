@@ -101,7 +101,10 @@ class MultiprocExecutor(Executor):
             for rank in range(self.world_size):
                 ours, theirs = socket.socketpair()
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "sonar.executor.multiproc", str(rank), str(self.world_size), init_method, str(theirs.fileno())],
+                    [
+                        sys.executable, "-m", "sonar.executor.multiproc", str(rank), str(self.world_size), init_method,
+                        str(theirs.fileno()), logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                    ],
                     pass_fds=(theirs.fileno(),), env={**os.environ, **platform.rank_env(rank, self.world_size)},
                 )
                 theirs.close()
@@ -301,8 +304,8 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
 if __name__ == "__main__":
     from sonar.engine.process_util import exit_with_parent, set_process_title
 
-    _rank, _world_size, _init_method, _fd = sys.argv[1:5]
+    _rank, _world_size, _init_method, _fd, _level = sys.argv[1:6]
     exit_with_parent()  # a rank waiting in a collective does not read its socket
     set_process_title(f"tp-worker-{_rank}")
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {_rank} %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=_level, format=f"%(asctime)s rank {_rank} %(levelname)s %(name)s: %(message)s")
     run_worker(int(_rank), int(_world_size), _init_method, Connection(int(_fd)))
