@@ -95,9 +95,15 @@ def test_what_does_not_shard_yet_is_refused(tmp_path) -> None:
     from sonar.registry import resolve_model_class
     from transformers import AutoConfig
 
-    moe = AutoConfig.from_pretrained(build_tiny_model("qwen3_moe", tmp_path / "moe"))
+    moe_path = build_tiny_model("qwen3_moe", tmp_path / "moe")
+    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM does not run with tensor parallelism yet"):
+        LLM(str(moe_path), tensor_parallel_size=2)  # refused before any process starts
+    moe = AutoConfig.from_pretrained(moe_path)
     with building_for(ParallelGroup(0, 2, Communicator(2))), pytest.raises(ValueError, match="does not run with tensor parallelism"):
         resolve_model_class(moe)(moe, lambda *args, **kwargs: torch.nn.Identity())
-    dense = AutoConfig.from_pretrained(build_tiny_model("llama", tmp_path / "dense", hidden_size=48, num_attention_heads=3, num_key_value_heads=3))
-    with building_for(ParallelGroup(0, 2, Communicator(2))), pytest.raises(ValueError, match=r"num_key_value_heads \(3\) is not divisible by tensor_parallel_size=2"):
-        resolve_model_class(dense)(dense, lambda *args, **kwargs: torch.nn.Identity())
+    # found by the ranks as they build their shards: the first error they report, at once
+    dense = build_tiny_model("llama", tmp_path / "dense", hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"worker rank \d failed to load the model: ValueError: num_key_value_heads \(3\) is not divisible by tensor_parallel_size=2"):
+        LLM(str(dense), tensor_parallel_size=2, **ENGINE)
+    assert time.monotonic() - started < 30

@@ -14,7 +14,7 @@ from sonar.engine.model_source import check_remote_code, resolve_model_path
 from sonar.kv_transfer.factory import resolve_kv_transfer_config
 from sonar.platform import Platform
 from sonar.spec_decode.resolve import resolve_speculative_config
-from sonar.registry import architecture_of, executors, kv_cache_managers, scheduler_policies, weight_formats
+from sonar.registry import architecture_of, executors, kv_cache_managers, resolve_model_class, scheduler_policies, weight_formats
 
 
 def _registered(option: str, name: str, registered: dict[str, Any]) -> str:
@@ -122,6 +122,11 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
     format_name, fmt = select_weight_format(model_path, args.load_format)
     hf_config = fmt.load_hf_config(model_path)
     architecture_of(hf_config)  # an unsupported model fails here, before anything loads
+    if args.tensor_parallel_size > 1 and not getattr(resolve_model_class(hf_config), "supports_tensor_parallel", False):
+        raise ValueError(
+            f"{architecture_of(hf_config)} does not run with tensor parallelism yet "
+            f"(tensor_parallel_size={args.tensor_parallel_size}); use tensor_parallel_size=1"
+        )
     quantization = resolve_quantization(args.quantization, hf_config, platform.name)
     tokenizer = None
     if not args.skip_tokenizer_init:

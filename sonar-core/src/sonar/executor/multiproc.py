@@ -16,6 +16,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from multiprocessing.connection import Connection, wait
 from typing import Any
@@ -140,12 +141,16 @@ class MultiprocExecutor(Executor):
         fails the engine, and so does a silence longer than ``timeout_s``."""
         if self._dead is not None:
             raise self._dead
-        ready = wait(self.conns, timeout_s)
-        if not ready:
-            self._fail(f"worker rank {rank} did not answer within {timeout_s:.0f} s when asked to {what}")
-        for other, conn in enumerate(self.conns):
-            if other != rank and conn in ready and self._closed(other):
-                self._fail(self._death(other, what))
+        deadline = time.monotonic() + timeout_s
+        watched = list(self.conns)
+        while self.conns[rank] not in (ready := wait(watched, max(0.0, deadline - time.monotonic()))):
+            if not ready:
+                self._fail(f"worker rank {rank} did not answer within {timeout_s:.0f} s when asked to {what}")
+            for conn in ready:  # another rank: closed (it exited), or a reply read later
+                other = self.conns.index(conn)
+                if self._closed(other):
+                    self._fail(self._death(other, what))
+                watched.remove(conn)
         try:
             reply = self._reply_decoder.decode(self.conns[rank].recv_bytes())
         except (EOFError, OSError):
@@ -177,7 +182,29 @@ class MultiprocExecutor(Executor):
         raise self._dead
 
     def _gather(self, timeout_s: float, what: str) -> list[Any]:
-        return [self._receive(rank, timeout_s, what).value for rank in range(self.world_size)]
+        """Every rank's reply value, in rank order, read as they come: the first error (or
+        exit) fails at once, without waiting on ranks it leaves stuck."""
+        if self._dead is not None:
+            raise self._dead
+        deadline = time.monotonic() + timeout_s
+        values: dict[int, Any] = {}
+        while len(values) < self.world_size:
+            pending = [conn for rank, conn in enumerate(self.conns) if rank not in values]
+            ready = wait(pending, max(0.0, deadline - time.monotonic()))
+            if not ready:
+                silent = [rank for rank in range(self.world_size) if rank not in values]
+                self._fail(f"worker ranks {silent} did not answer within {timeout_s:.0f} s when asked to {what}")
+            for conn in ready:
+                rank = self.conns.index(conn)
+                try:
+                    reply = self._reply_decoder.decode(conn.recv_bytes())
+                except (EOFError, OSError):
+                    self._fail(self._death(rank, what))
+                if reply.error is not None:
+                    self.shutdown()
+                    raise RuntimeError(f"worker rank {rank} failed to {what}: {reply.error}")
+                values[rank] = reply.value
+        return [values[rank] for rank in range(self.world_size)]
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         self._send(WorkerCall(method, list(args)))
