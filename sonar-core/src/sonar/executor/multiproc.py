@@ -2,11 +2,12 @@
 
 Each rank is a spawned process that joins ``torch.distributed`` with the platform's backend
 (``Platform.dist_backend``), builds its shard of the model and then executes what the
-executor sends it: every step's ``SchedulerOutput`` goes to every rank, as msgpack over the
-rank's socket (plain data, never pickled), and only rank 0 answers a step. A rank that dies or
-stops answering fails the engine with ``WorkerDiedError`` instead of leaving it waiting.
-
-Transport: one Unix socket pair per rank (a shared-memory broadcast ring is the planned replacement).
+executor sends it: every step's ``SchedulerOutput`` is encoded once as msgpack (plain data,
+never pickled) and written once into a shared-memory ring every rank reads
+(``sonar.executor.shm_broadcast``); a message larger than a ring slot goes over each rank's
+Unix socket instead. Replies (only rank 0 answers a step) come back over the sockets. A rank
+that dies or stops answering fails the engine with ``WorkerDiedError`` instead of leaving it
+waiting.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from sonar.config import EngineConfig, ModelConfig
 from sonar.engine.kv_cache_spec import KVCacheSpec
 from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
 from sonar.executor.base import Executor, WorkerDiedError
+from sonar.executor.shm_broadcast import RingReader, RingTimeout, RingWriter
 from sonar.platform import Platform
 
 logger = logging.getLogger(__name__)
@@ -35,6 +37,10 @@ STARTUP_TIMEOUT_ENV = "SONAR_WORKER_STARTUP_TIMEOUT_S"
 STEP_TIMEOUT_ENV = "SONAR_WORKER_STEP_TIMEOUT_S"
 DEFAULT_STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint
 DEFAULT_STEP_TIMEOUT_S = 300.0  # a step (or a profile) that runs longer is a hung rank
+RING_SLOT_BYTES_ENV = "SONAR_TP_RING_SLOT_BYTES"
+DEFAULT_RING_SLOT_BYTES = 4 << 20  # a step message larger than this goes over the sockets
+IDLE_CHECK_S = 1.0  # an idle rank checks this often that the executor is still there
+OVERFLOW = b"\x00"  # in the ring: the message was too large for a slot and comes on the socket
 # what the executor may ask every rank to run (anything else is refused by the worker)
 WORKER_CALLS = frozenset({
     "kv_cache_windows", "kv_bytes_per_block", "available_kv_cache_bytes", "init_kv_cache", "profile_report", "step",
@@ -72,6 +78,15 @@ def _timeout(env: str, default: float) -> float:
     return value
 
 
+def _ring_slot_bytes() -> int:
+    raw = os.environ.get(RING_SLOT_BYTES_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RING_SLOT_BYTES
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{RING_SLOT_BYTES_ENV}={raw!r} must be a positive number of bytes")
+    return int(raw)
+
+
 def _free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -98,6 +113,7 @@ class MultiprocExecutor(Executor):
         self.processes: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.sockets: list[socket.socket] = []
+        self.ring = RingWriter(self.world_size, slot_bytes=_ring_slot_bytes())
         try:
             for rank in range(self.world_size):
                 ours, theirs = socket.socketpair()
@@ -112,6 +128,7 @@ class MultiprocExecutor(Executor):
                 self.sockets.append(ours)  # kept to tell a closed peer from a pending reply
                 conn = Connection(os.dup(ours.fileno()))
                 conn.send_bytes(config_json)
+                conn.send_bytes(msgspec.msgpack.encode([self.ring.name, self.ring.num_slots, self.ring.slot_bytes]))
                 self.processes.append(process)
                 self.conns.append(conn)
             self._gather(_timeout(STARTUP_TIMEOUT_ENV, DEFAULT_STARTUP_TIMEOUT_S), "load the model")
@@ -130,11 +147,18 @@ class MultiprocExecutor(Executor):
         if self._dead is not None:
             raise self._dead
         data = self._encoder.encode(call)
+        alive = lambda: all(process.poll() is None for process in self.processes)  # noqa: E731
+        try:
+            if self.ring.write(data, self.step_timeout_s, alive):
+                return
+            self.ring.write(OVERFLOW, self.step_timeout_s, alive)  # larger than a slot: on the sockets
+        except RingTimeout as exc:
+            self._fail(f"a worker rank stopped reading the executor's messages ({exc})")
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(data)
             except (BrokenPipeError, OSError):
-                self._fail(f"worker rank {rank} is gone (its pipe closed)")
+                self._fail(f"worker rank {rank} is gone (its socket closed)")
 
     def _receive(self, rank: int, timeout_s: float, what: str) -> WorkerReply:
         """Rank ``rank``'s reply, watching every rank: one whose socket closes (it exited)
@@ -263,6 +287,7 @@ class MultiprocExecutor(Executor):
                 process.kill()
                 process.wait(timeout=2.0)
         self.conns = []
+        self.ring.unlink()
         if self._dead is None:
             self._dead = WorkerDiedError("the executor was shut down")
 
@@ -286,6 +311,8 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
     decoder = msgspec.msgpack.Decoder(WorkerCall)
     try:
         config = msgspec.json.decode(conn.recv_bytes(), type=EngineConfig)
+        ring_name, num_slots, slot_bytes = msgspec.msgpack.decode(conn.recv_bytes(), type=tuple[str, int, int])
+        ring = RingReader(ring_name, rank, world_size, num_slots, slot_bytes)
         platform = current_platform()
         group = init_distributed(platform, rank, world_size, init_method)
         model_config = model_config_of(config)
@@ -297,9 +324,17 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
         logger.error("worker rank %d failed to start:\n%s", rank, traceback.format_exc())
         return
     conn.send_bytes(encoder.encode(WorkerReply()))
+    peer = socket.socket(fileno=os.dup(conn.fileno()))  # to tell the executor's exit from a message
     while True:
         try:
-            call = decoder.decode(conn.recv_bytes())
+            data = ring.read(IDLE_CHECK_S)
+            if data == OVERFLOW:
+                data = conn.recv_bytes()
+            call = decoder.decode(data)
+        except RingTimeout:  # idle: go on waiting while the executor lives
+            if _peer_closed(peer):
+                break
+            continue
         except (EOFError, OSError):  # the executor is gone
             break
         if call.method not in WORKER_CALLS:
@@ -324,8 +359,18 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
         except BaseException:
             logger.error("worker rank %d failed in %s:\n%s", rank, call.method, traceback.format_exc())
             os._exit(1)  # the other ranks wait on this one in collectives: fail the group
+    ring.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 if __name__ == "__main__":
