@@ -39,7 +39,7 @@ DEFAULT_STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint
 DEFAULT_STEP_TIMEOUT_S = 300.0  # a step (or a profile) that runs longer is a hung rank
 RING_SLOT_BYTES_ENV = "SONAR_TP_RING_SLOT_BYTES"
 DEFAULT_RING_SLOT_BYTES = 4 << 20  # a step message larger than this goes over the sockets
-IDLE_CHECK_S = 1.0  # an idle rank checks this often that the executor is still there
+IDLE_CHECK_S = 5.0  # an idle rank checks this often that the executor is still there
 OVERFLOW = b"\x00"  # in the ring: the message was too large for a slot and comes on the socket
 # what the executor may ask every rank to run (anything else is refused by the worker)
 WORKER_CALLS = frozenset({

@@ -9,7 +9,8 @@ memory, instead of the executor copying it into one socket per rank. The ring ha
 The writer fills a slot only once every reader has read what it held, writes the message,
 then its length, clears the read bytes and publishes the sequence number last; a reader
 waits for the sequence number it expects, copies the message and sets its read byte. Waiting
-polls (a short spin, then sleeps up to ``MAX_SLEEP_S``) and gives up after a timeout, so
+polls (a short spin, then sleeps up to ``MAX_SLEEP_S``, longer ones once idle) and gives up
+after a timeout, so
 neither side can hang on a peer that is gone. A message larger than a slot does not fit:
 ``write`` returns False and the caller sends it another way.
 """
@@ -24,7 +25,9 @@ from typing import Callable
 
 HEADER = struct.Struct("<qq")  # seq, num_bytes
 SPIN_S = 0.0005  # busy-poll this long before sleeping
-MAX_SLEEP_S = 0.001  # the longest sleep between polls (an idle rank wakes ~1000 times a second)
+MAX_SLEEP_S = 0.001  # the longest sleep between polls while a message is due soon
+IDLE_AFTER_S = 0.2  # waiting longer than this, the reader is idle: it sleeps up to IDLE_SLEEP_S
+IDLE_SLEEP_S = 0.005  # (the first message after an idle spell waits at most this much more)
 _fence_lock = threading.Lock()
 
 
@@ -61,7 +64,7 @@ class _Ring:
             if alive is not None and not alive():
                 raise RingTimeout(f"shared-memory ring: gave up waiting for {what} (the peer is gone)")
             if elapsed > SPIN_S:
-                sleep = min(MAX_SLEEP_S, sleep * 2 or 0.00005)
+                sleep = min(MAX_SLEEP_S if elapsed < IDLE_AFTER_S else IDLE_SLEEP_S, sleep * 2 or 0.00005)
                 time.sleep(sleep)
         _fence()
 
