@@ -87,7 +87,7 @@ def test_engine_options_name_registered_parts(tmp_path) -> None:
     build_tiny_model("llama", tmp_path)
     config, _ = resolve_engine_config(EngineArgs(model=str(tmp_path), scheduling_policy="priority"), current_platform())
     assert (config.scheduling_policy, config.kv_cache_manager, config.executor) == ("priority", "paged", "uni")
-    with pytest.raises(ValueError, match="distributed_executor_backend='ray' is not registered; registered: uni"):
+    with pytest.raises(ValueError, match="distributed_executor_backend='ray' is not registered; registered: mp, uni"):
         resolve_engine_config(EngineArgs(model=str(tmp_path), distributed_executor_backend="ray"), current_platform())
     with pytest.raises(ValueError, match="kv_cache_manager='tiered' is not registered"):
         resolve_engine_config(EngineArgs(model=str(tmp_path), kv_cache_manager="tiered"), current_platform())
