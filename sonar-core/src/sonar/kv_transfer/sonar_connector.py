@@ -307,10 +307,7 @@ class SonarConnector(KVConnector):
             if not pulled.ok:
                 raise kv_wire.KVWireError(f"the prefill engine refused the pull: {pulled.error}")
             if remote is not None:
-                if transport == "shm":
-                    self._copy_from_segment(remote, load)
-                else:
-                    self._copy_from_mapped(remote, load)
+                self._copy_from_remote(remote, load)
                 kv_wire.send_message(sock, kv_wire.PullDone(load.remote_request_id))
                 return
             first = self.kv_caches[0]
@@ -363,21 +360,10 @@ class SonarConnector(KVConnector):
         mapped = self._shm_maps[reply.engine_id]
         return None if mapped is None else mapped[0]
 
-    def _copy_from_segment(self, remote: list[torch.Tensor], load: RemoteLoad) -> None:
-        import torch
-
-        if len(load.remote_block_ids) != len(load.block_ids):
-            raise kv_wire.KVWireError(f"{len(load.remote_block_ids)} remote blocks for {len(load.block_ids)} local ones")
-        if any(b >= remote[0].shape[1] for b in load.remote_block_ids):
-            raise kv_wire.KVWireError(f"a remote block id beyond the prefill engine's {remote[0].shape[1]} blocks")
-        source = torch.tensor(load.remote_block_ids, dtype=torch.int64)
-        dest = torch.tensor(load.block_ids, dtype=torch.int64)
-        for kv, theirs in zip(self.kv_caches, remote):
-            kv.index_copy_(1, dest, theirs.index_select(1, source))
-
-    def _copy_from_mapped(self, remote: list[torch.Tensor], load: RemoteLoad) -> None:
-        """Gather the request's blocks from the other engine's caches into this one's, on a
-        side stream that first waits for the work queued so far, and wait for it."""
+    def _copy_from_remote(self, remote: list[torch.Tensor], load: RemoteLoad) -> None:
+        """Gather the request's blocks from the other engine's caches (mapped here: shared
+        memory, CUDA IPC) into this one's; on a GPU on a side stream that first waits for the
+        work queued so far, and wait for it."""
         import torch
 
         if len(load.remote_block_ids) != len(load.block_ids):
@@ -385,16 +371,23 @@ class SonarConnector(KVConnector):
         if any(b >= remote[0].shape[1] for b in load.remote_block_ids):
             raise kv_wire.KVWireError(f"a remote block id beyond the prefill engine's {remote[0].shape[1]} blocks")
         device = self.kv_caches[0].device
+
+        def gather() -> None:
+            source = torch.tensor(load.remote_block_ids, dtype=torch.int64).to(device)
+            dest = torch.tensor(load.block_ids, dtype=torch.int64).to(device)
+            for kv, theirs in zip(self.kv_caches, remote):
+                kv.index_copy_(1, dest, theirs.index_select(1, source))
+
+        if device.type != "cuda":
+            gather()
+            return
         if self._pull_stream is None:
             self._pull_stream = torch.cuda.Stream(device)
         stream = self._pull_stream
         with torch.cuda.device(device), self._pull_lock:  # one pull at a time on the side stream
             stream.wait_stream(torch.cuda.default_stream(device))
             with torch.cuda.stream(stream):
-                source = torch.tensor(load.remote_block_ids, dtype=torch.int64).to(device)
-                dest = torch.tensor(load.block_ids, dtype=torch.int64).to(device)
-                for kv, theirs in zip(self.kv_caches, remote):
-                    kv.index_copy_(1, dest, theirs.index_select(1, source))
+                gather()
             stream.synchronize()
 
     def _finish_recv(self, req_id: str, ok: bool) -> None:
