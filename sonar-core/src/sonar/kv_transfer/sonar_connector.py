@@ -22,24 +22,22 @@ keeps to frames.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import socket
 import threading
 import time
 import uuid
-from array import array
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from sonar.kv_transfer import cuda_ipc, host_shm, kv_wire
-from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorMetadata, KVConnectorRole, KVTransferConfig
+from sonar.kv_transfer.interface import KVCacheLayout, KVConnectorMetadata, KVConnectorRole, KVTransferConfig
+from sonar.kv_transfer.pull_scheduling import PullScheduling
 
 if TYPE_CHECKING:
     import torch
 
-    from sonar.engine.request import Request
     from sonar.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -52,11 +50,6 @@ MAX_PULL_THREADS = 4
 # "auto": shared memory (CPU) or CUDA IPC (one GPU) between engines on one host, TCP frames
 # otherwise; "tcp": always frames
 TRANSPORTS = ("auto", "tcp")
-
-
-def prompt_hash(token_ids: list[int]) -> str:
-    """A digest of a prompt's token ids: the decode side checks it names the same prompt."""
-    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).hexdigest()
 
 
 @dataclass(slots=True)
@@ -87,7 +80,7 @@ class _Served:
     deadline: float
 
 
-class SonarConnector(KVConnector):
+class SonarConnector(PullScheduling):
     """The built-in prefill/decode connector (see the module's description)."""
 
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, layout: KVCacheLayout | None = None) -> None:
@@ -98,12 +91,6 @@ class SonarConnector(KVConnector):
         self.timeout_s = float(extra.get("kv_transfer_timeout", DEFAULT_TRANSFER_TIMEOUT_S))
         self.same_host_transports = extra.get("kv_transport", "auto") == "auto"
         self.engine_id = config.engine_id or uuid.uuid4().hex[:12]
-        # scheduler side
-        self._address: dict[str, Any] | None = None
-        self._sends: dict[str, list[int]] = {}
-        self._loads: list[RemoteLoad] = []
-        self._pending: dict[str, int] = {}  # request -> its first block to pull
-        self._attempted: set[str] = set()  # requests whose pull was scheduled once (never twice)
         # worker side
         self.kv_caches: list[torch.Tensor] = []
         self._lock = threading.Condition()
@@ -133,73 +120,14 @@ class SonarConnector(KVConnector):
 
     # -- scheduler side --------------------------------------------------------------------
 
-    def set_handshake_metadata(self, metadata: dict[str, Any] | None) -> None:
-        self._address = metadata
-
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.sampling_params.kv_transfer_params
-        if not self.config.is_consumer or not params or not params.get("do_remote_prefill"):
-            return 0, False
-        req_id = request.request_id
-        if req_id in self._attempted or request.num_output_tokens or request.sampling_params.prompt_logprobs is not None:
-            return 0, False
-        problem = _check_remote_params(params, request, self.layout.block_size)
-        if problem:
-            self._attempted.add(req_id)
-            logger.warning("request %s: kv_transfer_params %s; its prompt is computed here", req_id, problem)
-            return 0, False
-        num_external = request.num_prompt_tokens - 1 - num_computed_tokens
-        if num_external <= 0:
-            return 0, False
-        self._pending[req_id] = num_computed_tokens // self.layout.block_size
-        return num_external, True
-
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
-        first = self._pending.pop(request.request_id, None)
-        if first is None or num_external_tokens <= 0:
-            return
-        params = request.sampling_params.kv_transfer_params
-        block_size = self.layout.block_size
-        last = -(-(first * block_size + num_external_tokens) // block_size)
-        self._attempted.add(request.request_id)
-        self._loads.append(
-            RemoteLoad(
-                request_id=request.request_id,
-                remote_host=params["remote_host"],
-                remote_port=params["remote_port"],
-                remote_request_id=params["remote_request_id"],
-                remote_block_ids=list(params["remote_block_ids"][first:last]),
-                block_ids=block_ids[first:last],
-            )
-        )
+    def make_load(self, request_id: str, params: dict[str, Any], remote_block_ids: list[int], block_ids: list[int]) -> RemoteLoad:
+        return RemoteLoad(request_id, params["remote_host"], params["remote_port"], params["remote_request_id"], remote_block_ids, block_ids)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> SonarConnectorMetadata:
         metadata = SonarConnectorMetadata(self._sends, self._loads)
         self._sends, self._loads = {}, []
-        for req_id in scheduler_output.finished_req_ids:
-            self._attempted.discard(req_id)
-            self._pending.pop(req_id, None)
+        self.forget_finished(scheduler_output)
         return metadata
-
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        params = request.sampling_params.kv_transfer_params
-        if not self.config.is_producer or not params or not params.get("do_remote_decode"):
-            return False, None
-        if request.status.value == "abort" or not block_ids or self._address is None:
-            return False, None
-        self._sends[request.request_id] = list(block_ids)
-        return True, {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "remote_engine_id": self.engine_id,
-            "remote_host": self._address["host"],
-            "remote_port": self._address["port"],
-            "remote_request_id": request.request_id,
-            "remote_block_ids": list(block_ids),
-            "num_prompt_tokens": request.num_prompt_tokens,
-            "prompt_hash": prompt_hash(request.prompt_token_ids),
-            "tp_size": self.layout.tensor_parallel_size,
-        }
 
     # -- worker side -----------------------------------------------------------------------
 
@@ -503,17 +431,3 @@ class SonarConnector(KVConnector):
                     return None
                 self._lock.wait(remaining)
             return self._served.get(req_id)
-
-
-def _check_remote_params(params: dict[str, Any], request: Request, block_size: int) -> str | None:
-    """What is wrong with a decode request's ``kv_transfer_params`` (None: nothing)."""
-    host, port, remote_id, blocks = (params.get(k) for k in ("remote_host", "remote_port", "remote_request_id", "remote_block_ids"))
-    if not isinstance(host, str) or not isinstance(port, int) or not isinstance(remote_id, str):
-        return "lack remote_host, remote_port or remote_request_id"
-    if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) and b >= 0 for b in blocks):
-        return "have no valid remote_block_ids"
-    if len(blocks) * block_size < request.num_prompt_tokens - 1:
-        return f"name {len(blocks)} blocks, too few for a prompt of {request.num_prompt_tokens} tokens"
-    if params.get("num_prompt_tokens") != request.num_prompt_tokens or params.get("prompt_hash") != prompt_hash(request.prompt_token_ids):
-        return "describe another prompt than this request's"
-    return None
