@@ -21,7 +21,7 @@ over 4.8 TB/s, and the compute floor at 989 TFLOP/s; and, graphed, the alignment
 Qwen3-30B-A3B-shaped model with random weights (``load_format="dummy"``): ``fused`` as the
 CUDA platform runs it (decode steps in CUDA graphs), ``loop`` with ``loop_over_experts`` behind
 ``sonar.moe.fused_moe`` (it reads the routing on the host, so no graphs: ``SONAR_ENFORCE_EAGER``).
-``--scale`` runs a fraction of each workload's requests. One variant per process. ``--sweep`` also tries every launch of
+``--scale`` runs a fraction of each workload's requests (one for both, or ``b=0.1,c=0.02``). One variant per process. ``--sweep`` also tries every launch of
 ``SWEEP`` per token count. JSON (one object, ``rows`` per token count) to ``--out``.
 
     python sonar-cuda/benchmarks/moe.py [--tokens 1 64 256 2048] [--sweep] [--out moe.json]
@@ -146,7 +146,21 @@ def measure(num_tokens: int, w13: torch.Tensor, w2: torch.Tensor, router: torch.
     return row
 
 
-def run_engine(variant: str, scale: float) -> dict:
+def parse_scale(text: str) -> dict[str, float]:
+    """``--scale``: one fraction for every workload (``0.25``) or one per workload (``b=0.1,c=0.02``)."""
+    try:
+        if "=" not in text:
+            return dict.fromkeys(ENGINE_WORKLOADS, float(text))
+        scales = {key.strip(): float(value) for key, value in (part.split("=", 1) for part in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--scale {text!r}: give a fraction or workload=fraction pairs, e.g. b=0.1,c=0.02") from None
+    unknown = set(scales) - set(ENGINE_WORKLOADS)
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--scale names unknown workloads {sorted(unknown)}; they are {sorted(ENGINE_WORKLOADS)}")
+    return {key: scales.get(key, 1.0) for key in ENGINE_WORKLOADS}
+
+
+def run_engine(variant: str, scales: dict[str, float]) -> dict:
     """Workloads b and c through the engine with the experts run by ``variant``."""
     if variant == "loop":
         os.environ["SONAR_ENFORCE_EAGER"] = "1"  # before the engine reads it
@@ -176,7 +190,7 @@ def run_engine(variant: str, scale: float) -> dict:
     generate(random_workload(16, (8, 64), (8, 16), vocab, 1).prompts, [16] * 16)  # warm-up: compiles
     result = {"variant": variant, "model": "Qwen3-30B-A3B-shaped, dummy bf16 weights", "load_s": round(load_s, 1), "workloads": {}}
     for key, (num_prompts, prompt_len, output_len) in ENGINE_WORKLOADS.items():
-        count = max(1, round(num_prompts * scale))
+        count = max(1, round(num_prompts * scales[key]))
         workload = random_workload(count, (prompt_len, prompt_len), (output_len, output_len), vocab, 0)
         elapsed, num_output = generate(workload.prompts, workload.output_lens)
         result["workloads"][key] = {
@@ -192,7 +206,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=[1, 64, 256, 2048])
     parser.add_argument("--sweep", action="store_true", help="also time every launch in SWEEP")
     parser.add_argument("--engine", choices=("fused", "loop"), default=None, help="workloads b and c through the engine instead")
-    parser.add_argument("--scale", type=float, default=1.0, help="--engine: fraction of each workload's requests")
+    parser.add_argument("--scale", type=parse_scale, default="1", help="--engine: fraction of each workload's requests (0.25, or b=0.1,c=0.02)")
     parser.add_argument("--out", default=None, help="write the JSON here")
     args = parser.parse_args()
     if not torch.cuda.is_available():

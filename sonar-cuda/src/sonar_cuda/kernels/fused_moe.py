@@ -253,15 +253,22 @@ def fused_moe(
 def loop_over_experts(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
 ) -> torch.Tensor:
-    """The baseline the fused kernel is measured against: every expert in turn, its tokens
-    picked with a mask, its two products through the library (``E`` iterations, each of which
-    reads the mask on the host)."""
+    """The baseline the fused kernel is measured against, as transformers runs experts: the
+    (token, slot) pairs sorted by expert once, the per-expert counts read on the host once, then
+    each expert that has tokens in turn, its two products through the library."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for expert in range(w13.shape[0]):
-        tokens, slots = torch.where(topk_ids == expert)
-        if tokens.numel() == 0:
+    flat = topk_ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()  # the one host read
+    tokens_sorted = order // topk_ids.shape[1]
+    weights_sorted = topk_weights.reshape(-1)[order].float()
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
             continue
+        tokens = tokens_sorted[start : start + count]
         gate, up = torch.nn.functional.linear(x[tokens], w13[expert]).chunk(2, dim=-1)
         y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
-        out.index_add_(0, tokens, y.float() * topk_weights[tokens, slots, None].float())
+        out.index_add_(0, tokens, y.float() * weights_sorted[start : start + count, None])
+        start += count
     return out.to(x.dtype)
