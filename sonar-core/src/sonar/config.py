@@ -65,6 +65,7 @@ class EngineArgs:
     skip_tokenizer_init: bool = False
     seed: int = 0
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # contiguous stages of layers, one tensor-parallel group each
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" / "fp8_e4m3" (scaled FP8 E4M3)
     max_logprobs: int = 20
@@ -86,7 +87,13 @@ class EngineArgs:
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
-        if tp > 1:
+        pp = self.pipeline_parallel_size
+        if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be an integer >= 1, got {pp!r}")
+        if tp > 1 or pp > 1:
+            setting, single = (f"tensor_parallel_size={tp}", "tensor_parallel_size=1") if pp == 1 else (
+                f"pipeline_parallel_size={pp}", "pipeline_parallel_size=1"
+            )
             refused = {
                 "enable_lora": self.enable_lora, "speculative_config": self.speculative_config,
                 "kv_transfer_config": self.kv_transfer_config, "kv_offload_bytes": self.kv_offload_bytes,
@@ -94,10 +101,7 @@ class EngineArgs:
             }
             for name, value in refused.items():
                 if value:
-                    raise ValueError(
-                        f"tensor_parallel_size={tp} does not combine with {name} yet; "
-                        f"use tensor_parallel_size=1 for it"
-                    )
+                    raise ValueError(f"{setting} does not combine with {name} yet; use {single} for it")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -174,6 +178,7 @@ class EngineConfig:
     data_parallel_size: int
     platform: str  # the platform's name, as SONAR_PLATFORM takes it
     tensor_parallel_size: int = 1  # worker processes, each with its shard of the model
+    pipeline_parallel_size: int = 1  # stages of contiguous layers (tp * pp ranks in all, stage-major)
     scheduling_policy: str = "fcfs"
     kv_cache_manager: str = "paged"
     executor: str = "uni"
@@ -205,6 +210,7 @@ class EngineConfig:
             self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.scheduling_policy,
             spec_max_batch_size=0 if spec is None else spec.max_batch_size,
             max_loras=self.max_loras if self.enable_lora else 0,
+            pipeline_parallel_size=self.pipeline_parallel_size,
         )
 
 
@@ -248,6 +254,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     spec_max_batch_size: int = 0  # drafts are verified while at most this many requests run (0: no speculation)
     max_loras: int = 0  # distinct adapters the running requests may use (0: LoRA off)
+    pipeline_parallel_size: int = 1  # steps that may be in flight at once (a request in one at most)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1:

@@ -12,7 +12,7 @@ import contextlib
 import contextvars
 import datetime
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 
@@ -23,17 +23,20 @@ class Communicator:
     """The collectives tensor-parallel layers use, over a ``torch.distributed`` process group.
 
     Platforms may subclass it (``Platform.communicator_cls``) to run collectives through their
-    own kernels; this one calls ``torch.distributed`` on the default group.
+    own kernels; this one calls ``torch.distributed`` on ``group`` (None: the default group,
+    every rank). ``send`` / ``recv`` carry a tensor between two ranks (by global rank): the
+    hand-over between pipeline stages.
     """
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, group: Any = None) -> None:
         self.world_size = world_size
+        self.group = group  # a torch.distributed process group (None: the default one)
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The element-wise sum of ``x`` over the ranks (may reuse ``x``'s memory)."""
         if self.world_size == 1:
             return x
-        torch.distributed.all_reduce(x)
+        torch.distributed.all_reduce(x, group=self.group)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -41,8 +44,18 @@ class Communicator:
         if self.world_size == 1:
             return x
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        torch.distributed.all_gather(parts, x.contiguous())
+        torch.distributed.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def send(self, x: torch.Tensor, dst: int) -> Any:
+        """Start sending ``x`` to global rank ``dst``; returns a handle whose ``wait()`` returns
+        once ``x`` may be reused."""
+        return torch.distributed.isend(x.contiguous(), dst)
+
+    def recv(self, x: torch.Tensor, src: int) -> torch.Tensor:
+        """Fill ``x`` with what global rank ``src`` sends (waits for it)."""
+        torch.distributed.recv(x, src)
+        return x
 
 
 @dataclass(frozen=True, slots=True)

@@ -247,7 +247,11 @@ class GraphedModel(torch.nn.Module):
         self.num_kv_heads = model.num_kv_heads
         self.head_dim = model.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, intermediate: Any = None
+    ) -> Any:
+        if intermediate is not None:  # a later pipeline stage (graphs are off under pipeline parallelism)
+            return self.model(input_ids, positions, ctx, intermediate)
         state = ctx.attn_metadata.extra if ctx.attn_metadata is not None else None
         size = state.graph_batch_size if isinstance(state, TritonStepState) else 0
         if size:

@@ -46,7 +46,7 @@ class CudaModelRunner(ModelRunner):
     def __init__(self, model_config, config, device: torch.device, attention_backend_cls: str) -> None:
         super().__init__(model_config, config, device, attention_backend_cls)
         self.use_graphs = device.type == "cuda" and os.environ.get("SONAR_ENFORCE_EAGER", "") not in ("1", "true")
-        if config.tensor_parallel_size > 1:  # graphs that capture the collectives are not built yet
+        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:  # graphs that capture collectives / stage hand-overs are not built yet
             self.use_graphs = False
         self.max_blocks_per_seq = self.block_table.max_blocks_per_seq
         self.graphs: DecodeGraphs | None = None

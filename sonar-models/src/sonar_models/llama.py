@@ -8,7 +8,7 @@ layer the engine's ``AttentionFactory`` builds.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from sonar.attention import ForwardContext
 from sonar.distributed import ParallelGroup, current_group
 from sonar.engine.kv_cache_spec import KVCacheSpec
 from sonar.model_interface import AttentionFactory, kv_cache_spec_for
+from sonar.pipeline import WHOLE_MODEL, IntermediateTensors, PipelineStage, current_stage
 from sonar_models.aux_hidden_states import AuxHiddenStates
 from sonar_models.kv_scales import KVScaleCollector
 from sonar_models.layers import Linear, MergedLinear, RMSNorm, VocabParallelEmbedding, silu_and_mul
@@ -87,6 +88,7 @@ class DecoderAttention(nn.Module):
         o_bias: bool,
         qk_norm: bool,
         sliding_window: int | None = None,
+        cache_index: int | None = None,
     ) -> None:
         super().__init__()
         group = current_group()
@@ -106,8 +108,10 @@ class DecoderAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = qk_norm
         self.sliding_window = sliding_window
+        # cache_index: which of the worker's KV caches is this layer's (its stage's own count)
         self.attn = attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, layer_idx, sliding_window=sliding_window
+            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+            layer_idx if cache_index is None else cache_index, sliding_window=sliding_window,
         )
 
     def forward(self, x: torch.Tensor, rope: Any, ctx: ForwardContext) -> torch.Tensor:
@@ -162,27 +166,43 @@ class DecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class StageMissingLayer(nn.Module):
+    """The place of a decoder layer another pipeline stage holds: no parameters, never run."""
+
+
 class DecoderModel(nn.Module):
-    def __init__(self, layers: list[DecoderLayer], config: Any, head_dim: int) -> None:
+    """The embedding, the decoder layers and the final norm; under pipeline parallelism only
+    ``stage``'s layers are built (the others are ``StageMissingLayer``, so names keep their
+    global layer index), the embedding on the first stage and the norm on the last."""
+
+    def __init__(self, layers: list[nn.Module], config: Any, head_dim: int, stage: PipelineStage = WHOLE_MODEL) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layer_range = stage.layer_range(len(layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.is_first else None
         self.layers = nn.ModuleList(layers)
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         max_position = getattr(config, "max_position_embeddings", None) or 2048
         self.rotary_emb = RotaryEmbedding(rope_spec_from_config(config, head_dim), max_position)
         self.aux_hidden_states = AuxHiddenStates(len(layers))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        hidden = self.embed_tokens(input_ids)  # [T, hidden]
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, intermediate: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+        else:  # a later pipeline stage: the previous stage's output
+            hidden, residual = intermediate.hidden, intermediate.residual
         rope = ops.rotary_tables(self.rotary_emb, positions, hidden.dtype)  # once per step
-        residual = None
         aux, captured = self.aux_hidden_states, []  # aux layers: none unless a drafter asked (EAGLE-3)
-        for i, layer in enumerate(self.layers):
+        layers = self.layers
+        for i in self.layer_range:
             if i in aux.layer_ids:
                 captured.append(aux.layer_input(hidden, residual))
-            hidden, residual = layer(hidden, residual, rope, ctx)
+            hidden, residual = layers[i](hidden, residual, rope, ctx)
         if captured:
             aux.latest = torch.cat(captured, dim=-1)  # [T, len(layer_ids) * hidden]
+        if self.norm is None:  # not the last stage: hand on
+            return IntermediateTensors(hidden, residual)
         if residual is None:
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]
@@ -205,6 +225,7 @@ class LlamaForCausalLM(nn.Module):
     qk_norm: bool = False
     fused_projections = FUSED_PROJECTIONS  # where each checkpoint projection sits (LoRA adapters name those)
     supports_tensor_parallel = True  # shards over a tensor-parallel group (sonar.distributed)
+    supports_pipeline_parallel = True  # builds one stage's layers (sonar.pipeline)
 
     def __init__(self, hf_config: Any, attention: AttentionFactory) -> None:
         super().__init__()
@@ -214,7 +235,9 @@ class LlamaForCausalLM(nn.Module):
         if group.world_size > 1 and not self.supports_tensor_parallel:
             raise ValueError(f"{type(self).__name__} does not run with tensor parallelism yet; use tensor_parallel_size=1")
         self.group: ParallelGroup = group
-        self.num_layers = config.num_hidden_layers
+        self.stage = stage = current_stage()
+        layer_ids = stage.layer_range(config.num_hidden_layers)
+        self.num_layers = len(layer_ids)  # this stage's layers: the ones the worker caches KV for
         self.num_kv_heads = kv_heads_of(config.num_key_value_heads, group)[0]  # this rank's
         self.head_dim = head_dim_of(config)
         self.vocab_size = config.vocab_size
@@ -225,17 +248,22 @@ class LlamaForCausalLM(nn.Module):
         self.sliding_windows = self.layer_windows(config)
         layers = [
             DecoderLayer(
-                DecoderAttention(config, attention, i, qkv_bias, o_bias, self.qk_norm, self.sliding_windows[i]),
+                DecoderAttention(
+                    config, attention, i, qkv_bias, o_bias, self.qk_norm, self.sliding_windows[i], cache_index=i - layer_ids.start
+                ),
                 self.build_mlp(config, i, mlp_bias),
                 config,
             )
-            for i in range(self.num_layers)
+            if i in layer_ids else StageMissingLayer()
+            for i in range(config.num_hidden_layers)
         ]
-        self.model = DecoderModel(layers, config, self.head_dim)
+        self.model = DecoderModel(layers, config, self.head_dim, stage)
         # vocabulary-parallel: each rank its rows (padded to divide), the logits gathered
-        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, prefix="lm_head", parallel="column")
+        self.lm_head = None  # on the last pipeline stage only
+        if stage.is_last:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, prefix="lm_head", parallel="column")
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and stage.is_single:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.aux_hidden_states = self.model.aux_hidden_states  # see sonar_models.aux_hidden_states
 
@@ -249,14 +277,21 @@ class LlamaForCausalLM(nn.Module):
         override it)."""
         return GatedMLP(config, bias, prefix=f"model.layers.{layer_idx}.mlp")
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Final hidden states ``[T, hidden]`` for a flat batch of tokens at absolute ``positions``."""
-        return self.model(input_ids, positions, ctx)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, intermediate: IntermediateTensors | None = None
+    ) -> torch.Tensor | IntermediateTensors:
+        """Final hidden states ``[T, hidden]`` for a flat batch of tokens at absolute ``positions``.
+
+        Under pipeline parallelism a stage after the first starts from ``intermediate`` (the
+        previous stage's output) instead of ``input_ids``, and a stage before the last returns
+        its ``IntermediateTensors`` instead."""
+        return self.model(input_ids, positions, ctx, intermediate)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        """One spec per layer: a sliding window where the config gives that layer one, else
-        full attention."""
-        return [kv_cache_spec_for(window) for window in self.sliding_windows]
+        """One spec per layer of this stage (every layer, without pipeline parallelism): a
+        sliding window where the config gives that layer one, else full attention."""
+        layer_ids = self.model.layer_range
+        return [kv_cache_spec_for(window) for window in self.sliding_windows[layer_ids.start : layer_ids.stop]]
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> float32 logits ``[N, vocab]`` (gathered from every rank's
@@ -273,13 +308,40 @@ class LlamaForCausalLM(nn.Module):
         to the layers' attention (see ``sonar_models.kv_scales``). Raises ``ValueError`` on an
         unknown name, a shape mismatch or a parameter left unfilled.
         """
-        if self.tie_word_embeddings:
+        stage = self.stage
+        if self.tie_word_embeddings and stage.is_single:
             self.lm_head.weight = self.model.embed_tokens.weight  # re-tie after e.g. to_empty()
         skipped = frozenset({"lm_head.weight"}) if self.tie_word_embeddings else frozenset()
+        weights = self.checkpoint_tensors(weights)
+        if not stage.is_single:
+            weights, skipped = self._stage_tensors(weights), frozenset()
         kv_scales = KVScaleCollector()
-        weights = kv_scales.without_scales(self.checkpoint_tensors(weights))
+        weights = kv_scales.without_scales(weights)
         load_hf_weights(self, weights, FUSED_PROJECTIONS, IGNORED_SUFFIXES, skipped, self.resolve_checkpoint_name)
         kv_scales.apply(self)
+
+    def _stage_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's tensors this pipeline stage holds: its layers', the embedding on the
+        first stage, the final norm and LM head on the last (where the head is tied to the
+        embedding and the last stage is not the first, the embedding fills the head)."""
+        stage, layer_ids = self.stage, self.model.layer_range
+        head_from_embedding = self.tie_word_embeddings and not stage.is_first
+        for name, tensor in weights:
+            if name.startswith("model.layers."):
+                if int(name.split(".", 3)[2]) not in layer_ids:
+                    continue
+            elif name.startswith("model.embed_tokens."):
+                if head_from_embedding and stage.is_last:
+                    name = "lm_head." + name.removeprefix("model.embed_tokens.")
+                elif not stage.is_first:
+                    continue
+            elif name.startswith("model.norm."):
+                if not stage.is_last:
+                    continue
+            elif name.startswith("lm_head."):
+                if not stage.is_last or self.tie_word_embeddings:
+                    continue  # tied: the head is filled from the embedding
+            yield name, tensor
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
         """The checkpoint's tensors as ``load_weights`` reads them: unchanged here; a subclass

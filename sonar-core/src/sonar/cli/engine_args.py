@@ -56,6 +56,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         help="split each layer of a dense model (Llama, Mistral, Qwen2, Qwen3) over this many devices, one worker process each (unquantized checkpoints; gloo on the CPU, NCCL on GPUs)",
     )
     group.add_argument(
+        "--pipeline-parallel-size", "-pp", type=int, default=defaults.pipeline_parallel_size,
+        help="split the layers into this many contiguous stages (an even split; SONAR_PP_LAYER_PARTITION=\"3,5\" sets it), each on its own tensor-parallel group of ranks, with up to this many steps in flight (unquantized checkpoints)",
+    )
+    group.add_argument(
         "--data-parallel-size", "-dp", type=int, default=defaults.data_parallel_size,
         help="engine-core replicas, each in its own process on its own device (on the CPU: its share of the cores); requests go to the least loaded",
     )
@@ -161,6 +165,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_logprobs=args.max_logprobs,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
         scheduling_policy=args.scheduling_policy,
         kv_cache_manager=args.kv_cache_manager,

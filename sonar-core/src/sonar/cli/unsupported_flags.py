@@ -51,7 +51,6 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--fully-sharded-loras", "LoRA adapters", LORA, takes_value=False),
     _flag("--lora-dtype", "LoRA adapters", LORA),
     # parallelism
-    _flag("--pipeline-parallel-size", "pipeline parallelism", PARALLELISM, short="-pp", accepted=("1",)),
     _flag("--decode-context-parallel-size", "decode context parallelism", PARALLELISM, short="-dcp", accepted=("1",)),
     _flag("--enable-expert-parallel", "expert parallelism", PARALLELISM, short="-ep", takes_value=False),
     _flag("--enable-eplb", "expert-parallel load balancing", PARALLELISM, takes_value=False),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,6 +76,9 @@ class EngineCore:
         self.async_scheduling = config.async_scheduling
         self.num_steps_launched = 0
         self._in_flight: _InFlightStep | None = None
+        # pipeline parallelism: up to pipeline_parallel_size steps in flight, collected in order
+        self.pipeline_depth = config.pipeline_parallel_size
+        self._batch_queue: deque[_InFlightStep] | None = deque() if self.pipeline_depth > 1 else None
         self._timer = PhaseTimer()
         logger.info("KV cache: %d blocks of %d tokens", self.cache_config.num_blocks, config.block_size)
 
@@ -106,7 +110,7 @@ class EngineCore:
     def _size_kv_cache(self, config: EngineConfig) -> CacheConfig:
         """As many blocks as the executor's memory budget holds (after its profile of the
         largest step), and no more than every sequence at full length needs."""
-        num_blocks = self.executor.available_kv_cache_bytes() // self.executor.kv_bytes_per_block()
+        num_blocks = self.executor.available_kv_blocks()
         blocks_per_seq = -(-config.max_model_len // config.block_size)
         if num_blocks < blocks_per_seq:
             raise ValueError(
@@ -175,7 +179,7 @@ class EngineCore:
         # a step still in flight holds only unfinished requests, unless all of them were
         # finished or aborted meanwhile; then nothing waits for it, and the next step collects it;
         # blocks a KV connector still moves keep the engine stepping until it reports them done
-        return self.scheduler.num_unfinished > 0 or self.scheduler.has_pending_transfers
+        return self.scheduler.num_unfinished > 0 or self.scheduler.has_pending_transfers or bool(self._batch_queue)
 
     def step(self) -> list[EngineCoreOutput]:
         """Schedule and launch the next step, then collect the results of the step before it.
@@ -186,7 +190,11 @@ class EngineCore:
         returns. A step holding a request whose sampling reads its earlier tokens (penalties,
         a grammar, ...) is collected before the next one is scheduled, and so is one whose
         successor may verify drafts (speculative decoding: the drafts come from its tokens):
-        one that verified some, or any while few enough requests run to take drafts."""
+        one that verified some, or any while few enough requests run to take drafts.
+
+        With pipeline parallelism, see ``_step_pipelined``."""
+        if self._batch_queue is not None:
+            return self._step_pipelined()
         outputs: list[EngineCoreOutput] = []
         previous, self._in_flight = self._in_flight, None  # always None without async scheduling
         if previous is not None and (previous.scheduled.reads_output_tokens or self._drafts_may_follow(previous)):
@@ -213,6 +221,32 @@ class EngineCore:
             outputs += self._collect(self._in_flight)
             self._in_flight = None
         if self.loras.removing:  # adapters whose last request just ended
+            self.loras.finish_removals()
+        return outputs
+
+    def _step_pipelined(self) -> list[EngineCoreOutput]:
+        """Pipeline parallelism: launch a step while fewer than ``pipeline_parallel_size`` are in
+        flight, so every stage has a micro-batch to work on (the scheduler leaves out the
+        requests that already have a step in flight); collect the oldest step once the queue is
+        full or nothing new could be scheduled. Results are consumed in launch order."""
+        queue = self._batch_queue
+        outputs: list[EngineCoreOutput] = []
+        launched = False
+        if len(queue) < self.pipeline_depth:
+            scheduled = self.scheduler.schedule()
+            self._attach_grammar_bitmask(scheduled)
+            if not scheduled.is_empty or scheduled.finished_req_ids:  # workers drop finished state in order too
+                try:
+                    handle = self.executor.launch(scheduled)
+                except Exception as exc:
+                    outputs += self._abort_failed_step(scheduled, exc)
+                else:
+                    launched = not scheduled.is_empty
+                    self.num_steps_launched += launched
+                    queue.append(_InFlightStep(scheduled, handle))
+        if queue and (len(queue) >= self.pipeline_depth or not launched):
+            outputs += self._collect(queue.popleft())
+        if self.loras.removing:
             self.loras.finish_removals()
         return outputs
 

@@ -127,7 +127,14 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
             f"{architecture_of(hf_config)} does not run with tensor parallelism yet "
             f"(tensor_parallel_size={args.tensor_parallel_size}); use tensor_parallel_size=1"
         )
+    if args.pipeline_parallel_size > 1:
+        _check_pipeline(args.pipeline_parallel_size, hf_config)
     quantization = resolve_quantization(args.quantization, hf_config, platform.name)
+    if args.pipeline_parallel_size > 1 and quantization not in (None, "unquantized"):
+        raise ValueError(
+            f"quantization={quantization!r} does not run with pipeline parallelism yet; "
+            f"use pipeline_parallel_size=1 or an unquantized checkpoint"
+        )
     tokenizer = None
     if not args.skip_tokenizer_init:
         if args.tokenizer:
@@ -167,6 +174,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         scheduling_policy=_registered("scheduling_policy", args.scheduling_policy, scheduler_policies()),
         kv_cache_manager=_registered("kv_cache_manager", args.kv_cache_manager, kv_cache_managers()),
         tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
         executor=_registered("distributed_executor_backend", _executor_name(args, quantization), executors()),
         default_sampling=default_sampling_of(model_path, args.generation_config),
         quantization=quantization,
@@ -184,8 +192,11 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
 def _executor_name(args: EngineArgs, quantization: str | None) -> str:
     """The executor ``distributed_executor_backend`` names, by default ``uni`` for one device
     and ``mp`` (a process per rank) for tensor parallelism, which only the latter runs."""
-    tp = args.tensor_parallel_size
-    name = args.distributed_executor_backend or ("mp" if tp > 1 else "uni")
+    tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
+    name = args.distributed_executor_backend or ("mp" if tp * pp > 1 else "uni")
+    if pp > 1:
+        if name == "uni":
+            raise ValueError(f"pipeline_parallel_size={pp} needs a process per rank: use distributed_executor_backend='mp'")
     if tp > 1:
         if name == "uni":
             raise ValueError(f"tensor_parallel_size={tp} needs a process per rank: use distributed_executor_backend='mp'")
@@ -195,6 +206,19 @@ def _executor_name(args: EngineArgs, quantization: str | None) -> str:
                 f"use tensor_parallel_size=1 or an unquantized checkpoint"
             )
     return name
+
+
+def _check_pipeline(pp: int, hf_config: Any) -> None:
+    """Refuse, before any process starts, a model that does not split into stages and a
+    partition of its layers that does not fit (``sonar.pipeline.partition_layers``)."""
+    from sonar.pipeline import partition_layers
+
+    if not getattr(resolve_model_class(hf_config), "supports_pipeline_parallel", False):
+        raise ValueError(
+            f"{architecture_of(hf_config)} does not run with pipeline parallelism yet "
+            f"(pipeline_parallel_size={pp}); use pipeline_parallel_size=1"
+        )
+    partition_layers(hf_config.num_hidden_layers, pp)
 
 
 def model_config_of(config: EngineConfig) -> ModelConfig:

@@ -56,6 +56,11 @@ class Scheduler:
     step's other tokens, and whether the proposer drafts after the step; without it every
     draft is verified while the batch is within ``disable_by_batch_size``.
 
+    Pipeline parallelism (``pipeline_parallel_size`` > 1): several steps are in flight at once,
+    and a request with a step in flight is not scheduled again until its results are back
+    (``in_flight``); the output tokens the workers of the earlier stages have not seen travel
+    in the step's ``CachedRequestData.new_token_ids``, since only the last stage samples.
+
     LoRA (``max_loras`` > 0): the running requests never use more than ``max_loras`` distinct
     adapters (the device slots), so no step needs more; a waiting request of another adapter
     waits, and the requests queued behind it are admitted past it.
@@ -90,6 +95,9 @@ class Scheduler:
         self.verification: ConfidenceVerification | None = None  # None: fixed verification
         self.num_requests_of_lora: Counter[int] = Counter()  # adapter id -> its unfinished requests
         self.num_running_of_lora: Counter[int] = Counter()  # adapter id -> its running requests
+        # pipeline parallelism: requests with a step in flight, and the output tokens sent per request
+        self.in_flight: set[str] | None = set() if config.pipeline_parallel_size > 1 else None
+        self._sent_outputs: dict[str, int] = {}
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -133,6 +141,9 @@ class Scheduler:
         self._sent_blocks.pop(req_id, None)
         self.requests.pop(req_id, None)
         self.finished_req_ids.add(req_id)
+        if self.in_flight is not None:
+            self.in_flight.discard(req_id)
+            self._sent_outputs.pop(req_id, None)
         if req_id in self._loading:  # its blocks are being written: freed once the load ends
             return
         delay = False
@@ -193,6 +204,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: dict[str, _Scheduled] = {}
         plan = None
+        in_flight = self.in_flight
         if self.verification is not None:
             plan, num_sampling, base_tokens = self._plan_verification(budget)
             out.propose_drafts = self.verification.worth_drafting(num_sampling, base_tokens)
@@ -201,6 +213,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if in_flight is not None and request.request_id in in_flight:
+                index += 1  # its step is still in the pipeline
+                continue
             pending = request.num_pending_tokens
             if pending and request.num_output_tokens + pending >= request.max_tokens:
                 index += 1  # its last token is on the way: it finishes when that arrives
@@ -225,7 +240,10 @@ class Scheduler:
                     break
             else:
                 out.cached_reqs.append(
-                    CachedRequestData(request.request_id, self._new_block_ids(request), request.num_computed_tokens)
+                    CachedRequestData(
+                        request.request_id, self._new_block_ids(request), request.num_computed_tokens,
+                        self._new_token_ids(request) if in_flight is not None else [],
+                    )
                 )
                 if drafts:
                     out.scheduled_spec_decode_tokens[request.request_id] = drafts
@@ -248,8 +266,8 @@ class Scheduler:
         passed_over: list[Request] = []  # of adapters the running requests leave no slot for
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if request.num_pending_tokens:
-                break  # preempted with a token on the way: prefilled again once it is known
+            if request.num_pending_tokens or (in_flight is not None and request.request_id in in_flight):
+                break  # preempted with a token (or a step) on the way: prefilled again once it is back
             if not self._lora_fits(request):
                 passed_over.append(self.waiting.pop())
                 continue
@@ -287,6 +305,8 @@ class Scheduler:
             self.waiting.add_preempted(request)
         if self.connector is not None:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
+        if in_flight is not None:
+            in_flight.update(out.num_scheduled_tokens)
         return out
 
     def _admit(self, request: Request, num_computed: int, num_new: int, out: SchedulerOutput) -> None:
@@ -311,6 +331,8 @@ class Scheduler:
             )
         )
         self._sent_blocks[request.request_id] = len(out.new_reqs[-1].block_ids)
+        if self.in_flight is not None:
+            self._sent_outputs[request.request_id] = request.num_output_tokens
         self._advance(request, num_new, out)
 
     def _drafts_to_verify(self, request: Request, num_new: int, budget: int, plan: dict[str, int] | None = None) -> list[int]:
@@ -407,6 +429,13 @@ class Scheduler:
         self._sent_blocks[request.request_id] = sent + len(new_ids)
         return new_ids
 
+    def _new_token_ids(self, request: Request) -> list[int]:
+        """The output tokens the workers have not been sent yet (pipeline parallelism: the
+        stages before the last do not sample, so they learn the tokens from here)."""
+        sent = self._sent_outputs.get(request.request_id, request.num_output_tokens)
+        self._sent_outputs[request.request_id] = request.num_output_tokens
+        return request.output_token_ids[sent:]
+
     def _lora_fits(self, request: Request) -> bool:
         """Whether admitting ``request`` keeps the running requests within ``max_loras``
         adapters."""
@@ -443,6 +472,8 @@ class Scheduler:
         or their length. A request finished or aborted while the step ran is skipped (the
         token it computed meanwhile is dropped)."""
         self.update_finished_transfers(output.kv_connector_output)
+        if self.in_flight is not None:
+            self.in_flight.difference_update(scheduled.num_scheduled_tokens)
         if self.verification is not None and output.draft_seconds:
             self.verification.observe_drafting(output.draft_seconds)
         verified = output.verified_token_ids

@@ -30,6 +30,9 @@ class CachedRequestData:
     req_id: str
     new_block_ids: list[int]
     num_computed_tokens: int
+    # pipeline parallelism: output tokens sampled since the workers last saw it (the stages
+    # that do not sample append them; empty without pipeline parallelism)
+    new_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

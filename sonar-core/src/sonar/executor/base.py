@@ -50,6 +50,12 @@ class Executor:
         ``gpu_memory_utilization`` (or returns ``kv_cache_memory_bytes`` where set)."""
         raise NotImplementedError
 
+    def available_kv_blocks(self) -> int:
+        """KV blocks every worker's budget holds: ``available_kv_cache_bytes`` over
+        ``kv_bytes_per_block`` (an executor whose workers hold different layers, as pipeline
+        stages do, takes the fewest over them)."""
+        return self.available_kv_cache_bytes() // self.kv_bytes_per_block()
+
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate ``num_blocks`` blocks in every worker (and whatever depends on them)."""
         raise NotImplementedError
@@ -82,7 +88,9 @@ class Executor:
         raise NotImplementedError(f"the {type(self).__name__} executor does not support LoRA adapters")
 
     def launch(self, scheduler_output: SchedulerOutput) -> Any:
-        """Start one step on the workers and return a handle without waiting for it."""
+        """Start one step on the workers and return a handle without waiting for it. With
+        pipeline parallelism several steps are launched before the first is fetched; they
+        are fetched in the order they were launched."""
         raise NotImplementedError
 
     def fetch(self, handle: Any) -> ModelRunnerOutput:

@@ -103,7 +103,10 @@ class MultiprocExecutor(Executor):
 
     def __init__(self, config: EngineConfig, model_config: ModelConfig, platform: type[Platform]) -> None:
         super().__init__(config, model_config, platform)
-        self.world_size = config.tensor_parallel_size
+        self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size  # stage-major ranks
+        self.output_rank = output_rank_of(config)  # the rank whose step results are the engine's
+        self.num_in_flight = 0  # steps launched and not fetched yet
+        self.peak_in_flight = 0  # the most steps ever in flight at once (pipeline parallelism: up to pp)
         self.step_timeout_s = _timeout(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
         self._encoder = msgspec.msgpack.Encoder()
         self._reply_decoder = msgspec.msgpack.Decoder(WorkerReply)
@@ -239,8 +242,11 @@ class MultiprocExecutor(Executor):
     def kv_cache_specs(self) -> list[KVCacheSpec] | None:
         from sonar.model_interface import kv_cache_spec_for
 
-        windows = self._call_all("kv_cache_windows")[0]
-        return None if windows is None else [kv_cache_spec_for(window) for window in windows]
+        tp = self.config.tensor_parallel_size
+        stage_windows = self._call_all("kv_cache_windows")[::tp]  # each stage's layers, in order
+        if any(windows is None for windows in stage_windows):
+            return None
+        return [kv_cache_spec_for(window) for windows in stage_windows for window in windows]
 
     def kv_bytes_per_block(self) -> int:
         return self._call_all("kv_bytes_per_block")[0]
@@ -249,6 +255,18 @@ class MultiprocExecutor(Executor):
         if self.config.kv_cache_memory_bytes is not None:
             return self.config.kv_cache_memory_bytes
         return min(self._call_all("available_kv_cache_bytes", self.config.gpu_memory_utilization))
+
+    def available_kv_blocks(self) -> int:
+        """The fewest blocks any rank's budget holds (pipeline stages differ in layers, so in
+        bytes per block)."""
+        if self.config.pipeline_parallel_size == 1:
+            return super().available_kv_blocks()
+        per_block = self._call_all("kv_bytes_per_block")
+        if self.config.kv_cache_memory_bytes is not None:
+            budgets = [self.config.kv_cache_memory_bytes] * self.world_size
+        else:
+            budgets = self._call_all("available_kv_cache_bytes", self.config.gpu_memory_utilization)
+        return min(budget // size for budget, size in zip(budgets, per_block))
 
     def init_kv_cache(self, num_blocks: int) -> None:
         self._call_all("init_kv_cache", num_blocks)
@@ -269,10 +287,15 @@ class MultiprocExecutor(Executor):
                 scheduler_output.grammar_bitmask = bitmask
         else:
             self._send(call)
+        self.num_in_flight += 1
+        self.peak_in_flight = max(self.peak_in_flight, self.num_in_flight)
         return None
 
     def fetch(self, handle: Any) -> ModelRunnerOutput:
-        return self._receive(0, self.step_timeout_s, "run a step").output
+        """The oldest launched step's output (steps answer in the order they were launched)."""
+        output = self._receive(self.output_rank, self.step_timeout_s, "run a step").output
+        self.num_in_flight -= 1
+        return output
 
     def shutdown(self) -> None:
         for conn in self.conns:
@@ -303,6 +326,7 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
     import torch
 
     from sonar.distributed import building_for, init_distributed
+    from sonar.pipeline import building_stage
     from sonar.engine.resolve import model_config_of
     from sonar.platform import current_platform
     from sonar.registry import import_class
@@ -316,8 +340,9 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
         platform = current_platform()
         group = init_distributed(platform, rank, world_size, init_method)
         model_config = model_config_of(config)
+        group, stage = _join_stages(platform, group, rank, config, model_config)
         worker = import_class(platform.worker_cls)(platform, model_config, config, rank=rank)
-        with building_for(group):
+        with building_for(group), building_stage(stage):
             worker.load_model()
     except BaseException as exc:
         conn.send_bytes(encoder.encode(WorkerReply(error=f"{type(exc).__name__}: {exc}")))
@@ -348,7 +373,7 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
                         call.grammar_bitmask_shape
                     )
                 output = worker.execute_model(step)
-                if rank == 0:
+                if rank == output_rank_of(config):
                     conn.send_bytes(encoder.encode(WorkerReply(output=output)))
             elif call.method == "kv_cache_windows":
                 specs = worker.kv_cache_specs()
@@ -362,6 +387,24 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
     ring.close()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def output_rank_of(config: EngineConfig) -> int:
+    """The rank that answers steps: the first of the last pipeline stage (rank 0 without one)."""
+    return (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+
+
+def _join_stages(platform: type[Platform], group: Any, rank: int, config: EngineConfig, model_config: ModelConfig) -> tuple[Any, Any]:
+    """This rank's tensor-parallel group and pipeline stage (``sonar.pipeline``): the group it
+    joined as is, and the whole model, without pipeline parallelism."""
+    from sonar.pipeline import WHOLE_MODEL, join_stage_groups, stage_of
+    from sonar.registry import import_class
+
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    if pp == 1:
+        return group, WHOLE_MODEL
+    group, link = join_stage_groups(rank, tp, pp, import_class(platform.communicator_cls))
+    return group, stage_of(rank // tp, pp, model_config.hf_config.num_hidden_layers, link)
 
 
 def _peer_closed(sock: socket.socket) -> bool:

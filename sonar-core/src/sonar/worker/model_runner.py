@@ -18,6 +18,7 @@ from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorO
 from sonar.lora.manager import LoRAManager
 from sonar.lora.request import LoRARequest
 from sonar.model_interface import make_attention_factory, warn_unscaled_fp8_layers
+from sonar.pipeline import WHOLE_MODEL, IntermediateTensors, PipelineStage, current_stage
 from sonar.quantization import building_with, quantization_method_of
 from sonar.registry import import_class, resolve_model_class, weight_formats
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
@@ -116,6 +117,7 @@ class ModelRunner:
         spec = config.speculative_config
         self.spec: SpeculativeDecoder | None = None if spec is None else SpeculativeDecoder(spec, device)
         self.lora: LoRAManager | None = None  # with enable_lora, once the model is loaded
+        self.stage: PipelineStage = WHOLE_MODEL  # the pipeline stage it runs, set when the model is built
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -129,6 +131,7 @@ class ModelRunner:
         or drawn in place where the weight format initializes weights itself (random ones)."""
         config = self.model_config
         started = time.perf_counter()
+        self.stage = current_stage()
         model = self.build_model()
         load_weights(model, config)
         self.model = model.to(self.device).eval()
@@ -282,8 +285,11 @@ class ModelRunner:
             )
             self.block_table.add(new.req_id, new.block_ids)
         for cached in so.cached_reqs:
-            self.requests[cached.req_id].num_computed_tokens = cached.num_computed_tokens
+            state = self.requests[cached.req_id]
+            state.num_computed_tokens = cached.num_computed_tokens
             self.block_table.append(cached.req_id, cached.new_block_ids)
+            if cached.new_token_ids and not self.stage.is_last:  # pipeline parallelism: sampled on the last stage
+                state.sampling.output_token_ids.extend(cached.new_token_ids)
         for req_id, drafts in so.scheduled_spec_decode_tokens.items():
             self.requests[req_id].draft_token_ids = drafts
 
@@ -323,7 +329,12 @@ class ModelRunner:
             self.backend_cls.prepare_metadata(batch.attn_metadata)
         hooked = connector if connector is not None and connector.uses_layer_hooks else None
         ctx = ForwardContext(batch.attn_metadata, self.kv_caches, hooked)
-        hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
+        if self.stage.is_single:
+            hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
+        else:
+            hidden = self._forward_stage(batch, ctx)
+            if hidden is None:  # a stage before the last: its output went on to the next stage
+                return self._handed_on(batch)
         if connector is not None:
             connector.wait_for_save()
 
@@ -374,6 +385,30 @@ class ModelRunner:
         if batch.sample_rows:
             self._last_sampling = step
         return step
+
+    def _forward_stage(self, batch: StepBatch, ctx: ForwardContext) -> torch.Tensor | None:
+        """Pipeline parallelism: run this stage's layers on the previous stage's output (the
+        first stage: on the tokens), then hand the result to the next stage and return None,
+        or, on the last stage, return the final hidden states ``[num_tokens, hidden]``."""
+        stage = self.stage
+        intermediate = None
+        if not stage.is_first:
+            hidden_size = self.model_config.hf_config.hidden_size
+            intermediate = stage.link.receive(batch.positions.shape[0], hidden_size, self.model_config.dtype, self.device)
+        out = self.model(batch.input_ids, batch.positions, ctx, intermediate)
+        if stage.is_last:
+            return out
+        stage.link.send(out)
+        return None
+
+    def _handed_on(self, batch: StepBatch) -> LaunchedStep:
+        """A stage before the last: the step is done here once its output is sent; the requests
+        advance, and the tokens the last stage samples arrive with a later step."""
+        for row, state in enumerate(batch.states):
+            state.num_computed_tokens += batch.num_scheduled[row]
+        req_ids = [s.req_id for s in batch.states]
+        none = [None] * len(req_ids)
+        return LaunchedStep(req_ids=req_ids, output=ModelRunnerOutput(req_ids, list(none), list(none)))
 
     def _launch_verify(
         self, step: LaunchedStep, logits: torch.Tensor, sampling_states: list[RequestSamplingState], drafts: list[list[int]]
@@ -550,7 +585,20 @@ def profile_step_peak_bytes(runner: ModelRunner, platform: type, states: list[Ca
             batch = runner.build_batch(states, num_scheduled)
             if runner.backend_cls is not None:
                 runner.backend_cls.prepare_metadata(batch.attn_metadata)
-            hidden = model(batch.input_ids, batch.positions, ForwardContext(batch.attn_metadata, scratch))
+            ctx = ForwardContext(batch.attn_metadata, scratch)
+            stage = runner.stage
+            if stage.is_single:
+                hidden = model(batch.input_ids, batch.positions, ctx)
+            else:  # a pipeline stage alone: zeros stand in for the previous stage's output
+                intermediate = None
+                if not stage.is_first:
+                    shape = (batch.positions.shape[0], runner.model_config.hf_config.hidden_size)
+                    zeros = torch.zeros(shape, dtype=runner.model_config.dtype, device=runner.device)
+                    intermediate = IntermediateTensors(zeros, zeros.clone())
+                hidden = model(batch.input_ids, batch.positions, ctx, intermediate)
+                if not stage.is_last:  # no logits here
+                    platform.synchronize()
+                    return max(0, platform.peak_memory_bytes() - baseline)
             logits = model.compute_logits(hidden[batch.logits_indices])
             meta = SamplingMetadata.build([s.sampling for s in batch.states], logits.shape[-1], runner.device)
             runner.sampler(logits, meta)
