@@ -66,6 +66,7 @@ class EngineArgs:
     seed: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # contiguous stages of layers, one tensor-parallel group each
+    enable_expert_parallel: bool = False  # MoE: whole experts per tensor-parallel rank, not each expert's slice
     quantization: str | None = None
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" / "fp8_e4m3" (scaled FP8 E4M3)
     max_logprobs: int = 20
@@ -102,6 +103,8 @@ class EngineArgs:
             for name, value in refused.items():
                 if value:
                     raise ValueError(f"{setting} does not combine with {name} yet; use {single} for it")
+        if not isinstance(self.enable_expert_parallel, bool):
+            raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be >= 1, got {self.data_parallel_size}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -178,6 +181,7 @@ class EngineConfig:
     data_parallel_size: int
     platform: str  # the platform's name, as SONAR_PLATFORM takes it
     tensor_parallel_size: int = 1  # worker processes, each with its shard of the model
+    enable_expert_parallel: bool = False  # MoE layers: E / N whole experts per rank, tokens exchanged all-to-all
     pipeline_parallel_size: int = 1  # stages of contiguous layers (tp * pp ranks in all, stage-major)
     scheduling_policy: str = "fcfs"
     kv_cache_manager: str = "paged"

@@ -57,14 +57,44 @@ class Communicator:
         torch.distributed.recv(x, src)
         return x
 
+    def all_to_all(self, x: torch.Tensor, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+        """Rows of ``x`` exchanged between the ranks: the first ``send_counts[0]`` rows go to
+        rank 0, the next ``send_counts[1]`` to rank 1, and so on; returns the rows each rank
+        sent this one, in rank order, ``[sum(recv_counts), *x.shape[1:]]``. ``recv_counts[r]``
+        (how many rows rank ``r`` sends here) comes from :meth:`all_to_all_counts`; counts may
+        be zero. Gloo and NCCL both take uneven splits (``all_to_all_single``)."""
+        if self.world_size == 1:
+            return x
+        out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+        torch.distributed.all_to_all_single(
+            out, x.contiguous(), output_split_sizes=recv_counts, input_split_sizes=send_counts, group=self.group
+        )
+        return out
+
+    def all_to_all_counts(self, send_counts: torch.Tensor) -> list[int]:
+        """How many rows each rank will send this one, given ``send_counts [world_size]`` (an
+        integer tensor on the collectives' device: the rows this rank sends each rank). One
+        small all-to-all, read on the host: what :meth:`all_to_all` needs to size its output."""
+        if self.world_size == 1:
+            return send_counts.tolist()
+        recv_counts = torch.empty_like(send_counts)
+        torch.distributed.all_to_all_single(recv_counts, send_counts.contiguous(), group=self.group)
+        return recv_counts.tolist()
+
 
 @dataclass(frozen=True, slots=True)
 class ParallelGroup:
-    """One rank's place in a tensor-parallel group and the communicator it reduces through."""
+    """One rank's place in a tensor-parallel group and the communicator it reduces through.
+
+    ``expert_parallel``: mixture-of-experts layers give each rank whole experts (``E / N``
+    each, tokens exchanged with all-to-all) instead of every expert's slice of the
+    intermediate dimension.
+    """
 
     rank: int = 0
     world_size: int = 1
     communicator: Communicator = field(default_factory=lambda: Communicator(1))
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.world_size:

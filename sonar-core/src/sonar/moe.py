@@ -11,6 +11,11 @@ A platform registers a kernel behind ``"fused_moe"`` (``sonar.ops.declare_op``);
 version below runs elsewhere: the ``T * k`` (token, expert) pairs sorted by expert, one pair
 of products per expert that has tokens. Kernels must not read ``topk_ids`` on the host (CUDA
 graphs capture them).
+
+Under expert parallelism a rank holds only some of the experts: ``w13`` and ``w2`` stack its
+``E_local`` experts, and ``expert_map [E]`` (int32) gives each global expert id its local
+index, or -1 where another rank holds it. The (token, expert) pairs routed to an expert held
+elsewhere contribute nothing to this rank's output.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ ops.declare_op("fused_moe")
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The weighted sum over each token's chosen experts, ``[T, H]`` in ``x``'s dtype.
 
@@ -33,15 +39,20 @@ def fused_moe(
     :param topk_weights: ``[T, k]`` routing weights (any floating dtype; products are weighted
         in float32).
     :param topk_ids: ``[T, k]`` expert indices in ``0 .. E - 1`` (any integer dtype).
+    :param expert_map: ``[E]`` int32, global expert id -> index into ``w13`` / ``w2``, -1 for
+        an expert this rank does not hold (None: ``w13`` and ``w2`` hold every expert).
     """
     impl = ops.platform_op(x, "fused_moe")
     if impl is not None:
-        return impl(x, w13, w2, topk_weights, topk_ids)
-    return torch_fused_moe(x, w13, w2, topk_weights, topk_ids)
+        if expert_map is None:
+            return impl(x, w13, w2, topk_weights, topk_ids)
+        return impl(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map)
+    return torch_fused_moe(x, w13, w2, topk_weights, topk_ids, expert_map)
 
 
 def check_moe_shapes(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
 ) -> None:
     """Raise ``ValueError`` unless the five tensors fit together as :func:`fused_moe` takes them."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
@@ -51,17 +62,34 @@ def check_moe_shapes(
         raise ValueError(f"expert weights w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not fit x {tuple(x.shape)}")
     if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != x.shape[0]:
         raise ValueError(f"topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} must both be [T={x.shape[0]}, k]")
+    if expert_map is not None and expert_map.dim() != 1:
+        raise ValueError(f"expert_map must be [E] (global expert id -> local index or -1), got {tuple(expert_map.shape)}")
+
+
+def local_expert_ids(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_local_experts: int) -> torch.Tensor:
+    """``topk_ids`` as indices into this rank's experts: ``expert_map`` applied, and every
+    expert held elsewhere (-1) replaced by ``num_local_experts`` (no expert: the pair is
+    dropped). Unchanged without a map. Runs on the device (no host read)."""
+    if expert_map is None:
+        return topk_ids
+    local = expert_map.to(topk_ids.device)[topk_ids.long()]
+    return torch.where(local < 0, num_local_experts, local).to(torch.int32)
 
 
 def torch_fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """:func:`fused_moe` in torch: pairs grouped by expert, two products per active expert."""
-    check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
+    """:func:`fused_moe` in torch: pairs grouped by expert, two products per active expert
+    (pairs of experts held elsewhere sort last and are left out)."""
+    check_moe_shapes(x, w13, w2, topk_weights, topk_ids, expert_map)
     num_tokens, top_k = topk_ids.shape
-    flat_ids = topk_ids.reshape(-1).long()  # [T * k], pair p = (token p // k, slot p % k)
-    order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    num_experts = w13.shape[0]
+    flat_ids = local_expert_ids(topk_ids, expert_map, num_experts).reshape(-1).long()  # [T * k], pair p = (token p // k, slot p % k)
+    order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, those held elsewhere last
+    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
+    num_local_pairs = sum(counts)
+    order = order[:num_local_pairs]
     tokens = order // top_k
     grouped_x = x[tokens]  # [T * k, H]
     grouped_out = torch.empty_like(grouped_x)

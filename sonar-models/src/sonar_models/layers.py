@@ -51,12 +51,15 @@ class Linear(nn.Module):
     """
 
     lora = None  # a sonar.lora.layers.LoRALinear once adapters are attached
+    reduce_output = True  # row-parallel: all-reduce in forward (False: the caller sums the partial outputs)
 
     def __init__(
-        self, in_features: int, out_features: int, bias: bool = True, prefix: str = "", parallel: str = "replicated"
+        self, in_features: int, out_features: int, bias: bool = True, prefix: str = "", parallel: str = "replicated",
+        reduce_output: bool = True,
     ) -> None:
         super().__init__()
         self._build(in_features, {"": out_features}, bias, prefix, parallel, {})
+        self.reduce_output = reduce_output
 
     def _build(
         self, in_features: int, parts: dict[str, int], bias: bool, prefix: str, parallel: str,
@@ -110,7 +113,7 @@ class Linear(nn.Module):
         out = self.linear_method.apply(self, x)
         if self.lora is not None:
             out = self.lora.add(x, out)
-        if self.parallel == "row":
+        if self.parallel == "row" and self.reduce_output:
             out = self.group.communicator.all_reduce(out)
         return out
 

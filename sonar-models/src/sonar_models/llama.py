@@ -128,7 +128,13 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, config: Any, bias: bool, prefix: str = "", intermediate_size: int | None = None) -> None:
+    """``down(silu(gate(x)) * up(x))``; under tensor parallelism gate/up are column-parallel and
+    down row-parallel, its partial outputs all-reduced unless ``reduce_output`` is False (the
+    caller then sums them, together with its own: a shared expert)."""
+
+    def __init__(
+        self, config: Any, bias: bool, prefix: str = "", intermediate_size: int | None = None, reduce_output: bool = True
+    ) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise NotImplementedError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
@@ -136,7 +142,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(
             config.hidden_size, {"gate": size, "up": size}, bias=bias, prefix=f"{prefix}.gate_up_proj", parallel="column"
         )
-        self.down_proj = Linear(size, config.hidden_size, bias=bias, prefix=f"{prefix}.down_proj", parallel="row")
+        self.down_proj = Linear(
+            size, config.hidden_size, bias=bias, prefix=f"{prefix}.down_proj", parallel="row", reduce_output=reduce_output
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))

@@ -10,6 +10,12 @@ Checkpoints come in two layouts, both read: one tensor per expert and projection
 (``mlp.experts.3.gate_proj.weight``; Mixtral's ``block_sparse_moe.experts.3.w1.weight``),
 which is what transformers writes, and transformers' in-memory stacking
 (``mlp.experts.gate_up_proj [E, 2 * I, hidden]``, ``mlp.experts.down_proj``).
+
+Under tensor parallelism (``sonar.distributed``) the router is replicated and either every
+expert's intermediate dimension is split over the ranks (each rank its slice of the gate, of
+the up and of the down projection's input columns), or, with ``expert_parallel``, each rank
+holds whole experts (``sonar_models.expert_parallel``). Either way the block ends with one
+all-reduce, which also sums the shared expert's partial outputs.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from typing import Any, Iterable, Iterator
 import torch
 from torch import nn
 
+from sonar.distributed import current_group
 from sonar.moe import fused_moe
+from sonar_models.expert_parallel import expert_placement, run_experts_across_ranks, token_slice
 from sonar_models.layers import Linear
 from sonar_models.llama import GatedMLP, LlamaForCausalLM
 
@@ -30,6 +38,8 @@ _EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_
 _STACKED_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?$")
 _MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _PARTS = {"gate_proj": ("w13", "gate"), "up_proj": ("w13", "up"), "down_proj": ("w2", "down")}
+# the expert of a per-expert tensor in either naming: "...mlp.experts.3.gate_proj...", "...block_sparse_moe.experts.3.w1..."
+_EXPERT_INDEX = re.compile(r"\.experts\.(\d+)\.")
 
 
 def num_experts_of(config: Any) -> int:
@@ -38,40 +48,67 @@ def num_experts_of(config: Any) -> int:
 
 
 class StackedExperts(nn.Module):
-    """``E`` SiLU-gated expert MLPs of one layer as two stacked parameters: ``w13 [E, 2I, H]``
-    (each expert's gate rows, then its up rows) and ``w2 [E, H, I]``.
+    """The SiLU-gated expert MLPs of one layer this rank holds, as two stacked parameters:
+    ``w13 [E_local, 2I, H]`` (each expert's gate rows, then its up rows) and ``w2 [E_local, H, I]``.
 
+    On one device ``E_local = E``. Under tensor parallelism ``I`` is this rank's slice of every
+    expert's intermediate size; with ``expert_parallel`` the rank holds ``E / N`` whole experts
+    instead and ``expert_map`` turns global expert ids into its local ones (-1: held elsewhere).
     The weight loader fills them one expert projection at a time: part ``(e, "gate")``,
-    ``(e, "up")`` or ``(e, "down")`` (see ``sonar_models.weight_loading``).
+    ``(e, "up")`` or ``(e, "down")`` of global expert ``e`` (see ``sonar_models.weight_loading``).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
+        group = current_group()
+        self.group = group
         self.num_experts = num_experts
-        self.intermediate_size = intermediate_size
+        self.placement = expert_placement(num_experts, group)
+        self.split_intermediate = group.world_size > 1 and not group.expert_parallel
+        if self.split_intermediate:
+            intermediate_size = group.shard(intermediate_size, "the experts' intermediate size (moe_intermediate_size)")
+        self.intermediate_size = intermediate_size  # this rank's
+        num_local = self.placement.count
         dtype = torch.get_default_dtype()
-        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype))
+        self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size, dtype=dtype))
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype))
+        self.register_buffer("expert_map", self.placement.expert_map() if self.placement.is_partial else None, persistent=False)
 
     def checkpoint_parts(self, leaf: str) -> list[tuple[int, str]]:
-        """The parts the checkpoint fills of parameter ``leaf`` (``"w13"`` or ``"w2"``)."""
+        """The parts the checkpoint fills of parameter ``leaf`` (``"w13"`` or ``"w2"``): those
+        of the experts this rank holds."""
         names = ("gate", "up") if leaf == "w13" else ("down",)
-        return [(expert, name) for expert in range(self.num_experts) for name in names]
+        first = self.placement.first
+        return [(expert, name) for expert in range(first, first + self.placement.count) for name in names]
 
     def part_rows(self, part: tuple[int, str]) -> tuple[int, slice]:
         """The index into ``w13`` or ``w2`` that holds ``part``."""
         expert, name = part
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range: the config has {self.num_experts} experts per layer")
+        if not self.placement.holds(expert):
+            raise ValueError(f"expert {expert} is held by another rank (this one holds {self.placement})")
         size = self.intermediate_size
         rows = {"gate": slice(0, size), "up": slice(size, 2 * size), "down": slice(None)}[name]
-        return expert, rows
+        return expert - self.placement.first, rows
+
+    def shard_checkpoint_tensor(self, leaf: str, tensor: torch.Tensor, part: tuple[int, str]) -> torch.Tensor:
+        """This rank's piece of one expert's full projection: with the intermediate size
+        split, its rows of gate and of up ``[I, H]`` and its input columns of down ``[H, I]``;
+        whole otherwise."""
+        if not self.split_intermediate:
+            return tensor
+        start = self.group.rank * self.intermediate_size
+        return tensor.narrow(1 if part[1] == "down" else 0, start, self.intermediate_size)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids)
+        """This rank's share of the experts' weighted sum ``[T, H]``: every expert's slice of
+        it (split intermediate), or its own experts' whole products (expert-parallel)."""
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_map)
 
     def extra_repr(self) -> str:
-        return f"num_experts={self.num_experts}, w13={tuple(self.w13.shape)}, w2={tuple(self.w2.shape)}"
+        held = f", experts={self.placement.first}..{self.placement.first + self.placement.count - 1}" if self.placement.is_partial else ""
+        return f"num_experts={self.num_experts}{held}, w13={tuple(self.w13.shape)}, w2={tuple(self.w2.shape)}"
 
 
 class SparseMoeBlock(nn.Module):
@@ -81,6 +118,11 @@ class SparseMoeBlock(nn.Module):
     renormalised to sum to one where ``renormalize`` (Mixtral always, Qwen with
     ``norm_topk_prob``) and rounded to the model's dtype where ``round_weights`` (Qwen).
     A shared expert (Qwen2-MoE), where given, is added, scaled by ``sigmoid(shared_expert_gate(x))``.
+
+    Under tensor parallelism the router and ``shared_expert_gate`` are replicated, the shared
+    expert is a sharded ``GatedMLP`` whose partial output is not reduced on its own: routed and
+    shared partial sums go through one all-reduce. Expert-parallel, each rank routes its slice
+    of the tokens and sends them to the experts' ranks (``sonar_models.expert_parallel``).
     """
 
     def __init__(
@@ -104,7 +146,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(config.hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate")
         self.experts = StackedExperts(num_experts, config.hidden_size, intermediate_size)
         if shared_intermediate_size:
-            self.shared_expert = GatedMLP(config, False, f"{prefix}.shared_expert", shared_intermediate_size)
+            self.shared_expert = GatedMLP(config, False, f"{prefix}.shared_expert", shared_intermediate_size, reduce_output=False)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")
         else:
             self.shared_expert = None
@@ -121,18 +163,29 @@ class SparseMoeBlock(nn.Module):
         return weights, ids
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = self.route(x)
-        out = self.experts(x, topk_weights, topk_ids)
+        group = self.experts.group
+        if self.experts.placement.is_partial:
+            # expert-parallel: this rank's tokens to the experts' ranks and back, then in place
+            mine = token_slice(x.shape[0], group)
+            topk_weights, topk_ids = self.route(x[mine])
+            out = torch.zeros_like(x)
+            out[mine] = run_experts_across_ranks(
+                x[mine], topk_weights, topk_ids, self.experts, self.experts.placement.count, group
+            )
+        else:
+            topk_weights, topk_ids = self.route(x)
+            out = self.experts(x, topk_weights, topk_ids)  # a partial sum when the intermediate is split
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)  # partial under TP
+        return group.communicator.all_reduce(out)
 
 
 class MoeForCausalLM(LlamaForCausalLM):
     """A Llama-style decoder whose sparse layers run a :class:`SparseMoeBlock`; see the
     subclasses for each architecture's routing and layer pattern."""
 
-    supports_tensor_parallel = False  # experts are not sharded yet (expert parallelism is planned)
+    supports_tensor_parallel = True  # the experts' intermediate size split over the ranks, or whole experts per rank
+    supports_expert_parallel = True  # enable_expert_parallel: E / N whole experts per rank
 
     renormalize: bool | None = None  # None: follow config.norm_topk_prob
     round_weights: bool = True
@@ -158,6 +211,16 @@ class MoeForCausalLM(LlamaForCausalLM):
         return SparseMoeBlock(config, prefix, intermediate, renormalize, self.round_weights, shared)
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Per-expert tensors, less those of experts another rank holds (expert parallelism)."""
+        placement = expert_placement(num_experts_of(self.config), self.group)
+        for name, tensor in self._per_expert_tensors(weights):
+            index = _EXPERT_INDEX.search(name) if placement.is_partial else None
+            expert = -1 if index is None else int(index.group(1))
+            if 0 <= expert < placement.num_experts and not placement.holds(expert):
+                continue  # another rank's expert (one beyond the config is refused when placed)
+            yield name, tensor
+
+    def _per_expert_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """Per-expert names as they are; transformers' stacked ``gate_up_proj`` / ``down_proj``
         split into per-expert views."""
         for name, tensor in weights:

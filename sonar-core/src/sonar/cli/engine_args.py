@@ -60,6 +60,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         help="split the layers into this many contiguous stages (an even split; SONAR_PP_LAYER_PARTITION=\"3,5\" sets it), each on its own tensor-parallel group of ranks, with up to this many steps in flight (unquantized checkpoints)",
     )
     group.add_argument(
+        "--enable-expert-parallel", "-ep", action="store_true",
+        help="mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): give each of the -tp ranks E / N whole experts, tokens sent to them and back with all-to-all, instead of splitting every expert's intermediate size; attention stays tensor-parallel",
+    )
+    group.add_argument(
         "--data-parallel-size", "-dp", type=int, default=defaults.data_parallel_size,
         help="engine-core replicas, each in its own process on its own device (on the CPU: its share of the cores); requests go to the least loaded",
     )
@@ -165,6 +169,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_logprobs=args.max_logprobs,
         async_scheduling=args.async_scheduling,
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         pipeline_parallel_size=args.pipeline_parallel_size,
         data_parallel_size=args.data_parallel_size,
         scheduling_policy=args.scheduling_policy,

@@ -52,7 +52,6 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--lora-dtype", "LoRA adapters", LORA),
     # parallelism
     _flag("--decode-context-parallel-size", "decode context parallelism", PARALLELISM, short="-dcp", accepted=("1",)),
-    _flag("--enable-expert-parallel", "expert parallelism", PARALLELISM, short="-ep", takes_value=False),
     _flag("--enable-eplb", "expert-parallel load balancing", PARALLELISM, takes_value=False),
     _flag("--data-parallel-size-local", "multi-node data parallelism", PARALLELISM, short="-dpl"),
     _flag("--data-parallel-rank", "multi-node data parallelism", PARALLELISM, short="-dpn"),

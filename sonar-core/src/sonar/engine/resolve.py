@@ -127,6 +127,11 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
             f"{architecture_of(hf_config)} does not run with tensor parallelism yet "
             f"(tensor_parallel_size={args.tensor_parallel_size}); use tensor_parallel_size=1"
         )
+    if args.enable_expert_parallel and not getattr(resolve_model_class(hf_config), "supports_expert_parallel", False):
+        raise ValueError(
+            f"enable_expert_parallel splits the experts of a mixture-of-experts model over the tensor-parallel ranks, "
+            f"and {architecture_of(hf_config)} has none; leave enable_expert_parallel off"
+        )
     if args.pipeline_parallel_size > 1:
         _check_pipeline(args.pipeline_parallel_size, hf_config)
     quantization = resolve_quantization(args.quantization, hf_config, platform.name)
@@ -174,6 +179,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         scheduling_policy=_registered("scheduling_policy", args.scheduling_policy, scheduler_policies()),
         kv_cache_manager=_registered("kv_cache_manager", args.kv_cache_manager, kv_cache_managers()),
         tensor_parallel_size=args.tensor_parallel_size,
+        enable_expert_parallel=args.enable_expert_parallel,
         pipeline_parallel_size=args.pipeline_parallel_size,
         executor=_registered("distributed_executor_backend", _executor_name(args, quantization), executors()),
         default_sampling=default_sampling_of(model_path, args.generation_config),

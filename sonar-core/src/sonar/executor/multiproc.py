@@ -12,6 +12,7 @@ waiting.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import socket
@@ -341,6 +342,7 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
         group = init_distributed(platform, rank, world_size, init_method)
         model_config = model_config_of(config)
         group, stage = _join_stages(platform, group, rank, config, model_config)
+        group = dataclasses.replace(group, expert_parallel=config.enable_expert_parallel)  # MoE: whole experts per rank
         worker = import_class(platform.worker_cls)(platform, model_config, config, rank=rank)
         with building_for(group), building_stage(stage):
             worker.load_model()

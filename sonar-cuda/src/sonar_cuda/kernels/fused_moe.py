@@ -18,6 +18,10 @@
    weight and written per pair, ``[T * k, H]``; a sum over the ``k`` pairs of each token gives
    the output (no atomics: the same order every run).
 
+Under expert parallelism (``expert_map``, see ``sonar.moe``) the routing is first mapped to this
+rank's experts on the device; a pair whose expert another rank holds gets id ``E`` and is
+placed in no block, and its row of the output stays zero.
+
 Each expert's weight tiles are read once per block of its tokens: at decode (a few tokens per
 expert) a step reads the weights of the experts it touches, about once.
 """
@@ -30,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sonar.moe import check_moe_shapes
+from sonar.moe import check_moe_shapes, local_expert_ids
 
 
 # the single-program alignment kernel's reach (beyond it: a device sort, a dozen launches)
@@ -67,7 +71,8 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> t
 
     The pairs of each expert are contiguous, in pair order, each expert's run padded with
     ``T * k`` to a multiple of ``block_m``; ``block_experts[b]`` is the expert of block ``b``
-    (``num_experts`` for blocks past the last run). No host synchronisation: up to
+    (``num_experts`` for blocks past the last run). A pair of id ``num_experts`` (its expert
+    is held by another rank) is placed in no run. No host synchronisation: up to
     ``ALIGN_KERNEL_MAX_PAIRS`` pairs (decode) in one Triton launch, more with a device sort.
     """
     num_pairs = topk_ids.numel()
@@ -92,17 +97,20 @@ def _align_by_sorting(
     flat = topk_ids.reshape(-1).to(torch.int64)
     num_pairs = flat.numel()
     device = flat.device
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
+    # the last bin: pairs whose expert another rank holds (sorted last, given no run)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
+    padded[num_experts] = 0
     padded_end = torch.cumsum(padded, 0)
     run_start = torch.cumsum(counts, 0) - counts  # where each expert's pairs start, unpadded
     experts_sorted, order = torch.sort(flat, stable=True)
     rank = torch.arange(num_pairs, device=device) - run_start[experts_sorted]
     dest = padded_end[experts_sorted] - padded[experts_sorted] + rank
     sorted_pairs = torch.full((num_blocks * block_m,), num_pairs, dtype=torch.int32, device=device)
-    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    placed = torch.where(experts_sorted < num_experts, order, num_pairs)  # past the runs: padding
+    sorted_pairs.scatter_(0, dest, placed.to(torch.int32))
     block_starts = torch.arange(num_blocks, device=device, dtype=torch.int64) * block_m
-    block_experts = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
+    block_experts = torch.searchsorted(padded_end[:num_experts], block_starts, right=True).to(torch.int32)
     return sorted_pairs, block_experts
 
 
@@ -145,7 +153,7 @@ def _align_kernel(
         onehot = (experts[:, None] == bins[None, :]).to(tl.int32)  # [CHUNK, BINS]
         earlier = tl.cumsum(onehot, 0) - onehot + placed[None, :]
         dest = tl.sum(onehot * (starts[None, :] + earlier), axis=1)
-        tl.store(sorted_pairs_ptr + dest, offs.to(tl.int32), mask=mask)
+        tl.store(sorted_pairs_ptr + dest, offs.to(tl.int32), mask=mask & (experts < NUM_EXPERTS))
         placed += tl.sum(onehot, axis=0)
 
 
@@ -225,11 +233,13 @@ def _grouped_gemm(
 
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    launch: MoELaunch | None = None,
+    launch: MoELaunch | None = None, expert_map: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``sonar.moe.fused_moe`` in two Triton launches (after the device-side sort): ``[T, H]``
-    in ``x``'s dtype. ``launch`` overrides :func:`launch_for` (benchmarks sweep it)."""
-    check_moe_shapes(x, w13, w2, topk_weights, topk_ids)
+    in ``x``'s dtype. ``launch`` overrides :func:`launch_for` (benchmarks sweep it);
+    ``expert_map`` (global expert id -> index into ``w13`` / ``w2``, -1: held elsewhere) as
+    ``sonar.moe.fused_moe`` takes it."""
+    check_moe_shapes(x, w13, w2, topk_weights, topk_ids, expert_map)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     if num_tokens == 0:
@@ -239,11 +249,12 @@ def fused_moe(
     w2 = w2 if w2.stride(-1) == 1 else w2.contiguous()
     num_pairs = num_tokens * top_k
     launch = launch or launch_for(num_pairs, num_experts, x.device)
-    sorted_pairs, block_experts = align_by_expert(topk_ids, num_experts, launch.block_m)
+    sorted_pairs, block_experts = align_by_expert(local_expert_ids(topk_ids, expert_map, num_experts), num_experts, launch.block_m)
     weights = topk_weights.reshape(-1).contiguous()
     intermediate = x.new_empty((num_pairs, two_i // 2))
     _grouped_gemm(x, w13, intermediate, weights, sorted_pairs, block_experts, top_k, True, launch)
-    per_pair = x.new_empty((num_pairs, hidden))
+    # pairs of experts held elsewhere are written by no block: their rows must be zero
+    per_pair = x.new_empty((num_pairs, hidden)) if expert_map is None else x.new_zeros((num_pairs, hidden))
     _grouped_gemm(intermediate, w2, per_pair, weights, sorted_pairs, block_experts, top_k, False, launch)
     if top_k == 1:
         return per_pair
