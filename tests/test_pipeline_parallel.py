@@ -1,0 +1,148 @@
+"""Pipeline parallelism on the CPU: real worker processes over gloo, the layers split into
+stages that hand their hidden states on point to point, give the greedy tokens (and logprobs)
+of one device, itself tested equal to transformers; alone (PP=2) on every tiny architecture,
+and with tensor parallelism inside each stage (TP=2 x PP=2) on the dense ones. Several
+micro-batches are in flight at once, and a rank that dies fails the engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from sonar import LLM, SamplingParams
+from sonar.executor import WorkerDiedError
+from sonar.pipeline import PARTITION_ENV, partition_layers
+from sonar_models.testing import build_tiny_model
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [11, 12, 13], [5, 900, 17, 3, 44, 8, 2, 19, 6, 33, 71]]
+PARAMS = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3)
+ENGINE = dict(kv_cache_memory_bytes=1 << 24, max_model_len=128, max_num_seqs=8)
+# (architecture, tensor_parallel_size, pipeline_parallel_size, config overrides, layer partition)
+CASES = [
+    ("llama", 1, 2, dict(num_hidden_layers=3), "1,2"),  # an uneven partition from the environment
+    ("mistral", 1, 2, {}, None),
+    ("qwen2", 1, 2, {}, None),  # tied embedding: the last stage's LM head loads it
+    ("qwen3", 1, 2, {}, None),
+    ("qwen3_moe", 1, 2, {}, None),  # stage 0 holds the sparse layer, stage 1 the dense one
+    ("qwen2_moe", 1, 2, {}, None),
+    ("mixtral", 1, 2, {}, None),
+    ("llama", 2, 2, dict(num_hidden_layers=3), None),  # 2 + 1 layers, each stage two ranks
+    ("mistral", 2, 2, {}, None),
+    ("qwen2", 2, 2, {}, None),
+    ("qwen3", 2, 2, dict(num_key_value_heads=1), None),  # one KV head replicated within each stage
+]
+# many requests, few tokens per step: the engine core fills the pipeline with micro-batches
+MANY_PROMPTS = [[7 + i, 3 * i + 1, 40 + i, 9, 2 + i] for i in range(8)]
+MANY_ENGINE = dict(ENGINE, max_num_batched_tokens=12)
+
+
+def _case_id(case: tuple) -> str:
+    arch, tp, pp, _, _ = case
+    return f"{arch}-tp{tp}-pp{pp}"
+
+
+def _generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list:
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Per case: one device's outputs and the parallel engine's; the PP=2 Llama engine also
+    serves many requests at once (its executor's peak in flight is read), and the last
+    engine is kept for the fault test (the others are shut down as soon as they answered)."""
+    results: dict = {}
+    singles: dict = {}
+    for index, case in enumerate(CASES):
+        arch, tp, pp, overrides, partition = case
+        path = build_tiny_model(arch, tmp_path_factory.mktemp(arch), **overrides)
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in singles:
+            single = LLM(str(path), **MANY_ENGINE if arch == "llama" else ENGINE)
+            singles[key] = (_generate(single), _generate(single, MANY_PROMPTS) if arch == "llama" else None)
+        if partition is not None:
+            os.environ[PARTITION_ENV] = partition
+        try:
+            llm = LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, **MANY_ENGINE if arch == "llama" else ENGINE)
+        finally:
+            os.environ.pop(PARTITION_ENV, None)
+        results[_case_id(case)] = (singles[key][0], _generate(llm))
+        if arch == "llama" and pp == 2 and tp == 1:
+            executor = llm.llm_engine.core.executor
+            executor.peak_in_flight = 0
+            results["many"] = (singles[key][1], _generate(llm, MANY_PROMPTS), executor.peak_in_flight)
+        if index == len(CASES) - 1:
+            results["kept"] = llm
+        else:
+            llm.llm_engine.core.executor.shutdown()
+    return results
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_stages_match_one_device(runs, case: tuple) -> None:
+    single, parallel = runs[_case_id(case)]
+    for one, two in zip(single, parallel):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+        for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
+            assert set(a) == set(b)
+            for token_id, logprob in a.items():
+                assert b[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-3)
+
+
+def test_micro_batches_fill_the_pipeline(runs) -> None:
+    single, parallel, peak_in_flight = runs["many"]
+    assert peak_in_flight == 2  # both stages busy: as many steps in flight as stages, never more
+    assert [o.outputs[0].token_ids for o in parallel] == [o.outputs[0].token_ids for o in single]
+
+
+def test_a_killed_rank_fails_the_engine_cleanly(runs) -> None:
+    llm = runs["kept"]  # TP=2 x PP=2: four ranks
+    executor = llm.llm_engine.core.executor
+    os.kill(executor.worker_pids[1], signal.SIGKILL)  # a rank of the first stage, not the one that answers
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="worker rank 1 died"):
+        _generate(llm)
+    assert time.monotonic() - started < 15
+    with pytest.raises(WorkerDiedError):  # and stays failed
+        _generate(llm)
+    for pid in executor.worker_pids:  # no rank is left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_layer_partitions(monkeypatch) -> None:
+    assert partition_layers(5, 2) == [3, 2]  # the remainder on the earlier stages
+    assert partition_layers(4, 4) == [1, 1, 1, 1]
+    monkeypatch.setenv(PARTITION_ENV, "1, 4")
+    assert partition_layers(5, 2) == [1, 4]
+    for raw, message in [
+        ("3,3", "gives 6 layers, but the model has 5"),
+        ("5", "must be 2 positive layer counts"),
+        ("0,5", "must be 2 positive layer counts"),
+        ("a,b", "must be 2 positive layer counts"),
+    ]:
+        monkeypatch.setenv(PARTITION_ENV, raw)
+        with pytest.raises(ValueError, match=message):
+            partition_layers(5, 2)
+
+
+def test_what_does_not_pipeline_yet_is_refused(tmp_path, monkeypatch) -> None:
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 does not combine with enable_lora yet"):
+        LLM(str(tmp_path), pipeline_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 does not combine with speculative_config yet"):
+        LLM(str(tmp_path), pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
+        LLM(str(tmp_path), pipeline_parallel_size=0)
+    path = build_tiny_model("llama", tmp_path / "llama")  # two layers
+    started = time.monotonic()  # refused before any process starts
+    with pytest.raises(ValueError, match="pipeline_parallel_size=3 exceeds the model's 2 layers"):
+        LLM(str(path), pipeline_parallel_size=3, **ENGINE)
+    monkeypatch.setenv(PARTITION_ENV, "2,1")
+    with pytest.raises(ValueError, match="gives 3 layers, but the model has 2"):
+        LLM(str(path), pipeline_parallel_size=2, **ENGINE)
+    monkeypatch.delenv(PARTITION_ENV)
+    with pytest.raises(ValueError, match="needs a process per rank"):
+        LLM(str(path), pipeline_parallel_size=2, distributed_executor_backend="uni", **ENGINE)
+    assert time.monotonic() - started < 10
