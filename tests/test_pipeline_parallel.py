@@ -1,8 +1,9 @@
 """Pipeline parallelism on the CPU: real worker processes over gloo, the layers split into
 stages that hand their hidden states on point to point, give the greedy tokens (and logprobs)
-of one device, itself tested equal to transformers; alone (PP=2) on every tiny architecture,
-and with tensor parallelism inside each stage (TP=2 x PP=2) on the dense ones. Several
-micro-batches are in flight at once, and a rank that dies fails the engine."""
+of one device, itself tested equal to transformers; alone (PP=2) and with tensor parallelism
+inside each stage (TP=2 x PP=2; for Mixtral with expert parallelism) on every tiny
+architecture. Several micro-batches are in flight at once, and a rank that dies fails the
+engine."""
 
 from __future__ import annotations
 
@@ -20,19 +21,23 @@ from sonar_models.testing import build_tiny_model
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [11, 12, 13], [5, 900, 17, 3, 44, 8, 2, 19, 6, 33, 71]]
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3)
 ENGINE = dict(kv_cache_memory_bytes=1 << 24, max_model_len=128, max_num_seqs=8)
-# (architecture, tensor_parallel_size, pipeline_parallel_size, config overrides, layer partition)
+# (architecture, tensor_parallel_size, pipeline_parallel_size, config overrides, layer partition,
+# engine options)
 CASES = [
-    ("llama", 1, 2, dict(num_hidden_layers=3), "1,2"),  # an uneven partition from the environment
-    ("mistral", 1, 2, {}, None),
-    ("qwen2", 1, 2, {}, None),  # tied embedding: the last stage's LM head loads it
-    ("qwen3", 1, 2, {}, None),
-    ("qwen3_moe", 1, 2, {}, None),  # stage 0 holds the sparse layer, stage 1 the dense one
-    ("qwen2_moe", 1, 2, {}, None),
-    ("mixtral", 1, 2, {}, None),
-    ("llama", 2, 2, dict(num_hidden_layers=3), None),  # 2 + 1 layers, each stage two ranks
-    ("mistral", 2, 2, {}, None),
-    ("qwen2", 2, 2, {}, None),
-    ("qwen3", 2, 2, dict(num_key_value_heads=1), None),  # one KV head replicated within each stage
+    ("llama", 1, 2, dict(num_hidden_layers=3), "1,2", {}),  # an uneven partition from the environment
+    ("mistral", 1, 2, {}, None, {}),
+    ("qwen2", 1, 2, {}, None, {}),  # tied embedding: the last stage's LM head loads it
+    ("qwen3", 1, 2, {}, None, {}),
+    ("qwen3_moe", 1, 2, {}, None, {}),  # stage 0 holds the sparse layer, stage 1 the dense one
+    ("qwen2_moe", 1, 2, {}, None, {}),
+    ("mixtral", 1, 2, {}, None, {}),
+    ("llama", 2, 2, dict(num_hidden_layers=3), None, {}),  # 2 + 1 layers, each stage two ranks
+    ("mistral", 2, 2, {}, None, {}),
+    ("qwen2", 2, 2, {}, None, {}),
+    ("qwen3_moe", 2, 2, {}, None, {}),  # experts' intermediate size split within the first stage
+    ("qwen2_moe", 2, 2, {}, None, {}),  # shared expert's partial sums in each stage's all-reduce
+    ("mixtral", 2, 2, {}, None, dict(enable_expert_parallel=True)),  # whole experts per rank, all-to-all in each stage
+    ("qwen3", 2, 2, dict(num_key_value_heads=1), None, {}),  # one KV head replicated within each stage
 ]
 # many requests, few tokens per step: the engine core fills the pipeline with micro-batches
 MANY_PROMPTS = [[7 + i, 3 * i + 1, 40 + i, 9, 2 + i] for i in range(8)]
@@ -40,8 +45,8 @@ MANY_ENGINE = dict(ENGINE, max_num_batched_tokens=12)
 
 
 def _case_id(case: tuple) -> str:
-    arch, tp, pp, _, _ = case
-    return f"{arch}-tp{tp}-pp{pp}"
+    arch, tp, pp, _, _, options = case
+    return f"{arch}-tp{tp}-pp{pp}" + ("-ep" if options.get("enable_expert_parallel") else "")
 
 
 def _generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list:
@@ -56,7 +61,7 @@ def runs(tmp_path_factory) -> dict:
     results: dict = {}
     singles: dict = {}
     for index, case in enumerate(CASES):
-        arch, tp, pp, overrides, partition = case
+        arch, tp, pp, overrides, partition, options = case
         path = build_tiny_model(arch, tmp_path_factory.mktemp(arch), **overrides)
         key = (arch, tuple(sorted(overrides.items())))
         if key not in singles:
@@ -65,7 +70,8 @@ def runs(tmp_path_factory) -> dict:
         if partition is not None:
             os.environ[PARTITION_ENV] = partition
         try:
-            llm = LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, **MANY_ENGINE if arch == "llama" else ENGINE)
+            engine = MANY_ENGINE if arch == "llama" else ENGINE
+            llm = LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine, **options)
         finally:
             os.environ.pop(PARTITION_ENV, None)
         results[_case_id(case)] = (singles[key][0], _generate(llm))

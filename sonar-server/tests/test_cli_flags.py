@@ -34,7 +34,7 @@ def run_sonar(*args: str, plugins: str = FIRST_PARTY_PLUGINS) -> tuple[subproces
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["-pp", "2"], "--pipeline-parallel-size is not supported yet (pipeline parallelism; issue 19 brings it)"),
+        (["-dcp", "2"], "--decode-context-parallel-size is not supported yet (decode context parallelism; issue 19 brings it)"),
         (["--max-model-len", "100000"], "--max-model-len 100000 exceeds the model's context of 8192 tokens"),
         (["--fully-sharded-loras"], "--fully-sharded-loras is not supported yet (LoRA adapters; issue 18 brings it)"),
         (["--enable-auto-tool-choice", "--tool-call-parser", "nope"], "--tool-call-parser 'nope' is not registered"),
@@ -115,5 +115,5 @@ def test_model_defaults_fill_only_what_the_request_leaves_out() -> None:
 
 
 def test_python_m_sonar_server_still_serves_the_same_parser() -> None:
-    done = subprocess.run([sys.executable, "-m", "sonar_server", "-pp", "2"], capture_output=True, text=True, timeout=120)
-    assert "--pipeline-parallel-size is not supported yet" in done.stderr
+    done = subprocess.run([sys.executable, "-m", "sonar_server", "-dcp", "2"], capture_output=True, text=True, timeout=120)
+    assert "--decode-context-parallel-size is not supported yet" in done.stderr
