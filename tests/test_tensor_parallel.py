@@ -11,10 +11,8 @@ import signal
 import time
 
 import pytest
-import torch
 
 from sonar import LLM, SamplingParams
-from sonar.distributed import Communicator, ParallelGroup, building_for
 from sonar.executor import WorkerDiedError
 from sonar.executor.multiproc import RING_SLOT_BYTES_ENV
 from sonar_models.testing import build_tiny_model
@@ -98,15 +96,6 @@ def test_what_does_not_shard_yet_is_refused(tmp_path) -> None:
         LLM(str(tmp_path), tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         LLM(str(tmp_path), tensor_parallel_size=0)
-    from sonar.registry import resolve_model_class
-    from transformers import AutoConfig
-
-    moe_path = build_tiny_model("qwen3_moe", tmp_path / "moe")
-    with pytest.raises(ValueError, match="Qwen3MoeForCausalLM does not run with tensor parallelism yet"):
-        LLM(str(moe_path), tensor_parallel_size=2)  # refused before any process starts
-    moe = AutoConfig.from_pretrained(moe_path)
-    with building_for(ParallelGroup(0, 2, Communicator(2))), pytest.raises(ValueError, match="does not run with tensor parallelism"):
-        resolve_model_class(moe)(moe, lambda *args, **kwargs: torch.nn.Identity())
     # found by the ranks as they build their shards: the first error they report, at once
     dense = build_tiny_model("llama", tmp_path / "dense", hidden_size=48, num_attention_heads=3, num_key_value_heads=3)
     started = time.monotonic()

@@ -70,6 +70,35 @@ def test_fused_moe_small(case: tuple, device: torch.device) -> None:
         check(case, dtype, device)
 
 
+@pytest.mark.parametrize("way", ["kernel", "sort"])
+def test_pairs_of_experts_held_elsewhere_are_placed_nowhere(way: str, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expert parallelism: id ``num_experts`` (held by another rank) gets no run and no block."""
+    if way == "sort":
+        monkeypatch.setattr(fused_moe_module, "ALIGN_KERNEL_MAX_PAIRS", 0)
+    ids = torch.tensor([[2, 0], [0, 2], [1, 2]], device=device)  # 2: elsewhere; experts 0 (2 pairs), 1 (1 pair)
+    sorted_pairs, block_experts = align_by_expert(ids, num_experts=2, block_m=4)
+    pad = ids.numel()
+    assert block_experts.tolist() == [0, 1] + [2] * (len(block_experts) - 2)
+    assert sorted_pairs.tolist() == [1, 2, pad, pad, 4, pad, pad, pad] + [pad] * (len(sorted_pairs) - 8)
+
+
+@pytest.mark.parametrize("case", SMALL_CASES)
+def test_each_rank_s_experts_through_an_expert_map(case: tuple, device: torch.device) -> None:
+    """With ``expert_map`` the kernel runs only the rank's experts, as the torch version does;
+    the two ranks' outputs add up to the whole layer's."""
+    x, w13, w2, weights, ids = make_case(*case, torch.float32, device)
+    num_experts = w13.shape[0]
+    half = num_experts // 2
+    outputs = []
+    for held in (slice(0, half), slice(half, num_experts)):
+        expert_map = torch.full((num_experts,), -1, dtype=torch.int32, device=device)
+        expert_map[held] = torch.arange(half, dtype=torch.int32, device=device)
+        out = fused_moe(x, w13[held], w2[held], weights, ids, expert_map=expert_map)
+        torch.testing.assert_close(out, torch_fused_moe(x, w13[held], w2[held], weights, ids, expert_map), atol=2e-4, rtol=2e-4)
+        outputs.append(out)
+    torch.testing.assert_close(outputs[0] + outputs[1], torch_fused_moe(x, w13, w2, weights, ids), atol=2e-4, rtol=2e-4)
+
+
 def test_loop_baseline_equals_the_torch_version() -> None:
     x, w13, w2, weights, ids = make_case(*SMALL_CASES[1], torch.float32, torch.device("cpu"))
     torch.testing.assert_close(loop_over_experts(x, w13, w2, weights, ids), torch_fused_moe(x, w13, w2, weights, ids), atol=1e-5, rtol=1e-5)

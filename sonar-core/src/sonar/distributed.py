@@ -130,15 +130,18 @@ def current_group() -> ParallelGroup:
 
 
 def init_distributed(
-    platform: type, rank: int, world_size: int, init_method: str, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S
+    platform: type, rank: int, world_size: int, init_method: str, timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_S,
+    local_rank: int | None = None,
 ) -> ParallelGroup:
     """Join the ``torch.distributed`` group of ``world_size`` ranks as ``rank`` (rendezvous at
     ``init_method``, ``tcp://host:port``) with the platform's backend, and return this rank's
-    ``ParallelGroup`` with the platform's communicator."""
+    ``ParallelGroup`` with the platform's communicator. ``local_rank``: the rank's place on
+    its host, which picks its device (default ``rank``: every rank on one host)."""
     from sonar.registry import import_class
 
     backend = platform.dist_backend
-    options = {"device_id": platform.device(rank)} if platform.device_type != "cpu" else {}
+    device_index = rank if local_rank is None else local_rank
+    options = {"device_id": platform.device(device_index)} if platform.device_type != "cpu" else {}
     torch.distributed.init_process_group(
         backend, init_method=init_method, rank=rank, world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s), **options,

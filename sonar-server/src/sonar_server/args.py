@@ -85,6 +85,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--lora-root", default=None, metavar="DIR",
         help="the only folder runtime-loaded adapters may come from: lora_path is relative to it (or absolute inside it); '..' and symlinks out of it are refused",
     )
+    group.add_argument(
+        "--headless", action="store_true",
+        help="with --nnodes and --node-rank > 0: run this host's worker ranks only (no HTTP server, no engine core), driven by the head at --master-addr",
+    )
     group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
     group.add_argument("--access-log", action="store_true", help="also log uvicorn's line per HTTP request")
     group.add_argument("--disable-uvicorn-access-log", dest="access_log", action="store_false", help="no line per HTTP request (the default; vLLM's name)")
@@ -101,6 +105,7 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
     _check_parsers(args)
     _check_lora(args)
+    _check_nodes(args)
 
 
 def settings_from(args: argparse.Namespace, default_model_name: str, default_sampling: dict[str, float | int] | None = None) -> ServerSettings:
@@ -178,3 +183,11 @@ def _check_lora(args: argparse.Namespace) -> None:
             check_adapter_folder(module.path)
         except LoRAPathError as exc:
             raise ValueError(f"--lora-modules {module.name!r}: {exc}") from None
+
+
+def _check_nodes(args: argparse.Namespace) -> None:
+    """--headless against --nnodes / --node-rank: the head serves, every other host is headless."""
+    if args.headless and args.node_rank == 0:
+        raise ValueError("--headless runs a follower host's ranks: give it --nnodes N and --node-rank 1..N-1 (node rank 0 is the head, which serves)")
+    if args.node_rank > 0 and not args.headless:
+        raise ValueError(f"--node-rank {args.node_rank} is a follower host: start it with --headless (only node rank 0 serves HTTP)")

@@ -63,11 +63,26 @@ def serve(args: argparse.Namespace) -> int:
         engine_args = dataclasses.replace(engine_args, served_model_name=args.served_model_name[0])
     check_server_args(args)
     check_before_loading(engine_args)
+    if args.headless:
+        return _serve_headless(engine_args)
     listener = bind_listener(args.host, args.port)
     try:
         return _serve_on(args, engine_args, listener)
     finally:
         listener.close()
+
+
+def _serve_headless(engine_args: EngineArgs) -> int:
+    """A follower host of a multi-node run: this host's worker ranks only, driven by the head."""
+    from sonar.engine.process_util import set_process_title
+    from sonar.engine.resolve import resolve_engine_config
+    from sonar.executor.multinode import run_follower
+    from sonar.platform import current_platform
+
+    platform = current_platform()
+    config, _ = resolve_engine_config(engine_args, platform)
+    set_process_title(f"node-{config.node_rank}")
+    return run_follower(config, platform)
 
 
 def _serve_on(args: argparse.Namespace, engine_args: EngineArgs, listener: socket.socket) -> int:

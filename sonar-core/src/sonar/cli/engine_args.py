@@ -64,6 +64,23 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         help="mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): give each of the -tp ranks E / N whole experts, tokens sent to them and back with all-to-all, instead of splitting every expert's intermediate size; attention stays tensor-parallel",
     )
     group.add_argument(
+        "--nnodes", type=int, default=defaults.nnodes,
+        help="hosts the tensor-parallel ranks are split over (evenly, consecutive ranks per host); the head (--node-rank 0) serves, the others run `sonar serve ... --headless`",
+    )
+    group.add_argument("--node-rank", type=int, default=defaults.node_rank, help="with --nnodes: this host's place, 0 for the head")
+    group.add_argument(
+        "--master-addr", default=defaults.master_addr,
+        help="with --nnodes: the head's address every host can reach (torch.distributed's rendezvous and the control link)",
+    )
+    group.add_argument(
+        "--master-port", type=int, default=defaults.master_port,
+        help="with --nnodes: the rendezvous port on the head; the head's control link listens on the next port (--master-port + 1)",
+    )
+    group.add_argument(
+        "--enable-expert-parallel", "-ep", action="store_true",
+        help="mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): give each of the -tp ranks E / N whole experts, tokens sent to them and back with all-to-all, instead of splitting every expert's intermediate size; attention stays tensor-parallel",
+    )
+    group.add_argument(
         "--data-parallel-size", "-dp", type=int, default=defaults.data_parallel_size,
         help="engine-core replicas, each in its own process on its own device (on the CPU: its share of the cores); requests go to the least loaded",
     )
@@ -171,6 +188,10 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
         data_parallel_size=args.data_parallel_size,
         scheduling_policy=args.scheduling_policy,
         kv_cache_manager=args.kv_cache_manager,

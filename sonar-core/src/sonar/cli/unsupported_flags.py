@@ -59,7 +59,6 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--data-parallel-address", "multi-node data parallelism", PARALLELISM, short="-dpa"),
     _flag("--data-parallel-rpc-port", "multi-node data parallelism", PARALLELISM, short="-dpp"),
     _flag("--data-parallel-backend", "multi-node data parallelism", PARALLELISM, short="-dpb"),
-    _flag("--headless", "multi-node data parallelism", PARALLELISM, takes_value=False, server_only=True),
     _flag("--disable-custom-all-reduce", "tensor parallelism", PARALLELISM, takes_value=False),
     # not planned in an open issue yet
     _flag("--compilation-config", "torch.compile and CUDA-graph settings", short="-O"),

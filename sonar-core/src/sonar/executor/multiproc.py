@@ -12,6 +12,7 @@ waiting.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -45,6 +46,7 @@ OVERFLOW = b"\x00"  # in the ring: the message was too large for a slot and come
 # what the executor may ask every rank to run (anything else is refused by the worker)
 WORKER_CALLS = frozenset({
     "kv_cache_windows", "kv_bytes_per_block", "available_kv_cache_bytes", "init_kv_cache", "profile_report", "step",
+    "add_lora", "remove_lora",
 })
 
 
@@ -59,11 +61,22 @@ class WorkerCall(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 class WorkerReply(msgspec.Struct, array_like=True):
-    """A rank's answer: a value, the output of a step (rank 0), or the error it raised."""
+    """A rank's answer: a value, the output of a step (rank 0), the error it raised, or
+    why it refused a call and goes on (an adapter it cannot serve)."""
 
     value: Any = None
     output: ModelRunnerOutput | None = None
     error: str | None = None
+    refused: str | None = None
+
+
+RingInfo = tuple[str, int, int, int, int]  # ring name, num_readers, num_slots, slot_bytes, the rank's local rank
+
+
+def encode_ring_info(ring: RingWriter, local_rank: int) -> bytes:
+    """What a rank needs to read ``ring``: it is reader ``local_rank``, its rank on this host
+    (which also picks its device)."""
+    return msgspec.msgpack.encode([ring.name, ring.num_readers, ring.num_slots, ring.slot_bytes, local_rank])
 
 
 def _timeout(env: str, default: float) -> float:
@@ -107,6 +120,7 @@ class MultiprocExecutor(Executor):
         self.world_size = config.tensor_parallel_size * config.pipeline_parallel_size  # stage-major ranks
         self.output_rank = output_rank_of(config)  # the rank whose step results are the engine's
         self.num_in_flight = 0  # steps launched and not fetched yet
+        self._early_outputs: collections.deque[ModelRunnerOutput] = collections.deque()  # fetched before their turn
         self.peak_in_flight = 0  # the most steps ever in flight at once (pipeline parallelism: up to pp)
         self.step_timeout_s = _timeout(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
         self._encoder = msgspec.msgpack.Encoder()
@@ -117,24 +131,35 @@ class MultiprocExecutor(Executor):
         self.processes: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.sockets: list[socket.socket] = []
-        self.ring = RingWriter(self.world_size, slot_bytes=_ring_slot_bytes())
+        followers = []  # other hosts' ranks (sonar.executor.multinode): each reads the ring through a link process
+        if config.nnodes > 1:
+            from sonar.executor.multinode import accept_followers, rendezvous_address
+
+            followers, init_method = accept_followers(config, self.world_size), rendezvous_address(config)
+        num_local = self.world_size // config.nnodes
+        self.ring = RingWriter(num_local + len(followers), slot_bytes=_ring_slot_bytes())
         try:
-            for rank in range(self.world_size):
+            for rank in range(num_local):
                 ours, theirs = socket.socketpair()
                 process = subprocess.Popen(
                     [
                         sys.executable, "-m", "sonar.executor.multiproc", str(rank), str(self.world_size), init_method,
                         str(theirs.fileno()), logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                     ],
-                    pass_fds=(theirs.fileno(),), env={**os.environ, **platform.rank_env(rank, self.world_size)},
+                    pass_fds=(theirs.fileno(),), env={**os.environ, **platform.rank_env(rank, num_local)},
                 )
                 theirs.close()
                 self.sockets.append(ours)  # kept to tell a closed peer from a pending reply
                 conn = Connection(os.dup(ours.fileno()))
                 conn.send_bytes(config_json)
-                conn.send_bytes(msgspec.msgpack.encode([self.ring.name, self.ring.num_slots, self.ring.slot_bytes]))
+                conn.send_bytes(encode_ring_info(self.ring, local_rank=rank))
                 self.processes.append(process)
                 self.conns.append(conn)
+            for index, follower in enumerate(followers):  # its ranks' replies come from its link process
+                link, rank_sockets = follower.start_link_process(self.ring, reader_index=num_local + index)
+                self.processes += [link] * len(rank_sockets)
+                self.sockets += rank_sockets
+                self.conns += [Connection(os.dup(sock.fileno())) for sock in rank_sockets]
             self._gather(_timeout(STARTUP_TIMEOUT_ENV, DEFAULT_STARTUP_TIMEOUT_S), "load the model")
         except BaseException:
             self.shutdown()
@@ -216,6 +241,7 @@ class MultiprocExecutor(Executor):
             raise self._dead
         deadline = time.monotonic() + timeout_s
         values: dict[int, Any] = {}
+        refusals: dict[int, str] = {}
         while len(values) < self.world_size:
             pending = [conn for rank, conn in enumerate(self.conns) if rank not in values]
             ready = wait(pending, max(0.0, deadline - time.monotonic()))
@@ -231,11 +257,26 @@ class MultiprocExecutor(Executor):
                 if reply.error is not None:
                     self.shutdown()
                     raise RuntimeError(f"worker rank {rank} failed to {what}: {reply.error}")
+                if reply.refused is not None:
+                    refusals[rank] = reply.refused
                 values[rank] = reply.value
+        if refusals:
+            from sonar.lora.errors import LoRAError
+
+            raise LoRAError(refusals[min(refusals)])
         return [values[rank] for rank in range(self.world_size)]
 
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         self._send(WorkerCall(method, list(args)))
+        return self._gather(self.step_timeout_s, method)
+
+    def _call_all_between_steps(self, method: str, *args: Any) -> list[Any]:
+        """``_call_all`` while steps may be in flight: the ranks run calls in the order sent,
+        so the output rank answers the launched steps first; those outputs are kept for
+        ``fetch``."""
+        self._send(WorkerCall(method, list(args)))
+        while len(self._early_outputs) < self.num_in_flight:
+            self._early_outputs.append(self._receive(self.output_rank, self.step_timeout_s, "run a step").output)
         return self._gather(self.step_timeout_s, method)
 
     # -- the executor interface ----------------------------------------------------------
@@ -275,6 +316,23 @@ class MultiprocExecutor(Executor):
     def profile_report(self) -> dict[str, int]:
         return self._call_all("profile_report")[0]
 
+    def add_lora(self, lora_request: Any) -> None:
+        """Every rank reads and checks the adapter (the request goes to them as plain data) and
+        keeps its piece of each module's A and B.
+
+        :raises LoRAError: a rank refused it (then every rank forgets it again).
+        """
+        from sonar.lora.errors import LoRAError
+
+        try:
+            self._call_all_between_steps("add_lora", lora_request)
+        except LoRAError:
+            self._call_all_between_steps("remove_lora", lora_request.lora_int_id)
+            raise
+
+    def remove_lora(self, lora_int_id: int) -> None:
+        self._call_all_between_steps("remove_lora", lora_int_id)
+
     def launch(self, scheduler_output: SchedulerOutput) -> Any:
         bitmask = scheduler_output.grammar_bitmask
         call = WorkerCall("step", step=scheduler_output)
@@ -294,7 +352,10 @@ class MultiprocExecutor(Executor):
 
     def fetch(self, handle: Any) -> ModelRunnerOutput:
         """The oldest launched step's output (steps answer in the order they were launched)."""
-        output = self._receive(self.output_rank, self.step_timeout_s, "run a step").output
+        if self._early_outputs:  # read while a LoRA call waited for its answers
+            output = self._early_outputs.popleft()
+        else:
+            output = self._receive(self.output_rank, self.step_timeout_s, "run a step").output
         self.num_in_flight -= 1
         return output
 
@@ -336,14 +397,14 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
     decoder = msgspec.msgpack.Decoder(WorkerCall)
     try:
         config = msgspec.json.decode(conn.recv_bytes(), type=EngineConfig)
-        ring_name, num_slots, slot_bytes = msgspec.msgpack.decode(conn.recv_bytes(), type=tuple[str, int, int])
-        ring = RingReader(ring_name, rank, world_size, num_slots, slot_bytes)
+        ring_name, num_readers, num_slots, slot_bytes, local_rank = msgspec.msgpack.decode(conn.recv_bytes(), type=RingInfo)
+        ring = RingReader(ring_name, local_rank, num_readers, num_slots, slot_bytes)
         platform = current_platform()
-        group = init_distributed(platform, rank, world_size, init_method)
+        group = init_distributed(platform, rank, world_size, init_method, local_rank=local_rank)
         model_config = model_config_of(config)
         group, stage = _join_stages(platform, group, rank, config, model_config)
         group = dataclasses.replace(group, expert_parallel=config.enable_expert_parallel)  # MoE: whole experts per rank
-        worker = import_class(platform.worker_cls)(platform, model_config, config, rank=rank)
+        worker = import_class(platform.worker_cls)(platform, model_config, config, rank=local_rank)  # rank: its device on this host
         with building_for(group), building_stage(stage):
             worker.load_model()
     except BaseException as exc:
@@ -377,6 +438,8 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
                 output = worker.execute_model(step)
                 if rank == output_rank_of(config):
                     conn.send_bytes(encoder.encode(WorkerReply(output=output)))
+            elif call.method == "add_lora":
+                conn.send_bytes(encoder.encode(_add_lora(worker, call.args[0])))
             elif call.method == "kv_cache_windows":
                 specs = worker.kv_cache_specs()
                 windows = None if specs is None else [getattr(spec, "sliding_window", None) for spec in specs]
@@ -407,6 +470,19 @@ def _join_stages(platform: type[Platform], group: Any, rank: int, config: Engine
         return group, WHOLE_MODEL
     group, link = join_stage_groups(rank, tp, pp, import_class(platform.communicator_cls))
     return group, stage_of(rank // tp, pp, model_config.hf_config.num_hidden_layers, link)
+
+
+def _add_lora(worker: Any, fields: Any) -> WorkerReply:
+    """A rank's answer to ``add_lora`` (the request's fields as plain data): a refusal it
+    survives where the adapter cannot be served."""
+    from sonar.lora.errors import LoRAError
+    from sonar.lora.request import LoRARequest
+
+    try:
+        worker.add_lora(LoRARequest(*fields) if isinstance(fields, (list, tuple)) else fields)
+    except LoRAError as exc:
+        return WorkerReply(refused=str(exc))
+    return WorkerReply()
 
 
 def _peer_closed(sock: socket.socket) -> bool:

@@ -1,0 +1,167 @@
+"""Every message that crosses the control link between the head's executor and a follower host.
+
+One TCP connection per follower carries length-prefixed msgpack frames (plain data, never
+pickled): ``[num_bytes: uint32, big-endian][msgpack of one message below]``. A frame larger
+than ``MAX_FRAME_BYTES``, or one that is not a known message with fields of the right types,
+is refused and closes the link.
+
+    follower -> head   Hello      who it is and what it runs (checked against the head's)
+    head -> follower   Verdict    accepted, or refused with the reason
+    head -> follower   Start      every host is in: start the ranks (they join the rendezvous)
+    head -> follower   Broadcast  one executor message for every rank of the follower
+    follower -> head   Reply      one rank's reply, as the rank encoded it
+    follower -> head   RankExited a rank of the follower died: the link closes after it
+"""
+
+from __future__ import annotations
+
+import hashlib
+import socket
+import struct
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+PROTOCOL_VERSION = 1
+FRAME_HEADER = struct.Struct("!I")
+MAX_FRAME_BYTES = 1 << 30  # a step message is far smaller; anything larger is a broken peer
+# engine options that may differ between hosts: where the model lies, what only the head's
+# frontend uses, and the host's own place
+PER_HOST_FIELDS = frozenset({
+    "model", "served_name", "tokenizer", "skip_tokenizer_init", "default_sampling", "node_rank", "master_addr",
+})
+
+
+class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
+    """A follower's introduction: its node rank and what it would run."""
+
+    protocol: int
+    node_rank: int
+    host: str
+    config: dict[str, Any]  # the follower's engine configuration, less PER_HOST_FIELDS
+    model_fingerprint: str  # model_fingerprint() of its model files
+
+
+class Verdict(msgspec.Struct, tag="verdict", forbid_unknown_fields=True):
+    """The head's answer to a ``Hello``."""
+
+    accepted: bool
+    reason: str = ""
+
+
+class Start(msgspec.Struct, tag="start", forbid_unknown_fields=True):
+    """Every follower is in: start the ranks now."""
+
+
+class Broadcast(msgspec.Struct, tag="broadcast", forbid_unknown_fields=True):
+    """One message of the executor's to every rank (an encoded ``WorkerCall``)."""
+
+    data: bytes
+
+
+class Reply(msgspec.Struct, tag="reply", forbid_unknown_fields=True):
+    """Rank ``rank``'s reply (an encoded ``WorkerReply``), forwarded unchanged."""
+
+    rank: int
+    data: bytes
+
+
+class RankExited(msgspec.Struct, tag="rank_exited", forbid_unknown_fields=True):
+    """Rank ``rank`` of the follower exited with ``exit_code`` (None: unknown)."""
+
+    rank: int
+    exit_code: int | None = None
+
+
+Message = Hello | Verdict | Start | Broadcast | Reply | RankExited
+
+
+class LinkError(ConnectionError):
+    """The control link closed, or its peer sent something that is not a valid frame."""
+
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def send_message(sock: socket.socket, message: Message) -> None:
+    """Write one frame; raises LinkError where the peer is gone."""
+    body = _encoder.encode(message)
+    if len(body) > MAX_FRAME_BYTES:
+        raise ValueError(f"a {type(message).__name__} of {len(body)} bytes exceeds the control link's {MAX_FRAME_BYTES} bytes")
+    try:
+        sock.sendall(FRAME_HEADER.pack(len(body)) + body)
+    except OSError as exc:
+        raise LinkError(f"the control link closed while sending ({exc})") from None
+
+
+def receive_message(sock: socket.socket) -> Message:
+    """Read one frame and check it is a known message with fields of the right types."""
+    (num_bytes,) = FRAME_HEADER.unpack(_receive_exactly(sock, FRAME_HEADER.size))
+    if num_bytes > MAX_FRAME_BYTES:
+        raise LinkError(f"the peer announced a frame of {num_bytes} bytes (at most {MAX_FRAME_BYTES}): not a Sonar control link")
+    try:
+        return _decoder.decode(_receive_exactly(sock, num_bytes))
+    except msgspec.DecodeError as exc:  # ValidationError included: a wrong type or an unknown message
+        raise LinkError(f"the peer sent an invalid control message ({exc})") from None
+
+
+def _receive_exactly(sock: socket.socket, num_bytes: int) -> bytes:
+    chunks, remaining = [], num_bytes
+    while remaining:
+        try:
+            chunk = sock.recv(min(remaining, 1 << 20))
+        except OSError as exc:
+            raise LinkError(f"the control link closed ({exc})") from None
+        if not chunk:
+            raise LinkError("the control link closed (the peer is gone)")
+        chunks.append(chunk)
+        remaining -= len(chunk)
+    return b"".join(chunks)
+
+
+def keep_alive(sock: socket.socket, timeout_s: int = 30) -> None:
+    """Notice a peer host that vanished without closing (power loss, a cut cable) within
+    about ``timeout_s`` seconds: TCP keepalive probes while idle, and a bound on unacknowledged
+    data while sending. No-delay too: step messages are small and latency-bound."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (("TCP_KEEPIDLE", timeout_s // 3), ("TCP_KEEPINTVL", max(1, timeout_s // 9)), ("TCP_KEEPCNT", 3)):
+        if hasattr(socket, name):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, timeout_s * 1000)
+
+
+def comparable_config(config: Any) -> dict[str, Any]:
+    """An ``EngineConfig`` as plain data, less what may differ between hosts."""
+    plain = msgspec.msgpack.decode(msgspec.msgpack.encode(config))  # as it arrives from a peer (tuples as lists)
+    return {key: value for key, value in plain.items() if key not in PER_HOST_FIELDS}
+
+
+def config_differences(head: dict[str, Any], follower: dict[str, Any]) -> list[str]:
+    """``name: head X, follower Y`` for each option the two hosts set differently."""
+    return [
+        f"{key}: head {head.get(key)!r}, follower {follower.get(key)!r}"
+        for key in sorted(set(head) | set(follower))
+        if head.get(key) != follower.get(key)
+    ]
+
+
+def model_fingerprint(model: str) -> str:
+    """A digest of a model that is cheap to take on every host: its config.json and the names
+    and sizes of its weight files (a folder), or its size and first MiB (a single file)."""
+    path = Path(model)
+    digest = hashlib.sha256()
+    if path.is_dir():
+        config = path / "config.json"
+        digest.update(config.read_bytes() if config.is_file() else b"")
+        for file in sorted(path.iterdir()):
+            if file.suffix in (".safetensors", ".bin", ".gguf", ".pt"):
+                digest.update(f"{file.name}:{file.stat().st_size};".encode())
+    else:
+        digest.update(str(path.stat().st_size).encode())
+        with path.open("rb") as handle:
+            digest.update(handle.read(1 << 20))
+    return digest.hexdigest()[:16]
