@@ -53,15 +53,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     group.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=defaults.tensor_parallel_size,
-        help="split each layer of a dense model (Llama, Mistral, Qwen2, Qwen3) over this many devices, one worker process each (unquantized checkpoints; gloo on the CPU, NCCL on GPUs)",
+        help="split each layer of a model (Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE, Qwen2-MoE, Mixtral: every expert's intermediate size, or whole experts with -ep) over this many devices, one worker process each (unquantized checkpoints; gloo on the CPU, NCCL on GPUs)",
     )
     group.add_argument(
         "--pipeline-parallel-size", "-pp", type=int, default=defaults.pipeline_parallel_size,
         help="split the layers into this many contiguous stages (an even split; SONAR_PP_LAYER_PARTITION=\"3,5\" sets it), each on its own tensor-parallel group of ranks, with up to this many steps in flight (unquantized checkpoints)",
-    )
-    group.add_argument(
-        "--enable-expert-parallel", "-ep", action="store_true",
-        help="mixture-of-experts models (Qwen3-MoE, Qwen2-MoE, Mixtral): give each of the -tp ranks E / N whole experts, tokens sent to them and back with all-to-all, instead of splitting every expert's intermediate size; attention stays tensor-parallel",
     )
     group.add_argument(
         "--nnodes", type=int, default=defaults.nnodes,
