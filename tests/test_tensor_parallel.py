@@ -92,8 +92,8 @@ def test_a_killed_rank_fails_the_engine_cleanly(runs) -> None:
 
 
 def test_what_does_not_shard_yet_is_refused(tmp_path) -> None:
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not combine with enable_lora"):
-        LLM(str(tmp_path), tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 does not combine with speculative_config"):
+        LLM(str(tmp_path), tensor_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         LLM(str(tmp_path), tensor_parallel_size=0)
     # found by the ranks as they build their shards: the first error they report, at once

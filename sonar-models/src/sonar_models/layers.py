@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from sonar import ops
 from sonar.distributed import ParallelGroup, current_group
-from sonar.quantization import UnquantizedLinearMethod, linear_method_for
+from sonar.quantization import linear_method_for
 
 PARALLEL_MODES = ("replicated", "column", "row")
 
@@ -44,7 +46,7 @@ class Linear(nn.Module):
     ``"column"`` (each rank its slice of the output rows; the caller gets a slice of the output)
     or ``"row"`` (each rank its slice of the input columns; the partial outputs are summed by
     one all-reduce). Checkpoint tensors are full-sized; ``shard_checkpoint_tensor`` cuts this
-    rank's piece before the method loads it. Only unquantized layers shard so far.
+    rank's piece (the method knows how its quantized tensors split) before the method loads it.
 
     ``lora`` is set on the layers of a model built with LoRA enabled (``sonar.lora.layers``):
     the base output, whatever the method, gets each adapter token's delta added.
@@ -84,30 +86,21 @@ class Linear(nn.Module):
         self.in_features = in_features
         self.out_features = sum(local_parts.values())
         self.linear_method = linear_method_for(prefix)
-        if self.parallel != "replicated" and not isinstance(self.linear_method, UnquantizedLinearMethod):
+        if self.parallel != "replicated" and not self.linear_method.supports_tensor_parallel:
             raise ValueError(
-                f"{prefix}: {type(self.linear_method).__name__} layers do not shard for tensor parallelism yet; "
-                f"serve this checkpoint with tensor_parallel_size=1 or an unquantized one"
+                f"{prefix}: {type(self.linear_method).__name__} layers do not shard for tensor parallelism; "
+                f"serve this checkpoint with tensor_parallel_size=1"
             )
         self.linear_method.create_weights(self, in_features, list(local_parts.values()), bias, torch.get_default_dtype())
 
-    def shard_checkpoint_tensor(self, param_name: str, tensor: torch.Tensor, part: str | None) -> torch.Tensor:
+    def shard_checkpoint_tensor(self, param_name: str, tensor: Any, part: str | None) -> Any:
         """This rank's piece of the full checkpoint tensor filling ``param_name`` (of fused
-        part ``part``): rows for a column-parallel layer (zero-padded where the rows do not
-        divide, as a vocabulary), columns of the weight for a row-parallel one, whose bias
-        rank 0 alone adds."""
-        if self.parallel == "column":
-            index, count = self.shards[part or ""]
-            local = self.local_parts[part or ""]
-            if tensor.shape[0] < local * count:
-                padding = tensor.new_zeros((local * count - tensor.shape[0], *tensor.shape[1:]))
-                tensor = torch.cat([tensor, padding])
-            return tensor.narrow(0, index * local, local)
-        if self.parallel == "row":
-            if tensor.dim() == 1:  # the bias: added once, after the sum
-                return tensor if self.group.rank == 0 else torch.zeros_like(tensor)
-            return tensor.narrow(1, self.group.rank * self.in_features, self.in_features)
-        return tensor
+        part ``part``), cut by the layer's ``LinearMethod`` (``sonar.quantization.sharding``):
+        rows for a column-parallel layer (zero-padded where the rows do not divide, as a
+        vocabulary), input columns for a row-parallel one, whose bias rank 0 alone adds."""
+        if self.parallel == "replicated":
+            return tensor
+        return self.linear_method.shard_checkpoint_tensor(self, param_name, tensor, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear_method.apply(self, x)

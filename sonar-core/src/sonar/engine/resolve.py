@@ -181,7 +181,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         pipeline_parallel_size=args.pipeline_parallel_size,
-        executor=_registered("distributed_executor_backend", _executor_name(args, quantization), executors()),
+        executor=_registered("distributed_executor_backend", _executor_name(args), executors()),
         default_sampling=default_sampling_of(model_path, args.generation_config),
         quantization=quantization,
         kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, platform),
@@ -191,15 +191,11 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
     )
     return config, tokenizer
 
 
-def _executor_name(args: EngineArgs, quantization: str | None) -> str:
+def _executor_name(args: EngineArgs) -> str:
     """The executor ``distributed_executor_backend`` names, by default ``uni`` for one device
     and ``mp`` (a process per rank) for tensor parallelism, which only the latter runs."""
     tp, pp = args.tensor_parallel_size, args.pipeline_parallel_size
@@ -210,13 +206,6 @@ def _executor_name(args: EngineArgs, quantization: str | None) -> str:
     if tp > 1:
         if name == "uni":
             raise ValueError(f"tensor_parallel_size={tp} needs a process per rank: use distributed_executor_backend='mp'")
-        if quantization not in (None, "unquantized"):
-            raise ValueError(
-                f"quantization={quantization!r} does not shard for tensor parallelism yet; "
-                f"use tensor_parallel_size=1 or an unquantized checkpoint"
-            )
-    if args.nnodes > 1 and name != "mp":
-        raise ValueError(f"nnodes={args.nnodes} runs the ranks through the mp executor; drop distributed_executor_backend={name!r}")
     return name
 
 

@@ -10,8 +10,14 @@ where no request has one.
 
 A fused layer (q/k/v, gate/up) holds one A block per part (``a [S, P * R, in]``) and one B over
 all its output rows; an adapter that targets some parts only (q and v, say) leaves the
-others zero. A tensor-parallel shard would slice ``b``'s rows (column-parallel layers) or
-``a``'s columns (row-parallel ones) the way the base layer is sliced.
+others zero.
+
+Under tensor parallelism every rank reads the whole adapter and keeps its piece, cut the way
+the base layer is (``LoRASite.cut``): on a column-parallel layer A whole and B's rows of the
+rank's output rows, per fused part; on a row-parallel one A's columns of the rank's inputs
+and B whole. A row-parallel layer's shrink results (``[T, P * R]``) are summed over the ranks
+by one all-reduce, and rank 0 alone expands them into its partial output, so the delta is in
+the layer's all-reduced output exactly once.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from sonar.distributed import ParallelGroup
 from sonar.lora import ops as lora_ops
 from sonar.lora.adapter import LoRATarget
 from sonar.tensors import to_device
@@ -69,9 +76,11 @@ class LoRALinear:
     """
 
     def __init__(
-        self, in_features: int, part_sizes: list[int], batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype
+        self, in_features: int, part_sizes: list[int], batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype,
+        row_group: ParallelGroup | None = None,
     ) -> None:
         self.batch = batch
+        self.row_group = row_group  # a row-parallel base layer's group: shrink results summed over it
         self.max_rank = max_rank
         device = batch.device
         self.a = torch.zeros(max_loras, len(part_sizes) * max_rank, in_features, dtype=dtype, device=device)  # [S, P*R, in]
@@ -88,6 +97,10 @@ class LoRALinear:
         if not batch.active or not (self.filled or batch.capturing):
             return out
         slots = batch.token_slots[: x.shape[0]]
+        group = self.row_group
+        if group is not None:  # each rank shrinks its slice of the inputs; the sum expands once
+            shrunk = group.communicator.all_reduce(lora_ops.lora_shrink(x, self.a, slots))
+            return lora_ops.lora_expand(shrunk, self.b, slots, out, self.part_rows) if group.rank == 0 else out
         # shrink then expand; a platform fuses them into one launch where the tokens are few
         return lora_ops.lora_shrink_expand(x, self.a, self.b, slots, out, self.part_rows)
 
@@ -110,11 +123,23 @@ class LoRALinear:
 
 @dataclass(frozen=True, slots=True)
 class LoRASite:
-    """Where one checkpoint module's adapter goes: part ``part`` of ``layer``."""
+    """Where one checkpoint module's adapter goes: part ``part`` of ``layer``. ``target`` has
+    the module's full sizes (what an adapter's files hold); a tensor-parallel rank keeps
+    ``b_rows`` of B (column-parallel) or ``a_columns`` of A (row-parallel), None: all."""
 
     layer: LoRALinear
     part: int
     target: LoRATarget
+    b_rows: tuple[int, int] | None = None
+    a_columns: tuple[int, int] | None = None
+
+    def cut(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's piece of a module's ``a [r, in]`` and ``b [out, r]``."""
+        if self.a_columns is not None:
+            a = a[:, self.a_columns[0] : self.a_columns[1]]
+        if self.b_rows is not None:
+            b = b[self.b_rows[0] : self.b_rows[1]]
+        return a, b
 
 
 def attach_lora(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: int, dtype: torch.dtype) -> dict[str, LoRASite]:
@@ -133,13 +158,25 @@ def attach_lora(model: nn.Module, batch: LoRABatch, max_loras: int, max_rank: in
         if leaf in EXCLUDED_LEAVES:
             continue
         parts: dict[str, int] = dict(getattr(module, "parts", None) or {leaf: module.out_features})
-        layer = LoRALinear(module.in_features, list(parts.values()), batch, max_loras, max_rank, dtype)
+        parallel = getattr(module, "parallel", "replicated")
+        group = getattr(module, "group", None)
+        row_group = group if parallel == "row" else None
+        layer = LoRALinear(module.in_features, list(parts.values()), batch, max_loras, max_rank, dtype, row_group)
         for index, (part, size) in enumerate(parts.items()):
             name = prefix if len(parts) == 1 and part == leaf else fused.get((leaf, part))
             if name is None:
                 raise ValueError(f"{prefix}: the model names no checkpoint module for fused part {part!r} (fused_projections)")
             if name != prefix:
                 name = f"{parent}.{name}" if parent else name
-            sites[name] = LoRASite(layer, index, LoRATarget(name, module.in_features, size))
+            in_features, out_features, b_rows, a_columns = module.in_features, size, None, None
+            if parallel == "column":  # this rank's rows of the part (its shard of it)
+                shard_key = part if len(parts) > 1 or part != leaf else ""
+                shard_index, _ = module.shards[shard_key]
+                out_features = module.checkpoint_sizes[shard_key]
+                b_rows = (shard_index * size, shard_index * size + size)
+            elif parallel == "row":  # this rank's slice of the inputs
+                in_features = module.in_features * group.world_size
+                a_columns = (group.rank * module.in_features, (group.rank + 1) * module.in_features)
+            sites[name] = LoRASite(layer, index, LoRATarget(name, in_features, out_features), b_rows, a_columns)
         module.lora = layer
     return sites

@@ -126,6 +126,6 @@ class LoRAManager:
             layer.clear_slot(slot)
         for name, weights in adapter.modules.items():
             site = self.sites[name]
-            site.layer.set_part(slot, site.part, weights.a, weights.b)
+            site.layer.set_part(slot, site.part, *site.cut(weights.a, weights.b))
         self.slot_of[lora_int_id] = slot
         self.num_activations += 1

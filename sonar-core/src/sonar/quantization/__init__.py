@@ -31,7 +31,14 @@ class LinearMethod:
     layer's output. Parameters stacked from several checkpoint projections (fused q/k/v,
     gate/up) hold each part's rows in order along dimension 0, as ``layer.part_rows(part)``
     says.
+
+    Under tensor parallelism (``supports_tensor_parallel``), ``shard_checkpoint_tensor`` first
+    cuts each full checkpoint tensor into the rank's piece (``sonar.quantization.sharding``).
     """
+
+    #: whether ``shard_checkpoint_tensor`` cuts this method's tensors for column- and
+    #: row-parallel layers (a method without it runs at tensor_parallel_size=1 only)
+    supports_tensor_parallel: ClassVar[bool] = False
 
     def create_weights(
         self, layer: nn.Module, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
@@ -54,6 +61,14 @@ class LinearMethod:
         with torch.no_grad():
             dest.copy_(tensor)
 
+    def shard_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: Any, part: str | None) -> Any:
+        """This rank's piece of the full checkpoint tensor filling ``param_name`` (of fused
+        part ``part``) of a column- or row-parallel ``layer``, before ``load_checkpoint_tensor``.
+
+        :raises ValueError: the piece would split a quantization group or block.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not shard for tensor parallelism")
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``layer``'s output for input ``x`` ``[..., in_features]``."""
         raise NotImplementedError
@@ -62,6 +77,8 @@ class LinearMethod:
 class UnquantizedLinearMethod(LinearMethod):
     """Floating-point ``weight [out, in]`` and optional ``bias [out]``, run by ``sonar.ops.linear``
     (so a platform's GEMM serves it); the parameters and names of ``nn.Linear``."""
+
+    supports_tensor_parallel = True
 
     def create_weights(
         self, layer: nn.Module, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
@@ -72,6 +89,11 @@ class UnquantizedLinearMethod(LinearMethod):
         nn.init.kaiming_uniform_(layer.weight, a=5**0.5)  # as nn.Linear, for models built without a checkpoint
         if layer.bias is not None:
             nn.init.zeros_(layer.bias)
+
+    def shard_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: Any, part: str | None) -> Any:
+        from sonar.quantization.sharding import dense_shard
+
+        return dense_shard(layer, param_name, tensor, part)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return ops.linear(x, layer.weight, layer.bias)

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from sonar.quantization import LinearMethod, QuantizationMethod, UnquantizedLinearMethod
-from sonar.quantization.int4_packing import Int4LinearMethod, pack_int4, unpack_int4
+from sonar.quantization.int4_packing import PACK_FACTOR, Int4LinearMethod, pack_int4, unpack_int4
+from sonar.quantization.sharding import bias_shard, input_shard, output_shard
 
 NIBBLE_OF_COLUMN = (0, 4, 1, 5, 2, 6, 3, 7)  # the nibble holding each of a word's 8 columns
 
@@ -28,6 +29,22 @@ class AWQLinearMethod(Int4LinearMethod):
     """One AWQ (GEMM) layer."""
 
     format_name = "awq"
+    supports_tensor_parallel = True
+
+    def shard_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, part: str | None) -> torch.Tensor:
+        """Column-parallel: the rank's words of output columns (8 to a word) of ``qweight`` and
+        ``qzeros`` and its columns of ``scales``. Row-parallel: its rows of ``qweight`` and its
+        groups' rows of ``scales``/``qzeros`` (whole with one group per output channel)."""
+        if param_name == "bias":
+            return bias_shard(layer, tensor, part)
+        if layer.parallel == "column":
+            per_entry = 1 if param_name == "scales" else PACK_FACTOR
+            return output_shard(layer, tensor, part, dim=1, rows_per_entry=per_entry, unit_name="packed int4 word")
+        if param_name == "qweight":
+            return input_shard(layer, tensor, dim=0)
+        if self.group_size == -1:
+            return tensor
+        return input_shard(layer, tensor, dim=0, inputs_per_entry=self.group_size, unit_name="awq group")
 
     def load_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, rows: slice | None) -> None:
         if param_name == "qweight":

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from sonar import ops
 from sonar.quantization import LinearMethod, QuantizationMethod, UnquantizedLinearMethod
+from sonar.quantization.sharding import dense_shard, input_shard, output_shard
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite E4M3 value
@@ -90,7 +91,7 @@ def reference_fp8_linear(
     """``fp8_linear`` in torch: ``x`` quantized per token (``input_scale`` None) or with the
     static ``input_scale``, the FP8 product summed in float32, then both scales applied."""
     x2 = x.reshape(-1, x.shape[-1])
-    x_scale = per_token_scale(x2) if input_scale is None else input_scale.float().reshape(1, 1)
+    x_scale = per_token_scale(x2) if input_scale is None else input_scale.float().reshape(-1, 1)
     y = (to_fp8(x2, x_scale).float() @ weight.float().t()) * (x_scale * weight_scale.float()[None, :])
     if bias is not None:
         y = y + bias.float()
@@ -118,9 +119,11 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for an FP8 ``weight`` ``[N, K]`` with ``weight_scale`` ``[N]``
     float32 per output row; ``x`` ``[..., K]`` quantized to FP8 per token, or with the static
-    scalar ``input_scale``. Returns ``x``'s dtype. A platform kernel runs it where registered."""
+    scalar ``input_scale``, or with given per-token scales ``input_scale`` ``[M, 1]`` (a
+    row-parallel rank's, taken over the whole row). Returns ``x``'s dtype. A platform kernel
+    runs it where registered (the given per-token scales run the torch version)."""
     impl = ops.platform_op(x, "fp8_linear")
-    if impl is not None:
+    if impl is not None and (input_scale is None or input_scale.numel() == 1):
         return impl(x, weight, weight_scale, input_scale, bias)
     return reference_fp8_linear(x, weight, weight_scale, input_scale, bias)
 
@@ -154,6 +157,8 @@ class Fp8LinearMethod(LinearMethod):
     ``[1]`` fills the rows of its part, a per-channel ``[out, 1]`` its own rows), ``input_scale``
     float32 scalar where activations are static, optional ``bias``."""
 
+    supports_tensor_parallel = True
+
     def __init__(self, static_activations: bool = False) -> None:
         self.static_activations = static_activations
 
@@ -182,8 +187,30 @@ class Fp8LinearMethod(LinearMethod):
             return
         super().load_checkpoint_tensor(layer, param_name, tensor, rows)
 
+    def shard_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, part: str | None) -> torch.Tensor:
+        """Weights and biases as floating ones; a per-channel ``weight_scale`` follows the output
+        rows (whole on a row-parallel rank); per-tensor and input scales are whole everywhere."""
+        if param_name in ("weight", "bias"):
+            return dense_shard(layer, param_name, tensor, part)
+        if param_name == "weight_scale" and tensor.numel() != 1 and layer.parallel == "column":
+            return output_shard(layer, tensor, part)
+        return tensor
+
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        return fp8_linear(x, layer.weight, layer.weight_scale, layer.input_scale, layer.bias)
+        input_scale = layer.input_scale
+        if input_scale is None and getattr(layer, "parallel", "replicated") == "row":
+            # each token's scale over its whole row, as on one device: the largest of the ranks' slices
+            local = per_token_scale(x.reshape(-1, x.shape[-1]))  # [M, 1]
+            input_scale = layer.group.communicator.all_gather(local, dim=-1).amax(dim=-1, keepdim=True)
+        return fp8_linear(x, layer.weight, layer.weight_scale, input_scale, layer.bias)
+
+
+class _QuantizedRows(NamedTuple):
+    """A rank's piece of a weight quantized whole (``Fp8OnlineLinearMethod`` under tensor
+    parallelism): FP8 ``weight`` and its rows' ``scale``, computed over the full rows."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
 
 
 class Fp8OnlineLinearMethod(Fp8LinearMethod):
@@ -197,13 +224,25 @@ class Fp8OnlineLinearMethod(Fp8LinearMethod):
         del layer.weight_scale
         layer.register_buffer("weight_scale", torch.ones(sum(output_sizes), dtype=torch.float32))
 
-    def load_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, rows: slice | None) -> None:
+    def shard_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, part: str | None) -> Any:
+        """The weight is quantized whole first (a row's scale is its full row's, as on one
+        device), then cut: its rows' FP8 values and scales, or its slice of the columns
+        with the whole rows' scales."""
+        if param_name != "weight":
+            return super().shard_checkpoint_tensor(layer, param_name, tensor, part)
+        quantized, scale = quantize_per_row(tensor.to(layer.weight.device))
+        if layer.parallel == "column":
+            return _QuantizedRows(output_shard(layer, quantized.view(torch.uint8), part).view(FP8_DTYPE), output_shard(layer, scale, part))
+        return _QuantizedRows(input_shard(layer, quantized.view(torch.uint8)).view(FP8_DTYPE), scale)
+
+    def load_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: Any, rows: slice | None) -> None:
         if param_name != "weight":
             return super().load_checkpoint_tensor(layer, param_name, tensor, rows)
         dest = layer.weight.data if rows is None else layer.weight.data[rows]
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ValueError(f"has shape {tuple(tensor.shape)}, but the model expects {tuple(dest.shape)}")
-        quantized, scale = quantize_per_row(tensor.to(dest.device))
+        shape = tuple((tensor.weight if isinstance(tensor, _QuantizedRows) else tensor).shape)
+        if tuple(dest.shape) != shape:
+            raise ValueError(f"has shape {shape}, but the model expects {tuple(dest.shape)}")
+        quantized, scale = tensor if isinstance(tensor, _QuantizedRows) else quantize_per_row(tensor.to(dest.device))
         dest.copy_(quantized)
         (layer.weight_scale if rows is None else layer.weight_scale[rows]).copy_(scale)
 
@@ -211,6 +250,8 @@ class Fp8OnlineLinearMethod(Fp8LinearMethod):
 class Fp8BlockLinearMethod(LinearMethod):
     """``weight`` FP8 ``[out, in]`` and ``weight_scale_inv`` float32 ``[ceil(out/bn), ceil(in/bk)]``
     (the Hugging Face ``fp8`` layout); a fused part must start on a block boundary."""
+
+    supports_tensor_parallel = True
 
     def __init__(self, block: tuple[int, int]) -> None:
         self.block = block
@@ -232,6 +273,17 @@ class Fp8BlockLinearMethod(LinearMethod):
                 raise ValueError(f"fills rows from {rows.start}, which is not a multiple of the block size {self.block[0]}")
             rows = slice(rows.start // self.block[0], math.ceil(rows.stop / self.block[0]))
         super().load_checkpoint_tensor(layer, param_name, tensor.float() if param_name == "weight_scale_inv" else tensor, rows)
+
+    def shard_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, part: str | None) -> torch.Tensor:
+        """Weights as floating ones; ``weight_scale_inv`` by whole blocks (a rank's rows or
+        columns that would split a block are refused)."""
+        if param_name != "weight_scale_inv":
+            if param_name == "weight":  # FP8 has no zeros to pad with: cut its bytes
+                return dense_shard(layer, param_name, tensor.view(torch.uint8), part).view(tensor.dtype)
+            return dense_shard(layer, param_name, tensor, part)
+        if layer.parallel == "column":
+            return output_shard(layer, tensor, part, dim=0, rows_per_entry=self.block[0], unit_name="FP8 scale block")
+        return input_shard(layer, tensor, dim=1, inputs_per_entry=self.block[1], unit_name="FP8 scale block")
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block, layer.bias)

@@ -24,9 +24,11 @@ import torch
 from torch import nn
 
 from sonar.quantization import LinearMethod, QuantizationMethod, UnquantizedLinearMethod
-from sonar.quantization.int4_packing import Int4LinearMethod, pack_int4, unpack_int4
+from sonar.quantization.int4_packing import PACK_FACTOR, Int4LinearMethod, pack_int4, unpack_int4
+from sonar.quantization.sharding import bias_shard, input_shard, output_shard
 
 CHECKPOINT_FORMATS = {"gptq": 1, "gptq_v2": 0}  # checkpoint_format -> what to add to a stored zero point
+ROW_SHARD_TENSORS = ("qweight", "g_idx", "qzeros", "scales")  # what a row-parallel rank's layer is built from
 
 
 class GPTQLinearMethod(Int4LinearMethod):
@@ -34,6 +36,7 @@ class GPTQLinearMethod(Int4LinearMethod):
     is repacked in); fused parts must share it, as parts quantized on the same inputs do."""
 
     format_name = "gptq"
+    supports_tensor_parallel = True
 
     def __init__(self, group_size: int, zero_offset: int) -> None:
         super().__init__(group_size)
@@ -46,8 +49,32 @@ class GPTQLinearMethod(Int4LinearMethod):
         layer.g_idx = nn.Parameter(torch.zeros(in_features, dtype=torch.int32), requires_grad=False)
         layer.checkpoint_g_idx = None  # the first part's g_idx, once loaded
         layer.pending_qweights = []  # (tensor, rows) of parts that arrived before it
+        layer.row_shard_tensors = {}  # a row-parallel rank's tensors, until all of ROW_SHARD_TENSORS came
+
+    def shard_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, part: str | None) -> torch.Tensor:
+        """Column-parallel: the rank's output columns of ``qweight``, ``scales`` and the packed
+        ``qzeros`` (``g_idx`` whole). Row-parallel: the rank's rows of ``qweight`` and its
+        inputs' ``g_idx``; ``scales`` and ``qzeros`` come whole, since in activation order the
+        rank's inputs may draw on any group (``_finish_row_shard`` keeps what they use)."""
+        if param_name == "bias":
+            return bias_shard(layer, tensor, part)
+        if layer.parallel == "column":
+            if param_name == "g_idx":
+                return tensor
+            per_entry = PACK_FACTOR if param_name == "qzeros" else 1
+            return output_shard(layer, tensor, part, dim=1, rows_per_entry=per_entry, unit_name="packed int4 word")
+        if param_name == "qweight":
+            return input_shard(layer, tensor, dim=0, inputs_per_entry=PACK_FACTOR, unit_name="packed int4 word")
+        if param_name == "g_idx":
+            return input_shard(layer, tensor, dim=0)
+        return tensor
 
     def load_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: torch.Tensor, rows: slice | None) -> None:
+        if getattr(layer, "parallel", "replicated") == "row" and param_name in ROW_SHARD_TENSORS:
+            layer.row_shard_tensors[param_name] = tensor
+            if len(layer.row_shard_tensors) == len(ROW_SHARD_TENSORS):
+                self._finish_row_shard(layer)
+            return
         if param_name == "qweight":
             if layer.checkpoint_g_idx is None:
                 layer.pending_qweights.append((tensor, rows))
@@ -83,6 +110,37 @@ class GPTQLinearMethod(Int4LinearMethod):
         for tensor, rows in layer.pending_qweights:
             self._store_qweight(layer, tensor, rows)
         layer.pending_qweights = []
+
+    def _finish_row_shard(self, layer: nn.Module) -> None:
+        """A row-parallel rank's layer from its inputs' ``qweight`` and ``g_idx`` and the whole
+        ``scales``/``qzeros``: where its inputs form whole consecutive groups (always without
+        activation order), those groups' rows in the usual layout; else (activation order)
+        every group's rows, each input keeping its own group (``group_index``)."""
+        tensors, layer.row_shard_tensors = layer.row_shard_tensors, {}
+        g_idx = tensors["g_idx"].to(torch.int64).cpu()
+        in_features = layer.input_order.numel()
+        if tuple(g_idx.shape) != (in_features,):
+            raise ValueError(f"g_idx has shape {tuple(g_idx.shape)}, but the rank's layer has {in_features} inputs")
+        zeros = unpack_int4(tensors["qzeros"].to(torch.int32), dim=1) + self.zero_offset  # [groups, out]
+        scales = tensors["scales"]
+        first = int(g_idx.min())
+        num_local_groups = in_features // layer.group_size
+        if torch.equal(torch.sort(g_idx).values, first + torch.arange(in_features) // layer.group_size):
+            self._load_g_idx(layer, g_idx - first)
+            local = slice(first, first + num_local_groups)
+            self.store(layer, "qzeros", zeros[local].to(layer.qzeros.dtype), None, out_dim=1)
+            self.store(layer, "scales", scales[local].to(layer.scales.dtype), None, out_dim=1)
+            self._store_qweight(layer, tensors["qweight"], None)
+            return
+        device, dtype = layer.scales.device, layer.scales.dtype
+        layer.scales = nn.Parameter(scales.to(device, dtype), requires_grad=False)
+        layer.qzeros = nn.Parameter(zeros.to(device, dtype), requires_grad=False)
+        with torch.no_grad():
+            layer.g_idx.copy_(g_idx.to(torch.int32))
+        layer.checkpoint_g_idx = g_idx
+        layer.group_index = g_idx.to(device)
+        q = unpack_int4(tensors["qweight"].to(torch.int32).cpu(), dim=0)  # [in, out], the rank's inputs in order
+        self.store(layer, "qweight", pack_int4(q.t(), dim=1), None, out_dim=0)
 
     def _store_qweight(self, layer: nn.Module, qweight: torch.Tensor, rows: slice | None) -> None:
         q = unpack_int4(qweight.to(torch.int32).cpu(), dim=0)  # [in, out]

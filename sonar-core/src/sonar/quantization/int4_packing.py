@@ -23,6 +23,7 @@ from torch import nn
 
 from sonar import ops
 from sonar.quantization import LinearMethod
+from sonar.quantization.sharding import split_error
 
 ops.declare_op("int4_linear")
 
@@ -90,6 +91,25 @@ def int4_linear(
     return ops.linear(x, weight, bias)
 
 
+def int4_linear_by_group(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_index: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` where input ``k`` belongs to group ``group_index[k]`` of
+    ``scales``/``qzeros`` ``[groups, out]``, in any order and any number per group:
+    ``W[n, k] = (q[n, k] - qzeros[g, n]) * scales[g, n]`` with ``g = group_index[k]``.
+
+    A row-parallel rank of a GPTQ checkpoint in activation order holds such inputs (its slice
+    of the columns draws on every group). Dequantized per call on every platform."""
+    q = unpack_int4(qweight, dim=1).float()  # [out, in]
+    weight = (q - qzeros.float()[group_index].t()) * scales.float()[group_index].t()
+    return ops.linear(x, weight.to(x.dtype), bias)
+
+
 class Int4LinearMethod(LinearMethod):
     """A linear layer in the shared int4 runtime layout; a format's subclass turns its
     checkpoint tensors into it in ``load_checkpoint_tensor``.
@@ -108,9 +128,14 @@ class Int4LinearMethod(LinearMethod):
         out_features = sum(output_sizes)
         group_size = in_features if self.group_size == -1 else self.group_size
         where = f"{self.format_name} layer {layer.prefix or '(unnamed)'}"
+        parallel = getattr(layer, "parallel", "replicated")
+        if parallel == "row" and in_features % group_size:
+            raise split_error(layer, "input columns", in_features, group_size, f"{self.format_name} group")
         if in_features % group_size or group_size % PACK_FACTOR:
             raise ValueError(f"{where}: {in_features} inputs do not split into groups of {group_size} (multiples of 8)")
         for size in output_sizes:
+            if size % PACK_FACTOR and parallel == "column":
+                raise split_error(layer, "output rows", size, PACK_FACTOR, "packed int4 word")
             if size % PACK_FACTOR:
                 raise ValueError(f"{where}: {size} outputs are not a multiple of 8, as 4-bit packing needs")
         num_groups = in_features // group_size
@@ -121,8 +146,12 @@ class Int4LinearMethod(LinearMethod):
         layer.bias = _frozen(torch.zeros(out_features, dtype=dtype)) if bias else None
         layer.register_buffer("input_order", torch.arange(in_features), persistent=False)
         layer.act_order = False
+        # each input's group where a rank's inputs do not form whole groups (see int4_linear_by_group)
+        layer.register_buffer("group_index", None, persistent=False)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        if layer.group_index is not None:
+            return int4_linear_by_group(x, layer.qweight, layer.scales, layer.qzeros, layer.group_index, layer.bias)
         input_order = layer.input_order if layer.act_order else None
         return int4_linear(x, layer.qweight, layer.scales, layer.qzeros, layer.group_size, input_order, layer.bias)
 

@@ -27,7 +27,10 @@ from torch import nn
 
 from sonar import ops
 from sonar.quantization import LinearMethod, QuantizationMethod
-from sonar_models.formats.gguf_blocks import INT4_GROUP_TYPES, SPLIT_TYPES, GGUFBlocks, dequantize_blocks, int4_groups, stack_rows
+from sonar.quantization.sharding import dense_shard, split_error
+from sonar_models.formats.gguf_blocks import (
+    BLOCK_SIZES, INT4_GROUP_TYPES, SPLIT_TYPES, GGUFBlocks, dequantize_blocks, int4_groups, stack_rows,
+)
 
 INT4_GROUP_PACK = "int4_group_pack"
 INT4_GROUP_LINEAR = "int4_group_linear"
@@ -124,8 +127,32 @@ def _runs_of_one_format(parts: list[GGUFBlocks | torch.Tensor]) -> list[list[GGU
 class GGUFLinearMethod(LinearMethod):
     """A linear layer whose weight comes from a GGUF file, quantized or floating."""
 
+    supports_tensor_parallel = True
+
     def __init__(self, tied_head: bool = False) -> None:
         self.tied_head = tied_head
+
+    def shard_checkpoint_tensor(self, layer: nn.Module, param_name: str, tensor: Any, part: str | None) -> Any:
+        """Blocks keep whole rows: a column-parallel rank takes its rows of blocks (zero bytes,
+        which decode to zero, pad a vocabulary), a row-parallel one its run of blocks along
+        each row (a rank's columns that would split a block are refused). Floating tensors
+        shard as unquantized ones."""
+        if not isinstance(tensor, GGUFBlocks):
+            return dense_shard(layer, param_name, tensor, part)
+        if layer.parallel == "column":
+            index, count = layer.shards[part or ""]
+            local = layer.local_parts[part or ""]
+            data = tensor.data
+            if data.shape[0] < local * count:
+                data = torch.cat([data, data.new_zeros(local * count - data.shape[0], data.shape[1])])
+            return GGUFBlocks(tensor.ggml_type, local, tensor.cols, data.narrow(0, index * local, local))
+        values, nbytes = BLOCK_SIZES[tensor.ggml_type]
+        local = layer.in_features
+        if local % values:
+            raise split_error(layer, "input columns", local, values, f"GGUF {tensor.type_name} block")
+        width = local // values * nbytes
+        data = tensor.data.narrow(1, layer.group.rank * width, width).contiguous()
+        return GGUFBlocks(tensor.ggml_type, tensor.rows, local, data)
 
     def create_weights(
         self, layer: nn.Module, in_features: int, output_sizes: list[int], bias: bool, dtype: torch.dtype
