@@ -26,6 +26,7 @@ _DTYPES = {
 # KV-cache dtype names users pass -> the canonical one ("auto": the model's dtype)
 KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
 MAX_LORA_RANK = 512
+DEFAULT_MASTER_PORT = 29501
 
 
 def default_model_path() -> str:
@@ -83,6 +84,10 @@ class EngineArgs:
     max_loras: int = 1  # adapters one step may use (device slots)
     max_lora_rank: int = 16  # the largest adapter rank (every slot is padded to it)
     max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
+    nnodes: int = 1  # hosts the ranks are split over (evenly, consecutive ranks per host)
+    node_rank: int = 0  # this host's place among them (0: the head, which serves and schedules)
+    master_addr: str = "127.0.0.1"  # the head: torch.distributed's rendezvous, and the followers' control link
+    master_port: int = DEFAULT_MASTER_PORT  # the rendezvous port; the control link listens on master_port + 1
 
     def __post_init__(self) -> None:
         tp = self.tensor_parallel_size
@@ -99,6 +104,7 @@ class EngineArgs:
                 "enable_lora": self.enable_lora and pp > 1, "speculative_config": self.speculative_config,
                 "kv_transfer_config": self.kv_transfer_config, "kv_offload_bytes": self.kv_offload_bytes,
                 "data_parallel_size > 1": self.data_parallel_size > 1 and pp > 1,
+                "nnodes > 1": self.nnodes > 1 and pp > 1,  # stages over several hosts: not tested yet
             }
             for name, value in refused.items():
                 if value:
@@ -133,6 +139,25 @@ class EngineArgs:
             raise ValueError(f"max_lora_rank must be <= {MAX_LORA_RANK}, got {self.max_lora_rank}")
         if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer >= max_loras ({self.max_loras})")
+        check_nodes(self.nnodes, self.node_rank, self.master_port, self.tensor_parallel_size * self.pipeline_parallel_size)
+
+
+def check_nodes(nnodes: int, node_rank: int, master_port: int, world_size: int) -> None:
+    """The multi-node options against each other and the number of ranks they split."""
+    for name, value in (("nnodes", nnodes), ("node_rank", node_rank), ("master_port", master_port)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+    if nnodes < 1:
+        raise ValueError(f"nnodes must be >= 1, got {nnodes}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank={node_rank} is outside 0..{nnodes - 1} (nnodes={nnodes})")
+    if not 1 <= master_port <= 65534:
+        raise ValueError(f"master_port must be in 1..65534 (the control link takes master_port + 1), got {master_port}")
+    if nnodes > 1 and (world_size < nnodes or world_size % nnodes):
+        raise ValueError(
+            f"nnodes={nnodes} splits the ranks evenly over the hosts, but there are {world_size} "
+            f"(tensor_parallel_size x pipeline_parallel_size), not a multiple of it; give each host the same number of devices"
+        )
 
 
 def resolve_dtype(requested: str | torch.dtype, hf_config: Any, supported: tuple[torch.dtype, ...]) -> torch.dtype:
@@ -195,6 +220,10 @@ class EngineConfig:
     max_loras: int = 1  # adapters one step may use (device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int = 1  # adapters kept read in host memory
+    nnodes: int = 1  # hosts the ranks are split over (see docs/parallelism.md, "Multi-node")
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = DEFAULT_MASTER_PORT
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -191,6 +191,10 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         max_loras=args.max_loras,
         max_lora_rank=args.max_lora_rank,
         max_cpu_loras=args.max_cpu_loras if args.max_cpu_loras is not None else args.max_loras,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
     )
     return config, tokenizer
 
@@ -206,6 +210,8 @@ def _executor_name(args: EngineArgs) -> str:
     if tp > 1:
         if name == "uni":
             raise ValueError(f"tensor_parallel_size={tp} needs a process per rank: use distributed_executor_backend='mp'")
+    if args.nnodes > 1 and name != "mp":
+        raise ValueError(f"nnodes={args.nnodes} runs the ranks through the mp executor; drop distributed_executor_backend={name!r}")
     return name
 
 

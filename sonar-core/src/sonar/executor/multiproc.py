@@ -70,6 +70,15 @@ class WorkerReply(msgspec.Struct, array_like=True):
     refused: str | None = None
 
 
+RingInfo = tuple[str, int, int, int, int]  # ring name, num_readers, num_slots, slot_bytes, the rank's local rank
+
+
+def encode_ring_info(ring: RingWriter, local_rank: int) -> bytes:
+    """What a rank needs to read ``ring``: it is reader ``local_rank``, its rank on this host
+    (which also picks its device)."""
+    return msgspec.msgpack.encode([ring.name, ring.num_readers, ring.num_slots, ring.slot_bytes, local_rank])
+
+
 def _timeout(env: str, default: float) -> float:
     raw = os.environ.get(env, "").strip()
     if not raw:
@@ -122,24 +131,35 @@ class MultiprocExecutor(Executor):
         self.processes: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.sockets: list[socket.socket] = []
-        self.ring = RingWriter(self.world_size, slot_bytes=_ring_slot_bytes())
+        followers = []  # other hosts' ranks (sonar.executor.multinode): each reads the ring through a link process
+        if config.nnodes > 1:
+            from sonar.executor.multinode import accept_followers, rendezvous_address
+
+            followers, init_method = accept_followers(config, self.world_size), rendezvous_address(config)
+        num_local = self.world_size // config.nnodes
+        self.ring = RingWriter(num_local + len(followers), slot_bytes=_ring_slot_bytes())
         try:
-            for rank in range(self.world_size):
+            for rank in range(num_local):
                 ours, theirs = socket.socketpair()
                 process = subprocess.Popen(
                     [
                         sys.executable, "-m", "sonar.executor.multiproc", str(rank), str(self.world_size), init_method,
                         str(theirs.fileno()), logging.getLevelName(logging.getLogger().getEffectiveLevel()),
                     ],
-                    pass_fds=(theirs.fileno(),), env={**os.environ, **platform.rank_env(rank, self.world_size)},
+                    pass_fds=(theirs.fileno(),), env={**os.environ, **platform.rank_env(rank, num_local)},
                 )
                 theirs.close()
                 self.sockets.append(ours)  # kept to tell a closed peer from a pending reply
                 conn = Connection(os.dup(ours.fileno()))
                 conn.send_bytes(config_json)
-                conn.send_bytes(msgspec.msgpack.encode([self.ring.name, self.ring.num_slots, self.ring.slot_bytes]))
+                conn.send_bytes(encode_ring_info(self.ring, local_rank=rank))
                 self.processes.append(process)
                 self.conns.append(conn)
+            for index, follower in enumerate(followers):  # its ranks' replies come from its link process
+                link, rank_sockets = follower.start_link_process(self.ring, reader_index=num_local + index)
+                self.processes += [link] * len(rank_sockets)
+                self.sockets += rank_sockets
+                self.conns += [Connection(os.dup(sock.fileno())) for sock in rank_sockets]
             self._gather(_timeout(STARTUP_TIMEOUT_ENV, DEFAULT_STARTUP_TIMEOUT_S), "load the model")
         except BaseException:
             self.shutdown()
@@ -377,14 +397,14 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
     decoder = msgspec.msgpack.Decoder(WorkerCall)
     try:
         config = msgspec.json.decode(conn.recv_bytes(), type=EngineConfig)
-        ring_name, num_slots, slot_bytes = msgspec.msgpack.decode(conn.recv_bytes(), type=tuple[str, int, int])
-        ring = RingReader(ring_name, rank, world_size, num_slots, slot_bytes)
+        ring_name, num_readers, num_slots, slot_bytes, local_rank = msgspec.msgpack.decode(conn.recv_bytes(), type=RingInfo)
+        ring = RingReader(ring_name, local_rank, num_readers, num_slots, slot_bytes)
         platform = current_platform()
-        group = init_distributed(platform, rank, world_size, init_method)
+        group = init_distributed(platform, rank, world_size, init_method, local_rank=local_rank)
         model_config = model_config_of(config)
         group, stage = _join_stages(platform, group, rank, config, model_config)
         group = dataclasses.replace(group, expert_parallel=config.enable_expert_parallel)  # MoE: whole experts per rank
-        worker = import_class(platform.worker_cls)(platform, model_config, config, rank=rank)
+        worker = import_class(platform.worker_cls)(platform, model_config, config, rank=local_rank)  # rank: its device on this host
         with building_for(group), building_stage(stage):
             worker.load_model()
     except BaseException as exc:
