@@ -28,8 +28,8 @@ ENGINE = dict(kv_cache_memory_bytes=1 << 24, max_model_len=128, max_num_seqs=8)
 MODES = {"tp": False, "ep": True}  # mode -> enable_expert_parallel, both at tensor_parallel_size=2
 
 
-def _generate(llm: LLM) -> list:
-    return llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS)
+def _generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list:
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
 
 
 @pytest.fixture(scope="module")
@@ -39,23 +39,28 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def runs(paths: dict[str, Path]) -> dict[tuple[str, str], list]:
-    """Per architecture: the outputs on one device, at TP=2 and at EP=2."""
+    """Per architecture: the outputs on one device, at TP=2 and at EP=2; and of one request
+    alone, whose decode steps leave rank 1 no token of its own at EP=2."""
     results = {}
     for arch, path in paths.items():
-        results[arch, "one"] = _generate(LLM(str(path), **ENGINE))
+        single = LLM(str(path), **ENGINE)
+        results[arch, "one"], results[arch, "one alone"] = _generate(single), _generate(single, PROMPTS[:1])
         for mode, expert_parallel in MODES.items():
             llm = LLM(str(path), tensor_parallel_size=2, enable_expert_parallel=expert_parallel, **ENGINE)
             try:
                 results[arch, mode] = _generate(llm)
+                if expert_parallel:
+                    results[arch, "ep alone"] = _generate(llm, PROMPTS[:1])
             finally:
                 llm.llm_engine.shutdown()
     return results
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [*MODES, "ep alone"])
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_two_ranks_match_one_device(runs: dict, arch: str, mode: str) -> None:
-    for one, two in zip(runs[arch, "one"], runs[arch, mode], strict=True):
+    reference = runs[arch, "one alone" if mode.endswith("alone") else "one"]
+    for one, two in zip(reference, runs[arch, mode], strict=True):
         assert two.outputs[0].token_ids == one.outputs[0].token_ids
         for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs, strict=True):
             assert set(a) == set(b)
