@@ -140,6 +140,11 @@ class EngineArgs:
         if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or self.max_cpu_loras < self.max_loras):
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer >= max_loras ({self.max_loras})")
         check_nodes(self.nnodes, self.node_rank, self.master_port, self.tensor_parallel_size * self.pipeline_parallel_size)
+        if self.nnodes > 1 and self.data_parallel_size > 1:
+            raise ValueError(
+                f"nnodes={self.nnodes} splits one engine core's ranks over the hosts; data_parallel_size="
+                f"{self.data_parallel_size} does not combine with it yet: use data_parallel_size=1"
+            )
 
 
 def check_nodes(nnodes: int, node_rank: int, master_port: int, world_size: int) -> None:
