@@ -70,6 +70,13 @@ def test_replicas_get_one_visible_gpu_each(monkeypatch: pytest.MonkeyPatch) -> N
         CudaPlatform.replica_env(0, 3)
 
 
+def test_replicas_of_tensor_parallel_groups_get_consecutive_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,6")
+    assert [CudaPlatform.replica_env(i, 2, 2) for i in range(2)] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    with pytest.raises(ValueError, match="data_parallel_size=3 x 2 ranks each needs 6 GPUs; 5 are visible"):
+        CudaPlatform.replica_env(0, 3, 2)
+
+
 @pytest.mark.cuda
 def test_platform_reports_device_memory() -> None:
     total, free = CudaPlatform.total_memory_bytes(), CudaPlatform.available_memory_bytes()

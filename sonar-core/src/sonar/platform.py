@@ -54,10 +54,13 @@ class Platform:
     async_scheduling: bool = False
 
     @classmethod
-    def replica_env(cls, index: int, num_replicas: int) -> dict[str, str]:
+    def replica_env(cls, index: int, num_replicas: int, ranks_per_replica: int = 1) -> dict[str, str]:
         """Environment for the engine-core process of data-parallel replica ``index`` of
-        ``num_replicas``: what makes it use its own device (``CUDA_VISIBLE_DEVICES``) or its
-        share of the host. Default: nothing (every replica sees the same devices)."""
+        ``num_replicas``, each with ``ranks_per_replica`` worker ranks (its tensor-parallel
+        group): what makes it use its own devices (``CUDA_VISIBLE_DEVICES``: replica ``i``
+        gets devices ``i * ranks .. i * ranks + ranks - 1``) or its share of the host. Its
+        ranks then pick their device among those with ``device(rank)``. Default: nothing
+        (every replica sees the same devices)."""
         return {}
 
     @classmethod

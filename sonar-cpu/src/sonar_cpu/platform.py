@@ -57,12 +57,14 @@ class CpuPlatform(Platform):
     max_default_kv_cache_bytes = 4 * 1024**3
 
     @classmethod
-    def replica_env(cls, index: int, num_replicas: int) -> dict[str, str]:
-        """Replicas share the cores: each gets its own slice of the torch threads (unless
-        ``SONAR_CPU_THREADS`` says otherwise)."""
-        if num_replicas == 1 or os.environ.get("SONAR_CPU_THREADS"):
+    def replica_env(cls, index: int, num_replicas: int, ranks_per_replica: int = 1) -> dict[str, str]:
+        """Replicas share the cores: each process (a replica's, or each of its ranks') gets its
+        own slice of the torch threads (unless ``SONAR_CPU_THREADS`` says otherwise); a
+        replica's ranks find the slice set and keep it."""
+        processes = num_replicas * ranks_per_replica
+        if processes == 1 or os.environ.get("SONAR_CPU_THREADS"):
             return {}
-        return {"SONAR_CPU_THREADS": str(max(1, num_usable_cores() // num_replicas))}
+        return {"SONAR_CPU_THREADS": str(max(1, num_usable_cores() // processes))}
 
     @classmethod
     def rank_env(cls, rank: int, world_size: int) -> dict[str, str]:

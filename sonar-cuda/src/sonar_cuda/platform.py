@@ -21,8 +21,10 @@ class CudaPlatform(Platform):
     async_scheduling = True  # kernels are queued: the host schedules step N+1 while step N runs
 
     @classmethod
-    def replica_env(cls, index: int, num_replicas: int) -> dict[str, str]:
-        """Replica ``index`` sees only GPU ``index`` of those visible to the server."""
+    def replica_env(cls, index: int, num_replicas: int, ranks_per_replica: int = 1) -> dict[str, str]:
+        """Replica ``index`` sees only its ``ranks_per_replica`` GPUs of those visible to the
+        server: ``index * ranks .. index * ranks + ranks - 1`` (its tensor-parallel ranks use
+        ``cuda:0 ..`` of them)."""
         if num_replicas == 1:
             return {}
         import os
@@ -30,9 +32,11 @@ class CudaPlatform(Platform):
         visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
         if not visible:
             visible = [str(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-        if len(visible) < num_replicas:
-            raise ValueError(f"data_parallel_size={num_replicas} needs {num_replicas} GPUs; {len(visible)} are visible")
-        return {"CUDA_VISIBLE_DEVICES": visible[index]}
+        needed = num_replicas * ranks_per_replica
+        if len(visible) < needed:
+            group = f" x {ranks_per_replica} ranks each" if ranks_per_replica > 1 else ""
+            raise ValueError(f"data_parallel_size={num_replicas}{group} needs {needed} GPUs; {len(visible)} are visible")
+        return {"CUDA_VISIBLE_DEVICES": ",".join(visible[index * ranks_per_replica : (index + 1) * ranks_per_replica])}
 
     @classmethod
     def device(cls, index: int = 0) -> torch.device:

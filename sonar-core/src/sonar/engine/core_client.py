@@ -108,15 +108,17 @@ class EngineProcesses:
 
     :param config: the resolved configuration every replica runs.
     :param clients: the sockets of every frontend that talks to them.
-    :param replica_env: environment for replica ``i`` of ``n`` (the platform's device choice).
+    :param replica_env: environment for replica ``i`` of ``n`` with ``r`` worker ranks each
+        (``Platform.replica_env``: the platform's device choice).
     """
 
-    def __init__(self, config: EngineConfig, clients: list[ClientAddresses], replica_env: Callable[[int, int], dict[str, str]], log_level: str = "WARNING") -> None:
+    def __init__(self, config: EngineConfig, clients: list[ClientAddresses], replica_env: Callable[[int, int, int], dict[str, str]], log_level: str = "WARNING") -> None:
         self.processes: list[subprocess.Popen] = []
+        ranks = config.tensor_parallel_size * config.pipeline_parallel_size  # each replica's group
         for index in range(config.data_parallel_size):
             launch = wire.EngineCoreLaunch(config, index, clients, log_level)
             # the platform the configuration was resolved for, not a second detection's choice
-            env = {**os.environ, "SONAR_PLATFORM": config.platform, **replica_env(index, config.data_parallel_size)}
+            env = {**os.environ, "SONAR_PLATFORM": config.platform, **replica_env(index, config.data_parallel_size, ranks)}
             # its own session: a Ctrl-C in the terminal reaches the frontend, which drains first
             process = subprocess.Popen(
                 [sys.executable, "-m", "sonar.engine.core_process"], stdin=subprocess.PIPE, env=env, start_new_session=True
