@@ -53,7 +53,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     group.add_argument(
         "--tensor-parallel-size", "-tp", type=int, default=defaults.tensor_parallel_size,
-        help="split each layer of a model (Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE, Qwen2-MoE, Mixtral: every expert's intermediate size, or whole experts with -ep) over this many devices, one worker process each (unquantized checkpoints; gloo on the CPU, NCCL on GPUs)",
+        help="split each layer of a model (Llama, Mistral, Qwen2, Qwen3; Qwen3-MoE, Qwen2-MoE, Mixtral: every expert's intermediate size, or whole experts with -ep) over this many devices, one worker process each (float, FP8, GPTQ, AWQ and GGUF checkpoints; LoRA adapters too; gloo on the CPU, NCCL on GPUs)",
     )
     group.add_argument(
         "--pipeline-parallel-size", "-pp", type=int, default=defaults.pipeline_parallel_size,
@@ -78,7 +78,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     group.add_argument(
         "--data-parallel-size", "-dp", type=int, default=defaults.data_parallel_size,
-        help="engine-core replicas, each in its own process on its own device (on the CPU: its share of the cores); requests go to the least loaded",
+        help="engine-core replicas, each in its own process on its own device (with -tp N: N devices each, replica i on GPUs i*N..i*N+N-1; on the CPU: its share of the cores); requests go to the least loaded",
     )
     group.add_argument(
         "--scheduling-policy", default=defaults.scheduling_policy,
