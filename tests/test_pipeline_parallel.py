@@ -8,6 +8,7 @@ engine."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -25,7 +26,7 @@ ENGINE = dict(kv_cache_memory_bytes=1 << 24, max_model_len=128, max_num_seqs=8)
 # engine options)
 CASES = [
     ("llama", 1, 2, dict(num_hidden_layers=3), "1,2", {}),  # an uneven partition from the environment
-    ("mistral", 1, 2, {}, None, {}),
+    ("mistral", 1, 2, {}, None, {}),  # also: preemptions of requests with a step in flight (SMALL_CACHE)
     ("qwen2", 1, 2, {}, None, {}),  # tied embedding: the last stage's LM head loads it
     ("qwen3", 1, 2, {}, None, {}),
     ("qwen3_moe", 1, 2, {}, None, {}),  # stage 0 holds the sparse layer, stage 1 the dense one
@@ -34,7 +35,6 @@ CASES = [
     ("llama", 2, 2, dict(num_hidden_layers=3), None, {}),  # 2 + 1 layers, each stage two ranks
     ("mistral", 2, 2, {}, None, {}),
     ("qwen2", 2, 2, {}, None, {}),
-    ("qwen3_moe", 2, 2, {}, None, {}),  # experts' intermediate size split within the first stage
     ("qwen2_moe", 2, 2, {}, None, {}),  # shared expert's partial sums in each stage's all-reduce
     ("mixtral", 2, 2, {}, None, dict(enable_expert_parallel=True)),  # whole experts per rank, all-to-all in each stage
     ("qwen3", 2, 2, dict(num_key_value_heads=1), None, {}),  # one KV head replicated within each stage
@@ -42,6 +42,17 @@ CASES = [
 # many requests, few tokens per step: the engine core fills the pipeline with micro-batches
 MANY_PROMPTS = [[7 + i, 3 * i + 1, 40 + i, 9, 2 + i] for i in range(8)]
 MANY_ENGINE = dict(ENGINE, max_num_batched_tokens=12)
+# longer prompts than the cache holds at once, two micro-batches: running requests are preempted
+LONG_PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(14)] for i in range(8)]
+SMALL_CACHE = dict(kv_cache_memory_bytes=24 << 10, max_model_len=64, max_num_seqs=8, max_num_batched_tokens=20)
+
+
+def _engine_options(arch: str, pp: int, tp: int) -> dict:
+    if arch == "llama":
+        return MANY_ENGINE
+    if arch == "mistral" and (pp, tp) == (2, 1):
+        return SMALL_CACHE
+    return ENGINE
 
 
 def _case_id(case: tuple) -> str:
@@ -56,8 +67,9 @@ def _generate(llm: LLM, prompts: list[list[int]] = PROMPTS) -> list:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """Per case: one device's outputs and the parallel engine's; the PP=2 Llama engine also
-    serves many requests at once (its executor's peak in flight is read), and the last
-    engine is kept for the fault test (the others are shut down as soon as they answered)."""
+    serves many requests at once (its executor's peak in flight is read), the PP=2 Mistral
+    engine long prompts in a small cache, the PP=2 Qwen2 engine a grammar; the last engine is
+    kept for the fault test (the others are shut down as soon as they answered)."""
     results: dict = {}
     singles: dict = {}
     for index, case in enumerate(CASES):
@@ -66,11 +78,12 @@ def runs(tmp_path_factory) -> dict:
         key = (arch, tuple(sorted(overrides.items())))
         if key not in singles:
             single = LLM(str(path), **MANY_ENGINE if arch == "llama" else ENGINE)
-            singles[key] = (_generate(single), _generate(single, MANY_PROMPTS) if arch == "llama" else None)
+            extra = {"llama": MANY_PROMPTS, "mistral": LONG_PROMPTS}.get(arch)
+            singles[key] = (_generate(single), extra and _generate(single, extra), _guided(single) if arch == "qwen2" else None)
         if partition is not None:
             os.environ[PARTITION_ENV] = partition
         try:
-            engine = MANY_ENGINE if arch == "llama" else ENGINE
+            engine = _engine_options(arch, pp, tp)
             llm = LLM(str(path), tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine, **options)
         finally:
             os.environ.pop(PARTITION_ENV, None)
@@ -79,11 +92,23 @@ def runs(tmp_path_factory) -> dict:
             executor = llm.llm_engine.core.executor
             executor.peak_in_flight = 0
             results["many"] = (singles[key][1], _generate(llm, MANY_PROMPTS), executor.peak_in_flight)
+        if arch == "mistral" and (pp, tp) == (2, 1):
+            core = llm.llm_engine.core
+            results["preempted"] = (singles[key][1], _generate(llm, LONG_PROMPTS), core.scheduler.num_preemptions, core.executor.peak_in_flight)
+        if arch == "qwen2" and (pp, tp) == (2, 1):  # structured output: the matchers follow the last stage's tokens
+            results["guided"] = (singles[key][2], _guided(llm))
         if index == len(CASES) - 1:
             results["kept"] = llm
         else:
             llm.llm_engine.core.executor.shutdown()
     return results
+
+
+def _guided(llm: LLM) -> list[str]:
+    from sonar.structured_output import GuidedDecodingParams
+
+    params = SamplingParams(max_tokens=10, temperature=0.0, guided_decoding=GuidedDecodingParams(regex="(cat|dog)[0-9]{2}"))
+    return [o.outputs[0].text for o in llm.generate(["Pick one:", "Animal:"], params)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
@@ -101,6 +126,18 @@ def test_micro_batches_fill_the_pipeline(runs) -> None:
     single, parallel, peak_in_flight = runs["many"]
     assert peak_in_flight == 2  # both stages busy: as many steps in flight as stages, never more
     assert [o.outputs[0].token_ids for o in parallel] == [o.outputs[0].token_ids for o in single]
+
+
+def test_preempting_requests_with_a_step_in_flight(runs) -> None:
+    single, parallel, num_preemptions, peak_in_flight = runs["preempted"]
+    assert num_preemptions > 0 and peak_in_flight == 2
+    assert [o.outputs[0].token_ids for o in parallel] == [o.outputs[0].token_ids for o in single]
+
+
+def test_structured_output_through_stages(runs) -> None:
+    single, parallel = runs["guided"]
+    assert parallel == single
+    assert all(re.fullmatch("(cat|dog)[0-9]{2}", text) for text in parallel)
 
 
 def test_a_killed_rank_fails_the_engine_cleanly(runs) -> None:
