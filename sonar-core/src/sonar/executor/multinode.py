@@ -49,7 +49,7 @@ from sonar.executor.multiproc import (
     _peer_closed, _ring_slot_bytes, _timeout, encode_ring_info,
 )
 from sonar.executor.node_wire import (
-    PROTOCOL_VERSION, Broadcast, Hello, LinkError, RankExited, Reply, Start, Verdict, comparable_config,
+    PROTOCOL_VERSION, Broadcast, Hello, LinkError, RankExited, Reply, Shutdown, Start, Verdict, comparable_config,
     config_differences, keep_alive, model_fingerprint, receive_message, send_message,
 )
 from sonar.executor.shm_broadcast import RingReader, RingTimeout, RingWriter
@@ -254,6 +254,7 @@ def run_link(setup: LinkSetup) -> int:
     peer = socket.socket(fileno=os.dup(setup.rank_fds[0]))  # to tell the executor's exit
     ring = RingReader(setup.ring_name, setup.reader_index, setup.num_readers, setup.num_slots, setup.slot_bytes)
     done = threading.Event()
+    sending = threading.Lock()  # one frame at a time on the link
     lost: list[str] = []
     last_rank = setup.first_rank + len(conns) - 1
 
@@ -269,7 +270,8 @@ def run_link(setup: LinkSetup) -> int:
                 if data == OVERFLOW:  # every rank's socket got a copy: forward one
                     copies = [conn.recv_bytes() for conn in conns]
                     data = copies[0]
-                send_message(link, Broadcast(data))
+                with sending:
+                    send_message(link, Broadcast(data))
         except (EOFError, OSError) as exc:  # the executor closed the sockets (LinkError is an OSError)
             if isinstance(exc, LinkError):
                 lost.append(str(exc))
@@ -304,6 +306,13 @@ def run_link(setup: LinkSetup) -> int:
         logger.error(
             "lost follower node rank %d (%s, ranks %d..%d): %s", setup.node_rank, setup.host, setup.first_rank, last_rank, lost[0]
         )
+    else:
+        done.set()
+        with sending:
+            try:
+                send_message(link, Shutdown())
+            except LinkError:
+                pass
     link.close()
     ring.close()
     return 1 if lost else 0
@@ -321,7 +330,10 @@ def run_follower(config: EngineConfig, platform: type[Platform]) -> int:
 
     def stop(sig: int, frame: Any) -> None:
         stopping.set()
-        link.shutdown(socket.SHUT_RDWR)  # wakes the relay
+        try:
+            link.shutdown(socket.SHUT_RDWR)  # wakes the relay
+        except OSError:
+            pass
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     relay = None
@@ -330,7 +342,10 @@ def run_follower(config: EngineConfig, platform: type[Platform]) -> int:
         if not isinstance(message, Start):
             raise LinkError(f"expected Start from the head, got a {type(message).__name__}")
         relay = RankRelay(config, layout, platform, link)
-        return relay.run()
+        code = relay.run()
+        if code == 0:
+            logger.info("the head shut down; stopping this host's ranks")
+        return code
     except LinkError as exc:
         if stopping.is_set():
             return 0
@@ -394,25 +409,33 @@ class RankRelay:
         self.ring = RingWriter(layout.num_local_ranks, slot_bytes=_ring_slot_bytes())
         self.processes: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
-        config_json = msgspec.json.encode(config)
-        for local_rank, rank in enumerate(layout.ranks):
-            ours, theirs = socket.socketpair()
-            self.processes.append(subprocess.Popen(
-                [
-                    sys.executable, "-m", "sonar.executor.multiproc", str(rank), str(layout.world_size),
-                    rendezvous_address(config), str(theirs.fileno()),
-                    logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-                ],
-                pass_fds=(theirs.fileno(),), env={**os.environ, **platform.rank_env(local_rank, layout.num_local_ranks)},
-            ))
-            theirs.close()
-            conn = Connection(ours.detach())
-            conn.send_bytes(config_json)
-            conn.send_bytes(encode_ring_info(self.ring, local_rank))
-            self.conns.append(conn)
+        try:
+            for local_rank, rank in enumerate(layout.ranks):
+                self._start_rank(config, platform, rank, local_rank)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _start_rank(self, config: EngineConfig, platform: type[Platform], rank: int, local_rank: int) -> None:
+        ours, theirs = socket.socketpair()
+        self.processes.append(subprocess.Popen(
+            [
+                sys.executable, "-m", "sonar.executor.multiproc", str(rank), str(self.layout.world_size),
+                rendezvous_address(config), str(theirs.fileno()), logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+            ],
+            pass_fds=(theirs.fileno(),), env={**os.environ, **platform.rank_env(local_rank, self.layout.num_local_ranks)},
+        ))
+        theirs.close()
+        conn = Connection(ours.detach())
+        conn.send_bytes(msgspec.json.encode(config))
+        conn.send_bytes(encode_ring_info(self.ring, local_rank))
+        self.conns.append(conn)
 
     def run(self) -> int:
-        """Relay until the head closes the link (0) or a rank exits (1)."""
+        """Relay until the head shuts down (0) or a rank exits (1).
+
+        :raises LinkError: the head is gone (the link closed or carried an invalid frame).
+        """
         selector = selectors.DefaultSelector()
         selector.register(self.link, selectors.EVENT_READ, None)
         for index, conn in enumerate(self.conns):
@@ -421,7 +444,10 @@ class RankRelay:
         while True:
             for key, _ in selector.select(IDLE_CHECK_S):
                 if key.data is None:
-                    self._broadcast(receive_message(self.link), alive)
+                    message = receive_message(self.link)
+                    if isinstance(message, Shutdown):
+                        return 0
+                    self._broadcast(message, alive)
                     continue
                 try:
                     data = self.conns[key.data].recv_bytes()

@@ -11,6 +11,7 @@ is refused and closes the link.
     head -> follower   Broadcast  one executor message for every rank of the follower
     follower -> head   Reply      one rank's reply, as the rank encoded it
     follower -> head   RankExited a rank of the follower died: the link closes after it
+    head -> follower   Shutdown   the head's executor shut down: stop the ranks and exit
 """
 
 from __future__ import annotations
@@ -74,7 +75,11 @@ class RankExited(msgspec.Struct, tag="rank_exited", forbid_unknown_fields=True):
     exit_code: int | None = None
 
 
-Message = Hello | Verdict | Start | Broadcast | Reply | RankExited
+class Shutdown(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
+    """The head's executor shut down (the engine stopped): the follower ends too."""
+
+
+Message = Hello | Verdict | Start | Broadcast | Reply | RankExited | Shutdown
 
 
 class LinkError(ConnectionError):
