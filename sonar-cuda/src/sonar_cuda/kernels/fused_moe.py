@@ -100,7 +100,7 @@ def _align_by_sorting(
     # the last bin: pairs whose expert another rank holds (sorted last, given no run)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0
+    padded[num_experts:].zero_()  # on the device: no host value copied in (CUDA graphs capture this)
     padded_end = torch.cumsum(padded, 0)
     run_start = torch.cumsum(counts, 0) - counts  # where each expert's pairs start, unpadded
     experts_sorted, order = torch.sort(flat, stable=True)
