@@ -1,26 +1,20 @@
-"""FP8 checkpoints at tensor_parallel_size=2 (two real worker processes over gloo) give the
-greedy tokens of one device, logprobs within float32 summation error: the compressed-tensors
-per-channel layout (with an FP8 KV cache), the block-fp8 layout, and ``quantization="fp8"``
-on a float checkpoint. A row-parallel layer quantizes each token with its whole row's scale
-(the ranks' slices agree on the largest), so every product is the one device's; a cut that
-would split a 128 x 128 scale block is refused at load."""
+"""compressed-tensors FP8 checkpoints at tensor_parallel_size=2 (two real worker processes
+over gloo) give the greedy tokens of one device, logprobs within float32 summation error:
+per-channel weights with dynamic per-token activations (and an FP8 KV cache), and per-tensor
+weights with static activation scales. A row-parallel layer quantizes each token with its
+whole row's scale (the ranks' slices agree on the largest), so every product is the one
+device's. The block-fp8 layout and online ``fp8``: ``test_tensor_parallel_fp8_blocks.py``."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import torch
 
-from sonar.distributed import Communicator, ParallelGroup, building_for
-from sonar.quantization import building_with
-from sonar.quantization.fp8 import Fp8Method
-from sonar_models.layers import Linear
 from sonar_models.testing import build_tiny_model
-from test_quant_fp8 import compressed_tensors_config, per_block, per_channel, write_checkpoint
+from test_quant_fp8 import calibrated_input_scales, compressed_tensors_config, per_channel, per_tensor, write_checkpoint
 from tp_compare import assert_same_greedy_run, two_ranks_and_one_device
 
-# every fused part's rows per rank (q, k, v 128; gate, up 256) a multiple of the 128-row blocks
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=2)
 EXACT = 1e-4  # the same FP8 products on each rank, summed in another order
 
@@ -35,20 +29,8 @@ def test_compressed_tensors_per_channel_with_an_fp8_kv_cache(tiny: Path, tmp_pat
     assert_same_greedy_run(*two_ranks_and_one_device(str(quantized), kv_cache_dtype="fp8"), EXACT)
 
 
-def test_block_scales(tiny: Path, tmp_path: Path) -> None:
-    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "modules_to_not_convert": None}
-    quantized, _ = write_checkpoint(tiny, tmp_path, per_block, config)
+def test_compressed_tensors_per_tensor_with_static_activation_scales(tiny: Path, tmp_path: Path) -> None:
+    # q, k and v each with its own weight scale (kept per row) and input scale (the fused layer takes the largest)
+    scales = calibrated_input_scales(tiny)
+    quantized, _ = write_checkpoint(tiny, tmp_path, per_tensor, compressed_tensors_config("tensor", True), scales)
     assert_same_greedy_run(*two_ranks_and_one_device(str(quantized)), EXACT)
-
-
-def test_online_fp8_quantizes_each_row_whole(tiny: Path) -> None:
-    assert_same_greedy_run(*two_ranks_and_one_device(str(tiny), quantization="fp8"), EXACT)
-
-
-def test_a_cut_inside_a_scale_block_is_refused() -> None:
-    method = Fp8Method(serialized=True, block=(128, 128), static_activations=False, ignore=[])
-    with building_for(ParallelGroup(1, 2, Communicator(2))), building_with(method):
-        layer = Linear(256, 128, bias=False, prefix="model.layers.0.mlp.down_proj", parallel="column")
-    assert layer.shard_checkpoint_tensor("weight", torch.zeros(128, 256, dtype=torch.float8_e4m3fn), None).shape == (64, 256)
-    with pytest.raises(ValueError, match=r"down_proj: tensor_parallel_size=2 gives each rank 64 output rows, which splits the FP8 scale block of 128"):
-        layer.shard_checkpoint_tensor("weight_scale_inv", torch.ones(1, 2), None)
