@@ -1,6 +1,6 @@
 """LoRA adapters at tensor_parallel_size=2 (two real worker processes over gloo): a batch
 mixing two peft adapters and the base model gives one device's greedy tokens, and adapters
-load, refuse and unload at run time on every rank. The tiny Qwen3 has one KV head, so k/v's
+load, refuse and unload at run time on every rank (one added while a step is in flight). The tiny Qwen3 has one KV head, so k/v's
 rows (and their B rows) are replicated on both ranks while q's are split; o and down are
 row-parallel (A's columns split, the shrink summed over the ranks, the delta added once)."""
 
@@ -15,10 +15,11 @@ from sonar import LLM
 from sonar.lora import LoRAError, LoRARequest
 from sonar_models.testing import build_tiny_model
 from test_lora import make_adapter
-from tp_compare import ENGINE, PROMPTS, assert_same_greedy_run, generate
+from tp_compare import ENGINE, PARAMS, PROMPTS, assert_same_greedy_run, generate
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=8)
+# async scheduling: a step is still in flight when the next call comes (LoRA calls answer after it)
+LORA = dict(enable_lora=True, max_loras=2, max_lora_rank=8, async_scheduling=True)
 EXACT = 1e-4
 
 
@@ -56,7 +57,13 @@ def test_a_batch_mixing_two_adapters_and_the_base_equals_one_device(adapters, tm
         assert engine.remove_lora(2) is True  # unloaded on both ranks
         assert engine.list_loras() == {1}
         assert_same_greedy_run(expected[:1], generate(llm, [{"prompt_token_ids": PROMPTS[0]}], lora_request=loras[0]), EXACT)
-        assert engine.add_lora(loras[1]) is True  # and back
+        engine.add_request("late", {"prompt_token_ids": PROMPTS[2]}, PARAMS)
+        outputs = engine.step()
+        assert engine.core.executor.num_in_flight == 1
+        assert engine.add_lora(loras[1]) is True  # and back, while the base request's step runs
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        assert [o for o in outputs if o.finished][0].outputs[0].token_ids == expected[2].outputs[0].token_ids
         assert_same_greedy_run(expected, _mixed(llm, loras), EXACT)
     finally:
         engine.core.executor.shutdown()
