@@ -62,6 +62,15 @@ def _rank_layer(method, in_features: int, out_features: int) -> Linear:
         return Linear(in_features, out_features, bias=False, prefix="model.layers.0.mlp.down_proj", parallel="row")
 
 
+def test_a_quantized_vocabulary_is_padded_with_zero_blocks() -> None:
+    with building_for(ParallelGroup(1, 2, Communicator(2))), building_with(GGUFMethod()):
+        head = Linear(64, 1001, bias=False, prefix="lm_head", parallel="column")
+    table = GGUFBlocks(Q8_0, 1001, 64, torch.randint(1, 255, (1001, 68), dtype=torch.uint8))
+    ours = head.shard_checkpoint_tensor("weight", table, None)
+    assert ours.shape == (501, 64)  # rows 501..1001 of 1002, the last one padding
+    assert torch.equal(ours.data[:500], table.data[501:]) and not ours.data[500].any()
+
+
 def test_a_cut_inside_a_group_or_block_is_refused() -> None:
     with pytest.raises(ValueError, match=r"down_proj: tensor_parallel_size=2 gives each rank 64 input columns, which splits the awq group of 128"):
         _rank_layer(AWQMethod(group_size=128), 128, 64)
