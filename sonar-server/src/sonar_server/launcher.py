@@ -76,7 +76,7 @@ def _serve_headless(engine_args: EngineArgs) -> int:
     """A follower host of a multi-node run: this host's worker ranks only, driven by the head."""
     from sonar.engine.process_util import set_process_title
     from sonar.engine.resolve import resolve_engine_config
-    from sonar.executor.multinode import run_follower
+    from sonar.executor.node_follower import run_follower
     from sonar.platform import current_platform
 
     platform = current_platform()
