@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import httpx
+import pytest
 
 from conftest import KV_CACHE_BYTES, ServerProcess
 from test_multiprocess import by_title
@@ -41,3 +42,10 @@ def test_two_replicas_of_two_ranks_answer_like_one_device(tmp_path, monkeypatch)
             assert list(pool.map(complete, PROMPTS)) == expected
     finally:
         server.stop()
+
+
+def test_replicas_of_pipeline_stages_are_refused(tmp_path) -> None:
+    from sonar import LLM
+
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size=2 does not combine with data_parallel_size > 1 yet"):
+        LLM(str(tmp_path), data_parallel_size=2, tensor_parallel_size=2, pipeline_parallel_size=2)
