@@ -71,6 +71,15 @@ def test_fp8_linear_takes_any_leading_shape(device: torch.device) -> None:
         assert_matches_reference(fp8_linear(x, weight, scale, None), x, weight, scale, None, None)
 
 
+def test_fp8_linear_takes_given_per_token_scales(device: torch.device) -> None:
+    # a row-parallel rank's: each token's scale over its whole row, at least its own slice's
+    weight, scale, _ = operands(24, 160, device)
+    for m in (1, 5):
+        x = torch.randn(m, 160).to(device)
+        given = per_token_scale(x) * torch.linspace(1.0, 3.0, m, device=device)[:, None]
+        assert_matches_reference(fp8_linear(x, weight, scale, given), x, weight, scale, given, None)
+
+
 LLAMA_8B_SHAPES = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]  # qkv, o, gate_up, down
 
 

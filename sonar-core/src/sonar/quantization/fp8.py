@@ -120,10 +120,10 @@ def fp8_linear(
     """``x @ W.T (+ bias)`` for an FP8 ``weight`` ``[N, K]`` with ``weight_scale`` ``[N]``
     float32 per output row; ``x`` ``[..., K]`` quantized to FP8 per token, or with the static
     scalar ``input_scale``, or with given per-token scales ``input_scale`` ``[M, 1]`` (a
-    row-parallel rank's, taken over the whole row). Returns ``x``'s dtype. A platform kernel
-    runs it where registered (the given per-token scales run the torch version)."""
+    row-parallel rank's, taken over the whole row; a platform kernel takes them too). Returns
+    ``x``'s dtype. A platform kernel runs it where registered."""
     impl = ops.platform_op(x, "fp8_linear")
-    if impl is not None and (input_scale is None or input_scale.numel() == 1):
+    if impl is not None:
         return impl(x, weight, weight_scale, input_scale, bias)
     return reference_fp8_linear(x, weight, weight_scale, input_scale, bias)
 

@@ -20,6 +20,7 @@ import functools
 
 import torch
 
+from sonar.quantization.fp8 import to_fp8
 from sonar_cuda.kernels.fp8_gemm import fp8_gemm
 from sonar_cuda.kernels.fp8_gemv import fp8_gemv, fp8_gemv_supported
 from sonar_cuda.kernels.fp8_gemv_splitk import Fp8GemvLaunch, fp8_gemv_splitk
@@ -60,7 +61,11 @@ def fp8_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    q, x_scale = quantize_rows(x2, input_scale)
+    if input_scale is not None and input_scale.numel() > 1:  # given per-token scales (a row-parallel rank's)
+        x_scale = input_scale.float().reshape(m, 1).contiguous()
+        q = to_fp8(x2, x_scale)
+    else:
+        q, x_scale = quantize_rows(x2, input_scale)
     if m >= SCALED_MM_MIN_ROWS and x.is_cuda and scaled_mm_runs(m, n, k, x.dtype):
         y = torch._scaled_mm(q, weight.t(), scale_a=x_scale, scale_b=weight_scale.view(1, n), out_dtype=x.dtype)
         if bias is not None:
