@@ -45,9 +45,19 @@ def test_a_request_in_flight_is_not_scheduled_again() -> None:
     assert {c.req_id: c.new_token_ids for c in third.cached_reqs} == {"a": [7], "b": [7]}
     _finish_step(scheduler, second, token=9)
     _finish_step(scheduler, third, token=8)
-    fourth = scheduler.schedule()
-    assert {c.req_id: c.new_token_ids for c in fourth.cached_reqs} == {"a": [8], "b": [8], "c": [9]}
+    fourth = scheduler.schedule()  # a micro-batch takes half the requests (rounded up): two of three
+    assert {c.req_id: c.new_token_ids for c in fourth.cached_reqs} == {"a": [8], "b": [8]}
+    fifth = scheduler.schedule()
+    assert {c.req_id: c.new_token_ids for c in fifth.cached_reqs} == {"c": [9]}
     assert scheduler.in_flight == {"a", "b", "c"}
+
+
+def test_micro_batches_share_the_requests() -> None:
+    scheduler = _scheduler(pp=2, budget=64)
+    for i in range(5):
+        _add(scheduler, f"r{i}", 4)
+    sizes = [len(scheduler.schedule().num_scheduled_tokens) for _ in range(3)]
+    assert sizes == [3, 2, 0]  # every stage a micro-batch; the third waits for a result
 
 
 def test_without_pipeline_parallelism_nothing_is_tracked() -> None:

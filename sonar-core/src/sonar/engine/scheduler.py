@@ -58,8 +58,10 @@ class Scheduler:
 
     Pipeline parallelism (``pipeline_parallel_size`` > 1): several steps are in flight at once,
     and a request with a step in flight is not scheduled again until its results are back
-    (``in_flight``); the output tokens the workers of the earlier stages have not seen travel
-    in the step's ``CachedRequestData.new_token_ids``, since only the last stage samples.
+    (``in_flight``), and each step takes at most a ``1 / pipeline_parallel_size`` share of the
+    requests (so that many micro-batches keep every stage busy); the output tokens the workers
+    of the earlier stages have not seen travel in the step's ``CachedRequestData.new_token_ids``,
+    since only the last stage samples.
 
     LoRA (``max_loras`` > 0): the running requests never use more than ``max_loras`` distinct
     adapters (the device slots), so no step needs more; a waiting request of another adapter
@@ -205,6 +207,7 @@ class Scheduler:
         scheduled: dict[str, _Scheduled] = {}
         plan = None
         in_flight = self.in_flight
+        step_cap = self._micro_batch_cap() if in_flight is not None else 0
         if self.verification is not None:
             plan, num_sampling, base_tokens = self._plan_verification(budget)
             out.propose_drafts = self.verification.worth_drafting(num_sampling, base_tokens)
@@ -213,8 +216,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if in_flight is not None and request.request_id in in_flight:
-                index += 1  # its step is still in the pipeline
+            if in_flight is not None and (request.request_id in in_flight or len(out.num_scheduled_tokens) >= step_cap):
+                index += 1  # its step is still in the pipeline, or this micro-batch is full
                 continue
             pending = request.num_pending_tokens
             if pending and request.num_output_tokens + pending >= request.max_tokens:
@@ -266,8 +269,10 @@ class Scheduler:
         passed_over: list[Request] = []  # of adapters the running requests leave no slot for
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
-            if request.num_pending_tokens or (in_flight is not None and request.request_id in in_flight):
-                break  # preempted with a token (or a step) on the way: prefilled again once it is back
+            if in_flight is not None and (request.request_id in in_flight or len(out.num_scheduled_tokens) >= step_cap):
+                break  # preempted with a step on the way (prefilled again once it is back), or a full micro-batch
+            if request.num_pending_tokens:
+                break  # preempted with a token on the way: prefilled again once it is known
             if not self._lora_fits(request):
                 passed_over.append(self.waiting.pop())
                 continue
@@ -428,6 +433,12 @@ class Scheduler:
         new_ids = self.kv_cache.block_ids(request.request_id, start=sent)
         self._sent_blocks[request.request_id] = sent + len(new_ids)
         return new_ids
+
+    def _micro_batch_cap(self) -> int:
+        """Pipeline parallelism: the most requests one step takes, an even share of those that
+        run or wait (up to ``max_num_seqs``) over the stages."""
+        num_active = min(len(self.running) + len(self.waiting) + len(self._loaded), self.config.max_num_seqs)
+        return max(1, -(-num_active // self.config.pipeline_parallel_size))
 
     def _new_token_ids(self, request: Request) -> list[int]:
         """The output tokens the workers have not been sent yet (pipeline parallelism: the
