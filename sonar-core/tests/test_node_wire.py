@@ -112,3 +112,74 @@ def test_ranks_split_evenly_and_consecutively() -> None:
     assert [NodeLayout(4, 2, node).ranks for node in (0, 1)] == [range(0, 2), range(2, 4)]
     with pytest.raises(ValueError, match="evenly"):
         NodeLayout(3, 2, 0)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _handshake(tmp_path: Path, monkeypatch, head_secret: bytes | None, follower_secret: bytes | None, **follower_changes):
+    """A real head (``accept_followers``, in a thread) and a real follower (``_join_head``) on
+    loopback, each with its own secret: ``(what the head returned or raised, what the follower did)``."""
+    import threading
+
+    from sonar.executor import multinode, node_follower
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    head = dataclasses.replace(CONFIG, model=str(tmp_path), master_addr="127.0.0.1", master_port=_free_port() - 1)
+    follower = dataclasses.replace(head, node_rank=1, **follower_changes)
+    monkeypatch.setenv("SONAR_WORKER_STARTUP_TIMEOUT_S", "2")
+    monkeypatch.setattr(multinode, "node_secret", lambda: head_secret)
+    monkeypatch.setattr(node_follower, "node_secret", lambda: follower_secret)
+    head_result: list = []
+
+    def run_head() -> None:
+        try:
+            head_result.append(multinode.accept_followers(head, 4))
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            head_result.append(exc)
+
+    thread = threading.Thread(target=run_head)
+    thread.start()
+    try:
+        follower_result = node_follower._join_head(follower)
+    except Exception as exc:  # noqa: BLE001
+        follower_result = exc
+    thread.join(10)
+    for value in (head_result[0], follower_result):
+        for sock in value if isinstance(value, list) else [value]:
+            getattr(getattr(sock, "sock", sock), "close", lambda: None)()
+    return head_result[0], follower_result
+
+
+def test_a_shared_secret_admits_the_follower(tmp_path: Path, monkeypatch) -> None:
+    joined, follower = _handshake(tmp_path, monkeypatch, b"s3cret", b"s3cret")
+    assert isinstance(follower, socket.socket) and [link.layout.node_rank for link in joined] == [1]
+
+
+@pytest.mark.parametrize(
+    ("head_secret", "follower_secret", "follower_error"),
+    [
+        (b"s3cret", None, "did not prove the head's SONAR_NODE_SECRET"),  # an outsider learns nothing else
+        (b"s3cret", b"other", "did not prove the head's SONAR_NODE_SECRET"),
+        (None, b"s3cret", "does not authenticate its followers"),  # a follower never runs for an unproven head
+    ],
+)
+def test_a_follower_without_the_secret_is_refused(tmp_path: Path, monkeypatch, head_secret, follower_secret, follower_error) -> None:
+    from sonar.executor.base import WorkerDiedError
+
+    head, follower = _handshake(tmp_path, monkeypatch, head_secret, follower_secret, max_num_seqs=8)
+    assert isinstance(follower, ValueError) and follower_error in str(follower)
+    assert "max_num_seqs" not in str(follower)  # the options (which differ) are not compared before the proof
+    assert isinstance(head, WorkerDiedError) and "did not join" in str(head)
+
+
+def test_a_greeting_frame_is_bounded(pair) -> None:
+    from sonar.executor.node_wire import MAX_GREETING_BYTES
+
+    head, follower = pair
+    follower.sendall(struct.pack("!I", MAX_GREETING_BYTES + 1))
+    with pytest.raises(LinkError, match="at most"):
+        receive_message(head, MAX_GREETING_BYTES)

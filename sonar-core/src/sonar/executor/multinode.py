@@ -44,8 +44,9 @@ from sonar.config import EngineConfig
 from sonar.executor.base import WorkerDiedError
 from sonar.executor.multiproc import DEFAULT_STARTUP_TIMEOUT_S, IDLE_CHECK_S, OVERFLOW, STARTUP_TIMEOUT_ENV, _peer_closed, _timeout
 from sonar.executor.node_wire import (
-    PROTOCOL_VERSION, Broadcast, Hello, LinkError, RankExited, Reply, Shutdown, Start, Verdict, comparable_config,
-    config_differences, keep_alive, model_fingerprint, receive_message, send_message,
+    FOLLOWER, HEAD, MAX_GREETING_BYTES, PROTOCOL_VERSION, SECRET_ENV, Broadcast, Challenge, Hello, LinkError, RankExited,
+    Reply, Shutdown, Start, Verdict, comparable_config, config_differences, keep_alive, model_fingerprint, new_nonce,
+    node_secret, prove, proves, receive_message, send_message,
 )
 from sonar.executor.shm_broadcast import RingReader, RingTimeout, RingWriter
 
@@ -180,20 +181,24 @@ def _admit(
     sock: socket.socket, peer: Any, config: EngineConfig, world_size: int, expected: dict[str, Any], fingerprint: str,
     followers: dict[int, FollowerLink],
 ) -> FollowerLink | None:
-    """Read a connection's ``Hello`` and answer it: the accepted follower, or None."""
+    """Challenge a connection, read its ``Hello`` and answer it: the accepted follower, or None."""
     sock.settimeout(HELLO_TIMEOUT_S)
+    secret = node_secret()
+    nonce = new_nonce()
     try:
-        hello = receive_message(sock)
+        send_message(sock, Challenge(PROTOCOL_VERSION, nonce, authenticated=secret is not None))
+        hello = receive_message(sock, MAX_GREETING_BYTES)
         if not isinstance(hello, Hello):
             raise LinkError(f"expected a Hello first, got a {type(hello).__name__}")
-        reason = _refusal(hello, config, expected, fingerprint, followers)
-        send_message(sock, Verdict(accepted=reason is None, reason=reason or ""))
+        reason = _refusal(hello, config, expected, fingerprint, followers, secret=secret, nonce=nonce)
+        proof = prove(secret, hello.nonce, HEAD) if secret is not None and reason is None else b""
+        send_message(sock, Verdict(accepted=reason is None, reason=reason or "", proof=proof))
     except (LinkError, TimeoutError, OSError) as exc:
         logger.warning("dropped a connection from %s to the control link: %s", peer, exc)
         sock.close()
         return None
     if reason is not None:
-        logger.error("refused follower %s (node rank %d): %s", hello.host, hello.node_rank, reason)
+        logger.error("refused follower %s (node rank %d) from %s: %s", hello.host, hello.node_rank, peer, reason)
         sock.close()
         return None
     sock.settimeout(None)
@@ -203,11 +208,15 @@ def _admit(
 
 
 def _refusal(
-    hello: Hello, config: EngineConfig, expected: dict[str, Any], fingerprint: str, followers: dict[int, FollowerLink]
+    hello: Hello, config: EngineConfig, expected: dict[str, Any], fingerprint: str, followers: dict[int, FollowerLink],
+    secret: bytes | None = None, nonce: bytes = b"",
 ) -> str | None:
-    """Why ``hello``'s follower cannot join (None: it can)."""
+    """Why ``hello``'s follower cannot join (None: it can). With a ``secret``, a follower that
+    does not prove it over ``nonce`` learns nothing else."""
     if hello.protocol != PROTOCOL_VERSION:
         return f"it speaks control protocol {hello.protocol}, the head {PROTOCOL_VERSION}: run the same Sonar version on every host"
+    if secret is not None and not proves(secret, nonce, FOLLOWER, hello.proof):
+        return f"it did not prove the head's {SECRET_ENV}: set the same {SECRET_ENV} on every host"
     if not 1 <= hello.node_rank < config.nnodes:
         return f"node rank {hello.node_rank} is not a follower of nnodes={config.nnodes} (1..{config.nnodes - 1})"
     if hello.node_rank in followers:

@@ -33,8 +33,9 @@ from sonar.executor.multiproc import (
     _ring_slot_bytes, _timeout, encode_ring_info,
 )
 from sonar.executor.node_wire import (
-    PROTOCOL_VERSION, Broadcast, Hello, LinkError, RankExited, Reply, Shutdown, Start, Verdict, comparable_config,
-    keep_alive, model_fingerprint, receive_message, send_message,
+    FOLLOWER, HEAD, MAX_GREETING_BYTES, PROTOCOL_VERSION, SECRET_ENV, Broadcast, Challenge, Hello, LinkError, RankExited,
+    Reply, Shutdown, Start, Verdict, comparable_config, keep_alive, model_fingerprint, new_nonce, node_secret, prove, proves,
+    receive_message, send_message,
 )
 from sonar.executor.shm_broadcast import RingTimeout, RingWriter
 from sonar.platform import Platform
@@ -91,10 +92,6 @@ def _join_head(config: EngineConfig) -> socket.socket:
     """
     timeout_s = _timeout(STARTUP_TIMEOUT_ENV, DEFAULT_STARTUP_TIMEOUT_S)
     address = (config.master_addr, control_port(config))
-    hello = Hello(
-        protocol=PROTOCOL_VERSION, node_rank=config.node_rank, host=socket.gethostname(),
-        config=comparable_config(config), model_fingerprint=model_fingerprint(config.model),
-    )
     deadline = time.monotonic() + timeout_s
     logger.info("node rank %d: joining the head at %s:%d", config.node_rank, *address)
     while True:
@@ -108,16 +105,37 @@ def _join_head(config: EngineConfig) -> socket.socket:
                     f"start the head (node rank 0) with --master-port {config.master_port}"
                 ) from None
             time.sleep(CONNECT_RETRY_S)
+    head = f"the head at {address[0]}:{address[1]}"
+    secret = node_secret()
+    nonce = new_nonce()
     try:
+        challenge = receive_message(sock, MAX_GREETING_BYTES)
+        if not isinstance(challenge, Challenge):
+            raise LinkError(f"it sent a {type(challenge).__name__} first, not a Challenge")
+        if challenge.protocol != PROTOCOL_VERSION:
+            raise ValueError(f"{head} speaks control protocol {challenge.protocol}, this host {PROTOCOL_VERSION}: run the same Sonar version on every host")
+        if secret is not None and not challenge.authenticated:
+            raise ValueError(f"{head} does not authenticate its followers but this host has {SECRET_ENV} set: set it on the head too")
+        hello = Hello(
+            protocol=PROTOCOL_VERSION, node_rank=config.node_rank, host=socket.gethostname(),
+            config=comparable_config(config), model_fingerprint=model_fingerprint(config.model),
+            nonce=nonce, proof=prove(secret, challenge.nonce, FOLLOWER) if secret is not None else b"",
+        )
         send_message(sock, hello)
-        verdict = receive_message(sock)
+        verdict = receive_message(sock, MAX_GREETING_BYTES)
     except (LinkError, TimeoutError) as exc:
         sock.close()
-        raise RuntimeError(f"the head at {address[0]}:{address[1]} did not answer this host's introduction ({exc})") from None
+        raise RuntimeError(f"{head} did not answer this host's introduction ({exc})") from None
+    except ValueError:
+        sock.close()
+        raise
     if not isinstance(verdict, Verdict) or not verdict.accepted:
         sock.close()
         reason = verdict.reason if isinstance(verdict, Verdict) else f"it answered a {type(verdict).__name__}"
-        raise ValueError(f"the head at {address[0]}:{address[1]} refused node rank {config.node_rank}: {reason}")
+        raise ValueError(f"{head} refused node rank {config.node_rank}: {reason}")
+    if secret is not None and not proves(secret, nonce, HEAD, verdict.proof):
+        sock.close()
+        raise ValueError(f"{head} did not prove this host's {SECRET_ENV}: it is not the head this host was told to join")
     sock.settimeout(None)
     keep_alive(sock)
     return sock

@@ -3,10 +3,19 @@
 One TCP connection per follower carries length-prefixed msgpack frames (plain data, never
 pickled): ``[num_bytes: uint32, big-endian][msgpack of one message below]``. A frame larger
 than ``MAX_FRAME_BYTES``, or one that is not a known message with fields of the right types,
-is refused and closes the link.
+is refused and closes the link; until a follower is accepted, no frame may exceed
+``MAX_GREETING_BYTES``.
 
-    follower -> head   Hello      who it is and what it runs (checked against the head's)
-    head -> follower   Verdict    accepted, or refused with the reason
+With ``SONAR_NODE_SECRET`` set (the same value on every host), each side proves it knows the
+secret by an HMAC-SHA256 of the other side's fresh nonce: the head accepts only followers that
+prove it (before it compares their options, so an outsider learns nothing of the configuration),
+and a follower runs only for a head that proves it. Without the secret anyone who reaches the
+control port during start-up may join: use a trusted network.
+
+    head -> follower   Challenge  a fresh nonce, and whether the head authenticates its followers
+    follower -> head   Hello      who it is and what it runs (checked against the head's), with its
+                                  proof of the shared secret where there is one
+    head -> follower   Verdict    accepted, or refused with the reason (and the head's own proof)
     head -> follower   Start      every host is in: start the ranks (they join the rendezvous)
     head -> follower   Broadcast  one executor message for every rank of the follower
     follower -> head   Reply      one rank's reply, as the rank encoded it
@@ -17,6 +26,8 @@ is refused and closes the link.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
 import socket
 import struct
 from pathlib import Path
@@ -24,14 +35,25 @@ from typing import Any
 
 import msgspec
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 FRAME_HEADER = struct.Struct("!I")
 MAX_FRAME_BYTES = 1 << 30  # a step message is far smaller; anything larger is a broken peer
+MAX_GREETING_BYTES = 1 << 20  # a Challenge, Hello or Verdict: before a peer is trusted
+SECRET_ENV = "SONAR_NODE_SECRET"
+NONCE_BYTES = 16
 # engine options that may differ between hosts: where the model lies, what only the head's
 # frontend uses, and the host's own place
 PER_HOST_FIELDS = frozenset({
     "model", "served_name", "tokenizer", "skip_tokenizer_init", "default_sampling", "node_rank", "master_addr",
 })
+
+
+class Challenge(msgspec.Struct, tag="challenge", forbid_unknown_fields=True):
+    """The head's first frame on a new connection."""
+
+    protocol: int
+    nonce: bytes  # the follower proves the secret over it
+    authenticated: bool  # whether the head has a SONAR_NODE_SECRET
 
 
 class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
@@ -42,6 +64,8 @@ class Hello(msgspec.Struct, tag="hello", forbid_unknown_fields=True):
     host: str
     config: dict[str, Any]  # the follower's engine configuration, less PER_HOST_FIELDS
     model_fingerprint: str  # model_fingerprint() of its model files
+    nonce: bytes = b""  # the head proves the secret over it
+    proof: bytes = b""  # prove(secret, the Challenge's nonce, FOLLOWER) where the follower has a secret
 
 
 class Verdict(msgspec.Struct, tag="verdict", forbid_unknown_fields=True):
@@ -49,6 +73,7 @@ class Verdict(msgspec.Struct, tag="verdict", forbid_unknown_fields=True):
 
     accepted: bool
     reason: str = ""
+    proof: bytes = b""  # prove(secret, the Hello's nonce, HEAD) where the head has a secret
 
 
 class Start(msgspec.Struct, tag="start", forbid_unknown_fields=True):
@@ -79,7 +104,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", forbid_unknown_fields=True):
     """The head's executor shut down (the engine stopped): the follower ends too."""
 
 
-Message = Hello | Verdict | Start | Broadcast | Reply | RankExited | Shutdown
+Message = Challenge | Hello | Verdict | Start | Broadcast | Reply | RankExited | Shutdown
 
 
 class LinkError(ConnectionError):
@@ -101,15 +126,40 @@ def send_message(sock: socket.socket, message: Message) -> None:
         raise LinkError(f"the control link closed while sending ({exc})") from None
 
 
-def receive_message(sock: socket.socket) -> Message:
-    """Read one frame and check it is a known message with fields of the right types."""
+def receive_message(sock: socket.socket, max_bytes: int = MAX_FRAME_BYTES) -> Message:
+    """Read one frame of at most ``max_bytes`` and check it is a known message with fields of
+    the right types."""
     (num_bytes,) = FRAME_HEADER.unpack(_receive_exactly(sock, FRAME_HEADER.size))
-    if num_bytes > MAX_FRAME_BYTES:
-        raise LinkError(f"the peer announced a frame of {num_bytes} bytes (at most {MAX_FRAME_BYTES}): not a Sonar control link")
+    if num_bytes > max_bytes:
+        raise LinkError(f"the peer announced a frame of {num_bytes} bytes (at most {max_bytes}): not a Sonar control link")
     try:
         return _decoder.decode(_receive_exactly(sock, num_bytes))
     except msgspec.DecodeError as exc:  # ValidationError included: a wrong type or an unknown message
         raise LinkError(f"the peer sent an invalid control message ({exc})") from None
+
+
+FOLLOWER, HEAD = b"sonar-node-follower:", b"sonar-node-head:"
+
+
+def node_secret() -> bytes | None:
+    """The shared secret of ``SONAR_NODE_SECRET`` (None where it is unset or empty)."""
+    value = os.environ.get(SECRET_ENV, "")
+    return value.encode() if value else None
+
+
+def new_nonce() -> bytes:
+    return os.urandom(NONCE_BYTES)
+
+
+def prove(secret: bytes, nonce: bytes, role: bytes) -> bytes:
+    """The proof that the side ``role`` (FOLLOWER or HEAD) knows ``secret``, over the other
+    side's fresh ``nonce``."""
+    return hmac.new(secret, role + nonce, hashlib.sha256).digest()
+
+
+def proves(secret: bytes, nonce: bytes, role: bytes, proof: bytes) -> bool:
+    """Whether ``proof`` is ``prove(secret, nonce, role)`` (in constant time)."""
+    return len(nonce) == NONCE_BYTES and hmac.compare_digest(prove(secret, nonce, role), proof)
 
 
 def _receive_exactly(sock: socket.socket, num_bytes: int) -> bytes:
