@@ -31,13 +31,16 @@ from sonar_cuda.kernels.decode_attention import warm_up_decode_attention
 
 logger = logging.getLogger(__name__)
 
+TP_GRAPHS_ENV = "SONAR_TP_CUDA_GRAPHS"  # "1": decode graphs at tensor_parallel_size > 1 capture the all-reduces
+
 
 class CudaModelRunner(ModelRunner):
     """The core model runner plus CUDA graphs for decode steps.
 
     ``max_graph_batch_size`` bounds the captured sizes; ``SONAR_ENFORCE_EAGER=1`` turns graphs
-    off (the static-buffer decode path still runs, eagerly), and so does tensor parallelism
-    (its all-reduces are not captured yet). On a CPU device (tests through
+    off (the static-buffer decode path still runs, eagerly), and so do pipeline stages and, unless
+    ``SONAR_TP_CUDA_GRAPHS=1`` (an opt-in until it has been measured on several GPUs: the graphs
+    then capture the NCCL all-reduces), tensor parallelism. On a CPU device (tests through
     Triton's interpreter) the same path runs without graphs.
     """
 
@@ -46,8 +49,9 @@ class CudaModelRunner(ModelRunner):
     def __init__(self, model_config, config, device: torch.device, attention_backend_cls: str) -> None:
         super().__init__(model_config, config, device, attention_backend_cls)
         self.use_graphs = device.type == "cuda" and os.environ.get("SONAR_ENFORCE_EAGER", "") not in ("1", "true")
-        if config.tensor_parallel_size > 1 or config.pipeline_parallel_size > 1:  # graphs that capture collectives / stage hand-overs are not built yet
-            self.use_graphs = False
+        tp_graphs = os.environ.get(TP_GRAPHS_ENV, "") in ("1", "true")
+        if config.pipeline_parallel_size > 1 or (config.tensor_parallel_size > 1 and not tp_graphs):
+            self.use_graphs = False  # stage hand-overs are not captured; collectives only on request
         self.max_blocks_per_seq = self.block_table.max_blocks_per_seq
         self.graphs: DecodeGraphs | None = None
 
