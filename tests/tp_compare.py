@@ -1,4 +1,4 @@
-"""What the tensor-parallel tests compare: a model's greedy tokens and top logprobs at TP=2
+"""What the parallel tests compare: a model's greedy tokens and top logprobs at TP=2 or PP=2
 (two real worker processes over gloo) against the same engine options on one device."""
 
 from __future__ import annotations
@@ -19,10 +19,16 @@ def generate(llm: LLM, requests: list[dict[str, Any]] | None = None, **kwargs: A
 
 def two_ranks_and_one_device(model: str, **options: Any) -> tuple[list, list]:
     """``(one device's outputs, TP=2's outputs)`` for the same prompts and options."""
+    return parallel_and_one_device(model, {"tensor_parallel_size": 2}, **options)
+
+
+def parallel_and_one_device(model: str, parallel: dict[str, Any], **options: Any) -> tuple[list, list]:
+    """``(one device's outputs, the outputs with the ``parallel`` sizes)`` for the same prompts
+    and options."""
     single = LLM(model, **{**ENGINE, **options})
     expected = generate(single)
     del single
-    parallel = LLM(model, tensor_parallel_size=2, **{**ENGINE, **options})
+    parallel = LLM(model, **parallel, **{**ENGINE, **options})
     try:
         return expected, generate(parallel)
     finally:

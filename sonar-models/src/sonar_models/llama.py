@@ -347,8 +347,8 @@ class LlamaForCausalLM(nn.Module):
                 if not stage.is_last:
                     continue
             elif name.startswith("lm_head."):
-                if not stage.is_last or self.tie_word_embeddings:
-                    continue  # tied: the head is filled from the embedding
+                if not stage.is_last or (self.tie_word_embeddings and name == "lm_head.weight"):
+                    continue  # tied: the head's weight is filled from the embedding (a quantized table it keeps stays)
             yield name, tensor
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:

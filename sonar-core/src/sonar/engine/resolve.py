@@ -135,11 +135,6 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
     if args.pipeline_parallel_size > 1:
         _check_pipeline(args.pipeline_parallel_size, hf_config)
     quantization = resolve_quantization(args.quantization, hf_config, platform.name)
-    if args.pipeline_parallel_size > 1 and quantization not in (None, "unquantized"):
-        raise ValueError(
-            f"quantization={quantization!r} does not run with pipeline parallelism yet; "
-            f"use pipeline_parallel_size=1 or an unquantized checkpoint"
-        )
     tokenizer = None
     if not args.skip_tokenizer_init:
         if args.tokenizer:
