@@ -354,7 +354,7 @@ def test_unloading_an_adapter_in_use_waits_for_its_requests(lora_server: ServerP
     meanwhile the adapter takes no new requests."""
     url = lora_server.url
     assert load(url, {"lora_name": "busy", "lora_path": "chat"}).status_code == 200
-    num_tokens = 100
+    num_tokens = 480  # as long as the context allows (512): the request must outlast the checks below
     body = {"model": "busy", "prompt": PROMPT_IDS, "max_tokens": num_tokens, "min_tokens": num_tokens, "temperature": 0, "stream": True}
     events: list[str] = []
     with httpx.stream("POST", f"{url}/v1/completions", json=body, headers=AUTH, timeout=60) as stream:
