@@ -40,7 +40,8 @@ class CudaModelRunner(ModelRunner):
     ``max_graph_batch_size`` bounds the captured sizes; ``SONAR_ENFORCE_EAGER=1`` turns graphs
     off (the static-buffer decode path still runs, eagerly), and so do pipeline stages and, unless
     ``SONAR_TP_CUDA_GRAPHS=1`` (an opt-in until it has been measured on several GPUs: the graphs
-    then capture the NCCL all-reduces), tensor parallelism. On a CPU device (tests through
+    then capture the NCCL all-reduces), tensor parallelism; expert parallelism always (its
+    dispatch reads the split sizes on the host). On a CPU device (tests through
     Triton's interpreter) the same path runs without graphs.
     """
 
@@ -50,7 +51,8 @@ class CudaModelRunner(ModelRunner):
         super().__init__(model_config, config, device, attention_backend_cls)
         self.use_graphs = device.type == "cuda" and os.environ.get("SONAR_ENFORCE_EAGER", "") not in ("1", "true")
         tp_graphs = os.environ.get(TP_GRAPHS_ENV, "") in ("1", "true")
-        if config.pipeline_parallel_size > 1 or (config.tensor_parallel_size > 1 and not tp_graphs):
+        expert_parallel = config.tensor_parallel_size > 1 and config.enable_expert_parallel  # reads split sizes on the host
+        if config.pipeline_parallel_size > 1 or expert_parallel or (config.tensor_parallel_size > 1 and not tp_graphs):
             self.use_graphs = False  # stage hand-overs are not captured; collectives only on request
         self.max_blocks_per_seq = self.block_table.max_blocks_per_seq
         self.graphs: DecodeGraphs | None = None
