@@ -15,8 +15,10 @@ from safetensors.torch import load_file
 
 from sonar import LLM, SamplingParams
 from sonar.spec_decode.dflash_checkpoint import save_dflash
+from sonar.spec_decode.dflash_config import read_dflash_config
 from sonar.spec_decode.dflash_model import DFlashDrafter
 from sonar.spec_decode.dflash_trainer import drafter_config_for, init_drafter
+from sonar.spec_decode.paged_draft_cache import PagedDraftCache
 
 LAYERS = 4
 VOCAB = 4096
@@ -90,7 +92,9 @@ def test_greedy_output_with_each_method_equals_no_speculation(target, plain, tmp
     folder = random_drafter(target, tmp_path / "drafter", layout, dspark=method == "dspark")
     spec = {"method": method, "model": str(folder), "num_speculative_tokens": 3}
     # chunked prefill (16-token chunks) and a cache small enough to preempt
-    llm = LLM(str(target[0]), kv_cache_memory_bytes=10 * BLOCK_BYTES, max_num_batched_tokens=16, max_model_len=128,
+    drafter = read_dflash_config(folder)  # the drafter's own paged cache comes out of the same budget
+    drafter_bytes = 16 * PagedDraftCache.bytes_per_slot(drafter.num_hidden_layers, drafter.num_key_value_heads, drafter.head_dim, torch.float32)
+    llm = LLM(str(target[0]), kv_cache_memory_bytes=10 * (BLOCK_BYTES + drafter_bytes), max_num_batched_tokens=16, max_model_len=128,
               speculative_config=spec, skip_tokenizer_init=True)  # fmt: skip
     got = generate(llm, PROMPTS, mixed_params())
     stats = llm.llm_engine.get_stats()

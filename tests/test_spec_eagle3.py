@@ -11,9 +11,10 @@ import torch
 from sonar import LLM, SamplingParams
 from sonar.spec_decode import ProposerInputs, SpeculativeConfig
 from sonar.spec_decode.eagle3 import Eagle3Proposer
-from sonar.spec_decode.eagle3_checkpoint import save_eagle3
+from sonar.spec_decode.eagle3_checkpoint import read_eagle3_config, save_eagle3
 from sonar.spec_decode.eagle3_head import Eagle3Head
 from sonar.spec_decode.eagle3_trainer import head_config_for
+from sonar.spec_decode.paged_draft_cache import PagedDraftCache
 from sonar_models.aux_hidden_states import default_aux_layer_ids
 from sonar_models.testing import PagedCacheDriver, load_sonar_model
 
@@ -128,7 +129,8 @@ def test_greedy_output_with_eagle3_equals_no_speculation(target_dir, tmp_path):
     params[1] = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, repetition_penalty=1.3)  # decodes without drafts
     expected = _generate(LLM(str(target_dir), kv_cache_memory_bytes=KV_BYTES), prompts, params)
     # chunked prefill (16-token chunks) and a cache small enough to preempt
-    block_bytes = 2 * LAYERS * 16 * 2 * 16 * 4
+    head = read_eagle3_config(folder)  # the head's own paged cache comes out of the same budget
+    block_bytes = 2 * LAYERS * 16 * 2 * 16 * 4 + 16 * PagedDraftCache.bytes_per_slot(1, head.num_key_value_heads, head.head_dim, torch.float32)
     llm = LLM(str(target_dir), kv_cache_memory_bytes=10 * block_bytes, max_num_batched_tokens=16, max_model_len=128, speculative_config=spec)
     got = _generate(llm, prompts, params)
     stats = llm.llm_engine.get_stats()

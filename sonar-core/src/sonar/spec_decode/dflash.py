@@ -18,19 +18,27 @@ from its normal forward pass. After every step, per request:
 
 Drafts are greedy (``DraftTokens.probs`` is None): the verifier treats them as one-hot, so
 greedy output equals decoding without speculation and sampled output keeps its distribution.
-The drafter runs eagerly on the target's device.
+The drafter runs on the target's device. Its cache is paged (``PagedDraftCache``): step 1
+writes through slot indices, steps 2 and 3 are one pass (``DraftPass``) that reads through the
+device block table, replayed from a graph at a padded batch size where the platform captures.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from sonar.spec_decode.dflash_cache import ContextKVCache
 from sonar.spec_decode.dflash_checkpoint import load_dflash
 from sonar.spec_decode.dflash_config import DFlashConfig, read_dflash_config
 from sonar.spec_decode.dflash_model import DFlashDrafter
+from sonar.spec_decode.draft_graphs import DraftPass, capture_sizes, slot_buckets
 from sonar.spec_decode.eagle3 import target_embedding
-from sonar.spec_decode.interface import DraftTokens, Proposer, ProposerInputs, SpeculativeConfig
+from sonar.spec_decode.interface import DraftCacheBudget, DraftTokens, Proposer, ProposerInputs, SpeculativeConfig
+from sonar.spec_decode.paged_draft_cache import STANDALONE_BUDGET, PagedDraftCache, build_draft_cache
+
+if TYPE_CHECKING:
+    from sonar.worker.model_runner import ModelRunner
 
 
 def check_against_target(config: DFlashConfig, target_config: object, num_target_layers: int, folder: str) -> None:
@@ -65,7 +73,9 @@ class DFlashProposer(Proposer):
         self.drafter: DFlashDrafter | None = None
         self.embed: torch.nn.Module | None = None
         self.lm_head = None  # the target's compute_logits
-        self.cache: ContextKVCache | None = None
+        self.cache: PagedDraftCache | None = None
+        self.block_pass: DraftPass | None = None
+        self.bound = False  # a model runner sizes the cache (init_cache); else load_model does
 
     @classmethod
     def check_config(cls, config: SpeculativeConfig) -> DFlashConfig:
@@ -100,7 +110,32 @@ class DFlashProposer(Proposer):
         aux.select(config.aux_layer_ids)
         self.embed = embed
         self.lm_head = target_model.compute_logits
-        self.cache = ContextKVCache(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype, self.device)
+        self.dtype = dtype
+        if not self.bound:
+            self.init_cache(DraftCacheBudget(**STANDALONE_BUDGET))
+
+    def bind_runner(self, runner: ModelRunner) -> None:
+        """The runner sizes the drafter's cache from its block budget (``init_cache``)."""
+        self.bound = True
+
+    def cache_bytes_per_block(self, block_size: int) -> int:
+        """Every draft layer's keys and values (and the positions) of a block of tokens."""
+        config = self.drafter_config
+        return block_size * PagedDraftCache.bytes_per_slot(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.dtype)
+
+    def init_cache(self, budget: DraftCacheBudget) -> None:
+        """Allocate the drafter's paged cache for ``budget`` and capture the block pass at
+        padded batch sizes where ``budget.capturer`` is given."""
+        config = self.drafter_config
+        self.cache = build_draft_cache(budget, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.dtype, self.device)
+        sizes = capture_sizes(budget.max_num_seqs, self.config.max_batch_size)
+        rows = max(sizes)
+        padding = {"rows": self.cache.padding_row, "anchors": 0, "anchor_positions": 0}
+        inputs = {name: torch.full((rows,), value, dtype=torch.int64, device=self.device) for name, value in padding.items()}
+        self.block_pass = DraftPass(f"{self.method} block", self._block_pass, inputs, padding)
+        if budget.capturer is not None:
+            max_slots = self.cache.max_blocks_per_request * self.cache.block_size
+            self.block_pass.capture(budget.capturer, sizes, slot_buckets(self.cache.block_size, max_slots))
 
     def remove_requests(self, req_ids: set[str]) -> None:
         """Forget the drafter's context of these requests."""
@@ -124,42 +159,57 @@ class DFlashProposer(Proposer):
         # 1. the target's states: every layer's keys and values, kept
         if inputs.hidden_states.shape[0]:
             context = drafter.context(inputs.hidden_states, inputs.positions)
+            kv = torch.stack([torch.stack([k, v]) for k, v in context])  # [layers, 2, N, KVH, D]
             start = 0
             for req_id, count in zip(inputs.req_ids, inputs.num_hidden_states):
                 if count:
-                    rows = slice(start, start + count)
-                    cache.append(req_id, [(k[rows], v[rows]) for k, v in context], inputs.positions[rows])
+                    cache.append(req_id, kv[:, :, start : start + count], inputs.positions[start : start + count])
                 start += count
         drafts: list[list[int]] = [[] for _ in inputs.req_ids]
         confidence: list[list[float] | None] | None = None
         if not drafting:
             return DraftTokens(list(inputs.req_ids), drafts)
-        # 2. one pass over each drafting request's block
+        # 2. and 3. one pass over each drafting request's block
         req_ids = [inputs.req_ids[i] for i in drafting]
-        device = self.device
-        block = config.block_size
-        anchors = torch.tensor([inputs.token_ids[i][-1] for i in drafting], dtype=torch.int64, device=device)
-        anchor_positions = torch.tensor([len(inputs.token_ids[i]) - 1 for i in drafting], dtype=torch.int64, device=device)
-        ids = torch.full((len(drafting), block), config.mask_token_id, dtype=torch.int64, device=device)
-        ids[:, 0] = anchors
-        block_positions = anchor_positions[:, None] + torch.arange(block, device=device)[None, :]  # [R, B]
-        ctx, ctx_positions, valid = cache.gather(req_ids)
-        masks = self._masks(block_positions, ctx_positions, valid)
-        hidden = drafter.block(self.embed(ids), block_positions, ctx, masks)
-        k = self.config.num_speculative_tokens
-        slots = hidden[:, config.first_slot : config.first_slot + k]  # [R, k, hidden]
-        base = self.lm_head(slots.reshape(-1, slots.shape[-1])).view(len(drafting), k, -1)
-        tokens, prev = drafter.pick_greedy(base, slots, anchors)
-        # 3. DSpark: the chance each prefix survives
-        logits = drafter.confidence_logits(slots, prev)
-        survival = None if logits is None else torch.sigmoid(logits.float()).cumprod(dim=-1).tolist()
-        if survival is not None:
+        values = {
+            name: torch.tensor(column, dtype=torch.int64).to(self.device, non_blocking=True)
+            for name, column in (
+                ("rows", [cache.row_of(r) for r in req_ids]),
+                ("anchors", [inputs.token_ids[i][-1] for i in drafting]),
+                ("anchor_positions", [len(inputs.token_ids[i]) - 1 for i in drafting]),
+            )
+        }
+        tokens, *survival = self.block_pass.run(values, max(cache.lengths.get(r, 0) for r in req_ids))
+        rows_survival = survival[0].tolist() if survival else None
+        if rows_survival is not None:
             confidence = [None for _ in inputs.req_ids]
         for row, (i, row_tokens) in enumerate(zip(drafting, tokens.tolist())):
             drafts[i] = row_tokens
-            if survival is not None:
-                confidence[i] = survival[row]
+            if rows_survival is not None:
+                confidence[i] = rows_survival[row]
         return DraftTokens(list(inputs.req_ids), drafts, confidence=confidence)
+
+    def _block_pass(self, inputs: dict[str, torch.Tensor], num_slots: int) -> tuple[torch.Tensor, ...]:
+        """The drafts ``[R, k]`` (and DSpark's survival estimates ``[R, k]``) of one block per
+        row ``inputs["rows"]``, reading ``num_slots`` context slots of each (device values
+        only: graph-safe)."""
+        drafter, cache, config = self.drafter, self.cache, self.drafter_config
+        rows, anchors = inputs["rows"], inputs["anchors"]
+        block = config.block_size
+        masked = torch.full((rows.shape[0], block - 1), config.mask_token_id, dtype=torch.int64, device=anchors.device)
+        ids = torch.cat([anchors[:, None], masked], dim=1)
+        block_positions = inputs["anchor_positions"][:, None] + torch.arange(block, device=anchors.device)[None, :]  # [R, B]
+        valid = torch.arange(num_slots, device=anchors.device)[None, :] < cache.device_lengths[rows][:, None]
+        masks = self._masks(block_positions, cache.read_positions(rows, num_slots), valid)
+        hidden = drafter.block(self.embed(ids), block_positions, cache.layers(rows, num_slots), masks)
+        k = self.config.num_speculative_tokens
+        slots = hidden[:, config.first_slot : config.first_slot + k]  # [R, k, hidden]
+        base = self.lm_head(slots.reshape(-1, slots.shape[-1])).view(rows.shape[0], k, -1)
+        tokens, prev = drafter.pick_greedy(base, slots, anchors)
+        logits = drafter.confidence_logits(slots, prev)
+        if logits is None:
+            return (tokens,)
+        return tokens, torch.sigmoid(logits.float()).cumprod(dim=-1)
 
     def _masks(self, block_positions: torch.Tensor, ctx_positions: torch.Tensor, valid: torch.Tensor) -> list[torch.Tensor]:
         """Per draft layer ``[R, 1, B, L + B]``: every slot sees the real context and its whole

@@ -17,16 +17,29 @@ pass. After every step, per request:
 
 Drafts are greedy (``DraftTokens.probs`` is None): the verifier treats them as one-hot, so
 greedy output equals decoding without speculation and sampled output keeps its distribution.
+
+The head's cache is paged (``PagedDraftCache``): step 1 writes the verified slots through
+slot indices; steps 2 and 3 are one pass over the drafting requests (``DraftPass``) that
+reads through the device block table and writes its guessed slots at device-computed slots,
+so on a platform that captures graphs it is replayed at a padded batch size. Dropping the
+guesses is then nothing more than not committing them.
 """
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from sonar.spec_decode.eagle3_cache import DraftKVCache
+import torch
+from torch.nn import functional as F
+
+from sonar.spec_decode.draft_graphs import DraftPass, capture_sizes, slot_buckets
 from sonar.spec_decode.eagle3_checkpoint import load_eagle3, read_eagle3_config
 from sonar.spec_decode.eagle3_head import Eagle3Head
-from sonar.spec_decode.interface import DraftTokens, Proposer, ProposerInputs, SpeculativeConfig
+from sonar.spec_decode.interface import DraftCacheBudget, DraftTokens, Proposer, ProposerInputs, SpeculativeConfig
+from sonar.spec_decode.paged_draft_cache import STANDALONE_BUDGET, PagedDraftCache, build_draft_cache
+
+if TYPE_CHECKING:
+    from sonar.worker.model_runner import ModelRunner
 
 
 def target_embedding(target_model: torch.nn.Module) -> torch.nn.Module:
@@ -47,7 +60,9 @@ class Eagle3Proposer(Proposer):
         self.check_config(config)
         self.head: Eagle3Head | None = None
         self.embed: torch.nn.Module | None = None
-        self.cache: DraftKVCache | None = None
+        self.cache: PagedDraftCache | None = None
+        self.draft_pass: DraftPass | None = None
+        self.bound = False  # a model runner sizes the cache (init_cache); else load_model does
 
     @classmethod
     def check_config(cls, config: SpeculativeConfig) -> None:
@@ -75,7 +90,37 @@ class Eagle3Proposer(Proposer):
         target_hidden = getattr(getattr(target_model, "config", None), "hidden_size", config.target_hidden_size)
         if target_hidden != config.target_hidden_size:
             raise ValueError(f"EAGLE-3 head expects target_hidden_size {config.target_hidden_size}, the target's is {target_hidden}")
-        self.cache = DraftKVCache(config.num_key_value_heads, config.head_dim, dtype, self.device)
+        self.dtype = dtype
+        if not self.bound:
+            self.init_cache(DraftCacheBudget(**STANDALONE_BUDGET))
+
+    def bind_runner(self, runner: ModelRunner) -> None:
+        """The runner sizes the head's cache from its block budget (``init_cache``)."""
+        self.bound = True
+
+    def cache_bytes_per_block(self, block_size: int) -> int:
+        """The head's keys and values (one layer) of a block of tokens."""
+        config = self.head.config
+        return block_size * PagedDraftCache.bytes_per_slot(1, config.num_key_value_heads, config.head_dim, self.dtype)
+
+    def init_cache(self, budget: DraftCacheBudget) -> None:
+        """Allocate the head's paged cache for ``budget`` and capture the drafting pass at
+        padded batch sizes where ``budget.capturer`` is given."""
+        config, k = self.head.config, self.config.num_speculative_tokens
+        self.cache = build_draft_cache(budget, 1, config.num_key_value_heads, config.head_dim, self.dtype, self.device, k - 1)
+        sizes = capture_sizes(budget.max_num_seqs, self.config.max_batch_size)
+        rows = max(sizes)
+        inputs = {
+            "rows": torch.full((rows,), self.cache.padding_row, dtype=torch.int64, device=self.device),
+            "queries": torch.zeros((rows, config.num_attention_heads, config.head_dim), dtype=self.dtype, device=self.device),
+            "residual": torch.zeros((rows, config.hidden_size), dtype=self.dtype, device=self.device),
+            "positions": torch.zeros((rows,), dtype=torch.int64, device=self.device),
+        }
+        padding = {"rows": self.cache.padding_row, "queries": 0.0, "residual": 0.0, "positions": 0}
+        self.draft_pass = DraftPass("EAGLE-3 drafting", self._draft, inputs, padding, extra_slots=k - 1)
+        if budget.capturer is not None:
+            max_slots = self.cache.max_blocks_per_request * self.cache.block_size
+            self.draft_pass.capture(budget.capturer, sizes, slot_buckets(self.cache.block_size, max_slots))
 
     def remove_requests(self, req_ids: set[str]) -> None:
         """Forget the head's cache of these requests."""
@@ -103,38 +148,53 @@ class Eagle3Proposer(Proposer):
         if not drafting:
             return DraftTokens(list(inputs.req_ids), drafts)
         device = inputs.hidden_states.device
-        scale = head.config.head_dim**-0.5
-        # 1. the target's states: every slot's keys and values kept, the last slot attended
+        # 1. the target's states: every slot's keys and values kept
         hidden = head.combine(inputs.hidden_states)
         embeds = self.embed(torch.tensor(next_ids, dtype=torch.int64, device=device))
         q, k, v, residual = head.project(hidden, embeds, inputs.positions)
-        last_rows = []
-        for i, (first, count, _) in enumerate(spans):
+        kv = torch.stack([k, v])[None]  # [1 layer, 2, N, KVH, D]
+        for req_id, (first, count, _) in zip(inputs.req_ids, spans):
             if count:
-                cache.append(inputs.req_ids[i], k[first : first + count], v[first : first + count], commit=True)
-            if i in drafting:
-                last_rows.append(first + count - 1)
-        last = torch.tensor(last_rows, dtype=torch.int64, device=device)
+                cache.append(req_id, kv[:, :, first : first + count], commit=True)
         req_ids = [inputs.req_ids[i] for i in drafting]
-        attn = torch.cat([cache.attend(r, q[row : row + 1], scale) for r, row in zip(req_ids, last_rows)])
-        normed, state = head.finish(attn, residual[last])
-        token = head.to_target_ids(head.logits(normed).argmax(dim=-1))
-        proposed = [token]
-        # 2. the head's own states, one slot per request and draft
-        slot_positions = inputs.positions[last]
-        for _ in range(self.config.num_speculative_tokens - 1):
-            slot_positions = slot_positions + 1
-            q, k, v, residual = head.project(state, self.embed(token), slot_positions)
-            outputs = []
-            for j, req_id in enumerate(req_ids):
-                cache.append(req_id, k[j : j + 1], v[j : j + 1], commit=False)
-                outputs.append(cache.attend(req_id, q[j : j + 1], scale))
-            normed, state = head.finish(torch.cat(outputs), residual)
-            token = head.to_target_ids(head.logits(normed).argmax(dim=-1))
-            proposed.append(token)
-        # 3. the guessed slots leave the head's cache
+        last = torch.tensor([spans[i][0] + spans[i][1] - 1 for i in drafting], dtype=torch.int64, device=device)
+        # 2. and 3. one pass: the last slot attended, then the head's own slots, uncommitted
+        guesses = self.config.num_speculative_tokens - 1
         for req_id in req_ids:
-            cache.rollback(req_id)
-        for i, tokens in zip(drafting, torch.stack(proposed, dim=1).tolist()):
+            cache.reserve(req_id, cache.committed[req_id] + guesses)
+        rows = torch.tensor([cache.row_of(r) for r in req_ids], dtype=torch.int64).to(self.device, non_blocking=True)
+        values = {"rows": rows, "queries": q[last], "residual": residual[last], "positions": inputs.positions[last].to(self.device)}
+        (proposed,) = self.draft_pass.run(values, max(cache.committed[r] for r in req_ids))
+        for i, tokens in zip(drafting, proposed.tolist()):
             drafts[i] = tokens
         return DraftTokens(list(inputs.req_ids), drafts)
+
+    def _draft(self, inputs: dict[str, torch.Tensor], num_slots: int) -> tuple[torch.Tensor]:
+        """The drafts ``[R, k]`` of rows ``inputs["rows"]`` of the cache: the last verified
+        slot's query and residual first, then ``k - 1`` slots of the head's own states,
+        written after each row's committed slots (device values only: graph-safe). The first
+        attention reads ``num_slots`` slots, the ``j``-th one ``num_slots + j``."""
+        head, cache = self.head, self.cache
+        rows, positions = inputs["rows"], inputs["positions"]
+        seen = cache.device_lengths[rows]
+        normed, state = head.finish(self._attend(rows, inputs["queries"], seen, num_slots), inputs["residual"])
+        token = head.to_target_ids(head.logits(normed).argmax(dim=-1))
+        proposed = [token]
+        for j in range(1, self.config.num_speculative_tokens):
+            q, k, v, residual = head.project(state, self.embed(token), positions + j)
+            cache.write_rows(0, rows, seen + (j - 1), k, v)
+            normed, state = head.finish(self._attend(rows, q, seen + j, num_slots + j), residual)
+            token = head.to_target_ids(head.logits(normed).argmax(dim=-1))
+            proposed.append(token)
+        return (torch.stack(proposed, dim=1),)
+
+    def _attend(self, rows: torch.Tensor, queries: torch.Tensor, seen: torch.Tensor, num_slots: int) -> torch.Tensor:
+        """One query per row ``[R, H, D]`` over the row's first ``seen[r]`` slots (of the
+        ``num_slots`` read)."""
+        keys, values = self.cache.read(0, rows, num_slots)  # [R, S, KVH, D]
+        mask = torch.arange(num_slots, device=keys.device)[None, :] < seen[:, None]
+        out = F.scaled_dot_product_attention(
+            queries[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
+            attn_mask=mask[:, None, None, :], scale=self.head.config.head_dim**-0.5, enable_gqa=True,
+        )  # fmt: skip
+        return out[:, :, 0]

@@ -164,6 +164,19 @@ class DraftTokens:
     confidence: list[list[float] | None] | None = None
 
 
+@dataclass(slots=True)
+class DraftCacheBudget:
+    """What sizes a drafter's own cache: the target's block count and size and the engine's
+    limits; ``capturer``: the platform's graph capturer where drafter passes are captured
+    (None: they run eagerly)."""
+
+    num_target_blocks: int
+    block_size: int
+    max_num_seqs: int
+    max_model_len: int
+    capturer: Any = None
+
+
 class Proposer:
     """Proposes draft tokens for the target model to verify. Subclass and register it.
 
@@ -195,6 +208,16 @@ class Proposer:
 
     def load_model(self, target_model: torch.nn.Module) -> None:
         """Load the drafter's weights (if any); ``target_model`` may lend it shared layers."""
+
+    def cache_bytes_per_block(self, block_size: int) -> int:
+        """Device bytes the drafter's own cache takes per target block of ``block_size``
+        tokens (0: it keeps none); the runner adds them to the target's bytes per block, so
+        one memory budget sizes both caches (``init_cache`` then gets the block count)."""
+        return 0
+
+    def init_cache(self, budget: DraftCacheBudget) -> None:
+        """Allocate the drafter's own cache once the target's is sized (and capture its
+        passes where ``budget.capturer`` is given); called after ``load_model``."""
 
     def remove_requests(self, req_ids: set[str]) -> None:
         """Drop any per-request state of these requests (finished, aborted or preempted)."""

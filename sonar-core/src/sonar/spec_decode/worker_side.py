@@ -15,7 +15,7 @@ from sonar.sampler.sampler import Sampler
 from sonar.spec_decode.draft_probs import DraftProbsStore
 from sonar.spec_decode.eligibility import may_speculate
 from sonar.spec_decode.hidden_states import HiddenStateCollector, StepHiddenStates
-from sonar.spec_decode.interface import Proposer, ProposerInputs, SpeculativeConfig
+from sonar.spec_decode.interface import DraftCacheBudget, Proposer, ProposerInputs, SpeculativeConfig
 from sonar.spec_decode.verifier import VerifyLayout, VerifyResult, verify
 from sonar.worker.input_batch import StepBatch
 
@@ -50,6 +50,14 @@ class SpeculativeDecoder:
             self.proposer.bind_runner(runner)
         self.proposer.load_model(target_model)
         self._aux_states = getattr(target_model, "aux_hidden_states", None)
+
+    def cache_bytes_per_block(self, block_size: int) -> int:
+        """The proposer's own cache bytes per target block (0: it keeps none)."""
+        return self.proposer.cache_bytes_per_block(block_size)
+
+    def init_cache(self, budget: DraftCacheBudget) -> None:
+        """Size the proposer's own cache from the target's (and capture its passes)."""
+        self.proposer.init_cache(budget)
 
     def remove_requests(self, req_ids: set[str]) -> None:
         self.proposer.remove_requests(req_ids)

@@ -25,6 +25,8 @@ from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
 from sonar.sampler.sampler import LogprobsTensors, Sampler, compute_logprobs
 from sonar.sampling_params import SamplingParams
 from sonar.spec_decode.hidden_states import StepHiddenStates
+from sonar.spec_decode.draft_graphs import GraphCapturer
+from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.spec_decode.verifier import first_logits_rows
 from sonar.spec_decode.worker_side import SpeculativeDecoder, VerifiedStep
 from sonar.structured_output.bitmask import apply_grammar_bitmask
@@ -199,7 +201,9 @@ class ModelRunner:
     def kv_bytes_per_block(self) -> int:
         model = self.model
         element = torch.empty(0, dtype=self.kv_cache_dtype).element_size()
-        return 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * element
+        target = 2 * model.num_layers * self.block_size * model.num_kv_heads * model.head_dim * element
+        # a drafter's own paged cache is sized from the same block count (init_cache)
+        return target + (self.spec.cache_bytes_per_block(self.block_size) if self.spec is not None else 0)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         model = self.model
@@ -207,9 +211,18 @@ class ModelRunner:
         if self.kv_cache_dtype.itemsize == 1:
             warn_unscaled_fp8_layers(model)
         self.kv_caches = [self._zeros(shape) for _ in range(model.num_layers)]
+        if self.spec is not None:
+            config = self.config
+            budget = DraftCacheBudget(num_blocks, self.block_size, config.max_num_seqs, self.model_config.max_model_len, self.draft_graph_capturer())
+            self.spec.init_cache(budget)
         if self.config.kv_transfer_config is not None:
             self.kv_connector = build_kv_connector(self.config.kv_transfer_config, KVConnectorRole.WORKER, self.kv_cache_layout())
             self.kv_connector.register_kv_caches(self.kv_caches)
+
+    def draft_graph_capturer(self) -> GraphCapturer | None:
+        """What captures a drafter's passes in graphs on this runner's platform (None here:
+        they run eagerly; platform runners that capture graphs return theirs)."""
+        return None
 
     def kv_cache_layout(self) -> KVCacheLayout:
         """The allocated KV cache, as a KV connector sees it."""

@@ -1,0 +1,127 @@
+"""A drafter pass over a padded batch: static inputs, one graph per (batch size, slots read).
+
+The core decides the shapes: a pass of ``n`` requests that reads up to ``s`` slots of each
+request's drafter cache runs at the smallest captured batch size ``>= n`` and the smallest
+slot bucket ``>= s`` (powers of two in blocks); rows past ``n`` are padding (the cache's
+padding row: it reads and writes the scratch block only). The platform captures: where it
+gives a :class:`GraphCapturer` (CUDA) every (size, bucket) is captured once at start-up and
+replayed; elsewhere, and for a pass too large for every graph, the pass runs eagerly at its
+own shape (``n`` rows, exactly the slots it needs), as the drafters always ran.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+#: Batch sizes a drafter pass is captured at (up to ``max_num_seqs``): the drafter's share of
+#: a step is largest at small batches, where its eager launches dominate.
+DRAFT_GRAPH_SIZES = (1, 2, 4, 8, 16)
+#: The most slots per request a captured pass reads (longer contexts run eagerly): a pass
+#: gathers ``size x slots`` keys and values per layer.
+DRAFT_GRAPH_MAX_SLOTS = 8192
+
+Inputs = dict[str, torch.Tensor]
+PassFn = Callable[[Inputs, int], tuple[torch.Tensor, ...]]
+
+
+class GraphCapturer(Protocol):
+    """What a platform that captures graphs lends a drafter (``Platform.draft_graph_capturer``)."""
+
+    def capture(self, run: Callable[[], tuple[torch.Tensor, ...]]) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """Warm ``run`` up, capture it, and return a replay that refills and returns the
+        tensors the capture returned."""
+        ...
+
+    def synchronize(self) -> None: ...
+
+
+def slot_buckets(block_size: int, max_slots: int, limit: int = DRAFT_GRAPH_MAX_SLOTS) -> list[int]:
+    """Slot counts a pass is captured at: 1, 2, 4, ... blocks, up to ``max_slots`` (rounded up
+    to a block) or ``limit``, whichever is smaller."""
+    top = min(-(-max_slots // block_size) * block_size, max(limit, block_size))
+    buckets, blocks = [], 1
+    while blocks * block_size < top:
+        buckets.append(blocks * block_size)
+        blocks *= 2
+    buckets.append(top)
+    return buckets
+
+
+class DraftPass:
+    """One drafter pass (``fn(inputs, num_slots)``: ``inputs`` per name ``[rows, ...]``, the
+    first read covering ``num_slots`` slots and each later one ``extra_slots`` more at most),
+    eager or replayed.
+
+    :param inputs: static buffers ``[max_size, ...]`` per input name, on the device.
+    :param padding: the value each input's padding rows hold.
+    """
+
+    def __init__(self, name: str, fn: PassFn, inputs: Inputs, padding: dict[str, int | float], extra_slots: int = 0) -> None:
+        self.name = name
+        self.fn = fn
+        self.inputs = inputs
+        self.padding = padding
+        self.extra_slots = extra_slots
+        self.sizes: list[int] = []
+        self.buckets: list[int] = []
+        self.replays: dict[tuple[int, int], Callable[[], tuple[torch.Tensor, ...]]] = {}
+
+    @property
+    def captured(self) -> bool:
+        return bool(self.replays)
+
+    def shape_for(self, num_rows: int, num_slots: int) -> tuple[int, int] | None:
+        """The captured (batch size, slot bucket) of a pass of ``num_rows`` rows reading up to
+        ``num_slots`` slots in all, or None where no graph holds it."""
+        size = next((s for s in self.sizes if s >= num_rows), None)
+        bucket = next((b for b in self.buckets if b >= num_slots), None)
+        if size is None or bucket is None or (size, bucket) not in self.replays:
+            return None
+        return size, bucket
+
+    @torch.inference_mode()
+    def capture(self, capturer: GraphCapturer, sizes: list[int], buckets: list[int]) -> None:
+        """Capture every (size, bucket), largest first, with padding in every row."""
+        started = time.perf_counter()
+        for name, buffer in self.inputs.items():
+            buffer.fill_(self.padding[name])
+        for size in sorted(sizes, reverse=True):
+            for bucket in sorted(buckets, reverse=True):
+                if bucket <= self.extra_slots:
+                    continue
+                views = {name: buffer[:size] for name, buffer in self.inputs.items()}
+                self.replays[(size, bucket)] = capturer.capture(lambda views=views, bucket=bucket: self.fn(views, bucket - self.extra_slots))
+        self.sizes, self.buckets = sorted(sizes), sorted(b for b in buckets if b > self.extra_slots)
+        capturer.synchronize()
+        logger.info("captured %d %s graphs (batch sizes %s, slots %s) in %.1f s", len(self.replays), self.name, self.sizes, self.buckets, time.perf_counter() - started)
+
+    def run(self, values: Inputs, num_slots: int) -> tuple[torch.Tensor, ...]:
+        """The pass over ``values`` (``[n, ...]`` per input) reading ``num_slots`` slots first
+        (the longest request's): replayed where a graph holds it, eager otherwise; outputs
+        ``[n, ...]``."""
+        num_rows = next(iter(values.values())).shape[0]
+        shape = self.shape_for(num_rows, num_slots + self.extra_slots)
+        if shape is None:
+            return self.fn(values, num_slots)
+        size, bucket = shape
+        for name, value in values.items():
+            buffer = self.inputs[name]
+            buffer[:num_rows].copy_(value, non_blocking=True)
+            if size > num_rows:
+                buffer[num_rows:size].fill_(self.padding[name])
+        return tuple(out[:num_rows] for out in self.replays[(size, bucket)]())
+
+
+def capture_sizes(max_num_seqs: int, max_batch_size: int) -> list[int]:
+    """``DRAFT_GRAPH_SIZES`` up to the most requests one pass drafts for (the engine's
+    ``max_num_seqs``, speculation's ``disable_by_batch_size``), that limit itself included
+    where it is below the largest."""
+    limit = min(max_num_seqs, max_batch_size, DRAFT_GRAPH_SIZES[-1])
+    return sorted({s for s in DRAFT_GRAPH_SIZES if s <= limit} | {limit})
