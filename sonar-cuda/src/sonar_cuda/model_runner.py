@@ -27,6 +27,7 @@ from sonar.engine.scheduler_output import SchedulerOutput
 from sonar.worker.input_batch import CachedRequestState, StepBatch
 from sonar.worker.model_runner import PLACEHOLDER, ModelRunner
 from sonar_cuda.decode_graphs import DecodeBuffers, DecodeGraphs, GraphedModel, default_capture_sizes, fill_padding
+from sonar_cuda.draft_graphs import CudaGraphCapturer
 from sonar_cuda.kernels.decode_attention import warm_up_decode_attention
 
 logger = logging.getLogger(__name__)
@@ -93,8 +94,16 @@ class CudaModelRunner(ModelRunner):
         """The LoRA slot buffer the graphs read (None without adapters)."""
         return self.lora.batch if self.lora is not None else None
 
+    def draft_graph_capturer(self) -> CudaGraphCapturer | None:
+        """Drafter passes are captured where decode steps are (not with LoRA adapters: the
+        target's LM head and embedding a drafter borrows would take their path)."""
+        if not self.use_graphs or self.device.type != "cuda" or self.lora is not None:
+            return None
+        return CudaGraphCapturer()
+
     def init_kv_cache(self, num_blocks: int) -> None:
-        """Allocate the cache, then the decode buffers and graphs over it."""
+        """Allocate the cache (and a drafter's, its passes captured), then the decode buffers
+        and graphs over it."""
         super().init_kv_cache(num_blocks)
         if self.kv_connector is not None and self.kv_connector.uses_layer_hooks:  # a replay would skip them
             self.use_graphs = False

@@ -30,7 +30,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.nn import functional as F
 
 from sonar.spec_decode.draft_graphs import DraftPass, capture_sizes, slot_buckets
 from sonar.spec_decode.eagle3_checkpoint import load_eagle3, read_eagle3_config
@@ -176,25 +175,14 @@ class Eagle3Proposer(Proposer):
         attention reads ``num_slots`` slots, the ``j``-th one ``num_slots + j``."""
         head, cache = self.head, self.cache
         rows, positions = inputs["rows"], inputs["positions"]
-        seen = cache.device_lengths[rows]
-        normed, state = head.finish(self._attend(rows, inputs["queries"], seen, num_slots), inputs["residual"])
+        seen, scale = cache.device_lengths[rows], head.config.head_dim**-0.5
+        normed, state = head.finish(cache.attend(0, rows, inputs["queries"], seen, num_slots, scale), inputs["residual"])
         token = head.to_target_ids(head.logits(normed).argmax(dim=-1))
         proposed = [token]
         for j in range(1, self.config.num_speculative_tokens):
             q, k, v, residual = head.project(state, self.embed(token), positions + j)
             cache.write_rows(0, rows, seen + (j - 1), k, v)
-            normed, state = head.finish(self._attend(rows, q, seen + j, num_slots + j), residual)
+            normed, state = head.finish(cache.attend(0, rows, q, seen + j, num_slots + j, scale), residual)
             token = head.to_target_ids(head.logits(normed).argmax(dim=-1))
             proposed.append(token)
         return (torch.stack(proposed, dim=1),)
-
-    def _attend(self, rows: torch.Tensor, queries: torch.Tensor, seen: torch.Tensor, num_slots: int) -> torch.Tensor:
-        """One query per row ``[R, H, D]`` over the row's first ``seen[r]`` slots (of the
-        ``num_slots`` read)."""
-        keys, values = self.cache.read(0, rows, num_slots)  # [R, S, KVH, D]
-        mask = torch.arange(num_slots, device=keys.device)[None, :] < seen[:, None]
-        out = F.scaled_dot_product_attention(
-            queries[:, :, None], keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=mask[:, None, None, :], scale=self.head.config.head_dim**-0.5, enable_gqa=True,
-        )  # fmt: skip
-        return out[:, :, 0]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+from torch.nn import functional as F
 
 if TYPE_CHECKING:
     from sonar.spec_decode.interface import DraftCacheBudget
@@ -212,6 +213,16 @@ class PagedDraftCache:
         blocks = self.table[rows, :num_columns]
         slots = blocks[:, :, None] * self.block_size + torch.arange(self.block_size, device=blocks.device)
         return self.positions[slots.flatten(1)[:, :num_slots]]
+
+    def attend(self, layer: int, rows: torch.Tensor, queries: torch.Tensor, seen: torch.Tensor, num_slots: int, scale: float) -> torch.Tensor:
+        """One query per row (``queries [R, heads, head_dim]``) over the row's first
+        ``seen[r]`` slots of the ``num_slots`` read: ``[R, heads, head_dim]``."""
+        keys, values = self.read(layer, rows, num_slots)  # [R, S, KVH, D]
+        mask = torch.arange(num_slots, device=keys.device)[None, :] < seen[:, None]
+        out = F.scaled_dot_product_attention(
+            queries[:, :, None], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale, enable_gqa=True
+        )  # [R, H, 1, D]
+        return out[:, :, 0]
 
     def layers(self, rows: torch.Tensor, num_slots: int) -> "LayerReads":
         """Every layer's keys and values of the rows, gathered one layer at a time as a pass
