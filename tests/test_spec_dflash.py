@@ -102,6 +102,33 @@ def test_greedy_output_with_each_method_equals_no_speculation(target, plain, tmp
         assert got[row] == plain[row]
     assert len(got[3]) == 12
     assert stats.spec_num_drafts > 0 and stats.num_preemptions > 0
+    cache = llm.llm_engine.core.executor.worker.model_runner.spec.proposer.cache  # finished and preempted: every block back
+    llm.llm_engine.core.step()  # the worker hears of the last step's finished requests with the next step
+    assert cache.num_requests == 0 and cache.num_free_blocks == cache.num_blocks
+
+
+def test_aborted_requests_give_the_drafter_cache_back(targets, tmp_path):
+    from sonar.config import EngineArgs
+    from sonar.engine.llm_engine import LLMEngine
+
+    target = targets("qwen3")
+    folder = random_drafter(target, tmp_path / "drafter", "zlab", dspark=False)
+    spec = {"method": "dflash", "model": str(folder), "num_speculative_tokens": 3}
+    engine = LLMEngine(EngineArgs(model=str(target[0]), kv_cache_memory_bytes=2**22, max_model_len=128, skip_tokenizer_init=True, speculative_config=spec))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params)
+    cache = engine.core.executor.worker.model_runner.spec.proposer.cache
+    for _ in range(4):
+        engine.step()
+    assert cache.num_requests == 3 and cache.num_free_blocks < cache.num_blocks
+    engine.abort_request(["0", "2"])
+    engine.step()
+    assert cache.num_requests == 1 and cache.row_of("0") == cache.padding_row
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.core.step()  # the worker hears of the last step's finished requests with the next step
+    assert cache.num_requests == 0 and cache.num_free_blocks == cache.num_blocks
 
 
 def test_the_method_is_read_from_the_drafter_and_a_foreign_drafter_is_refused(targets, tmp_path):
@@ -209,3 +236,6 @@ def test_cuda_greedy_with_each_method_equals_without(targets, tmp_path, method, 
     got, engine = run(speculative_config={"method": method, "model": str(folder), "num_speculative_tokens": 3})
     assert got == expected
     assert engine.get_stats().spec_num_drafts > 0
+    proposer = engine.core.executor.worker.model_runner.spec.proposer
+    assert proposer.block_pass.captured, "the drafter's block pass was captured"
+    assert proposer.cache.num_requests == 0 and proposer.cache.num_free_blocks == proposer.cache.num_blocks
