@@ -16,6 +16,8 @@ from sonar.spec_decode.dflash import DFlashProposer, DSparkProposer
 from sonar.spec_decode.dflash_checkpoint import save_dflash
 from sonar.spec_decode.dflash_model import DFlashDrafter
 from sonar.spec_decode.dflash_trainer import drafter_config_for, init_drafter
+from sonar.spec_decode.draft_graphs import ReplayCapturer
+from sonar.spec_decode.interface import DraftCacheBudget
 
 LAYERS = 4
 
@@ -175,6 +177,16 @@ def test_a_batch_of_requests_drafts_as_each_alone(target, tmp_path):
     # a request whose latest state did not arrive gets no drafts (and no estimates)
     stale = proposer.propose(inputs(["a", "c"], stale={"c"}))
     assert stale.token_ids[1] == [] and stale.confidence[1] is None and len(stale.token_ids[0]) == 5
+    # the block pass at a padded batch size (4 rows for 3) and slot bucket, as a graph replays it
+    padded = DSparkProposer(config, torch.device("cpu"))
+    padded.load_model(model)
+    capturer = ReplayCapturer()
+    padded.init_cache(DraftCacheBudget(num_target_blocks=8, block_size=16, max_num_seqs=4, max_model_len=64, capturer=capturer))
+    assert capturer.num_captured == 3 * 3 and padded.block_pass.shape_for(3, 22) == (4, 32)
+    replayed = padded.propose(inputs(["b", "a", "c"]))
+    assert replayed.token_ids == together.token_ids
+    for got, expected in zip(replayed.confidence, together.confidence):
+        assert got == pytest.approx(expected, abs=1e-5)
 
 
 def test_method_and_block_are_checked_before_loading(target, tmp_path):

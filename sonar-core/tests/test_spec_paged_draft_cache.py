@@ -11,7 +11,7 @@ import torch
 from torch.nn import functional as F
 
 from sonar.spec_decode.dflash_cache import ContextKVCache
-from sonar.spec_decode.draft_graphs import DraftPass, capture_sizes, slot_buckets
+from sonar.spec_decode.draft_graphs import DraftPass, ReplayCapturer, capture_sizes, slot_buckets
 from sonar.spec_decode.eagle3_cache import DraftKVCache
 from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.spec_decode.paged_draft_cache import SCRATCH_BLOCK, PagedDraftCache, build_draft_cache, pool_blocks_for
@@ -135,22 +135,6 @@ def test_context_reads_equal_the_per_request_context_cache():
         torch.testing.assert_close(got, expected, rtol=0, atol=0)
 
 
-class ReplayingCapturer:
-    """A capturer for a platform without graphs: the captured pass runs again, as written, at
-    the captured shape, on every replay (what a graph replays, without the graph)."""
-
-    def __init__(self) -> None:
-        self.num_captured = 0
-
-    def capture(self, run):
-        run()
-        self.num_captured += 1
-        return run
-
-    def synchronize(self) -> None:
-        pass
-
-
 def test_shapes_the_core_chooses():
     assert capture_sizes(256, 32) == [1, 2, 4, 8, 16]
     assert capture_sizes(3, 32) == [1, 2, 3]
@@ -178,7 +162,7 @@ def test_a_padded_pass_equals_the_pass_at_its_own_shape():
     padding = {"rows": cache.padding_row, "queries": 0.0}
     eager = DraftPass("test", fn, inputs, padding, extra_slots=1)
     padded = DraftPass("test", fn, {name: t.clone() for name, t in inputs.items()}, padding, extra_slots=1)
-    capturer = ReplayingCapturer()
+    capturer = ReplayCapturer()
     padded.capture(capturer, [2, 4], slot_buckets(4, 30))
     assert capturer.num_captured == 2 * 4 and padded.shape_for(3, 14) == (4, 16) and padded.shape_for(5, 4) is None
     values = {"rows": torch.tensor([cache.row_of(r) for r in ("a", "b", "c")]), "queries": torch.randn(3, 4, 8, generator=gen)}

@@ -125,3 +125,21 @@ def capture_sizes(max_num_seqs: int, max_batch_size: int) -> list[int]:
     where it is below the largest."""
     limit = min(max_num_seqs, max_batch_size, DRAFT_GRAPH_SIZES[-1])
     return sorted({s for s in DRAFT_GRAPH_SIZES if s <= limit} | {limit})
+
+
+class ReplayCapturer:
+    """A capturer for platforms without graphs: "capturing" runs the pass once, and every
+    replay runs it again at the captured shape over the same static inputs. It takes a
+    drafter through the padded shapes and buffers a graph would replay (padding rows, slot
+    buckets) where no graph can be captured, to check them against the eager pass."""
+
+    def __init__(self) -> None:
+        self.num_captured = 0
+
+    def capture(self, run: Callable[[], tuple[torch.Tensor, ...]]) -> Callable[[], tuple[torch.Tensor, ...]]:
+        run()
+        self.num_captured += 1
+        return run
+
+    def synchronize(self) -> None:
+        """Nothing is queued: the passes ran on the host."""
