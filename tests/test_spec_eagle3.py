@@ -10,10 +10,12 @@ import torch
 
 from sonar import LLM, SamplingParams
 from sonar.spec_decode import ProposerInputs, SpeculativeConfig
+from sonar.spec_decode.draft_graphs import ReplayCapturer
 from sonar.spec_decode.eagle3 import Eagle3Proposer
 from sonar.spec_decode.eagle3_checkpoint import read_eagle3_config, save_eagle3
 from sonar.spec_decode.eagle3_head import Eagle3Head
 from sonar.spec_decode.eagle3_trainer import head_config_for
+from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.spec_decode.paged_draft_cache import PagedDraftCache
 from sonar_models.aux_hidden_states import default_aux_layer_ids
 from sonar_models.testing import PagedCacheDriver, load_sonar_model
@@ -117,6 +119,39 @@ def test_cached_drafting_with_rollback_equals_drafting_from_scratch(target_dir, 
     assert "r" not in proposer.cache.lengths
 
 
+@torch.inference_mode()
+def test_a_batch_drafts_as_each_alone_and_as_a_padded_pass(target_dir, tmp_path):
+    folder = random_head(target_dir, tmp_path / "head")
+    target = load_sonar_model(target_dir)
+    config = SpeculativeConfig("eagle3", 4, model=str(folder))
+    gen = torch.Generator().manual_seed(2)
+    seqs = {"a": [(i * 7) % 900 + 11 for i in range(9)], "b": [(i * 5) % 700 + 3 for i in range(23)], "c": [17, 23]}
+    states = {r: torch.randn(len(t) - 1, 3 * 64, generator=gen) for r, t in seqs.items()}
+
+    def inputs(req_ids):
+        counts = [len(seqs[r]) - 1 for r in req_ids]
+        return ProposerInputs(
+            list(req_ids), [seqs[r] for r in req_ids], [1] * len(req_ids), hidden_states=torch.cat([states[r] for r in req_ids]),
+            positions=torch.cat([torch.arange(n) for n in counts]), num_hidden_states=counts,
+        )  # fmt: skip
+
+    def proposer(capturer=None):
+        built = Eagle3Proposer(config, torch.device("cpu"))
+        built.load_model(target)
+        if capturer is not None:  # the drafting pass at padded sizes and slot buckets, as a graph replays it
+            built.init_cache(DraftCacheBudget(num_target_blocks=8, block_size=16, max_num_seqs=4, max_model_len=64, capturer=capturer))
+        return built
+
+    alone = {r: proposer().propose(inputs([r])).token_ids[0] for r in seqs}
+    together = proposer().propose(inputs(["b", "a", "c"])).token_ids
+    assert together == [alone[r] for r in ("b", "a", "c")]
+    capturer = ReplayCapturer()
+    padded = proposer(capturer)
+    assert capturer.num_captured == 3 * 4 and padded.draft_pass.shape_for(3, 22 + 3) == (4, 32)  # 16 .. 80 slots: 64 + 3 guesses
+    assert padded.propose(inputs(["b", "a", "c"])).token_ids == together
+    assert padded.cache.lengths == padded.cache.committed == {"a": 8, "b": 22, "c": 1}  # the guessed slots were not kept
+
+
 def _generate(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
@@ -175,3 +210,5 @@ def test_cuda_greedy_with_eagle3_equals_without(target_dir, tmp_path):
     got, engine = generate(speculative_config={"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3})
     assert got == expected
     assert engine.get_stats().spec_num_drafts > 0
+    proposer = engine.core.executor.worker.model_runner.spec.proposer
+    assert proposer.draft_pass.captured, "the head's drafting pass was captured"
