@@ -36,6 +36,7 @@ CASES = [
     ("mistral", 2, 2, {}, None, {}),
     ("qwen2", 2, 2, {}, None, {}),
     ("qwen2_moe", 2, 2, {}, None, {}),  # shared expert's partial sums in each stage's all-reduce
+    ("qwen3_moe", 2, 2, {}, None, {}),  # each expert's intermediate size split within the sparse stage
     ("mixtral", 2, 2, {}, None, dict(enable_expert_parallel=True)),  # whole experts per rank, all-to-all in each stage
     ("qwen3", 2, 2, dict(num_key_value_heads=1), None, {}),  # one KV head replicated within each stage
 ]
