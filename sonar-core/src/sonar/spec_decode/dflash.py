@@ -8,7 +8,7 @@ from its normal forward pass. After every step, per request:
 1. the target's states of the positions it computed and kept (a whole prompt after a
    prefill; the last known token and the accepted drafts after a verify step) go once through
    the drafter's ``fc``/``hidden_norm`` and every layer's key/value projections; those keys and
-   values stay in the drafter's own cache (``ContextKVCache``);
+   values stay in the drafter's own paged cache (``PagedDraftCache``);
 2. one non-causal pass over the block ``[last token, mask, ...]`` (the target's embeddings), at
    the positions after the context, attends to that cache and to the block itself; the
    target's LM head turns the slots into logits, and the drafts are their argmax, left to right

@@ -4,6 +4,9 @@ target's hidden states it was handed (the context a block attends to), in positi
 Only verified context is ever written (the target's states of the tokens it kept), so nothing
 is rolled back: a block's own keys live for one pass. A position the drafter never saw (a
 prefix-cache hit, a step in a batch too large to draft) is simply absent.
+
+The proposers keep their cache in ``paged_draft_cache`` (fixed shapes, CUDA graphs); this
+per-request form is the reference the paged cache is tested against.
 """
 
 from __future__ import annotations

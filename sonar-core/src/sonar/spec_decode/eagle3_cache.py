@@ -4,6 +4,9 @@ from the target's states, in position order (a position the head never saw is si
 Slots a drafting step adds from the head's own guesses are temporary: ``rollback`` drops them
 once the step's drafts are out, and the next step writes those positions again from the
 target's verified states, exactly as the target's cache overwrites rejected positions.
+
+The proposer keeps its cache in ``paged_draft_cache`` (fixed shapes, CUDA graphs); this
+per-request form is the reference the paged cache is tested against.
 """
 
 from __future__ import annotations
