@@ -149,7 +149,7 @@ class DFlashProposer(Proposer):
         latest target state did not arrive), with DSpark's survival estimates where it has them."""
         if inputs.hidden_states is None or inputs.num_hidden_states is None:
             raise RuntimeError(f"the {self.method} proposer needs the target's hidden states (the runner passes them when needs_hidden_states)")
-        drafter, cache, config = self.drafter, self.cache, self.drafter_config
+        drafter, cache = self.drafter, self.cache
         positions = inputs.positions.tolist()
         drafting, start = [], 0
         for i, (tokens, count) in enumerate(zip(inputs.token_ids, inputs.num_hidden_states)):

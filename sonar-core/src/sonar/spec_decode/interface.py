@@ -9,6 +9,7 @@ if TYPE_CHECKING:  # the config is read where torch is not imported yet (argumen
     import torch
 
     from sonar.sampler.metadata import RequestSamplingState
+    from sonar.spec_decode.draft_graphs import GraphCapturer
     from sonar.worker.model_runner import ModelRunner
 
 DEFAULT_NUM_SPECULATIVE_TOKENS = 3
@@ -174,7 +175,7 @@ class DraftCacheBudget:
     block_size: int
     max_num_seqs: int
     max_model_len: int
-    capturer: Any = None
+    capturer: GraphCapturer | None = None
 
 
 class Proposer:
