@@ -24,6 +24,7 @@ import torch
 
 from sonar.attention import AttentionMetadata
 from sonar.engine.scheduler_output import SchedulerOutput
+from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.worker.input_batch import CachedRequestState, StepBatch
 from sonar.worker.model_runner import PLACEHOLDER, ModelRunner
 from sonar_cuda.decode_graphs import DecodeBuffers, DecodeGraphs, GraphedModel, default_capture_sizes, fill_padding
@@ -67,9 +68,15 @@ class CudaModelRunner(ModelRunner):
         if not self.use_graphs:
             return step_bytes
         graph_bytes = self._profile_graph_bytes(platform)
+        draft_bytes = self._profile_draft_graph_bytes(platform)
         self.profile_parts.update(largest_step_bytes=step_bytes, decode_graph_bytes=graph_bytes)
-        logger.info("profiled the largest step at %.2f GiB, decode graphs at %.2f GiB", step_bytes / 2**30, graph_bytes / 2**30)
-        return step_bytes + graph_bytes
+        if draft_bytes:
+            self.profile_parts["draft_graph_bytes"] = draft_bytes
+        logger.info(
+            "profiled the largest step at %.2f GiB, decode graphs at %.2f GiB, drafter graphs at %.2f GiB",
+            step_bytes / 2**30, graph_bytes / 2**30, draft_bytes / 2**30,
+        )  # fmt: skip
+        return step_bytes + graph_bytes + draft_bytes
 
     def _profile_graph_bytes(self, platform: type) -> int:
         model = self.model
@@ -95,11 +102,29 @@ class CudaModelRunner(ModelRunner):
         return self.lora.batch if self.lora is not None else None
 
     def draft_graph_capturer(self) -> CudaGraphCapturer | None:
-        """Drafter passes are captured where decode steps are (not with LoRA adapters: the
-        target's LM head and embedding a drafter borrows would take their path)."""
-        if not self.use_graphs or self.device.type != "cuda" or self.lora is not None:
+        """Drafter passes are captured where decode steps are, on one rank (not with LoRA
+        adapters: the target's LM head and embedding a drafter borrows would take their path)."""
+        if not self.use_graphs or self.device.type != "cuda" or self.lora is not None or self.config.tensor_parallel_size > 1:
             return None
         return CudaGraphCapturer()
+
+    def _profile_draft_graph_bytes(self, platform: type) -> int:
+        """What a drafter's captured passes keep in their pool (and the pool's blocks beyond
+        the target's budget): captured once over a one-block budget, measured, dropped."""
+        capturer = self.draft_graph_capturer() if self.spec is not None else None
+        if capturer is None:
+            return 0
+        config, block_size, max_model_len = self.config, self.block_size, self.model_config.max_model_len
+        platform.synchronize()
+        platform.release_cached_memory()
+        before = platform.allocated_memory_bytes()
+        self.spec.init_cache(DraftCacheBudget(1, block_size, config.max_num_seqs, max_model_len, capturer))
+        platform.synchronize()
+        used = platform.allocated_memory_bytes() - before
+        del capturer
+        self.spec.init_cache(DraftCacheBudget(1, block_size, 1, block_size))  # the graphs go; init_kv_cache sizes the real cache
+        platform.release_cached_memory()
+        return max(0, used)
 
     def init_kv_cache(self, num_blocks: int) -> None:
         """Allocate the cache (and a drafter's, its passes captured), then the decode buffers
