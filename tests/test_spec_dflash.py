@@ -125,6 +125,13 @@ def test_aborted_requests_give_the_drafter_cache_back(targets, tmp_path):
     engine.abort_request(["0", "2"])
     engine.step()
     assert cache.num_requests == 1 and cache.row_of("0") == cache.padding_row
+    # a proposal for a request dropped while its step was in flight drafts nothing (its cache stays gone)
+    runner = engine.core.executor.worker.model_runner
+    live = runner.requests["1"]
+    sequence = (list(PROMPTS[0]), [5, 6], live.sampling)
+    assert runner.spec.propose(["0"], [sequence], [1]) == ({}, {}) and cache.row_of("0") == cache.padding_row
+    with pytest.raises(RuntimeError, match="needs the target's hidden states"):  # a live one reaches the drafter
+        runner.spec.propose(["1"], [sequence], [1])
     while engine.has_unfinished_requests():
         engine.step()
     engine.core.step()  # the worker hears of the last step's finished requests with the next step

@@ -44,10 +44,12 @@ class SpeculativeDecoder:
         self.hidden = HiddenStateCollector() if self.proposer.needs_hidden_states else None
         self._aux_states = None  # the target's auxiliary hidden states, where it keeps them
         self.draft_probs = DraftProbsStore()  # the proposer's distributions, until verified
+        self._live: dict[str, Any] | None = None  # the runner's requests, where one owns this
 
     def load_model(self, target_model: torch.nn.Module, runner: ModelRunner | None = None) -> None:
         if runner is not None:
             self.proposer.bind_runner(runner)
+            self._live = runner.requests  # the requests the worker still runs
         self.proposer.load_model(target_model)
         self._aux_states = getattr(target_model, "aux_hidden_states", None)
 
@@ -118,7 +120,13 @@ class SpeculativeDecoder:
         draft); ``sequences[i]`` is request ``i``'s prompt, its output so far and its sampling
         state; ``hidden`` the step's states (``record_hidden_states``), for a proposer that
         reads them."""
-        rows = [i for i, (_, output, sampling) in enumerate(sequences) if may_speculate(sampling.params, len(output))]
+        # a request the worker dropped while its step was in flight (finished, preempted or
+        # aborted, heard with the next step) drafts nothing: its cache is gone and stays gone
+        live = self._live
+        rows = [
+            i for i, (_, output, sampling) in enumerate(sequences)
+            if may_speculate(sampling.params, len(output)) and (live is None or req_ids[i] in live)
+        ]  # fmt: skip
         if not rows:
             return {}, {}
         inputs = ProposerInputs(
