@@ -170,3 +170,29 @@ def test_a_padded_pass_equals_the_pass_at_its_own_shape():
     (got,) = padded.run(values, 13)  # size 4, 16 slots: one padding row, reads past every row
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert padded.inputs["rows"][3].item() == cache.padding_row
+
+
+class _FailingCapturer(ReplayCapturer):
+    """A platform whose graphs cannot hold the pass (an op that is not capturable, say)."""
+
+    def capture(self, run):
+        if self.num_captured == 1:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return super().capture(run)
+
+
+@torch.inference_mode()
+def test_a_pass_that_cannot_be_captured_runs_eagerly():
+    calls = []
+
+    def fn(inputs, num_slots):
+        calls.append((inputs["x"].shape[0], num_slots))
+        return (inputs["x"] * 2,)
+
+    draft = DraftPass("test", fn, {"x": torch.zeros(4, 3)}, {"x": 0.0})
+    draft.capture(_FailingCapturer(), [2, 4], [16, 32])
+    assert not draft.captured and draft.shape_for(1, 8) is None
+    calls.clear()
+    x = torch.arange(6.0).view(2, 3)
+    (out,) = draft.run({"x": x}, 8)
+    assert torch.equal(out, x * 2) and calls == [(2, 8)]  # at its own shape, not a padded one

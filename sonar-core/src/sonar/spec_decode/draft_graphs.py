@@ -92,14 +92,19 @@ class DraftPass:
         started = time.perf_counter()
         for name, buffer in self.inputs.items():
             buffer.fill_(self.padding[name])
-        for size in sorted(sizes, reverse=True):
-            for bucket in sorted(buckets, reverse=True):
-                if bucket <= self.extra_slots:
-                    continue
-                views = {name: buffer[:size] for name, buffer in self.inputs.items()}
-                self.replays[(size, bucket)] = capturer.capture(lambda views=views, bucket=bucket: self.fn(views, bucket - self.extra_slots))
+        try:
+            for size in sorted(sizes, reverse=True):
+                for bucket in sorted(buckets, reverse=True):
+                    if bucket <= self.extra_slots:
+                        continue
+                    views = {name: buffer[:size] for name, buffer in self.inputs.items()}
+                    self.replays[(size, bucket)] = capturer.capture(lambda views=views, bucket=bucket: self.fn(views, bucket - self.extra_slots))
+            capturer.synchronize()
+        except RuntimeError as exc:  # a pass a platform cannot capture runs eagerly: the engine still starts
+            self.replays.clear()
+            logger.error("the %s pass could not be captured in a graph (%s); it runs eagerly", self.name, exc)
+            return
         self.sizes, self.buckets = sorted(sizes), sorted(b for b in buckets if b > self.extra_slots)
-        capturer.synchronize()
         logger.info("captured %d %s graphs (batch sizes %s, slots %s) in %.1f s", len(self.replays), self.name, self.sizes, self.buckets, time.perf_counter() - started)
 
     def run(self, values: Inputs, num_slots: int) -> tuple[torch.Tensor, ...]:
