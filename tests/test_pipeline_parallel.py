@@ -177,8 +177,6 @@ def test_what_does_not_pipeline_yet_is_refused(tmp_path, monkeypatch) -> None:
         LLM(str(tmp_path), pipeline_parallel_size=2, enable_lora=True)
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 does not combine with speculative_config yet"):
         LLM(str(tmp_path), pipeline_parallel_size=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="pipeline_parallel_size=2 does not combine with nnodes > 1 yet"):
-        LLM(str(tmp_path), pipeline_parallel_size=2, nnodes=2)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer >= 1"):
         LLM(str(tmp_path), pipeline_parallel_size=0)
     path = build_tiny_model("llama", tmp_path / "llama")  # two layers

@@ -163,3 +163,34 @@ def test_bad_node_flags_are_refused_before_loading(tiny_model: str, flags: list[
     result = subprocess.run([*sonar_command(), "serve", tiny_model, *flags], capture_output=True, text=True, timeout=60)
     assert result.returncode != 0
     assert message in result.stderr, result.stderr
+
+
+def test_pipeline_stages_on_two_hosts_give_one_devices_tokens(tmp_path: Path) -> None:
+    """PP=2 over two "hosts": stage 0 on the head (an offline engine), stage 1 (the tied LM
+    head, and the sampling) on a ``--headless`` follower; the tokens are one device's."""
+    from sonar import LLM, SamplingParams
+    from sonar_models.testing import build_tiny_model
+
+    model = str(build_tiny_model("qwen2", tmp_path / "qwen2"))
+    engine = dict(kv_cache_memory_bytes=1 << 24, max_model_len=128, max_num_seqs=8)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in ([1, 2, 3, 4, 5], [9, 8, 7])]
+    expected = LLM(model, **engine).generate(prompts, params)
+    port = _free_port_pair()
+    follower = subprocess.Popen(
+        [*sonar_command(), "serve", model, "--kv-cache-memory-bytes", str(1 << 24), "--max-model-len", "128", "--max-num-seqs", "8",
+         "-pp", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), "--headless"],
+    )  # fmt: skip
+    try:
+        llm = LLM(model, pipeline_parallel_size=2, nnodes=2, node_rank=0, master_addr="127.0.0.1", master_port=port, **engine)
+        got = llm.generate(prompts, params)
+        llm.llm_engine.core.executor.shutdown()
+        assert follower.wait(30) == 0  # the head's executor shut down: the follower ends cleanly
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+    for one, two in zip(expected, got, strict=True):
+        assert two.outputs[0].token_ids == one.outputs[0].token_ids
+        for a, b in zip(one.outputs[0].logprobs, two.outputs[0].logprobs):
+            for token_id, logprob in a.items():
+                assert b[token_id].logprob == pytest.approx(logprob.logprob, abs=1e-3)

@@ -104,7 +104,6 @@ class EngineArgs:
                 "enable_lora": self.enable_lora and pp > 1, "speculative_config": self.speculative_config,
                 "kv_transfer_config": self.kv_transfer_config, "kv_offload_bytes": self.kv_offload_bytes,
                 "data_parallel_size > 1": self.data_parallel_size > 1 and pp > 1,
-                "nnodes > 1": self.nnodes > 1 and pp > 1,  # stages over several hosts: not tested yet
             }
             for name, value in refused.items():
                 if value:

@@ -316,7 +316,7 @@ def run_link(setup: LinkSetup) -> int:
             except LinkError:
                 pass
     link.close()
-    ring.close()
+    # the ring stays mapped until the process exits: the downstream thread may still be reading it
     return 1 if lost else 0
 
 
