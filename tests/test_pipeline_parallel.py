@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import time
 
 import pytest
 
 from sonar import LLM, SamplingParams
-from sonar.executor import WorkerDiedError
 from sonar.pipeline import PARTITION_ENV, partition_layers
 from sonar_models.testing import build_tiny_model
+from tp_compare import assert_a_killed_rank_fails_the_engine
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [11, 12, 13], [5, 900, 17, 3, 44, 8, 2, 19, 6, 33, 71]]
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3)
@@ -142,18 +141,8 @@ def test_structured_output_through_stages(runs) -> None:
 
 
 def test_a_killed_rank_fails_the_engine_cleanly(runs) -> None:
-    llm = runs["kept"]  # TP=2 x PP=2: four ranks
-    executor = llm.llm_engine.core.executor
-    os.kill(executor.worker_pids[1], signal.SIGKILL)  # a rank of the first stage, not the one that answers
-    started = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="worker rank 1 died"):
-        _generate(llm)
-    assert time.monotonic() - started < 15
-    with pytest.raises(WorkerDiedError):  # and stays failed
-        _generate(llm)
-    for pid in executor.worker_pids:  # no rank is left behind
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    # TP=2 x PP=2, four ranks: rank 1 is of the first stage, not the one that answers
+    assert_a_killed_rank_fails_the_engine(runs["kept"], _generate, rank=1)
 
 
 def test_layer_partitions(monkeypatch) -> None:

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import time
 
 import pytest
 
 from sonar import LLM, SamplingParams
-from sonar.executor import WorkerDiedError
 from sonar.executor.multiproc import RING_SLOT_BYTES_ENV
 from sonar_models.testing import build_tiny_model
+from tp_compare import assert_a_killed_rank_fails_the_engine
 
 PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [11, 12, 13], [5, 900, 17, 3, 44, 8, 2, 19, 6, 33, 71]]
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
@@ -77,18 +76,7 @@ def test_structured_output_at_two_ranks(runs) -> None:
 
 
 def test_a_killed_rank_fails_the_engine_cleanly(runs) -> None:
-    llm = runs["qwen3"][2]
-    executor = llm.llm_engine.core.executor
-    os.kill(executor.worker_pids[1], signal.SIGKILL)
-    started = time.monotonic()
-    with pytest.raises(WorkerDiedError, match="worker rank 1 died"):
-        _generate(llm)
-    assert time.monotonic() - started < 15
-    with pytest.raises(WorkerDiedError):  # and stays failed
-        _generate(llm)
-    for pid in executor.worker_pids:  # no rank is left behind
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert_a_killed_rank_fails_the_engine(runs["qwen3"][2], _generate, rank=1)
 
 
 def test_what_does_not_shard_yet_is_refused(tmp_path) -> None:

@@ -3,7 +3,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import signal
+import time
+from typing import Any, Callable
+
+import pytest
 
 from sonar import LLM, SamplingParams
 
@@ -51,3 +56,21 @@ def assert_same_greedy_run(expected: list, got: list, logprob_atol: float, near_
                 assert near_tie is not None and top_two[0] - top_two[1] < near_tie, (step, token_a, token_b, top_two)
                 break
         assert len(two.outputs[0].token_ids) == len(one.outputs[0].token_ids)
+
+
+def assert_a_killed_rank_fails_the_engine(llm: LLM, generate: Callable[[LLM], Any], rank: int = 1) -> None:
+    """Kill rank ``rank`` of ``llm``'s executor: the next request fails at once with
+    ``WorkerDiedError`` naming it, the engine stays failed, and no rank is left running."""
+    from sonar.executor import WorkerDiedError
+
+    executor = llm.llm_engine.core.executor
+    os.kill(executor.worker_pids[rank], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(WorkerDiedError, match=f"worker rank {rank} died"):
+        generate(llm)
+    assert time.monotonic() - started < 15
+    with pytest.raises(WorkerDiedError):  # and stays failed
+        generate(llm)
+    for pid in executor.worker_pids:  # no rank is left behind
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

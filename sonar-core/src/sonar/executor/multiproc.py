@@ -360,21 +360,27 @@ class MultiprocExecutor(Executor):
         return output
 
     def shutdown(self) -> None:
-        for conn in self.conns:
-            conn.close()
         for sock in self.sockets:
             sock.close()
         self.sockets = []
-        for process in self.processes:
-            try:
-                process.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=2.0)
+        stop_ranks(self.conns, self.processes)
         self.conns = []
         self.ring.unlink()
         if self._dead is None:
             self._dead = WorkerDiedError("the executor was shut down")
+
+
+def stop_ranks(conns: list[Connection], processes: list[subprocess.Popen]) -> None:
+    """Close the ranks' sockets (a rank exits when its socket closes), then kill any rank
+    still there after 2 s."""
+    for conn in conns:
+        conn.close()
+    for process in processes:
+        try:
+            process.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=2.0)
 
 
 # -- the worker process ----------------------------------------------------------------------

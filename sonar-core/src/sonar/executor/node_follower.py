@@ -30,7 +30,7 @@ from sonar.config import EngineConfig
 from sonar.executor.multinode import HELLO_TIMEOUT_S, NodeLayout, control_port, rendezvous_address
 from sonar.executor.multiproc import (
     DEFAULT_STARTUP_TIMEOUT_S, DEFAULT_STEP_TIMEOUT_S, IDLE_CHECK_S, OVERFLOW, STARTUP_TIMEOUT_ENV, STEP_TIMEOUT_ENV,
-    _ring_slot_bytes, _timeout, encode_ring_info,
+    _ring_slot_bytes, _timeout, encode_ring_info, stop_ranks,
 )
 from sonar.executor.node_wire import (
     FOLLOWER, HEAD, MAX_GREETING_BYTES, PROTOCOL_VERSION, SECRET_ENV, Broadcast, Challenge, Hello, LinkError, RankExited,
@@ -230,12 +230,5 @@ class RankRelay:
 
     def shutdown(self) -> None:
         """Stop the ranks: close their sockets (they exit), kill any that lingers."""
-        for conn in self.conns:
-            conn.close()
-        for process in self.processes:
-            try:
-                process.wait(timeout=2.0)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=2.0)
+        stop_ranks(self.conns, self.processes)
         self.ring.unlink()
