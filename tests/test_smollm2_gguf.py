@@ -47,3 +47,29 @@ def test_greedy_equals_transformers_on_the_same_gguf(smollm2: LLM) -> None:
         if diverged is not None:  # natively quantized: only where the oracle's top two are a near tie
             top2 = rows[diverged].topk(2).values
             assert float(top2[0] - top2[1]) < NEAR_TIE, (diverged, got, expected)
+
+
+def first_token_logprobs(llm: LLM, messages: list[dict]) -> dict[int, float]:
+    output = llm.chat(messages, SamplingParams(temperature=0, max_tokens=1, logprobs=5))[0].outputs[0]
+    return {token: entry.logprob for token, entry in output.logprobs[0].items()}
+
+
+def test_the_first_token_does_not_depend_on_how_the_prompt_is_cut(smollm2: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt's last chunk runs the exact products however few rows it has: the chat prompt's
+    first token (a 0.08-nat tie between "The" and "L" on this model) has the same logprobs
+    whole, after a prefix-cache hit (5 of 37 tokens computed) and in 16-token chunks, with
+    Sonar's C kernel and without it."""
+    from sonar_cpu import gguf_kernel
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    whole = first_token_logprobs(smollm2, messages)
+    cached = first_token_logprobs(smollm2, messages)  # the first 32 tokens from the prefix cache
+    monkeypatch.setattr(gguf_kernel, "_tried", True)
+    monkeypatch.setattr(gguf_kernel, "_library", None)  # products in torch, as without a compiler
+    chunked = first_token_logprobs(LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=16, enable_prefix_caching=False), messages)
+    tokenizer = smollm2.get_tokenizer()
+    assert tokenizer.decode([max(whole, key=whole.get)]) == "The"
+    for other in (cached, chunked):
+        assert other.keys() == whole.keys()
+        for token, logprob in whole.items():
+            assert other[token] == pytest.approx(logprob, abs=1e-3)

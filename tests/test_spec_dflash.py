@@ -72,6 +72,22 @@ def generate(llm: LLM, prompts, params):
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
 
 
+#: nats between the plain run's top two tokens below which float32 rounding decides greedy:
+#: these random targets' distributions are flat, so such ties come up, and a verification pass
+#: (a request's tokens in one product) rounds differently from one decode at a time
+FLOAT_TIE = 1e-4
+
+
+def assert_same_greedy(got: list[int], plain: tuple[list[int], list[float]]) -> None:
+    """Token for token the plain run's output, up to a step where the plain run's top two
+    tokens tie in float32 (the rest is then not compared)."""
+    tokens, gaps = plain
+    assert len(got) == len(tokens)
+    parted = next((i for i, (a, b) in enumerate(zip(got, tokens)) if a != b), None)
+    if parted is not None:
+        assert gaps[parted] < FLOAT_TIE, (parted, got, tokens, gaps[parted])
+
+
 PROMPTS = [[(i * 13 + j * 7) % 97 + 200 for j in range(20 + 9 * i)] for i in range(4)] + [[301, 302, 303]]
 
 
@@ -84,7 +100,16 @@ def mixed_params():
 
 @pytest.fixture(scope="module")
 def plain(target):
-    return generate(LLM(str(target[0]), kv_cache_memory_bytes=2**23, max_model_len=128, skip_tokenizer_init=True), PROMPTS, mixed_params())
+    """Each prompt's output without speculation, with the gap between its top two logprobs at every step."""
+    params = [p.clone(logprobs=2) for p in mixed_params()]
+    llm = LLM(str(target[0]), kv_cache_memory_bytes=2**23, max_model_len=128, skip_tokenizer_init=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    runs = []
+    for output in outputs:
+        steps = output.outputs[0].logprobs
+        gaps = [float(top[0] - top[1]) for top in (sorted((e.logprob for e in step.values()), reverse=True) for step in steps)]
+        runs.append((output.outputs[0].token_ids, gaps))
+    return runs
 
 
 @pytest.mark.parametrize("method, layout", [("dflash", "zlab"), ("dspark", "deepspec")])
@@ -99,7 +124,7 @@ def test_greedy_output_with_each_method_equals_no_speculation(target, plain, tmp
     got = generate(llm, PROMPTS, mixed_params())
     stats = llm.llm_engine.get_stats()
     for row in (0, 1, 2, 4):
-        assert got[row] == plain[row]
+        assert_same_greedy(got[row], plain[row])
     assert len(got[3]) == 12
     assert stats.spec_num_drafts > 0 and stats.num_preemptions > 0
     cache = llm.llm_engine.core.executor.worker.model_runner.spec.proposer.cache  # finished and preempted: every block back

@@ -13,6 +13,9 @@ calls :func:`install_platform_ops` once, so models never import a platform packa
 from __future__ import annotations
 
 import importlib
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Callable
 
 import torch
@@ -22,6 +25,30 @@ _OVERRIDES: dict[str, dict[str, Callable[..., Any]]] = {}
 OP_NAMES = ("linear", "rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_tables", "apply_rotary", "argmax")
 #: operations declared outside this module (a quantization method's GEMM, say)
 _DECLARED: set[str] = set()
+
+
+_EXACT_PRODUCTS: ContextVar[bool] = ContextVar("sonar_exact_products", default=False)
+
+
+@contextmanager
+def exact_products(on: bool = True) -> Iterator[None]:
+    """While inside (with ``on``), quantized layers that have a fast approximate product (a
+    kernel rounding its inputs and outputs to bfloat16, say) run their exact one instead.
+
+    The model runner enters it for every step that carries prompt tokens: a prompt's last
+    position decides the request's first token, and a near tie there must come out as the
+    float product would give it, however the prompt was cut into chunks or how much of it came
+    from the prefix cache. Decode-only steps keep the fast path."""
+    token = _EXACT_PRODUCTS.set(on)
+    try:
+        yield
+    finally:
+        _EXACT_PRODUCTS.reset(token)
+
+
+def exact_products_requested() -> bool:
+    """Whether the current forward asked for exact quantized products (see :func:`exact_products`)."""
+    return _EXACT_PRODUCTS.get()
 
 
 def declare_op(name: str) -> None:

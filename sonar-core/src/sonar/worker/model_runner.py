@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from sonar import ops
 from sonar.attention import AttentionBackend, ForwardContext
 from sonar.config import EngineConfig, ModelConfig, kv_cache_torch_dtype
 from sonar.engine.scheduler_output import ModelRunnerOutput, RequestLogprobs, SchedulerOutput
@@ -320,8 +321,25 @@ class ModelRunner:
         value. The next step may be launched first: a decode that feeds a placeholder takes
         the value straight from the previous step's sampled ids on the device. A batch with a
         request whose sampling reads earlier tokens' values waits for the previous step first.
+
+        A step that carries prompt tokens runs the exact quantized products
+        (``sonar.ops.exact_products``): its last prompt positions decide first tokens.
         """
         self._update_states(so)
+        with ops.exact_products(self._carries_prompt(so)):
+            return self._launch(so)
+
+    def _carries_prompt(self, so: SchedulerOutput) -> bool:
+        """Whether a request in the step computes prompt tokens (a prefill chunk, or tokens a
+        preempted request recomputes), not just its next token and its drafts."""
+        for req_id, count in so.num_scheduled_tokens.items():
+            state = self.requests[req_id]
+            drafts = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
+            if count - drafts > 1 or state.num_computed_tokens < len(state.prompt_token_ids):
+                return True
+        return False
+
+    def _launch(self, so: SchedulerOutput) -> LaunchedStep:
         connector = self.kv_connector
         if connector is not None and so.kv_connector_metadata is not None:
             connector.start_load_kv(so.kv_connector_metadata)

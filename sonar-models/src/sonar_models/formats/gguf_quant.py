@@ -35,24 +35,32 @@ from sonar_models.formats.gguf_blocks import (
 INT4_GROUP_PACK = "int4_group_pack"
 INT4_GROUP_LINEAR = "int4_group_linear"
 ops.declare_op(INT4_GROUP_PACK)
+GGUF_BLOCK_KERNEL = "gguf_block_kernel"
 ops.declare_op(INT4_GROUP_LINEAR)
+ops.declare_op(GGUF_BLOCK_KERNEL)
+#: Products of fewer rows than this run the platform's block kernel (where it has one) instead
+#: of dequantizing: float32 like the dense product, and faster below it (measured on 2 AVX2 cores:
+#: 3,072 x 576 at 16 rows 2.1 ms against 4.8, at 32 rows 4.4 against 5.3).
+BLOCK_KERNEL_MAX_ROWS = 48
 TIED_HEAD_PARAM = "tied_weight"
 DEQUANTIZE_TILE_ROWS = 4096  # rows dequantized at once by the blocks path
 #: From this many rows of activations on (a prefill, a large decode batch), a packed layer
-#: dequantizes its blocks and runs the float product instead. The int4 kernel rounds its
-#: inputs and outputs to bfloat16 (about 0.4% of a product's scale): a prompt's last position
-#: decides the first token, and on the embedded SmolLM2 the chat template's first answer
-#: token is a 0.08-nat tie that the kernel's rounding turns ("L'Étoile..." for "The capital
-#: of France is Paris."), so prompts run the exact product. Below it the kernel is faster
-#: (measured on AVX-512 and AVX2 cores); a decode batch of this many rows pays the
-#: dequantization.
+#: runs the float product of its blocks instead of the int4 kernel, and so does every product
+#: of a step that carries prompt tokens (``sonar.ops.exact_products``, whatever its rows). The
+#: int4 kernel rounds its inputs and outputs to bfloat16 (about 0.3% of a product's scale): a
+#: prompt's last position decides the first token, and on the embedded SmolLM2 the chat
+#: template's first answer token is a 0.08-nat tie that the kernel's rounding turns
+#: ("L'Étoile..." for "The capital of France is Paris."), also when the prompt's last chunk is
+#: short (chunked prefill, a prefix-cache hit). Decode steps below this many rows keep the
+#: kernel, which is faster (measured on AVX-512 and AVX2 cores).
 DENSE_MIN_ROWS = 16
 
 
 @dataclass(slots=True)
 class _Packed:
     """Rows run by the platform's int4 group kernel; where the original blocks are kept
-    (``dense``), products of ``DENSE_MIN_ROWS`` rows or more dequantize them instead."""
+    (``dense``), products of ``DENSE_MIN_ROWS`` rows or more, and those of steps that ask for
+    exact products, run the blocks' float product instead."""
 
     linear: Callable[..., torch.Tensor]
     packed: torch.Tensor
@@ -61,7 +69,7 @@ class _Packed:
     dense: _Blocks | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None and x.numel() >= DENSE_MIN_ROWS * x.shape[-1]:
+        if self.dense is not None and (x.numel() >= DENSE_MIN_ROWS * x.shape[-1] or ops.exact_products_requested()):
             return self.dense(x)
         return self.linear(x, self.packed, self.scales_and_zeros, self.input_repeats)
 
@@ -73,11 +81,15 @@ class _Packed:
 
 @dataclass(slots=True)
 class _Blocks:
-    """Rows kept in GGUF blocks, dequantized a tile at a time for each product."""
+    """Rows kept in GGUF blocks: products of fewer than ``BLOCK_KERNEL_MAX_ROWS`` rows run the
+    platform's block kernel where there is one, the others dequantize a tile at a time."""
 
     blocks: GGUFBlocks
+    kernel: Callable[..., torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.numel() < BLOCK_KERNEL_MAX_ROWS * x.shape[-1]:
+            return self.kernel(x, self.blocks.data, self.blocks.rows, self.blocks.cols)
         tiles = []
         for start in range(0, self.blocks.rows, DEQUANTIZE_TILE_ROWS):
             tile = self.blocks.select_rows(slice(start, start + DEQUANTIZE_TILE_ROWS))
@@ -190,14 +202,18 @@ class GGUFLinearMethod(LinearMethod):
         blocks = stack_rows(run)
         probe = torch.empty(0, device=device)
         pack, linear = ops.platform_op(probe, INT4_GROUP_PACK), ops.platform_op(probe, INT4_GROUP_LINEAR)
+        block_kernel = ops.platform_op(probe, GGUF_BLOCK_KERNEL)
+        kernel = block_kernel(blocks.ggml_type) if block_kernel is not None else None
+        if kernel is not None and blocks.ggml_type in SPLIT_TYPES:  # Q8_0: the block kernel beats two nibbles
+            return _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)), kernel)
         if blocks.ggml_type in INT4_GROUP_TYPES and pack is not None and linear is not None:
             codes, scales, zeros = int4_groups(blocks)
             packed, scales_and_zeros = pack(codes.to(device), scales.to(device), zeros.to(device))
-            if blocks.ggml_type in SPLIT_TYPES:  # packed as two nibbles already: keeping the blocks would double it
-                return _Packed(linear, packed, scales_and_zeros, 2)
-            dense = _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)))
-            return _Packed(linear, packed, scales_and_zeros, 1, dense)
-        return _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)))
+            # the blocks stay too, for the exact products (prefills, steps that carry prompt tokens);
+            # a Q8_0 table packed as two nibbles so costs about twice its size
+            dense = _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)), kernel)
+            return _Packed(linear, packed, scales_and_zeros, 2 if blocks.ggml_type in SPLIT_TYPES else 1, dense)
+        return _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)), kernel)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         runs = layer.gguf_runs
@@ -211,7 +227,9 @@ class GGUFMethod(QuantizationMethod):
     name = "gguf"
     reads = "a .gguf file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K blocks (F32/F16/BF16 tensors stay floating); other types are dequantized at load"
     execution = {
-        "cpu": "Q4_0/Q4_1/Q4_K/Q8_0/Q5_K: torch's int4 weight-packed matmul (bf16); Q6_K: dequantized per tile",
+        "cpu": "decode steps under 16 rows: torch's int4 weight-packed matmul (bf16) for Q4_0/Q4_1/Q4_K/Q5_K; steps with "
+        "prompt tokens and larger batches: the float32 product (Sonar's C kernel for Q4_0/Q4_1/Q8_0 under 48 rows, "
+        "else dequantized per tile); Q8_0 always the C kernel (where it builds); Q6_K: dequantized per tile",
         "cuda": "dequantized per tile of 4,096 rows, library GEMM",
     }
     tested_by = {"cpu": "sonar-models/tests/test_gguf_native.py"}
