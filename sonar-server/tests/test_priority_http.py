@@ -22,8 +22,8 @@ def priority_server(tiny_model: str):
     process.stop()
 
 
-def _body(priority: int, prompt: str) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True, "priority": priority}
+def _body(priority: int, prompt: str, max_tokens: int = 48) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "priority": priority}
 
 
 def test_a_later_lower_priority_value_finishes_first(priority_server: ServerProcess) -> None:
@@ -32,17 +32,19 @@ def test_a_later_lower_priority_value_finishes_first(priority_server: ServerProc
     async def run() -> list[str]:
         finished: list[str] = []
         async with httpx.AsyncClient(base_url=url, timeout=120) as client:
-            async def send(name: str, priority: int) -> None:
-                response = await client.post("/v1/completions", json=_body(priority, f"request {name}"))
+            async def send(name: str, priority: int, max_tokens: int) -> None:
+                response = await client.post("/v1/completions", json=_body(priority, f"request {name}", max_tokens))
                 assert response.status_code == 200, response.text
                 finished.append(name)
 
-            early = [asyncio.create_task(send(f"early{i}", 5)) for i in range(3)]
+            # long enough that the running one is still running when the urgent one arrives
+            # (with 48 tokens a slow host finished it first, and the next early one ran)
+            early = [asyncio.create_task(send(f"early{i}", 5, 400)) for i in range(3)]
             deadline = time.monotonic() + 30
             while metrics(url).get("sonar:num_requests_waiting", 0) < 2:  # one runs, two wait
                 assert time.monotonic() < deadline, "the early requests never queued"
                 await asyncio.sleep(0.02)
-            urgent = asyncio.create_task(send("urgent", 0))
+            urgent = asyncio.create_task(send("urgent", 0, 48))
             await asyncio.gather(*early, urgent)
         return finished
 
