@@ -57,19 +57,20 @@ def first_token_logprobs(llm: LLM, messages: list[dict]) -> dict[int, float]:
 def test_the_first_token_does_not_depend_on_how_the_prompt_is_cut(smollm2: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
     """A prompt's last chunk runs the exact products however few rows it has: the chat prompt's
     first token (a 0.08-nat tie between "The" and "L" on this model) has the same logprobs
-    whole, after a prefix-cache hit (5 of 37 tokens computed) and in 16-token chunks, with
-    Sonar's C kernel and without it."""
+    whole, after a prefix-cache hit (5 of 37 tokens computed) and in 16-token chunks, in torch
+    and (where it builds) with Sonar's C kernel."""
     from sonar_cpu import gguf_kernel
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     whole = first_token_logprobs(smollm2, messages)
     cached = first_token_logprobs(smollm2, messages)  # the first 32 tokens from the prefix cache
-    monkeypatch.setattr(gguf_kernel, "_tried", True)
-    monkeypatch.setattr(gguf_kernel, "_library", None)  # products in torch, as without a compiler
-    chunked = first_token_logprobs(LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=16, enable_prefix_caching=False), messages)
+    chunked = [first_token_logprobs(LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=16, enable_prefix_caching=False), messages)]
+    if gguf_kernel.load() is not None:
+        monkeypatch.setenv(gguf_kernel.SWITCH_ENV, "1")
+        chunked.append(first_token_logprobs(LLM(dtype="float32", max_model_len=1024, max_num_batched_tokens=16, enable_prefix_caching=False), messages))
     tokenizer = smollm2.get_tokenizer()
     assert tokenizer.decode([max(whole, key=whole.get)]) == "The"
-    for other in (cached, chunked):
+    for other in (cached, *chunked):
         assert other.keys() == whole.keys()
         for token, logprob in whole.items():
             assert other[token] == pytest.approx(logprob, abs=1e-3)

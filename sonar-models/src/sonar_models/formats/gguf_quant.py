@@ -227,9 +227,9 @@ class GGUFMethod(QuantizationMethod):
     name = "gguf"
     reads = "a .gguf file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K blocks (F32/F16/BF16 tensors stay floating); other types are dequantized at load"
     execution = {
-        "cpu": "decode steps under 16 rows: torch's int4 weight-packed matmul (bf16) for Q4_0/Q4_1/Q4_K/Q5_K; steps with "
-        "prompt tokens and larger batches: the float32 product (Sonar's C kernel for Q4_0/Q4_1/Q8_0 under 48 rows, "
-        "else dequantized per tile); Q8_0 always the C kernel (where it builds); Q6_K: dequantized per tile",
+        "cpu": "decode steps under 16 rows: torch's int4 weight-packed matmul (bf16) for Q4_0/Q4_1/Q4_K/Q5_K/Q8_0; steps "
+        "with prompt tokens and larger batches: the float32 product, dequantized per tile (with SONAR_CPU_GGUF_KERNEL=1, "
+        "Sonar's C kernel for Q4_0/Q4_1 under 48 rows and for every Q8_0 product); Q6_K: dequantized per tile",
         "cuda": "dequantized per tile of 4,096 rows, library GEMM",
     }
     tested_by = {"cpu": "sonar-models/tests/test_gguf_native.py"}
