@@ -34,10 +34,9 @@ from sonar_models.formats.gguf_blocks import (
 
 INT4_GROUP_PACK = "int4_group_pack"
 INT4_GROUP_LINEAR = "int4_group_linear"
-ops.declare_op(INT4_GROUP_PACK)
 GGUF_BLOCK_KERNEL = "gguf_block_kernel"
-ops.declare_op(INT4_GROUP_LINEAR)
-ops.declare_op(GGUF_BLOCK_KERNEL)
+for _name in (INT4_GROUP_PACK, INT4_GROUP_LINEAR, GGUF_BLOCK_KERNEL):
+    ops.declare_op(_name)
 #: Products of fewer rows than this run the platform's block kernel (where it has one) instead
 #: of dequantizing: float32 like the dense product, and faster below it (measured on 2 AVX2 cores:
 #: 3,072 x 576 at 16 rows 2.1 ms against 4.8, at 32 rows 4.4 against 5.3).
@@ -204,16 +203,16 @@ class GGUFLinearMethod(LinearMethod):
         pack, linear = ops.platform_op(probe, INT4_GROUP_PACK), ops.platform_op(probe, INT4_GROUP_LINEAR)
         block_kernel = ops.platform_op(probe, GGUF_BLOCK_KERNEL)
         kernel = block_kernel(blocks.ggml_type) if block_kernel is not None else None
+        kept = _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)), kernel)
         if kernel is not None and blocks.ggml_type in SPLIT_TYPES:  # Q8_0: the block kernel beats two nibbles
-            return _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)), kernel)
+            return kept
         if blocks.ggml_type in INT4_GROUP_TYPES and pack is not None and linear is not None:
             codes, scales, zeros = int4_groups(blocks)
             packed, scales_and_zeros = pack(codes.to(device), scales.to(device), zeros.to(device))
             # the blocks stay too, for the exact products (prefills, steps that carry prompt tokens);
             # a Q8_0 table packed as two nibbles so costs about twice its size
-            dense = _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)), kernel)
-            return _Packed(linear, packed, scales_and_zeros, 2 if blocks.ggml_type in SPLIT_TYPES else 1, dense)
-        return _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)), kernel)
+            return _Packed(linear, packed, scales_and_zeros, 2 if blocks.ggml_type in SPLIT_TYPES else 1, kept)
+        return kept
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         runs = layer.gguf_runs
