@@ -10,7 +10,9 @@ microseconds, each timed as a CUDA graph replayed over copies of the layer's wei
 together exceed L2 (each decode layer finds its LoRA weights in memory, not in cache):
 
 - ``base``: ``torch.nn.functional.linear`` alone;
-- ``base_lora``: the same product followed by ``lora_shrink`` and ``lora_expand`` into its output;
+- ``base_lora``: the same product followed by the engine's two launches into its output
+  (``lora_shrink_expand`` past ``FUSED_TOKENS``: the shrink, then the expand, which sums the
+  shrink's split partials as it loads them);
 - ``lora``: ``base_lora - base``, what the adapters add to the layer; ``ratio``: ``base_lora / base``;
 - ``fused``: ``base`` + the single-launch ``lora_shrink_expand`` minus ``base`` (batches of up to
   64 tokens: past ``FUSED_TOKENS`` the engine does not use it, the figure says whether it should);
@@ -41,6 +43,7 @@ import sonar_cuda.graph_timing
 from sonar.lora.ops import torch_lora_expand, torch_lora_shrink
 from sonar_cuda.kernels.lora import (
     DECODE_TOKENS,
+    FUSED_TOKENS,
     LoRALaunch,
     expand_launch,
     fused_launch,
@@ -130,10 +133,12 @@ class Case:
     def base_calls(self) -> list:
         return [lambda w=w: torch.nn.functional.linear(self.x, w) for w in self.weights]
 
-    def lora_calls(self, shrink_with: LoRALaunch | None = None, expand_with: LoRALaunch | None = None) -> list:
+    def lora_calls(self) -> list:
         def call(w, a, b):
             out = torch.nn.functional.linear(self.x, w)
-            return lora_expand(lora_shrink(self.x, a, self.slots, shrink_with), b, self.slots, out, self.parts, expand_with)
+            if self.fusable and self.x.shape[0] <= FUSED_TOKENS:  # the engine's choice: time the two launches
+                return lora_expand(lora_shrink(self.x, a, self.slots), b, self.slots, out, self.parts)
+            return lora_shrink_expand(self.x, a, b, self.slots, out, self.parts)
 
         return [lambda w=w, a=a, b=b: call(w, a, b) for w, a, b in zip(self.weights, self.a, self.b)]
 
@@ -227,22 +232,22 @@ def label(launch: LoRALaunch) -> str:
     return f"m{launch.block_m}n{launch.block_n}k{launch.block_k}s{launch.split_k}p{launch.slot_programs}w{launch.num_warps}st{launch.num_stages}"
 
 
-def sweep_case(case: Case, rank: int) -> dict:
+def sweep_case(case: Case, rank: int, kinds_swept: tuple[str, ...] = ("shrink", "expand", "fused")) -> dict:
     base = timed(case.base_calls())
     num_tokens, n = case.x.shape[0], case.a[0].shape[1]
     result: dict = {"shrink": {}, "expand": {}}
-    for launch in shrink_alternatives(num_tokens, n):
+    for launch in shrink_alternatives(num_tokens, n) if "shrink" in kinds_swept else ():
         try:
             result["shrink"][label(launch)] = round(timed(case.shrink_calls(launch, with_base=True)) - base, 2)
         except (OutOfResources, CompilationError) as error:  # a launch the GPU cannot take: noted, not fatal
             result["shrink"][label(launch)] = f"{type(error).__name__}: {str(error)[:120]}"
-    for launch in expand_alternatives(num_tokens, rank):
+    for launch in expand_alternatives(num_tokens, rank) if "expand" in kinds_swept else ():
         try:
             result["expand"][label(launch)] = round(timed(case.expand_calls(launch, with_base=True)) - base, 2)
         except (OutOfResources, CompilationError) as error:
             result["expand"][label(launch)] = f"{type(error).__name__}: {str(error)[:120]}"
     kinds = ["shrink", "expand"]
-    if case.fusable:
+    if case.fusable and "fused" in kinds_swept:
         kinds.append("fused")
         result["fused"] = {}
         for launch in fused_alternatives(case.fused_default(), num_tokens):
@@ -262,6 +267,7 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--sweep", action="store_true", help="also time alternative launches per case")
+    parser.add_argument("--sweep-kinds", default="shrink,expand,fused", help="the launches --sweep times: comma-separated shrink, expand, fused")
     parser.add_argument("--layers", default=",".join(LAYERS), help="comma-separated layer kinds")
     parser.add_argument("--batches", default=None, help="comma-separated batches (default: all)")
     args = parser.parse_args()
@@ -289,7 +295,7 @@ def main() -> None:
             case = Case(layer, all_batches[batch], args.rank, args.adapters)
             result = {**case.check(), **time_case(case)}
             if args.sweep:
-                result["sweep"] = sweep_case(case, args.rank)
+                result["sweep"] = sweep_case(case, args.rank, tuple(args.sweep_kinds.split(",")))
             summary["cases"][f"{layer} {batch}"] = result
             print(
                 f"{layer + ' ' + batch:<24}{result['base']:>10.2f}{result['base_lora']:>11.2f}{result['lora']:>9.2f}"
@@ -298,7 +304,10 @@ def main() -> None:
             )
             if args.sweep:
                 best_fused = result["sweep"].get("best_fused")
-                print(f"    best shrink {result['sweep']['best_shrink']}, best expand {result['sweep']['best_expand']}, best fused {best_fused}", flush=True)
+                best = {kind: result["sweep"].get(f"best_{kind}") for kind in ("shrink", "expand", "fused")}
+                print(f"    best shrink {best['shrink']}, best expand {best['expand']}, best fused {best_fused}", flush=True)
+                if best_fused:
+                    print(f"    fastest fused: {result['sweep']['fused'][best_fused]} us", flush=True)
             del case
             torch.cuda.empty_cache()
             save()
