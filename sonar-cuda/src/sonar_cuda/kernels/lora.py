@@ -259,6 +259,11 @@ def _lora_expand_kernel(
     y_rows = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + y_col * stride_yn
     b_cols = b_ptr + offs_o.to(tl.int64)[None, :] * stride_bo
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    if SPLIT > 1:  # the whole rank in one step (R <= BLOCK_R): the block's rows of y summed once, before the slots
+        r_mask = offs_r < R
+        y_mine = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
+        for split in tl.static_range(SPLIT):  # the shrink's partial sums, in order (as sum_splits adds them)
+            y_mine += tl.load(y_rows + split * stride_ys + offs_r[None, :] * stride_yn, mask=mine[:, None] & r_mask[None, :], other=0.0)
     lowest, highest = tl.min(tl.where(mine, token_slots, num_slots), axis=0), tl.max(tl.where(mine, token_slots, -1), axis=0)
     for slot in range(lowest, highest + 1, slot_programs):  # all congruent to first_slot
         own = token_slots == slot
@@ -268,9 +273,10 @@ def _lora_expand_kernel(
                 r = rank0 + offs_r
                 r_mask = r < R
                 b = tl.load(b_slot + r[:, None] * stride_br, mask=r_mask[:, None] & o_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-                y = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-                for split in tl.static_range(SPLIT):  # the shrink's partial sums, in order (as sum_splits adds them)
-                    y += tl.load(y_rows + split * stride_ys + r[None, :] * stride_yn, mask=own[:, None] & r_mask[None, :], other=0.0)
+                if SPLIT > 1:
+                    y = tl.where(own[:, None], y_mine, 0.0)
+                else:
+                    y = tl.load(y_rows + r[None, :] * stride_yn, mask=own[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
                 if IEEE:
                     acc += tl.dot(y.to(b.dtype), b, input_precision="ieee")
                 else:
@@ -451,7 +457,8 @@ def _expand(
 ) -> torch.Tensor:
     """:func:`lora_expand` of ``y = partials.sum(0)`` (``[SPLIT_K, T, N]``, the shrink's
     split partial sums): the expand adds them up as it loads them, so the shrink needs no
-    launch of its own for the sum."""
+    launch of its own for the sum. More than one split needs the whole rank in one of the
+    launch's rank steps."""
     y = partials[0]
     if b.device != out.device or y.device != out.device:
         raise ValueError(f"y ({y.device}), b ({b.device}) and out ({out.device}) must be on one device")
@@ -463,6 +470,8 @@ def _expand(
     if num_tokens == 0 or num_slots == 0 or rank == 0:
         return out
     launch = launch or expand_launch(num_tokens, rank)
+    if partials.shape[0] > 1 and rank > launch.block_k:
+        raise ValueError(f"summing {partials.shape[0]} split partials takes the rank ({rank}) in one step of {launch.block_k}")
     num_blocks = triton.cdiv(num_tokens, launch.block_m)
     slot_programs = slot_programs_for(num_tokens, num_slots, launch)
     for num_parts, num_tiles, part_args in _part_groups(part_rows, rank, launch.block_n):
@@ -515,7 +524,10 @@ def lora_shrink_expand(
     if num_tokens == 0 or num_slots == 0 or rank == 0:
         return out
     if launch is None and num_tokens > FUSED_TOKENS:  # two launches: the expand sums the shrink's splits
-        return _expand(_shrink_partials(x, a, token_slots, None), b, token_slots, out, part_rows, None)
+        partials = _shrink_partials(x, a, token_slots, None)
+        if partials.shape[0] > 1 and rank > expand_launch(num_tokens, rank).block_k:  # the rank in several steps: sum first
+            partials = sum_splits(partials, None, torch.empty(partials.shape[1:], dtype=torch.float32, device=x.device)).unsqueeze(0)
+        return _expand(partials, b, token_slots, out, part_rows, None)
     if num_tokens > DECODE_TOKENS:
         raise ValueError(f"the fused launch takes up to {DECODE_TOKENS} tokens (one block), got {num_tokens}")
     if k == 0:
