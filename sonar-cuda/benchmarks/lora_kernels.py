@@ -11,8 +11,8 @@ together exceed L2 (each decode layer finds its LoRA weights in memory, not in c
 
 - ``base``: ``torch.nn.functional.linear`` alone;
 - ``base_lora``: the same product followed by the engine's two launches into its output
-  (``lora_shrink_expand`` past ``FUSED_TOKENS``: the shrink, then the expand, which sums the
-  shrink's split partials as it loads them);
+  (``lora_shrink_expand`` past ``FUSED_TOKENS``: the shrink, the sum of its split partials
+  where it splits, then the expand);
 - ``lora``: ``base_lora - base``, what the adapters add to the layer; ``ratio``: ``base_lora / base``;
 - ``fused``: ``base`` + the single-launch ``lora_shrink_expand`` minus ``base`` (batches of up to
   64 tokens: past ``FUSED_TOKENS`` the engine does not use it, the figure says whether it should);

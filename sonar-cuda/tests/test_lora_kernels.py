@@ -15,7 +15,6 @@ from sonar.lora import ops as lora_ops
 from sonar.lora.ops import torch_lora_expand, torch_lora_shrink
 from sonar_cuda import ops as cuda_ops
 from sonar_cuda.kernels.lora import FUSED_A_READS, FUSED_TOKENS, LoRALaunch, fused_launch, lora_expand, lora_shrink, lora_shrink_expand
-from sonar_cuda.kernels import lora as kernels_lora
 
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 QKV_PARTS = ((0, 40), (40, 64), (64, 88))  # q, k, v of unequal sizes
@@ -318,23 +317,3 @@ def test_fused_lora_captures_in_a_cuda_graph(device: torch.device) -> None:
                 expected = torch_lora_expand(y, b.float(), slots, base.float(), parts)
                 torch.testing.assert_close(out.float(), expected, atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
                 assert torch.equal(out[slots < 0], base[slots < 0])
-
-
-@pytest.mark.parametrize("rank", [16, 128], ids=["rank-in-one-step", "rank-in-two-steps"])
-@pytest.mark.parametrize("num_tokens", [1, 5, 70])
-def test_two_launches_sum_the_split_partials_in_the_expand_as_the_three_do(num_tokens: int, rank: int, device: torch.device) -> None:
-    """``lora_shrink_expand`` past ``FUSED_TOKENS``: the expand adds the shrink's split
-    partials as it loads them (a rank past one step sums them first). Bit for bit what the
-    shrink, its sum and the expand give, with the inputs split (many steps of inputs)."""
-    k, parts, dtype = 2048, QKV_PARTS, dtypes_for(device)[-1]
-    a, b = adapters(4, 3 * rank, k, 88, rank, dtype, device, seed=rank)
-    slots = (torch.arange(num_tokens, dtype=torch.int32) % 5 - 1).to(device)  # -1 and slots 0-3, mixed
-    x = torch.randn(num_tokens, k, device=device).to(dtype)
-    out = torch.randn(num_tokens, 88, device=device).to(dtype)
-    assert kernels_lora.shrink_split(1, k, kernels_lora.shrink_launch(num_tokens, 3 * rank, x.dtype), device)[0] > 1
-    three = lora_expand(lora_shrink(x, a, slots), b, slots, out.clone(), parts)
-    two = lora_shrink_expand(x, a, b, slots, out.clone(), parts)
-    assert torch.equal(two, three)
-    expected = lora_ops.torch_lora_expand(lora_ops.torch_lora_shrink(x.float(), a.float(), slots), b.float(), slots, out.float(), parts)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(two.float(), expected, atol=tol * expected.abs().max().item(), rtol=tol)

@@ -33,8 +33,6 @@ from sonar_cuda.kernels.decode_attention import warm_up_decode_attention
 
 logger = logging.getLogger(__name__)
 
-LORA_OVERLAP_ENV = "SONAR_LORA_OVERLAP"  # "0": adapter products after the base products, on one stream
-LORA_OVERLAP_TOKENS = 512  # steps up to this many tokens run the adapters beside the base products
 TP_GRAPHS_ENV = "SONAR_TP_CUDA_GRAPHS"  # "1": decode graphs at tensor_parallel_size > 1 capture the all-reduces
 
 
@@ -98,15 +96,6 @@ class CudaModelRunner(ModelRunner):
         del graphs, buffers, scratch
         platform.release_cached_memory()
         return max(0, used)
-
-    def init_lora(self) -> None:
-        """The core runner's adapter slots, and a side stream for them: in steps of up to
-        ``LORA_OVERLAP_TOKENS`` tokens each layer's adapter products run beside its base
-        product (captured into the decode graphs as a fork and a join)."""
-        super().init_lora()
-        if self.device.type == "cuda" and os.environ.get(LORA_OVERLAP_ENV, "1") not in ("0", "false"):
-            self.lora.batch.side_stream = torch.cuda.Stream(self.device)
-            self.lora.batch.overlap_tokens = LORA_OVERLAP_TOKENS
 
     def _lora_batch(self):
         """The LoRA slot buffer the graphs read (None without adapters)."""

@@ -103,11 +103,9 @@ class Linear(nn.Module):
         return self.linear_method.shard_checkpoint_tensor(self, param_name, tensor, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lora = self.lora
-        pending = lora.begin(x) if lora is not None else None  # the adapters' work beside the base product
         out = self.linear_method.apply(self, x)
-        if lora is not None:
-            out = lora.finish(x, out, pending)
+        if self.lora is not None:
+            out = self.lora.add(x, out)
         if self.parallel == "row" and self.reduce_output:
             out = self.group.communicator.all_reduce(out)
         return out

@@ -4,8 +4,7 @@
 ``lora`` attribute and that has ``in_features``, ``out_features`` and a checkpoint ``prefix``;
 ``sonar_models.layers.Linear`` does) a :class:`LoRALinear`: its stacked A and B of
 ``max_loras`` slots, rank padded to ``max_lora_rank``. The layer's ``LinearMethod`` computes
-the base output (quantized or not); the layer then calls ``lora.finish(x, out, pending)``
-(``pending`` from ``lora.begin(x)``, called before the base product), which adds the
+the base output (quantized or not); the layer then calls ``lora.add(x, out)``, which adds the
 adapters' products for the tokens of adapter requests, and does nothing at all in a step
 where no request has one.
 
@@ -19,15 +18,6 @@ rank's output rows, per fused part; on a row-parallel one A's columns of the ran
 and B whole. A row-parallel layer's shrink results (``[T, P * R]``) are summed over the ranks
 by one all-reduce, and rank 0 alone expands them into its partial output, so the delta is in
 the layer's all-reduced output exactly once.
-
-Where the platform gives the batch a side stream (``LoRABatch.side_stream``: CUDA), a layer's
-adapter work runs beside its base product for steps of up to ``overlap_tokens`` tokens: the
-layer calls ``lora.begin(x)`` before the base product, which queues the shrink and the expand
-into a float32 delta on the side stream, and ``lora.finish(x, out, pending)`` after it, which
-has the layer's stream wait for the side stream and adds the delta (one elementwise add,
-rounding once as the in-place expand does). In a decode step the base products leave most of
-the GPU idle while they stream their weights, so the adapters' launches, which cost latency
-rather than bytes, hide behind them.
 """
 
 from __future__ import annotations
@@ -56,8 +46,6 @@ class LoRABatch:
         self.active = False
         self.capturing = False  # a CUDA graph is being captured: every layer runs its LoRA path
         self.device = device
-        self.side_stream = None  # a platform stream: adapter work beside the base products (None: after them)
-        self.overlap_tokens = 0  # steps of up to this many tokens use the side stream
         self._num_written = 0  # tokens from 0 that may hold a slot; the rest hold -1
 
     @property
@@ -101,44 +89,12 @@ class LoRALinear:
         self.part_rows = tuple((int(starts[i]), int(starts[i + 1])) for i in range(len(part_sizes)))
         self.filled: set[int] = set()  # slots an adapter targeting this layer fills
 
-    def _runs(self) -> bool:
-        """Whether this step has adapter work in this layer (none where no adapter in a slot
-        targets it, except while a graph that later adapters will replay is captured)."""
-        batch = self.batch
-        return batch.active and bool(self.filled or batch.capturing)
-
-    def begin(self, x: torch.Tensor) -> torch.Tensor | None:
-        """Queue this step's adapter delta for ``x [T, in]`` on the batch's side stream, to run
-        beside the base product the caller issues next; returns the pending delta (``[T,
-        out]`` float32, zero for tokens without an adapter) for :meth:`finish`, or None where
-        the delta is to be added after the base product instead (no side stream, more than
-        ``overlap_tokens`` tokens, a row-parallel layer, or no adapter work)."""
-        batch = self.batch
-        side = batch.side_stream
-        if side is None or self.row_group is not None or x.shape[0] > batch.overlap_tokens or not self._runs():
-            return None
-        main = torch.cuda.current_stream(x.device)
-        delta = torch.empty(x.shape[0], self.b.shape[1], dtype=torch.float32, device=x.device)  # allocated on the layer's stream
-        side.wait_stream(main)  # x is ready
-        with torch.cuda.stream(side):
-            delta.zero_()
-            lora_ops.lora_shrink_expand(x, self.a, self.b, batch.token_slots[: x.shape[0]], delta, self.part_rows)
-        return delta
-
-    def finish(self, x: torch.Tensor, out: torch.Tensor, pending: torch.Tensor | None) -> torch.Tensor:
-        """``out`` (the base output for ``x``) plus each token's adapter delta: the one
-        :meth:`begin` queued, once the side stream has it, else computed now (:meth:`add`)."""
-        if pending is None:
-            return self.add(x, out)
-        torch.cuda.current_stream(x.device).wait_stream(self.batch.side_stream)
-        return out.add_(pending)
-
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the base output for ``x [T, in]``) plus each token's adapter delta (nothing
         to do where no adapter in a slot targets this layer, except while a graph that later
         adapters will replay is captured)."""
         batch = self.batch
-        if not self._runs():
+        if not batch.active or not (self.filled or batch.capturing):
             return out
         slots = batch.token_slots[: x.shape[0]]
         group = self.row_group

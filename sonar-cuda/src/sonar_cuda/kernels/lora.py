@@ -29,10 +29,7 @@ capture both launches, and the grid depends on the shapes alone.
 :func:`lora_shrink` (``[T, in] -> [T, N]``, float32): the inputs are long and the outputs few,
 so where the tiles alone are too few to fill the GPU the inputs are split among programs
 (float32 partials ``[SPLIT_K, T, N]`` and one short sum: the same order every run, no
-atomics). Tokens without a slot get zeros, written by slot program 0. In
-:func:`lora_shrink_expand`'s two launches the expand adds the partials up itself as it loads
-them (in the same order), so the sum costs no launch of its own: at batch 1 a launch, not
-the bytes, is what each step of a LoRA layer costs.
+atomics). Tokens without a slot get zeros, written by slot program 0.
 
 :func:`lora_expand` (``out[T, r0:r1] += y_p @ b[slot, r0:r1].T`` per part): one launch for all
 of a fused layer's parts (up to ``MAX_PARTS``; tiles of ``BLOCK_N`` columns, each inside one
@@ -225,10 +222,9 @@ def _part_of(pid, tile0, y_col, r0, r1, P_TILE, P_Y, P_R0, P_R1):
 def _lora_expand_kernel(
     y_ptr, b_ptr, slots_ptr, out_ptr,
     T, R, num_slots, slot_programs,
-    stride_ys, stride_yt, stride_yn, stride_bs, stride_bo, stride_br, stride_ot, stride_oo,
+    stride_yt, stride_yn, stride_bs, stride_bo, stride_br, stride_ot, stride_oo,
     P0_Y, P0_R0, P0_R1, P1_TILE, P1_Y, P1_R0, P1_R1,
     P2_TILE, P2_Y, P2_R0, P2_R1, P3_TILE, P3_Y, P3_R0, P3_R1,
-    SPLIT: tl.constexpr,
     NUM_PARTS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -259,11 +255,6 @@ def _lora_expand_kernel(
     y_rows = y_ptr + offs_m.to(tl.int64)[:, None] * stride_yt + y_col * stride_yn
     b_cols = b_ptr + offs_o.to(tl.int64)[None, :] * stride_bo
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    if SPLIT > 1:  # the whole rank in one step (R <= BLOCK_R): the block's rows of y summed once, before the slots
-        r_mask = offs_r < R
-        y_mine = tl.zeros([BLOCK_M, BLOCK_R], tl.float32)
-        for split in tl.static_range(SPLIT):  # the shrink's partial sums, in order (as sum_splits adds them)
-            y_mine += tl.load(y_rows + split * stride_ys + offs_r[None, :] * stride_yn, mask=mine[:, None] & r_mask[None, :], other=0.0)
     lowest, highest = tl.min(tl.where(mine, token_slots, num_slots), axis=0), tl.max(tl.where(mine, token_slots, -1), axis=0)
     for slot in range(lowest, highest + 1, slot_programs):  # all congruent to first_slot
         own = token_slots == slot
@@ -273,10 +264,7 @@ def _lora_expand_kernel(
                 r = rank0 + offs_r
                 r_mask = r < R
                 b = tl.load(b_slot + r[:, None] * stride_br, mask=r_mask[:, None] & o_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]
-                if SPLIT > 1:
-                    y = tl.where(own[:, None], y_mine, 0.0)
-                else:
-                    y = tl.load(y_rows + r[None, :] * stride_yn, mask=own[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
+                y = tl.load(y_rows + r[None, :] * stride_yn, mask=own[:, None] & r_mask[None, :], other=0.0)  # [BLOCK_M, BLOCK_R]
                 if IEEE:
                     acc += tl.dot(y.to(b.dtype), b, input_precision="ieee")
                 else:
@@ -396,14 +384,6 @@ def _part_groups(part_rows: tuple[tuple[int, int], ...], rank: int, block_n: int
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, launch: LoRALaunch | None = None) -> torch.Tensor:
     """``y[t] = x[t] @ a[token_slots[t]].T`` for ``x [T, in]`` and ``a [S, N, in]`` (floating,
     any strides): ``[T, N]`` float32, zero for tokens without a slot (``launch``: for tuning)."""
-    partials = _shrink_partials(x, a, token_slots, launch)
-    if partials.shape[0] == 1:
-        return partials[0]
-    return sum_splits(partials, None, torch.empty(partials.shape[1:], dtype=torch.float32, device=x.device))
-
-
-def _shrink_partials(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, launch: LoRALaunch | None) -> torch.Tensor:
-    """The shrink's float32 split partial sums ``[SPLIT_K, T, N]`` (one split: the product)."""
     if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
         raise ValueError(f"lora_shrink takes x [T, in] and a [S, N, in]; got x {tuple(x.shape)} and a {tuple(a.shape)}")
     if a.device != x.device:
@@ -412,12 +392,13 @@ def _shrink_partials(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor
     num_slots, n = a.shape[0], a.shape[1]
     _check_slots(token_slots, num_tokens, x.device)
     if num_tokens == 0 or n == 0 or num_slots == 0 or k == 0:
-        return torch.zeros(1, num_tokens, n, dtype=torch.float32, device=x.device)
+        return torch.zeros(num_tokens, n, dtype=torch.float32, device=x.device)
     launch = launch or shrink_launch(num_tokens, n, x.dtype)
     num_blocks, num_tiles = triton.cdiv(num_tokens, launch.block_m), triton.cdiv(n, launch.block_n)
     slot_programs = slot_programs_for(num_tokens, num_slots, launch)
     split, k_per_split = shrink_split(num_blocks * num_tiles * slot_programs, k, launch, x.device)
-    partials = torch.empty(split, num_tokens, n, dtype=torch.float32, device=x.device)
+    y = torch.empty(num_tokens, n, dtype=torch.float32, device=x.device)
+    partials = torch.empty(split, num_tokens, n, dtype=torch.float32, device=x.device) if split > 1 else y.unsqueeze(0)
     _lora_shrink_kernel[(num_blocks, num_tiles * split, slot_programs)](
         x, a, token_slots, partials,
         num_tokens, n, k, num_slots, slot_programs, k_per_split, num_tiles,
@@ -426,7 +407,7 @@ def _shrink_partials(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor
         BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
         IEEE=x.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
-    return partials
+    return sum_splits(partials, None, y) if split > 1 else y
 
 
 def lora_expand(
@@ -444,22 +425,6 @@ def lora_expand(
         raise ValueError(
             f"lora_expand takes y [T, N], b [S, out, R] and out [T, out]; got y {tuple(y.shape)}, b {tuple(b.shape)}, out {tuple(out.shape)}"
         )
-    return _expand(y.unsqueeze(0), b, token_slots, out, part_rows, launch)
-
-
-def _expand(
-    partials: torch.Tensor,
-    b: torch.Tensor,
-    token_slots: torch.Tensor,
-    out: torch.Tensor,
-    part_rows: tuple[tuple[int, int], ...],
-    launch: LoRALaunch | None,
-) -> torch.Tensor:
-    """:func:`lora_expand` of ``y = partials.sum(0)`` (``[SPLIT_K, T, N]``, the shrink's
-    split partial sums): the expand adds them up as it loads them, so the shrink needs no
-    launch of its own for the sum. More than one split needs the whole rank in one of the
-    launch's rank steps."""
-    y = partials[0]
     if b.device != out.device or y.device != out.device:
         raise ValueError(f"y ({y.device}), b ({b.device}) and out ({out.device}) must be on one device")
     num_tokens, (num_slots, num_out, rank) = y.shape[0], b.shape
@@ -470,17 +435,15 @@ def _expand(
     if num_tokens == 0 or num_slots == 0 or rank == 0:
         return out
     launch = launch or expand_launch(num_tokens, rank)
-    if partials.shape[0] > 1 and rank > launch.block_k:
-        raise ValueError(f"summing {partials.shape[0]} split partials takes the rank ({rank}) in one step of {launch.block_k}")
     num_blocks = triton.cdiv(num_tokens, launch.block_m)
     slot_programs = slot_programs_for(num_tokens, num_slots, launch)
     for num_parts, num_tiles, part_args in _part_groups(part_rows, rank, launch.block_n):
         _lora_expand_kernel[(num_tiles, num_blocks, slot_programs)](
             y, b, token_slots, out,
             num_tokens, rank, num_slots, slot_programs,
-            partials.stride(0), y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
+            y.stride(0), y.stride(1), b.stride(0), b.stride(1), b.stride(2), out.stride(0), out.stride(1),
             *part_args,
-            SPLIT=partials.shape[0], NUM_PARTS=num_parts, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_R=launch.block_k,
+            NUM_PARTS=num_parts, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_R=launch.block_k,
             IEEE=b.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
         )  # fmt: skip
     return out
@@ -523,11 +486,8 @@ def lora_shrink_expand(
     _check_slots(token_slots, num_tokens, out.device)
     if num_tokens == 0 or num_slots == 0 or rank == 0:
         return out
-    if launch is None and num_tokens > FUSED_TOKENS:  # two launches: the expand sums the shrink's splits
-        partials = _shrink_partials(x, a, token_slots, None)
-        if partials.shape[0] > 1 and rank > expand_launch(num_tokens, rank).block_k:  # the rank in several steps: sum first
-            partials = sum_splits(partials, None, torch.empty(partials.shape[1:], dtype=torch.float32, device=x.device)).unsqueeze(0)
-        return _expand(partials, b, token_slots, out, part_rows, None)
+    if launch is None and num_tokens > FUSED_TOKENS:
+        return lora_expand(lora_shrink(x, a, token_slots), b, token_slots, out, part_rows)
     if num_tokens > DECODE_TOKENS:
         raise ValueError(f"the fused launch takes up to {DECODE_TOKENS} tokens (one block), got {num_tokens}")
     if k == 0:
