@@ -143,6 +143,73 @@ def test_on_cuda_the_tier_is_pinned_and_output_unchanged(tiny_model_dir) -> None
     assert all(t.is_pinned() for t in engine.core.executor.worker.model_runner.kv_connector.host)
 
 
+@pytest.mark.cuda
+def test_on_cuda_a_load_into_blocks_still_being_saved_waits_for_each_layer_of_the_save() -> None:
+    """One step saves blocks to the host and loads other contents into the same blocks: the
+    saves run on the side stream, each layer's load waits for that layer's save, and both
+    end with the right bytes (a load that ran early would put its contents on the host)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from sonar.kv_transfer.offload import OffloadingConnector
+
+    layers, blocks = 8, 256  # 16 MiB a layer: the copies take long enough for a race to show
+    shape = (2, blocks, 16, 8, 128)
+    c = OffloadingConnector.__new__(OffloadingConnector)
+    c.kv_caches = [torch.randn(shape, dtype=torch.float16, device="cuda") for _ in range(layers)]
+    c.host = [torch.randn((2 * blocks, *shape[0:1], *shape[2:]), dtype=torch.float16).pin_memory() for _ in range(layers)]
+    c._save_stream, c._saves_in_flight, c._save_events = None, {}, []
+    c._load_stream, c._load_events = None, []
+    before = [kv.cpu() for kv in c.kv_caches]
+    incoming = [host[blocks:].clone() for host in c.host]
+    saves = [(b, b) for b in range(blocks)]  # device block b -> host slot b
+    loads = [(blocks + b, b) for b in range(blocks)]  # host slot blocks + b -> device block b
+    c.start_load_kv(OffloadMetadata(saves, loads, list(range(blocks))))
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        assert torch.equal(c.host[layer][:blocks], before[layer].transpose(0, 1))
+        assert torch.equal(c.kv_caches[layer].cpu(), incoming[layer].transpose(0, 1))
+    assert not c._saves_in_flight  # the step's blocks were handed out: nothing left to wait for
+
+
+@pytest.mark.cuda
+def test_on_cuda_each_layer_reads_its_own_loads_while_later_layers_still_load() -> None:
+    """A step's loads run on their own stream: the forward's stream waits, before each layer,
+    for that layer's copies alone. What each layer reads right after its wait is what was
+    loaded, and the first layer's wait ends before the last layer's copies do."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    from sonar.kv_transfer.offload import OffloadingConnector
+
+    layers, blocks = 16, 512  # 32 MiB a layer: the last layer's copies land well after the first's
+    shape = (2, blocks, 16, 8, 128)
+    c = OffloadingConnector.__new__(OffloadingConnector)
+    c.kv_caches = [torch.zeros(shape, dtype=torch.float16, device="cuda") for _ in range(layers)]
+    c.host = [torch.randn((blocks, *shape[0:1], *shape[2:]), dtype=torch.float16).pin_memory() for _ in range(layers)]
+    c._save_stream, c._saves_in_flight, c._save_events = None, {}, []
+    c._load_stream, c._load_events = None, []
+    metadata = OffloadMetadata([], [(b, b) for b in range(blocks)], [])
+    assert c.needs_layer_hooks(metadata) and not c.needs_layer_hooks(OffloadMetadata())
+    c.start_load_kv(metadata)
+    sums, first_read = [], torch.cuda.Event()
+    for layer in range(layers):  # as the attention layers do, on the forward's stream
+        c.wait_for_layer_load(layer)
+        sums.append(c.kv_caches[layer].float().sum())
+        if layer == 0:
+            first_read.record()
+    last_copies = c._load_events[-1]
+    c.wait_for_save()
+    first_read.synchronize()
+    assert not last_copies.query()  # layer 0 was read while the last layer still loaded (about 10 ms to go)
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        assert torch.equal(c.kv_caches[layer].cpu(), c.host[layer].transpose(0, 1))
+        assert torch.allclose(sums[layer].cpu(), c.host[layer].float().sum(), rtol=1e-4)
+
+
 def test_the_device_copy_path_moves_the_same_bytes_as_the_plain_one(monkeypatch) -> None:
     """The GPU path (a staging tensor and one host copy per run of slots) run on CPU tensors,
     in small staging chunks, against the plain index copies."""

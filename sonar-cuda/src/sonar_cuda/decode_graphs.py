@@ -255,6 +255,9 @@ class GraphedModel(torch.nn.Module):
         state = ctx.attn_metadata.extra if ctx.attn_metadata is not None else None
         size = state.graph_batch_size if isinstance(state, TritonStepState) else 0
         if size:
+            if ctx.kv_connector is not None:  # the step's loads land whole before the replay
+                for layer_idx in range(len(ctx.kv_caches)):
+                    ctx.kv_connector.wait_for_layer_load(layer_idx)
             hidden = self.graphs.run(size)
             num_rows = input_ids.shape[0]
             aux = self.graphs.aux

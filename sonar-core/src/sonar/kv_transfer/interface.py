@@ -227,8 +227,18 @@ class KVConnector:
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         """Begin loading this step's external blocks into the cache (may return early)."""
 
+    def needs_layer_hooks(self, metadata: KVConnectorMetadata) -> bool:
+        """Whether this step's forward must call the per-layer hooks (``wait_for_layer_load``,
+        ``save_kv_layer``): ``uses_layer_hooks`` by default. A connector whose hooks do work
+        on some steps only (loads that land layer by layer) answers per step; a step replayed
+        from a CUDA graph then calls ``wait_for_layer_load`` for every layer before the replay,
+        and ``save_kv_layer`` not at all (connectors that save per layer set
+        ``uses_layer_hooks``, which turns the graphs off)."""
+        return self.uses_layer_hooks
+
     def wait_for_layer_load(self, layer_idx: int) -> None:
-        """Block until layer ``layer_idx``'s loads of this step are in the cache."""
+        """Block until layer ``layer_idx``'s loads of this step are in the cache (on a GPU it
+        may instead order the device's work: the current stream waits for them)."""
 
     def save_kv_layer(self, layer_idx: int, kv_cache: torch.Tensor, attn_metadata: AttentionMetadata) -> None:
         """Layer ``layer_idx`` wrote this step's keys and values: start saving the blocks the

@@ -10,8 +10,14 @@ Both kinds of copy are queued at the start of the step, before the forward, save
 the CPU they are plain copies. On a GPU the saves run on a side stream, beside the forwards
 that follow (so a finished request's blocks reach the host while others decode, not when a
 later prompt needs the room), and a step that hands out a block whose save is still running
-has its stream wait for that save first; loads run on the step's stream, ordered before its
-forward. The host never waits for either.
+has its stream wait for that save first, layer by layer: a save records an event after each
+layer's copies, and a load into such a block waits, before it writes a layer, for that layer's
+save alone, so the load's copies to the device run while the save's later layers still go to
+the host (the bus carries both ways at once). Loads run on a third stream, beside the step's
+forward: each attention layer waits, before it reads the cache, for that layer's loads alone
+(``wait_for_layer_load``), so the later layers' copies run while the first layers compute,
+and the forward of a step that brings a long prefix back costs little more than the copies.
+The host never waits for any of them.
 """
 
 from __future__ import annotations
@@ -76,8 +82,10 @@ class OffloadingConnector(KVConnector):
         self.host: list[torch.Tensor] = []
         self.kv_caches: list[torch.Tensor] = []
         self._save_stream = None
-        self._saves_in_flight: dict[int, object] = {}  # device block -> the event its save records
-        self._save_events: list[tuple[object, list[int]]] = []  # in issue order, pruned once done
+        self._load_stream = None
+        self._load_events: list = []  # this step's loads: an event per layer, recorded after its copies
+        self._saves_in_flight: dict[int, list] = {}  # device block -> the per-layer events its save records
+        self._save_events: list[tuple[list, list[int]]] = []  # in issue order, pruned once done
 
     @classmethod
     def check_config(cls, config: KVTransferConfig) -> None:
@@ -201,20 +209,47 @@ class OffloadingConnector(KVConnector):
         logger.info("KV offload: %d host blocks (%.1f MiB%s)", self.num_host_blocks,
                     self.num_host_blocks * self.layout.bytes_per_block / 2**20, ", pinned" if pin else "")
 
+    def needs_layer_hooks(self, metadata: KVConnectorMetadata) -> bool:
+        """Only a GPU step that loads: its layers wait for their own loads."""
+        cuda = bool(self.kv_caches) and self.kv_caches[0].device.type == "cuda"
+        return cuda and isinstance(metadata, OffloadMetadata) and bool(metadata.loads)
+
     def start_load_kv(self, metadata: KVConnectorMetadata) -> None:
         if not isinstance(metadata, OffloadMetadata):
             return
         if self.kv_caches and self.kv_caches[0].device.type == "cuda":
-            self._save_beside(metadata)
-        elif metadata.saves:
+            self._join_loads()  # a step that never reached its forward: its loads land first
+            self._save_beside(metadata)  # the loads too
+            return
+        if metadata.saves:
             self._copy(metadata.saves, to_host=True)
         if metadata.loads:
             self._copy([(block_id, slot) for slot, block_id in metadata.loads], to_host=False)
 
+    def wait_for_layer_load(self, layer_idx: int) -> None:
+        if layer_idx < len(self._load_events):
+            import torch
+
+            torch.cuda.current_stream(self.kv_caches[0].device).wait_event(self._load_events[layer_idx])
+
+    def wait_for_save(self) -> None:
+        self._join_loads()  # whatever the forward did not wait for (layers it has no hook in)
+
+    def _join_loads(self) -> None:
+        if self._load_events:
+            import torch
+
+            torch.cuda.current_stream(self.kv_caches[0].device).wait_event(self._load_events[-1])
+            self._load_events = []
+
     def _save_beside(self, metadata: OffloadMetadata) -> None:
-        """Queue the step's saves on the side stream (after what the step's stream holds so
-        far: the blocks' contents); then have the step's stream wait for the saves of every
-        block handed out this step that are still running, this step's among them."""
+        """Queue the step's saves on the save stream (after what the step's stream holds so
+        far: the blocks' contents), then the loads on the load stream (after the same: earlier
+        steps' reads and writes of the blocks they fill), each layer's after that layer's
+        copies of every still running save of a block handed out this step (this step's saves
+        among them); then have the step's stream wait for those saves whole (its forward
+        writes the reused blocks too). The step's layers wait for their loads in
+        ``wait_for_layer_load``."""
         import torch
 
         device = self.kv_caches[0].device
@@ -225,23 +260,30 @@ class OffloadingConnector(KVConnector):
             side = self._save_stream
             side.wait_stream(main)
             with torch.cuda.stream(side):
-                self._copy_device(metadata.saves, to_host=True)
-            done = torch.cuda.Event()
-            done.record(side)
+                layer_events = self._copy_device(metadata.saves, to_host=True)
             blocks = [block_id for block_id, _ in metadata.saves]
             for block_id in blocks:
-                self._saves_in_flight[block_id] = done
-            self._save_events.append((done, blocks))
-        waited: set[int] = set()
+                self._saves_in_flight[block_id] = layer_events
+            self._save_events.append((layer_events, blocks))
+        running: dict[int, list] = {}  # the saves the step's reused blocks wait for, by identity
         for block_id in metadata.evicted:
-            event = self._saves_in_flight.pop(block_id, None)
-            if event is not None and id(event) not in waited:
-                main.wait_event(event)
-                waited.add(id(event))
-        while self._save_events and self._save_events[0][0].query():  # finished: nothing to wait for
-            event, blocks = self._save_events.pop(0)
+            layer_events = self._saves_in_flight.pop(block_id, None)
+            if layer_events is not None:
+                running[id(layer_events)] = layer_events
+        if metadata.loads:
+            if self._load_stream is None:
+                self._load_stream = torch.cuda.Stream(device)
+            load = self._load_stream
+            load.wait_stream(main)
+            with torch.cuda.stream(load):
+                pairs = [(block_id, slot) for slot, block_id in metadata.loads]
+                self._load_events = self._copy_device(pairs, False, list(running.values()))
+        for layer_events in running.values():
+            main.wait_event(layer_events[-1])
+        while self._save_events and self._save_events[0][0][-1].query():  # finished: nothing to wait for
+            layer_events, blocks = self._save_events.pop(0)
             for block_id in blocks:
-                if self._saves_in_flight.get(block_id) is event:
+                if self._saves_in_flight.get(block_id) is layer_events:
                     del self._saves_in_flight[block_id]
 
     def _copy(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
@@ -260,23 +302,28 @@ class OffloadingConnector(KVConnector):
             return
         self._copy_device(pairs, to_host)
 
-    def _copy_device(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
-        """The same on a GPU, queued on the step's stream with the host not waiting: per layer,
-        one gather or scatter on the device through a staging tensor, and one host copy per
-        run of consecutive host slots (evicted blocks take slots in order, so a prefix's
-        blocks are a few long runs): a few large copies at the bus's speed, not one small
-        copy per block and layer."""
+    def _copy_device(self, pairs: list[tuple[int, int]], to_host: bool, wait_for: list[list] | None = None) -> list:
+        """The same on a GPU, queued on the current stream with the host not waiting: per
+        layer, one gather or scatter on the device through a staging tensor, and one host copy
+        per run of consecutive host slots (evicted blocks take slots in order, so a prefix's
+        blocks are a few long runs): a few large copies at the bus's speed, not one small copy
+        per block and layer. Returns an event per layer, recorded after that layer's last
+        copy; a load first waits, before it writes layer ``i``, for event ``i`` of each of
+        ``wait_for`` (saves still reading the blocks it fills)."""
         import torch
 
         device = self.kv_caches[0].device
+        cuda = device.type == "cuda"
+        stream = torch.cuda.current_stream(device) if cuda else None
         pairs = sorted(pairs, key=lambda pair: pair[1])
         per_block = self.host[0][0].numel() * self.host[0].element_size()
         chunk = max(1, STAGING_BYTES // per_block)
+        layer_events = [torch.cuda.Event() for _ in self.kv_caches] if cuda else []
         for start in range(0, len(pairs), chunk):
             part = pairs[start : start + chunk]
             block_ids = torch.tensor([b for b, _ in part], dtype=torch.int64).to(device, non_blocking=True)
             runs = slot_runs([s for _, s in part])
-            for kv, host in zip(self.kv_caches, self.host):
+            for layer, (kv, host) in enumerate(zip(self.kv_caches, self.host)):
                 if to_host:  # [2, n, ...] -> [n, 2, ...], then each run to its slots
                     staged = kv.index_select(1, block_ids).transpose(0, 1).contiguous()
                     for first, slot, count in runs:
@@ -285,7 +332,12 @@ class OffloadingConnector(KVConnector):
                     staged = torch.empty((len(part), *host.shape[1:]), dtype=host.dtype, device=device)
                     for first, slot, count in runs:
                         staged[first : first + count].copy_(host[slot : slot + count], non_blocking=True)
+                    for save_events in wait_for or ():  # this layer of the blocks read to the host first
+                        stream.wait_event(save_events[layer])
                     kv.index_copy_(1, block_ids, staged.transpose(0, 1))
+                if cuda:
+                    layer_events[layer].record(stream)
+        return layer_events
 
 
 def slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:

@@ -358,7 +358,7 @@ class ModelRunner:
             self.lora.prepare_step([s.lora_int_id for s in batch.states], batch.num_scheduled)
         if self.backend_cls is not None:
             self.backend_cls.prepare_metadata(batch.attn_metadata)
-        hooked = connector if connector is not None and connector.uses_layer_hooks else None
+        hooked = connector if connector is not None and connector.needs_layer_hooks(so.kv_connector_metadata) else None
         ctx = ForwardContext(batch.attn_metadata, self.kv_caches, hooked)
         if self.stage.is_single:
             hidden = self.model(batch.input_ids, batch.positions, ctx)  # [num_tokens, hidden]
