@@ -5,7 +5,7 @@
     # a loaded engine (batch 128) with speculation configured against without
     python sonar-cuda/benchmarks/spec_decode.py --part loaded
     # n-gram on code edits, and an EAGLE-3 head on chat prompts, with a real target (GGUF)
-    python sonar-cuda/benchmarks/spec_decode.py --part ngram --target model.gguf --prompts mbpp.jsonl
+    python sonar-cuda/benchmarks/spec_decode.py --part ngram --target model.gguf --prompts mbpp.jsonl --ngram-configs 5:2:4,8:1:4
     python sonar-cuda/benchmarks/spec_decode.py --part eagle3 --target model.gguf --drafter head/ --prompts mt-bench.jsonl
     python sonar-cuda/benchmarks/spec_decode.py --part dspark --target model.gguf --drafter dspark/ --prompts mt-bench.jsonl -k 7
     # confidence-scheduled verification: the profiled cost curve, the drafts verified at batch
@@ -200,28 +200,37 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
         conversations = [m + [{"role": "assistant", "content": a},
                               {"role": "user", "content": "Write the same code again with a docstring added to the function; keep every other line exactly as it is."}]
                          for m, a in zip(firsts, answers)]
-        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+        specs = []
+        for item in args.ngram_configs.split(","):  # k:prompt_lookup_min:prompt_lookup_max
+            k, min_n, max_n = (int(v) for v in item.split(":"))
+            specs.append({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_max": max_n})
     else:
         conversations = [[{"role": "user", "content": t[0]}] for t in turns]
-        spec = {"method": method, "model": args.drafter, "num_speculative_tokens": args.k}
+        specs = [{"method": method, "model": args.drafter, "num_speculative_tokens": args.k}]
     _chat_run(plain, conversations[:2], 32)  # warm-up
     plain_s, plain_tokens, plain_texts = _chat_run(plain, conversations, args.max_tokens)
     del plain
     _release()
-    llm = LLM(args.target, speculative_config=spec, **common)
-    _chat_run(llm, conversations[:2], 32)
-    before = _acceptance(llm)
-    spec_s, spec_tokens, spec_texts = _chat_run(llm, conversations, args.max_tokens)
-    after = _acceptance(llm)
-    drafts = after["drafts"] - before["drafts"]
-    accepted = after["accepted"] - before["accepted"]
-    return {
-        "method": method, "k": args.k, "prompts": len(conversations),
-        "plain_tok_s": round(plain_tokens / plain_s, 1), "spec_tok_s": round(spec_tokens / spec_s, 1),
-        "speedup": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3),
-        "mean_acceptance_length": round(1 + accepted / max(drafts, 1), 3),
-        "same_text": sum(a == b for a, b in zip(plain_texts, spec_texts)),
-    }
+    runs = []
+    for spec in specs:
+        llm = LLM(args.target, speculative_config=spec, **common)
+        _chat_run(llm, conversations[:2], 32)
+        before = _acceptance(llm)
+        spec_s, spec_tokens, spec_texts = _chat_run(llm, conversations, args.max_tokens)
+        after = _acceptance(llm)
+        del llm
+        _release()
+        drafts = after["drafts"] - before["drafts"]
+        accepted = after["accepted"] - before["accepted"]
+        runs.append({
+            "speculative_config": spec, "spec_tok_s": round(spec_tokens / spec_s, 1),
+            "speedup": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3),
+            "mean_acceptance_length": round(1 + accepted / max(drafts, 1), 3),
+            "tokens_per_step": round(spec_tokens / max(spec_tokens - accepted, 1), 3),  # each step emits 1 + its accepted drafts
+            "same_text": sum(a == b for a, b in zip(plain_texts, spec_texts)),
+        })
+        print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
+    return {"method": method, "prompts": len(conversations), "plain_tok_s": round(plain_tokens / plain_s, 1), "runs": runs}
 
 
 def main() -> None:
@@ -235,6 +244,8 @@ def main() -> None:
     parser.add_argument("--skip-prompts", type=int, default=0, help="leave out the first N (the drafter's training prompts)")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--ngram-configs", default="5:2:4",
+                        help="ngram part: comma-separated k:prompt_lookup_min:prompt_lookup_max, each measured beside the one plain run")
     parser.add_argument("--output-json")
     spec_confidence.add_arguments(parser)
     args = parser.parse_args()
