@@ -36,6 +36,7 @@ from sonar.spec_decode.draft_graphs import DraftPass, capture_sizes, slot_bucket
 from sonar.spec_decode.eagle3 import target_embedding
 from sonar.spec_decode.interface import DraftCacheBudget, DraftTokens, Proposer, ProposerInputs, SpeculativeConfig
 from sonar.spec_decode.paged_draft_cache import STANDALONE_BUDGET, PagedDraftCache, build_draft_cache
+from sonar.tensors import to_device
 
 if TYPE_CHECKING:
     from sonar.worker.model_runner import ModelRunner
@@ -172,7 +173,7 @@ class DFlashProposer(Proposer):
         # 2. and 3. one pass over each drafting request's block
         req_ids = [inputs.req_ids[i] for i in drafting]
         values = {
-            name: torch.tensor(column, dtype=torch.int64).to(self.device, non_blocking=True)
+            name: to_device(torch.tensor(column, dtype=torch.int64), self.device)
             for name, column in (
                 ("rows", [cache.row_of(r) for r in req_ids]),
                 ("anchors", [inputs.token_ids[i][-1] for i in drafting]),

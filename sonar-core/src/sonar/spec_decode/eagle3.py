@@ -36,6 +36,7 @@ from sonar.spec_decode.eagle3_checkpoint import load_eagle3, read_eagle3_config
 from sonar.spec_decode.eagle3_head import Eagle3Head
 from sonar.spec_decode.interface import DraftCacheBudget, DraftTokens, Proposer, ProposerInputs, SpeculativeConfig
 from sonar.spec_decode.paged_draft_cache import STANDALONE_BUDGET, PagedDraftCache, build_draft_cache
+from sonar.tensors import to_device
 
 if TYPE_CHECKING:
     from sonar.worker.model_runner import ModelRunner
@@ -161,7 +162,7 @@ class Eagle3Proposer(Proposer):
         guesses = self.config.num_speculative_tokens - 1
         for req_id in req_ids:
             cache.reserve(req_id, cache.committed[req_id] + guesses)
-        rows = torch.tensor([cache.row_of(r) for r in req_ids], dtype=torch.int64).to(self.device, non_blocking=True)
+        rows = to_device(torch.tensor([cache.row_of(r) for r in req_ids], dtype=torch.int64), self.device)
         values = {"rows": rows, "queries": q[last], "residual": residual[last], "positions": inputs.positions[last].to(self.device)}
         (proposed,) = self.draft_pass.run(values, max(cache.committed[r] for r in req_ids))
         for i, tokens in zip(drafting, proposed.tolist()):

@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch.nn import functional as F
 
+from sonar.tensors import to_device
+
 if TYPE_CHECKING:
     from sonar.spec_decode.interface import DraftCacheBudget
 
@@ -142,7 +144,7 @@ class PagedDraftCache:
         start = len(blocks)
         new_blocks = [self._free_blocks.pop() for _ in range(needed - start)]
         blocks.extend(new_blocks)
-        self.table[row, start:needed] = torch.tensor(new_blocks, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.table[row, start:needed] = to_device(torch.tensor(new_blocks, dtype=torch.int64), self.device)
 
     def slots(self, req_id: str, start: int, count: int) -> torch.Tensor:
         """The pool slots of the request's slots ``start .. start + count - 1`` (host-computed)."""

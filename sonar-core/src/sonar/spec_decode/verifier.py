@@ -25,6 +25,7 @@ import torch
 
 from sonar import ops
 from sonar.sampler.rows import row_exponentials
+from sonar.tensors import to_device
 
 
 @dataclass(slots=True)
@@ -32,45 +33,81 @@ class VerifyLayout:
     """Where each request's positions sit among the ``P`` verified positions.
 
     Request ``i`` owns positions ``starts[i] .. starts[i] + num_drafts[i]`` (its drafts, then
-    its bonus position). ``row_of`` / ``offset`` map each position to its request and its
-    index inside it; ``draft_ids`` holds each position's draft (-1 at bonus positions).
+    its bonus position). On the device, built at first use (a greedy batch never needs them):
+    ``row_of`` / ``offset`` map each position to its request and its index inside it;
+    ``draft_ids`` holds each position's draft (-1 at bonus positions).
     """
 
+    drafts: list[list[int]]
     num_drafts: list[int]
     starts: list[int]
-    row_of: torch.Tensor  # [P] int64
-    offset: torch.Tensor  # [P] int64
-    draft_ids: torch.Tensor  # [P] int64
+    device: torch.device
+    _tensors: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, drafts: list[list[int]], device: torch.device) -> VerifyLayout:
         """The layout of requests proposing ``drafts`` (an empty list: a plain decode)."""
         num_drafts = [len(d) for d in drafts]
-        starts, row_of, offset, draft_ids = [], [], [], []
-        position = 0
-        for row, tokens in enumerate(drafts):
+        starts, position = [], 0
+        for count in num_drafts:
             starts.append(position)
-            count = len(tokens) + 1
-            row_of += [row] * count
-            offset += range(count)
-            draft_ids += tokens + [-1]
-            position += count
-        as_tensor = lambda values: torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-        return cls(num_drafts, starts, as_tensor(row_of), as_tensor(offset), as_tensor(draft_ids))
+            position += count + 1
+        return cls(drafts, num_drafts, starts, device)
 
     @property
     def num_positions(self) -> int:
         return self.starts[-1] + self.num_drafts[-1] + 1 if self.starts else 0
+
+    @property
+    def row_of(self) -> torch.Tensor:  # [P] int64
+        return self._device_tensors()[0]
+
+    @property
+    def offset(self) -> torch.Tensor:  # [P] int64
+        return self._device_tensors()[1]
+
+    @property
+    def draft_ids(self) -> torch.Tensor:  # [P] int64
+        return self._device_tensors()[2]
+
+    def _device_tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self._tensors is None:
+            row_of, offset, draft_ids = [], [], []
+            for row, tokens in enumerate(self.drafts):
+                count = len(tokens) + 1
+                row_of += [row] * count
+                offset += range(count)
+                draft_ids += [*tokens, -1]
+            # pinned: a pageable copy would make the host wait for the forward pass still running
+            as_tensor = lambda values: to_device(torch.tensor(values, dtype=torch.int64), self.device)
+            self._tensors = (as_tensor(row_of), as_tensor(offset), as_tensor(draft_ids))
+        return self._tensors
+
+    def leading_matches(self, token_ids: list[int]) -> list[int]:
+        """Per request, how many of its drafts lead its emitted positions (``token_ids``: one
+        per position) unchanged: the drafts a greedy verification keeps, where the emitted
+        token is the argmax at every position."""
+        counts = []
+        for start, tokens in zip(self.starts, self.drafts):
+            kept = 0
+            for draft in tokens:
+                if token_ids[start + kept] != draft:
+                    break
+                kept += 1
+            counts.append(kept)
+        return counts
 
 
 @dataclass(slots=True)
 class VerifyResult:
     """``token_ids[p]`` is the token emitted at position ``p`` (valid for the first
     ``num_accepted[i] + 1`` positions of request ``i``); ``num_accepted[i]`` how many of its
-    drafts were kept."""
+    drafts were kept. ``num_accepted`` is None where ``token_ids`` holds the argmax at every
+    position (an all-greedy batch): the host counts the kept drafts
+    (``VerifyLayout.leading_matches``) from the tokens it reads back anyway."""
 
     token_ids: torch.Tensor  # [P] int64
-    num_accepted: torch.Tensor  # [B] int64
+    num_accepted: torch.Tensor | None  # [B] int64
 
 
 def verify(

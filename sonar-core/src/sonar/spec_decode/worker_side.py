@@ -17,6 +17,7 @@ from sonar.spec_decode.eligibility import may_speculate
 from sonar.spec_decode.hidden_states import HiddenStateCollector, StepHiddenStates
 from sonar.spec_decode.interface import DraftCacheBudget, Proposer, ProposerInputs, SpeculativeConfig
 from sonar.spec_decode.verifier import VerifyLayout, VerifyResult, verify
+from sonar.tensors import to_device
 from sonar.worker.input_batch import StepBatch
 
 if TYPE_CHECKING:
@@ -92,10 +93,12 @@ class SpeculativeDecoder:
         meta = SamplingMetadata.build(positions, logits.shape[-1], logits.device)
         processed = sampler.process(logits, meta)
         greedy_ids = None if meta.all_random else processed.argmax(dim=-1)
-        probs = None if meta.all_greedy else sampler.final_probabilities(processed, meta)
+        if meta.all_greedy:  # the argmax is the emitted token everywhere; the host counts the kept drafts
+            return VerifiedStep(layout, VerifyResult(greedy_ids, None), self._logprobs(logits, greedy_ids, meta))
+        probs = sampler.final_probabilities(processed, meta)
         greedy_rows = None
         if not (meta.all_greedy or meta.all_random):
-            greedy_rows = torch.tensor([s.params.greedy for s in states]).to(logits.device)
+            greedy_rows = to_device(torch.tensor([s.params.greedy for s in states]), logits.device)
         generators = {
             row: state.generator for row, state in enumerate(states) if state.generator is not None and not state.params.greedy
         }
@@ -103,10 +106,13 @@ class SpeculativeDecoder:
         if probs is not None and req_ids is not None and self.draft_probs:
             draft_probs = self.draft_probs.take_rows(req_ids, drafts, layout, logits.shape[-1])
         result = verify(probs, greedy_ids, greedy_rows, layout, generators, draft_probs)
-        logprobs = None
-        if meta.max_num_logprobs is not None:
-            logprobs = compute_logprobs(logits, result.token_ids, meta.max_num_logprobs)
-        return VerifiedStep(layout, result, logprobs)
+        return VerifiedStep(layout, result, self._logprobs(logits, result.token_ids, meta))
+
+    @staticmethod
+    def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, meta: SamplingMetadata) -> LogprobsTensors | None:
+        if meta.max_num_logprobs is None:
+            return None
+        return compute_logprobs(logits, token_ids, meta.max_num_logprobs)
 
     def propose(
         self,

@@ -60,7 +60,7 @@ class LaunchedStep:
     output: ModelRunnerOutput | None = None  # set once resolved
     sample_states: list[CachedRequestState] = field(default_factory=list)  # of the sampled rows
     verified: VerifiedStep | None = None  # a verify step's device results (speculative decoding)
-    num_accepted: torch.Tensor | None = None  # host copy of verified's drafts kept per request
+    num_accepted: torch.Tensor | None = None  # host copy of verified's drafts kept per request (None: counted on the host)
     hidden: StepHiddenStates | None = None  # the states a proposer reads (needs_hidden_states)
     kv_connector_output: KVConnectorOutput | None = None  # transfers the KV connector finished by its launch
     propose: bool = True  # the proposer drafts once its tokens are known (the scheduler's say)
@@ -448,7 +448,8 @@ class ModelRunner:
         verified = self.spec.verify(self.sampler, logits, sampling_states, drafts, step.sample_req_ids)
         step.verified = verified
         step.sampled = verified.result.token_ids.to("cpu", non_blocking=True)
-        step.num_accepted = verified.result.num_accepted.to("cpu", non_blocking=True)
+        if verified.result.num_accepted is not None:  # else counted from the tokens once they arrive
+            step.num_accepted = verified.result.num_accepted.to("cpu", non_blocking=True)
         if verified.logprobs is not None:
             step.logprobs = _to_host(verified.logprobs)
 
@@ -481,8 +482,8 @@ class ModelRunner:
         """A verify step's output: each request's kept drafts and the token after them, put in
         place of its placeholder; its rejected positions are taken back."""
         token_ids = step.sampled.tolist()
-        num_accepted = step.num_accepted.tolist()
         layout = step.verified.layout
+        num_accepted = layout.leading_matches(token_ids) if step.num_accepted is None else step.num_accepted.tolist()
         sampled: list[int | None] = [None] * len(step.req_ids)
         logprobs: list[RequestLogprobs | None] = [None] * len(step.req_ids)
         verified: dict[str, list[int]] = {}
