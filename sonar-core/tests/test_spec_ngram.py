@@ -56,3 +56,41 @@ def test_lookup_costs_well_under_a_millisecond_per_request_at_4k_tokens():
     per_request_s = (time.perf_counter() - started) / 50
     print(f"ngram lookup: {per_request_s * 1e6:.0f} us per request at 4,096 tokens")
     assert per_request_s < 1e-3
+
+
+def _reference(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, spelled out: longest suffix first, then its latest earlier end."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        for end in range(length - 2, n - 2, -1):
+            if tokens[end - n + 1 : end + 1] == tokens[length - n :]:
+                return tokens[end + 1 : end + 1 + k]
+    return []
+
+
+@pytest.mark.parametrize("alphabet", [2, 3, 7, 300, 70000])
+def test_lookup_agrees_with_the_definition_on_random_sequences(alphabet):
+    rng = np.random.default_rng(alphabet)
+    for _ in range(300):
+        tokens = rng.integers(0, alphabet, int(rng.integers(1, 60))).tolist()
+        min_n = int(rng.integers(1, 4))
+        max_n = min_n + int(rng.integers(0, 4))
+        k = int(rng.integers(1, 9))
+        assert lookup(tokens, min_n, max_n, k) == _reference(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
+
+
+def test_byte_matches_across_token_boundaries_are_not_matches():
+    # as int32 bytes, 256 = 00 01 00 00 and 1 = 01 00 00 00: "... 0, 1 | 0, 0 ..." holds the bytes
+    # of a 256 at an offset that is not a token's start
+    tokens = [256, 5, 0, 1, 0, 9, 7, 256]
+    assert lookup(tokens, 1, 1, 2) == _reference(tokens, 1, 1, 2) == [5, 0]
+
+
+def test_the_proposer_follows_a_growing_sequence_and_a_shorter_one_after_it():
+    config = SpeculativeConfig("ngram", 3, prompt_lookup_min=1, prompt_lookup_max=3)
+    proposer = NgramProposer(config, torch.device("cpu"))
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, 5, 40).tolist()
+    for length in [*range(2, 40, 3), 7, 39]:  # grows step by step, then restarts shorter
+        drafts = proposer.propose(ProposerInputs(["a"], [tokens[:length]], [1])).token_ids[0]
+        assert drafts == _reference(tokens[:length], 1, 3, 3)

@@ -18,6 +18,9 @@ DEFAULT_PROMPT_LOOKUP_MIN = 1
 DEFAULT_PROMPT_LOOKUP_MAX = 3
 
 
+TOKEN_BYTES = 4  # token ids are searched as int32 bytes
+
+
 def ngram_lookup(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[int]:
     """Up to ``k`` tokens that followed the latest earlier occurrence of the longest suffix
     of ``token_ids`` between ``max_n`` and ``min_n`` tokens long; empty when no suffix of
@@ -25,28 +28,26 @@ def ngram_lookup(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> list[
 
     :param token_ids: the whole sequence, ``[L]`` integers.
     """
-    length = len(token_ids)
+    return lookup_in_bytes(np.ascontiguousarray(token_ids, dtype=np.int32).tobytes(), len(token_ids), min_n, max_n, k)
+
+
+def lookup_in_bytes(data: bytes | bytearray, length: int, min_n: int, max_n: int, k: int) -> list[int]:
+    """:func:`ngram_lookup` over a sequence held as ``length`` int32 values in ``data``: the
+    suffixes, longest first, are searched backwards in C (``rfind``), so the most recent
+    occurrence of the longest one that recurs is the first found."""
     if length < min_n + 1:
         return []
-    # candidate ends: earlier positions holding the last token (an end at length - 1 is the suffix itself)
-    ends = np.flatnonzero(token_ids[: length - 1] == token_ids[length - 1])
-    if len(ends) == 0:
-        return []
-    # how far back each candidate keeps agreeing with the suffix, up to max_n tokens
-    match = np.ones(len(ends), dtype=np.int64)
-    agreeing = np.ones(len(ends), dtype=bool)
-    for back in range(1, min(max_n, length - 1)):
-        starts = ends - back
-        agreeing &= starts >= 0
-        agreeing[agreeing] = token_ids[starts[agreeing]] == token_ids[length - 1 - back]
-        if not agreeing.any():
-            break
-        match += agreeing
-    best = int(match.max())
-    if best < min_n:
-        return []
-    end = int(ends[np.flatnonzero(match == best)[-1]])  # the most recent of the longest matches
-    return token_ids[end + 1 : end + 1 + k].tolist()
+    limit = (length - 1) * TOKEN_BYTES  # an occurrence ends before the last token (which is the suffix's own end)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        pattern = data[(length - n) * TOKEN_BYTES : length * TOKEN_BYTES]
+        found = data.rfind(pattern, 0, limit)
+        while found > 0 and found % TOKEN_BYTES:  # a byte match across token boundaries: look further back
+            found = data.rfind(pattern, 0, found + len(pattern) - 1)
+        if found >= 0:
+            start = found // TOKEN_BYTES + n  # the token after the occurrence
+            stop = min(start + k, length)
+            return np.frombuffer(bytes(data[start * TOKEN_BYTES : stop * TOKEN_BYTES]), dtype=np.int32).tolist()
+    return []
 
 
 def lookup_bounds(config: SpeculativeConfig) -> tuple[int, int]:
@@ -64,7 +65,7 @@ class NgramProposer(Proposer):
         super().__init__(config, device)
         self.check_config(config)
         self.min_n, self.max_n = lookup_bounds(config)
-        self._buffers: dict[str, tuple[np.ndarray, int]] = {}  # request -> (its tokens, how many)
+        self._buffers: dict[str, tuple[bytearray, int]] = {}  # request -> (its tokens as int32 bytes, how many)
 
     @classmethod
     def check_config(cls, config: SpeculativeConfig) -> None:
@@ -77,7 +78,7 @@ class NgramProposer(Proposer):
         """Look each request's ending up in its own tokens."""
         k = self.config.num_speculative_tokens
         drafts = [
-            ngram_lookup(self._sequence(req_id, token_ids), self.min_n, self.max_n, k)
+            lookup_in_bytes(*self._sequence(req_id, token_ids), self.min_n, self.max_n, k)
             for req_id, token_ids in zip(inputs.req_ids, inputs.token_ids)
         ]
         return DraftTokens(req_ids=list(inputs.req_ids), token_ids=drafts)
@@ -87,17 +88,14 @@ class NgramProposer(Proposer):
         for req_id in req_ids:
             self._buffers.pop(req_id, None)
 
-    def _sequence(self, req_id: str, token_ids: list[int]) -> np.ndarray:
-        """The request's tokens as an array, kept between steps and grown by the new tokens
+    def _sequence(self, req_id: str, token_ids: list[int]) -> tuple[bytearray, int]:
+        """The request's tokens as int32 bytes, kept between steps and grown by the new tokens
         only (converting a whole long sequence every step would cost more than the lookup)."""
         buffer, length = self._buffers.get(req_id, (None, 0))
         total = len(token_ids)
         if buffer is None or total < length:
-            buffer, length = np.empty(max(2 * total, 64), dtype=np.int64), 0
-        elif total > len(buffer):
-            grown = np.empty(2 * total, dtype=np.int64)
-            grown[:length] = buffer[:length]
-            buffer = grown
-        buffer[length:total] = token_ids[length:total]
+            buffer, length = bytearray(), 0
+        if total > length:
+            buffer += np.asarray(token_ids[length:total], dtype=np.int32).tobytes()
         self._buffers[req_id] = (buffer, total)
-        return buffer[:total]
+        return buffer, total
