@@ -38,12 +38,14 @@ def default_capture_sizes(max_batch_size: int) -> list[int]:
 
 @dataclass(slots=True, eq=False)
 class HostInputs:
-    """Pinned host tensors a step's inputs are written into, then copied from."""
+    """Pinned host tensors a step's inputs are written into, then copied from: views of one
+    buffer laid out as the device's, so a step's inputs go over in one copy."""
 
+    flat: torch.Tensor  # int32: tokens, then seq_lens, then block_tables
     tokens: torch.Tensor  # [3, max_batch] int64: input ids, positions, slots
     seq_lens: torch.Tensor  # [max_batch] int32
     block_tables: torch.Tensor  # [max_batch, max_blocks] int32
-    uploaded: torch.Event | None = None  # recorded after the copies out of them
+    uploaded: torch.Event | None = None  # recorded after the copy out of them
 
 
 @dataclass(slots=True)
@@ -54,6 +56,7 @@ class DecodeBuffers:
     the copies of the step before may still be queued, so they go to the other set; a set is
     reused only once its previous copies are done."""
 
+    flat: torch.Tensor  # int32 on the device, viewed as the three below (the host sets' layout)
     tokens: torch.Tensor  # [3, max_batch] int64 on the device: input ids, positions, slots
     seq_lens: torch.Tensor  # [max_batch] int32
     block_tables: torch.Tensor  # [max_batch, max_blocks] int32
@@ -66,20 +69,18 @@ class DecodeBuffers:
     def allocate(cls, max_batch: int, max_blocks: int, device: torch.device) -> "DecodeBuffers":
         pin = device.type == "cuda"
 
-        def host(*shape: int, dtype: torch.dtype) -> torch.Tensor:
-            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
-
         def host_inputs() -> HostInputs:
-            return HostInputs(
-                tokens=host(3, max_batch, dtype=torch.int64),
-                seq_lens=host(max_batch, dtype=torch.int32),
-                block_tables=host(max_batch, max_blocks, dtype=torch.int32),
-            )
+            flat = torch.zeros(_flat_size(max_batch, max_blocks), dtype=torch.int32, pin_memory=pin)
+            return HostInputs(flat, *_views(flat, max_batch, max_blocks))
 
+        flat = torch.zeros(_flat_size(max_batch, max_blocks), dtype=torch.int32, device=device)
+        tokens, seq_lens, block_tables = _views(flat, max_batch, max_blocks)
+        seq_lens.fill_(1)
         return cls(
-            tokens=torch.zeros(3, max_batch, dtype=torch.int64, device=device),
-            seq_lens=torch.ones(max_batch, dtype=torch.int32, device=device),
-            block_tables=torch.zeros(max_batch, max_blocks, dtype=torch.int32, device=device),
+            flat=flat,
+            tokens=tokens,
+            seq_lens=seq_lens,
+            block_tables=block_tables,
             query_start_loc=torch.arange(max_batch + 1, dtype=torch.int32, device=device),
             logits_indices=torch.arange(max_batch, dtype=torch.int64, device=device),
             hosts=(host_inputs(), host_inputs()),
@@ -94,10 +95,10 @@ class DecodeBuffers:
         return host
 
     def upload(self, host: HostInputs, num_rows: int) -> None:
-        """Queue ``host``'s first ``num_rows`` rows to the device (non-blocking)."""
-        self.tokens.copy_(host.tokens, non_blocking=True)
-        self.seq_lens.copy_(host.seq_lens, non_blocking=True)
-        self.block_tables[:num_rows].copy_(host.block_tables[:num_rows], non_blocking=True)
+        """Queue ``host``'s inputs to the device (non-blocking), in one copy: the tokens and
+        sequence lengths whole, the block tables' first ``num_rows`` rows."""
+        end = self.flat.numel() - (self.block_tables.shape[0] - num_rows) * self.block_tables.shape[1]
+        self.flat[:end].copy_(host.flat[:end], non_blocking=True)
         if self.tokens.device.type != "cpu":
             host.uploaded = torch.Event(device=self.tokens.device)
             host.uploaded.record()
@@ -117,6 +118,19 @@ class DecodeBuffers:
             seq_lens_cpu=seq_lens_cpu,
             extra=state,
         )
+
+
+def _flat_size(max_batch: int, max_blocks: int) -> int:
+    return 6 * max_batch + max_batch + max_batch * max_blocks  # int64 tokens count twice
+
+
+def _views(flat: torch.Tensor, max_batch: int, max_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(tokens [3, max_batch] int64, seq_lens [max_batch], block_tables [max_batch, max_blocks])``
+    over the int32 buffer ``flat``."""
+    tokens = flat[: 6 * max_batch].view(torch.int64).view(3, max_batch)
+    seq_lens = flat[6 * max_batch : 7 * max_batch]
+    block_tables = flat[7 * max_batch :].view(max_batch, max_blocks)
+    return tokens, seq_lens, block_tables
 
 
 class DecodeGraphs:
