@@ -97,13 +97,13 @@ class SpeculativeDecoder:
             return VerifiedStep(layout, VerifyResult(greedy_ids, None), self._logprobs(logits, greedy_ids, meta))
         probs = sampler.final_probabilities(processed, meta)
         greedy_rows = None
-        if not (meta.all_greedy or meta.all_random):
+        if not meta.all_random:  # a batch of both kinds (an all-greedy one returned above)
             greedy_rows = to_device(torch.tensor([s.params.greedy for s in states]), logits.device)
         generators = {
             row: state.generator for row, state in enumerate(states) if state.generator is not None and not state.params.greedy
         }
         draft_probs = None
-        if probs is not None and req_ids is not None and self.draft_probs:
+        if req_ids is not None and self.draft_probs:
             draft_probs = self.draft_probs.take_rows(req_ids, drafts, layout, logits.shape[-1])
         result = verify(probs, greedy_ids, greedy_rows, layout, generators, draft_probs)
         return VerifiedStep(layout, result, self._logprobs(logits, result.token_ids, meta))
