@@ -42,7 +42,7 @@ import msgspec
 
 from sonar.config import EngineConfig
 from sonar.executor.base import WorkerDiedError
-from sonar.executor.multiproc import DEFAULT_STARTUP_TIMEOUT_S, IDLE_CHECK_S, OVERFLOW, STARTUP_TIMEOUT_ENV, _peer_closed, _timeout
+from sonar.executor.multiproc import DEFAULT_STARTUP_TIMEOUT_S, IDLE_CHECK_S, OVERFLOW, STARTUP_TIMEOUT_ENV, STOP, _peer_closed, _timeout
 from sonar.executor.node_wire import (
     FOLLOWER, HEAD, MAX_GREETING_BYTES, PROTOCOL_VERSION, SECRET_ENV, Broadcast, Challenge, Hello, LinkError, RankExited,
     Reply, Shutdown, Start, Verdict, comparable_config, config_differences, keep_alive, model_fingerprint, new_nonce,
@@ -269,6 +269,8 @@ def run_link(setup: LinkSetup) -> int:
                     if _peer_closed(peer):
                         break
                     continue
+                if data == STOP:  # the executor is shutting down: the follower's ranks stop as the link closes
+                    break
                 if data == OVERFLOW:  # every rank's socket got a copy: forward one
                     copies = [conn.recv_bytes() for conn in conns]
                     data = copies[0]

@@ -43,6 +43,8 @@ RING_SLOT_BYTES_ENV = "SONAR_TP_RING_SLOT_BYTES"
 DEFAULT_RING_SLOT_BYTES = 4 << 20  # a step message larger than this goes over the sockets
 IDLE_CHECK_S = 5.0  # an idle rank checks this often that the executor is still there
 OVERFLOW = b"\x00"  # in the ring: the message was too large for a slot and comes on the socket
+STOP = b"\x01"  # in the ring: the executor is shutting down; the ranks leave their loop at once
+STOP_WAIT_S = 2.0  # how long a shutdown waits for the ranks to exit before killing them
 # what the executor may ask every rank to run (anything else is refused by the worker)
 WORKER_CALLS = frozenset({
     "kv_cache_windows", "kv_bytes_per_block", "available_kv_cache_bytes", "init_kv_cache", "profile_report", "step",
@@ -363,21 +365,29 @@ class MultiprocExecutor(Executor):
         for sock in self.sockets:
             sock.close()
         self.sockets = []
-        stop_ranks(self.conns, self.processes)
+        stop_ranks(self.conns, self.processes, self.ring)
         self.conns = []
         self.ring.unlink()
         if self._dead is None:
             self._dead = WorkerDiedError("the executor was shut down")
 
 
-def stop_ranks(conns: list[Connection], processes: list[subprocess.Popen]) -> None:
-    """Close the ranks' sockets (a rank exits when its socket closes), then kill any rank
-    still there after 2 s."""
+def stop_ranks(conns: list[Connection], processes: list[subprocess.Popen], ring: RingWriter | None = None) -> None:
+    """Tell the ranks to stop through the ring (an idle rank reads it at once), close their
+    sockets (a rank also exits when its socket closes), then kill any rank still there
+    ``STOP_WAIT_S`` after."""
+    alive = lambda: all(process.poll() is None for process in processes)  # noqa: E731
+    if ring is not None and processes and alive():
+        try:
+            ring.write(STOP, timeout_s=0.5, alive=alive)  # a rank still in a step reads it after
+        except RingTimeout:
+            pass  # a rank stopped reading: the socket close and the kill below still end it
     for conn in conns:
         conn.close()
+    deadline = time.monotonic() + STOP_WAIT_S
     for process in processes:
         try:
-            process.wait(timeout=2.0)
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=2.0)
@@ -422,6 +432,8 @@ def run_worker(rank: int, world_size: int, init_method: str, conn: Connection) -
     while True:
         try:
             data = ring.read(IDLE_CHECK_S)
+            if data == STOP:
+                break
             if data == OVERFLOW:
                 data = conn.recv_bytes()
             call = decoder.decode(data)
@@ -508,3 +520,9 @@ if __name__ == "__main__":
     set_process_title(f"tp-worker-{_rank}")
     logging.basicConfig(level=_level, format=f"%(asctime)s rank {_rank} %(levelname)s %(name)s: %(message)s")
     run_worker(int(_rank), int(_world_size), _init_method, Connection(int(_fd)))
+    # the ring, sockets and process group are closed: skip the interpreter's teardown of torch
+    # (most of a second per rank at every shutdown)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -230,5 +230,5 @@ class RankRelay:
 
     def shutdown(self) -> None:
         """Stop the ranks: close their sockets (they exit), kill any that lingers."""
-        stop_ranks(self.conns, self.processes)
+        stop_ranks(self.conns, self.processes, self.ring)
         self.ring.unlink()
