@@ -357,3 +357,37 @@ def test_the_in_process_async_frontend_adds_serves_and_removes_adapters(llama) -
         asyncio.run(scenario())
     finally:
         client.shutdown()
+
+
+def test_a_platform_shrink_started_before_the_base_product_keeps_the_output(llama, monkeypatch) -> None:
+    """The ``lora_shrink_begin`` seam: where a platform registers it, each adapter layer starts
+    its shrink before the base product and joins it at the add (on the GPU, a side stream
+    beside the product); the greedy output stays the peft-merged model's."""
+    from sonar import ops
+    from sonar.lora import ops as lora_ops
+    from sonar_models import layers
+
+    _, _, prompts, requests, expected, llm = llama
+    order: list[str] = []
+    apply = layers.Linear.forward
+
+    def begin(x, a, token_slots):
+        order.append("begin")
+        y = lora_ops.torch_lora_shrink(x, a, token_slots)
+
+        def join():
+            order.append("join")
+            return y
+
+        return join
+
+    def forward(self, x):
+        if self.lora is not None:
+            order.append("layer")
+        return apply(self, x)
+
+    monkeypatch.setattr(layers.Linear, "forward", forward)
+    monkeypatch.setitem(ops._OVERRIDES, "cpu", {**ops._OVERRIDES.get("cpu", {}), "lora_shrink_begin": begin})  # the CPU platform's others kept
+    assert run(llm, prompts, [requests["all"]] * len(prompts)) == expected["all"]
+    assert order.count("begin") == order.count("join") > 0
+    assert order[:3] == ["layer", "begin", "join"]  # started in the layer, joined before the next one

@@ -14,6 +14,9 @@ together exceed L2 (each decode layer finds its LoRA weights in memory, not in c
   (``lora_shrink_expand`` past ``FUSED_TOKENS``: the shrink, the sum of its split partials
   where it splits, then the expand);
 - ``lora``: ``base_lora - base``, what the adapters add to the layer; ``ratio``: ``base_lora / base``;
+- ``overlap``: ``base_overlap - base``, where ``base_overlap`` is the engine's path up to
+  ``OVERLAP_TOKENS`` tokens: the shrink started on the side stream (``lora_shrink_begin``)
+  before the product, joined before the expand;
 - ``fused``: ``base`` + the single-launch ``lora_shrink_expand`` minus ``base`` (batches of up to
   64 tokens: past ``FUSED_TOKENS`` the engine does not use it, the figure says whether it should);
 - ``shrink``, ``expand``: each alone (copies of its weights only: an L2-warm lower bound).
@@ -49,6 +52,7 @@ from sonar_cuda.kernels.lora import (
     fused_launch,
     lora_expand,
     lora_shrink,
+    lora_shrink_begin,
     lora_shrink_expand,
     shrink_launch,
 )
@@ -133,9 +137,12 @@ class Case:
     def base_calls(self) -> list:
         return [lambda w=w: torch.nn.functional.linear(self.x, w) for w in self.weights]
 
-    def lora_calls(self) -> list:
+    def lora_calls(self, overlapped: bool = False) -> list:
         def call(w, a, b):
+            join = lora_shrink_begin(self.x, a, self.slots) if overlapped else None
             out = torch.nn.functional.linear(self.x, w)
+            if join is not None:  # the engine's path at decode sizes: the shrink ran beside the product
+                return lora_expand(join(), b, self.slots, out, self.parts)
             if self.fusable and self.x.shape[0] <= FUSED_TOKENS:  # the engine's choice: time the two launches
                 return lora_expand(lora_shrink(self.x, a, self.slots), b, self.slots, out, self.parts)
             return lora_shrink_expand(self.x, a, b, self.slots, out, self.parts)
@@ -178,6 +185,8 @@ def time_case(case: Case) -> dict:
         "base_lora": base_lora,
         "lora": round(base_lora - base, 2),
         "ratio": round(base_lora / base, 3),
+        "base_overlap": (overlap := timed(case.lora_calls(overlapped=True))),
+        "overlap": round(overlap - base, 2),
         "shrink": timed(case.shrink_calls()),
         "expand": timed(case.expand_calls()),
     }
@@ -289,7 +298,7 @@ def main() -> None:
             args.out.write_text(json.dumps(summary, indent=1))
 
     started = time.perf_counter()
-    print(f"{'case':<24}{'base':>10}{'base+lora':>11}{'lora':>9}{'fused':>9}{'ratio':>8}{'shrink':>9}{'expand':>9}{'out_err':>10}{'ok':>4}", flush=True)
+    print(f"{'case':<24}{'base':>10}{'base+lora':>11}{'lora':>9}{'overlap':>9}{'fused':>9}{'ratio':>8}{'shrink':>9}{'expand':>9}{'out_err':>10}{'ok':>4}", flush=True)
     for batch in chosen_batches:
         for layer in args.layers.split(","):
             case = Case(layer, all_batches[batch], args.rank, args.adapters)
@@ -298,7 +307,7 @@ def main() -> None:
                 result["sweep"] = sweep_case(case, args.rank, tuple(args.sweep_kinds.split(",")))
             summary["cases"][f"{layer} {batch}"] = result
             print(
-                f"{layer + ' ' + batch:<24}{result['base']:>10.2f}{result['base_lora']:>11.2f}{result['lora']:>9.2f}"
+                f"{layer + ' ' + batch:<24}{result['base']:>10.2f}{result['base_lora']:>11.2f}{result['lora']:>9.2f}{result['overlap']:>9.2f}"
                 f"{result['fused'] if 'fused' in result else '-':>9}{result['ratio']:>8.3f}{result['shrink']:>9.2f}{result['expand']:>9.2f}{result['out_err']:>10.2e}{'yes' if result['ok'] else 'NO':>4}",
                 flush=True,
             )
@@ -314,14 +323,16 @@ def main() -> None:
         kinds = [summary["cases"].get(f"{layer} {batch}") for layer in args.layers.split(",")]
         base = sum(k["base"] for k in kinds)
         base_lora = sum(k["base_lora"] for k in kinds)
-        per_layer = {"base": round(base, 2), "base_lora": round(base_lora, 2), "ratio": round(base_lora / base, 3)}
+        base_overlap = sum(k["base_overlap"] for k in kinds)
+        per_layer = {"base": round(base, 2), "base_lora": round(base_lora, 2), "ratio": round(base_lora / base, 3),
+                     "base_overlap": round(base_overlap, 2), "overlap_ratio": round(base_overlap / base, 3)}
         fused = "-"
         if all("base_fused" in k for k in kinds):
             base_fused = sum(k["base_fused"] for k in kinds)
             per_layer |= {"base_fused": round(base_fused, 2), "fused_ratio": round(base_fused / base, 3)}
             fused = f"{base_fused - base:.2f}"
         summary["per_layer"][batch] = per_layer
-        print(f"{'  one decoder layer':<24}{base:>10.2f}{base_lora:>11.2f}{base_lora - base:>9.2f}{fused:>9}{base_lora / base:>8.3f}", flush=True)
+        print(f"{'  one decoder layer':<24}{base:>10.2f}{base_lora:>11.2f}{base_lora - base:>9.2f}{base_overlap - base:>9.2f}{fused:>9}{base_lora / base:>8.3f}", flush=True)
         save()
     summary["seconds"] = round(time.perf_counter() - started, 1)
     save()

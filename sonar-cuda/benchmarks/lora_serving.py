@@ -83,6 +83,9 @@ def main() -> int:
     parser.add_argument("--tpot-tokens", type=int, default=256)
     parser.add_argument("--fused-tokens", type=int, default=None,
                         help="up to this many tokens a LoRA layer runs the fused shrink+expand launch (default: the kernel module's)")
+    parser.add_argument("--overlap-tokens", type=int, default=None,
+                        help="up to this many tokens a LoRA layer's shrink runs on a side stream beside the base product "
+                             "(default: the kernel module's; 0: after the product)")
     parser.add_argument("--out", default="lora-serving-results")
     args = parser.parse_args()
 
@@ -92,6 +95,8 @@ def main() -> int:
 
     if args.fused_tokens is not None:  # the engine runs in this process: its layers read this
         lora_kernels.FUSED_TOKENS = args.fused_tokens
+    if args.overlap_tokens is not None:
+        lora_kernels.OVERLAP_TOKENS = args.overlap_tokens
 
     root = Path(tempfile.mkdtemp(prefix="sonar-lora-bench-"))
     model = write_dummy_model(root, args.model_name)
@@ -111,7 +116,8 @@ def main() -> int:
     mixed = [adapters[i % len(adapters)] for i in range(args.batch)]
     results: dict = {"model": args.model_name, "adapters": args.adapters, "rank": args.rank, "batch": args.batch,
                      "prompt_len": args.prompt_len, "output_len": args.output_len,
-                     "device": torch.cuda.get_device_name(), "fused_tokens": lora_kernels.FUSED_TOKENS}
+                     "device": torch.cuda.get_device_name(), "fused_tokens": lora_kernels.FUSED_TOKENS,
+                     "overlap_tokens": lora_kernels.OVERLAP_TOKENS}
 
     small = [{"prompt_token_ids": p["prompt_token_ids"][:32]} for p in prompts[: min(8, args.batch)]]
     warm = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

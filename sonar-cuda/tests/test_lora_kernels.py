@@ -317,3 +317,44 @@ def test_fused_lora_captures_in_a_cuda_graph(device: torch.device) -> None:
                 expected = torch_lora_expand(y, b.float(), slots, base.float(), parts)
                 torch.testing.assert_close(out.float(), expected, atol=2e-2 * expected.abs().max().item(), rtol=2e-2)
                 assert torch.equal(out[slots < 0], base[slots < 0])
+
+
+@pytest.mark.cuda
+def test_the_shrink_beside_the_base_product_eager_and_in_a_cuda_graph(device: torch.device) -> None:
+    """``lora_shrink_begin``: the shrink on the side stream while the base product runs on the
+    current one, joined before the expand, gives shrink-then-expand's result; captured in a
+    graph (the fork and the join inside it) with slots changed between replays; past
+    ``OVERLAP_TOKENS`` tokens it declines."""
+    from sonar_cuda.kernels.lora import OVERLAP_TOKENS, lora_shrink_begin
+
+    k, parts = LLAMA_LAYERS["qkv"]
+    a, b = adapters(8, 48, k, 6144, 16, torch.bfloat16, device)
+    weight = torch.randn(6144, k, device=device, dtype=torch.bfloat16) / k**0.5
+    assert lora_shrink_begin(torch.zeros(OVERLAP_TOKENS + 1, k, device=device, dtype=torch.bfloat16), a,
+                             torch.zeros(OVERLAP_TOKENS + 1, dtype=torch.int32, device=device)) is None  # fmt: skip
+
+    def layer(x: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> None:
+        join = lora_shrink_begin(x, a, slots)
+        assert join is not None
+        out.copy_(x @ weight.T)  # the base product, on the current stream meanwhile
+        lora_expand(join(), b, slots, out, parts)
+
+    for num_tokens in (1, 9, OVERLAP_TOKENS):
+        x = torch.randn(num_tokens, k, device=device, dtype=torch.bfloat16)
+        slots = torch.randint(-1, 8, (num_tokens,), dtype=torch.int32, device=device)
+        out = torch.empty(num_tokens, 6144, device=device, dtype=torch.bfloat16)
+
+        def expected() -> torch.Tensor:
+            base = (x @ weight.T).float()
+            return torch_lora_expand(torch_lora_shrink(x.float(), a.float(), slots), b.float(), slots, base, parts)
+
+        layer(x, slots, out)  # eager (and compiles outside the capture)
+        torch.testing.assert_close(out.float(), expected(), atol=3e-2, rtol=2e-2)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            layer(x, slots, out)
+        for new_slots in (torch.randint(-1, 8, (num_tokens,)), torch.full((num_tokens,), -1)):
+            slots.copy_(new_slots)
+            x.normal_()
+            graph.replay()
+            torch.testing.assert_close(out.float(), expected(), atol=3e-2, rtol=2e-2)

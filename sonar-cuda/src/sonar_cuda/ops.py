@@ -4,8 +4,8 @@ Models call ``sonar.ops``; for CUDA tensors those calls land here. The norms, ro
 activation run as single Triton launches; the fused add + norm and the rotary work in place.
 Products of one row of activations (decode at batch 1) and argmaxes over the vocabulary run
 as Triton kernels; other products go to the library. The LoRA shrink and expand of batches
-that mix adapters are Triton kernels (``sonar_cuda.kernels.lora``), fused into one launch for
-up to 16 tokens; the experts of a mixture-of-experts layer run as two grouped GEMMs over
+that mix adapters are Triton kernels (``sonar_cuda.kernels.lora``); at decode sizes the
+shrink runs on a side stream while the base layer's product does; the experts of a mixture-of-experts layer run as two grouped GEMMs over
 tokens sorted by expert (``sonar_cuda.kernels.fused_moe``).
 """
 
@@ -26,7 +26,7 @@ from sonar_cuda.kernels.gemv import gemv, gemv_pays, gemv_supported
 from sonar_cuda.kernels.int4_gemm import int4_linear
 from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
 from sonar_cuda.kernels.layernorm import rms_norm as _rms_norm
-from sonar_cuda.kernels.lora import lora_expand, lora_shrink, lora_shrink_expand
+from sonar_cuda.kernels.lora import lora_expand, lora_shrink, lora_shrink_begin, lora_shrink_expand
 from sonar_cuda.kernels.rotary import rotary_embedding
 
 
@@ -95,6 +95,7 @@ OPS: dict[str, Callable[..., Any]] = {
     "fp8_linear": fp8_linear,  # declared by sonar.quantization.fp8
     "fused_moe": fused_moe,  # the experts of a mixture-of-experts layer, two grouped GEMMs
     "lora_shrink": lora_shrink,
+    "lora_shrink_begin": lora_shrink_begin,  # on a side stream, beside the base product (decode sizes)
     "lora_expand": lora_expand,
     "lora_shrink_expand": lora_shrink_expand,  # one launch up to FUSED_TOKENS tokens
 }

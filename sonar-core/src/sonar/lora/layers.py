@@ -3,10 +3,11 @@
 ``attach_lora(model, ...)`` gives each linear layer (every module whose class declares a
 ``lora`` attribute and that has ``in_features``, ``out_features`` and a checkpoint ``prefix``;
 ``sonar_models.layers.Linear`` does) a :class:`LoRALinear`: its stacked A and B of
-``max_loras`` slots, rank padded to ``max_lora_rank``. The layer's ``LinearMethod`` computes
-the base output (quantized or not); the layer then calls ``lora.add(x, out)``, which adds the
-adapters' products for the tokens of adapter requests, and does nothing at all in a step
-where no request has one.
+``max_loras`` slots, rank padded to ``max_lora_rank``. The layer calls ``lora.begin(x)``
+(where the platform can, the shrink starts beside the base product), its ``LinearMethod``
+computes the base output (quantized or not), then ``lora.add(x, out, started)`` adds the
+adapters' products for the tokens of adapter requests; neither does anything in a step where
+no request has one.
 
 A fused layer (q/k/v, gate/up) holds one A block per part (``a [S, P * R, in]``) and one B over
 all its output rows; an adapter that targets some parts only (q and v, say) leaves the
@@ -22,6 +23,7 @@ the layer's all-reduced output exactly once.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,20 +91,32 @@ class LoRALinear:
         self.part_rows = tuple((int(starts[i]), int(starts[i + 1])) for i in range(len(part_sizes)))
         self.filled: set[int] = set()  # slots an adapter targeting this layer fills
 
-    def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def begin(self, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+        """Start the shrink of ``x`` before the base product, where the platform runs the two
+        side by side (``lora_ops.lora_shrink_begin``); pass the result to :meth:`add`."""
+        if not self._runs() or self.row_group is not None:  # row-parallel: the shrink's sum is an all-reduce
+            return None
+        return lora_ops.lora_shrink_begin(x, self.a, self.batch.token_slots[: x.shape[0]])
+
+    def add(self, x: torch.Tensor, out: torch.Tensor, shrunk: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
         """``out`` (the base output for ``x [T, in]``) plus each token's adapter delta (nothing
         to do where no adapter in a slot targets this layer, except while a graph that later
-        adapters will replay is captured)."""
-        batch = self.batch
-        if not batch.active or not (self.filled or batch.capturing):
+        adapters will replay is captured); ``shrunk``: what :meth:`begin` started."""
+        if not self._runs():
             return out
-        slots = batch.token_slots[: x.shape[0]]
+        slots = self.batch.token_slots[: x.shape[0]]
+        if shrunk is not None:
+            return lora_ops.lora_expand(shrunk(), self.b, slots, out, self.part_rows)
         group = self.row_group
         if group is not None:  # each rank shrinks its slice of the inputs; the sum expands once
-            shrunk = group.communicator.all_reduce(lora_ops.lora_shrink(x, self.a, slots))
-            return lora_ops.lora_expand(shrunk, self.b, slots, out, self.part_rows) if group.rank == 0 else out
+            summed = group.communicator.all_reduce(lora_ops.lora_shrink(x, self.a, slots))
+            return lora_ops.lora_expand(summed, self.b, slots, out, self.part_rows) if group.rank == 0 else out
         # shrink then expand; a platform fuses them into one launch where the tokens are few
         return lora_ops.lora_shrink_expand(x, self.a, self.b, slots, out, self.part_rows)
+
+    def _runs(self) -> bool:
+        batch = self.batch
+        return batch.active and bool(self.filled or batch.capturing)
 
     def clear_slot(self, slot: int) -> None:
         if slot in self.filled:  # the others are zero already

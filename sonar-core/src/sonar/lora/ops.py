@@ -8,14 +8,20 @@ output rows). ``token_slots [T]`` (int32) names each token's slot, ``-1`` for no
 :func:`lora_shrink_expand` is the two in one call (what a layer runs): a platform may fuse
 them for few tokens, where the launches, not the bytes, cost the time.
 
+:func:`lora_shrink_begin` lets a platform start the shrink before the layer's base product,
+to run beside it (on a second stream, say); without it the shrink follows the product.
+
 The operations are registered like any other (``sonar.ops.declare_op``): a platform puts a
-kernel behind ``"lora_shrink"``, ``"lora_expand"`` and ``"lora_shrink_expand"``, and the
+kernel behind ``"lora_shrink"``, ``"lora_expand"``, ``"lora_shrink_expand"`` and
+``"lora_shrink_begin"``, and the
 torch versions below run elsewhere (the torch ``lora_shrink_expand`` calls the other two, so
 a platform with only those two kernels still runs them). Kernels must not read
 ``token_slots`` on the host (CUDA graphs capture them).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -25,6 +31,7 @@ from sonar import ops
 ops.declare_op("lora_shrink")
 ops.declare_op("lora_expand")
 ops.declare_op("lora_shrink_expand")
+ops.declare_op("lora_shrink_begin")
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
@@ -34,6 +41,16 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> 
     if impl is not None:
         return impl(x, a, token_slots)
     return torch_lora_shrink(x, a, token_slots)
+
+
+def lora_shrink_begin(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    """Start :func:`lora_shrink` of ``x`` before the layer's base product is launched, where
+    the platform can run the two side by side. Returns the function that waits for the shrink
+    and gives its ``y`` (call it before using ``y`` in :func:`lora_expand`); None where the
+    platform cannot overlap them (the default): the caller then runs
+    :func:`lora_shrink_expand` after the product."""
+    impl = ops.platform_op(x, "lora_shrink_begin")
+    return impl(x, a, token_slots) if impl is not None else None
 
 
 def lora_expand(

@@ -31,6 +31,9 @@ so where the tiles alone are too few to fill the GPU the inputs are split among 
 (float32 partials ``[SPLIT_K, T, N]`` and one short sum: the same order every run, no
 atomics). Tokens without a slot get zeros, written by slot program 0.
 
+:func:`lora_shrink_begin` launches the shrink on a side stream, to run beside the base
+layer's product: at decode sizes both are latency-bound, so the shrink's time mostly hides.
+
 :func:`lora_expand` (``out[T, r0:r1] += y_p @ b[slot, r0:r1].T`` per part): one launch for all
 of a fused layer's parts (up to ``MAX_PARTS``; tiles of ``BLOCK_N`` columns, each inside one
 part), the rank in steps of at most 64 (padded to a power of two of at least 16 with masks),
@@ -55,7 +58,9 @@ Launches: ``LoRALaunch``; :func:`shrink_launch`, :func:`expand_launch` and
 
 from __future__ import annotations
 
+import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -72,6 +77,9 @@ WAVES = 2  # programs the shrink's split aims at, per multiprocessor
 # engine on the H200 (Llama-3.1-8B, rank 16, batch 1), the untuned fused kernel gave a TPOT of
 # 1.40x the base's against 1.28x for the two launches; lora_serving.py --fused-tokens measures it
 FUSED_TOKENS = 0
+# up to this many tokens the shrink runs on a side stream beside the base product
+# (lora_shrink_begin); past it the base product is long and the shrink's share small
+OVERLAP_TOKENS = DECODE_TOKENS
 FUSED_A_READS = 16 << 20  # bytes of A the fused launch's programs read from L2, together, at most
 
 
@@ -384,30 +392,79 @@ def _part_groups(part_rows: tuple[tuple[int, int], ...], rank: int, block_n: int
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, launch: LoRALaunch | None = None) -> torch.Tensor:
     """``y[t] = x[t] @ a[token_slots[t]].T`` for ``x [T, in]`` and ``a [S, N, in]`` (floating,
     any strides): ``[T, N]`` float32, zero for tokens without a slot (``launch``: for tuning)."""
-    if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
-        raise ValueError(f"lora_shrink takes x [T, in] and a [S, N, in]; got x {tuple(x.shape)} and a {tuple(a.shape)}")
-    if a.device != x.device:
-        raise ValueError(f"the adapters' A weights are on {a.device}, the activations on {x.device}")
-    num_tokens, k = x.shape
-    num_slots, n = a.shape[0], a.shape[1]
-    _check_slots(token_slots, num_tokens, x.device)
-    if num_tokens == 0 or n == 0 or num_slots == 0 or k == 0:
-        return torch.zeros(num_tokens, n, dtype=torch.float32, device=x.device)
-    launch = launch or shrink_launch(num_tokens, n, x.dtype)
-    num_blocks, num_tiles = triton.cdiv(num_tokens, launch.block_m), triton.cdiv(n, launch.block_n)
-    slot_programs = slot_programs_for(num_tokens, num_slots, launch)
-    split, k_per_split = shrink_split(num_blocks * num_tiles * slot_programs, k, launch, x.device)
-    y = torch.empty(num_tokens, n, dtype=torch.float32, device=x.device)
-    partials = torch.empty(split, num_tokens, n, dtype=torch.float32, device=x.device) if split > 1 else y.unsqueeze(0)
-    _lora_shrink_kernel[(num_blocks, num_tiles * split, slot_programs)](
-        x, a, token_slots, partials,
-        num_tokens, n, k, num_slots, slot_programs, k_per_split, num_tiles,
-        x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
-        partials.stride(0), partials.stride(1), partials.stride(2),
-        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
-        IEEE=x.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )  # fmt: skip
-    return sum_splits(partials, None, y) if split > 1 else y
+    shrink = _ShrinkLaunch(x, a, token_slots, launch)
+    shrink.run()
+    return shrink.y
+
+
+def lora_shrink_begin(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> Callable[[], torch.Tensor] | None:
+    """:func:`lora_shrink` launched on a side stream, so that it runs while the base layer's
+    product (launched next on the current stream) does: at decode sizes both are short and
+    latency-bound, and the shrink reads only ``x`` and a few hundred kilobytes of A. Returns
+    the function that makes the current stream wait for the shrink and gives its ``y``; None
+    past ``OVERLAP_TOKENS`` tokens and off CUDA (Triton's interpreter): the caller then
+    shrinks after the product. CUDA graphs capture the fork and the join."""
+    if x.shape[0] > OVERLAP_TOKENS or x.device.type != "cuda":
+        return None
+    shrink = _ShrinkLaunch(x, a, token_slots, None)  # buffers from the current stream: used on it after the join
+    main = torch.cuda.current_stream(x.device)
+    side = _side_stream(x.device)
+    side.wait_stream(main)  # x is ready
+    with torch.cuda.stream(side):
+        shrink.run()
+
+    def join() -> torch.Tensor:
+        main.wait_stream(side)
+        return shrink.y
+
+    return join
+
+
+@functools.cache
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    return torch.cuda.Stream(device)
+
+
+class _ShrinkLaunch:
+    """One shrink's checked shapes, its launch and its output buffers (``y``, and the split
+    partials where the inputs are split), allocated on the stream current at construction."""
+
+    def __init__(self, x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor, launch: LoRALaunch | None) -> None:
+        if x.dim() != 2 or a.dim() != 3 or a.shape[2] != x.shape[1]:
+            raise ValueError(f"lora_shrink takes x [T, in] and a [S, N, in]; got x {tuple(x.shape)} and a {tuple(a.shape)}")
+        if a.device != x.device:
+            raise ValueError(f"the adapters' A weights are on {a.device}, the activations on {x.device}")
+        num_tokens, k = x.shape
+        num_slots, n = a.shape[0], a.shape[1]
+        _check_slots(token_slots, num_tokens, x.device)
+        self.x, self.a, self.token_slots = x, a, token_slots
+        self.empty = num_tokens == 0 or n == 0 or num_slots == 0 or k == 0
+        if self.empty:
+            self.y = torch.zeros(num_tokens, n, dtype=torch.float32, device=x.device)
+            return
+        self.launch = launch = launch or shrink_launch(num_tokens, n, x.dtype)
+        self.num_blocks, self.num_tiles = triton.cdiv(num_tokens, launch.block_m), triton.cdiv(n, launch.block_n)
+        self.slot_programs = slot_programs_for(num_tokens, num_slots, launch)
+        busy = self.num_blocks * self.num_tiles * self.slot_programs
+        self.split, self.k_per_split = shrink_split(busy, k, launch, x.device)
+        self.y = torch.empty(num_tokens, n, dtype=torch.float32, device=x.device)
+        self.partials = torch.empty(self.split, num_tokens, n, dtype=torch.float32, device=x.device) if self.split > 1 else self.y.unsqueeze(0)
+
+    def run(self) -> None:
+        if self.empty:
+            return
+        x, a, launch, partials = self.x, self.a, self.launch, self.partials
+        (num_tokens, k), (num_slots, n) = x.shape, a.shape[:2]
+        _lora_shrink_kernel[(self.num_blocks, self.num_tiles * self.split, self.slot_programs)](
+            x, a, self.token_slots, partials,
+            num_tokens, n, k, num_slots, self.slot_programs, self.k_per_split, self.num_tiles,
+            x.stride(0), x.stride(1), a.stride(0), a.stride(1), a.stride(2),
+            partials.stride(0), partials.stride(1), partials.stride(2),
+            BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k,
+            IEEE=x.dtype == torch.float32, num_warps=launch.num_warps, num_stages=launch.num_stages,
+        )  # fmt: skip
+        if self.split > 1:
+            sum_splits(partials, None, self.y)
 
 
 def lora_expand(
