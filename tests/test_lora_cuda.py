@@ -11,9 +11,16 @@ from sonar import SamplingParams
 from sonar.config import EngineArgs
 from sonar.engine.llm_engine import LLMEngine
 from sonar.lora import LoRARequest
-from test_lora import ALL, hf_greedy, make_adapter
+from test_lora import ALL, make_adapter
 
 NUM_TOKENS = 16
+
+
+def hf_greedy(model, prompt: list[int]) -> list[int]:
+    """The merged model's ``NUM_TOKENS`` greedy tokens (this test's count, not test_lora's)."""
+    oracle = HFOracle.__new__(HFOracle)
+    oracle.model = model
+    return oracle.greedy(prompt, NUM_TOKENS)[0]
 
 
 @pytest.mark.cuda
