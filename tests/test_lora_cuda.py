@@ -64,6 +64,8 @@ def test_cuda_graphs_serve_adapters_and_the_base_model(tiny_model_dir, tmp_path,
 
     got = generate(list(range(len(prompts))))
     assert [got[i] for i in range(len(prompts))] == expected
+    alone = names.index("all")  # one row a step: the product and the shrink in one launch
+    assert generate([alone])[alone] == expected[alone]
     base_only = [i for i, n in enumerate(names) if n is None]
     got = generate(base_only)
     assert [got[i] for i in base_only] == [expected[i] for i in base_only]

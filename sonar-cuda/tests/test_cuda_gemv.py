@@ -98,3 +98,30 @@ def test_argmax_matches_torch(rows: int, cols: int, device: torch.device) -> Non
 def test_argmax_over_a_vocabulary_batch(device: torch.device) -> None:
     x = torch.randn(256, 151936, device=device)
     assert torch.equal(argmax(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("case", [(40, 256, 3, 24, True), (70, 300, 2, 48, False), (16, 4096, 8, 16, False)])
+def test_gemv_with_the_shrink_of_a_lora_slot(case: tuple, device: torch.device) -> None:
+    """The product and an adapter slot's shrink in one launch: each equals its torch version,
+    for every slot and for none (-1, or past the slots: zeros); the product is bit for bit
+    :func:`gemv`'s."""
+    from sonar.lora.ops import torch_lora_shrink
+    from sonar_cuda.kernels.gemv import gemv_with_shrink
+
+    n, k, num_slots, num_a_rows, with_bias = case
+    for dtype in dtypes_for(device):
+        gen = torch.Generator().manual_seed(n + k)
+        weight = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(device)
+        a = (torch.randn(num_slots, num_a_rows, k, generator=gen) / k**0.5).to(dtype).to(device)
+        x = torch.randn(1, k, generator=gen).to(dtype).to(device)
+        bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
+        for slot in (*range(num_slots), -1, num_slots):
+            slots = torch.tensor([slot], dtype=torch.int32, device=device)
+            out, shrunk = gemv_with_shrink(x, weight, bias, a, slots)
+            assert torch.equal(out, gemv(x, weight, bias))
+            assert shrunk.dtype == torch.float32 and shrunk.shape == (1, num_a_rows)
+            expected = torch_lora_shrink(x.float().cpu(), a.float().cpu(), torch.tensor([slot if slot < num_slots else -1]))
+            torch.testing.assert_close(shrunk.cpu(), expected, atol=TOLERANCE[dtype], rtol=TOLERANCE[dtype])
+    # the op takes one row of a weight the matrix-vector product serves, else declines
+    assert cuda_ops.lora_linear_shrink(torch.randn(2, 256).to(device), torch.randn(40, 256).to(device), None,
+                                       torch.randn(2, 8, 256).to(device), torch.zeros(2, dtype=torch.int32, device=device)) is None  # fmt: skip

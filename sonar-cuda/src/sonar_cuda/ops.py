@@ -5,7 +5,8 @@ activation run as single Triton launches; the fused add + norm and the rotary wo
 Products of one row of activations (decode at batch 1) and argmaxes over the vocabulary run
 as Triton kernels; other products go to the library. The LoRA shrink and expand of batches
 that mix adapters are Triton kernels (``sonar_cuda.kernels.lora``); at decode sizes the
-shrink runs on a side stream while the base layer's product does; the experts of a mixture-of-experts layer run as two grouped GEMMs over
+shrink runs on a side stream while the base layer's product does, and at batch 1 in the
+matrix-vector product's own launch; the experts of a mixture-of-experts layer run as two grouped GEMMs over
 tokens sorted by expert (``sonar_cuda.kernels.fused_moe``).
 """
 
@@ -22,12 +23,24 @@ from sonar_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from sonar_cuda.kernels.argmax import argmax as _argmax
 from sonar_cuda.kernels.fp8_linear import fp8_linear
 from sonar_cuda.kernels.fused_moe import fused_moe
-from sonar_cuda.kernels.gemv import gemv, gemv_pays, gemv_supported
+from sonar_cuda.kernels.gemv import gemv, gemv_pays, gemv_supported, gemv_with_shrink
 from sonar_cuda.kernels.int4_gemm import int4_linear
 from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
 from sonar_cuda.kernels.layernorm import rms_norm as _rms_norm
 from sonar_cuda.kernels.lora import lora_expand, lora_shrink, lora_shrink_begin, lora_shrink_expand
 from sonar_cuda.kernels.rotary import rotary_embedding
+
+
+def lora_linear_shrink(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, token_slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One row where the Triton matrix-vector product serves it: the product and the adapter's
+    shrink in its one launch; anything else: None (the two run apart)."""
+    if x.numel() != weight.shape[-1] or not (gemv_supported(x, weight, bias) and gemv_pays(weight)):
+        return None
+    if a.dim() != 3 or a.shape[2] != weight.shape[1] or a.dtype != weight.dtype or a.stride(2) != 1 or a.device != x.device:
+        return None
+    return gemv_with_shrink(x, weight, bias, a, token_slots)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -95,7 +108,8 @@ OPS: dict[str, Callable[..., Any]] = {
     "fp8_linear": fp8_linear,  # declared by sonar.quantization.fp8
     "fused_moe": fused_moe,  # the experts of a mixture-of-experts layer, two grouped GEMMs
     "lora_shrink": lora_shrink,
-    "lora_shrink_begin": lora_shrink_begin,  # on a side stream, beside the base product (decode sizes)
+    "lora_shrink_begin": lora_shrink_begin,
+    "lora_linear_shrink": lora_linear_shrink,  # batch 1: the base product and the shrink in one launch  # on a side stream, beside the base product (decode sizes)
     "lora_expand": lora_expand,
     "lora_shrink_expand": lora_shrink_expand,  # one launch up to FUSED_TOKENS tokens
 }

@@ -103,11 +103,7 @@ class Linear(nn.Module):
         return self.linear_method.shard_checkpoint_tensor(self, param_name, tensor, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lora = self.lora
-        shrunk = lora.begin(x) if lora is not None else None  # the adapters' shrink beside the product
-        out = self.linear_method.apply(self, x)
-        if lora is not None:
-            out = lora.add(x, out, shrunk)
+        out = self.linear_method.apply(self, x) if self.lora is None else self.lora.apply(self, x)
         if self.parallel == "row" and self.reduce_output:
             out = self.group.communicator.all_reduce(out)
         return out

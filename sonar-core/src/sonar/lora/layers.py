@@ -3,11 +3,11 @@
 ``attach_lora(model, ...)`` gives each linear layer (every module whose class declares a
 ``lora`` attribute and that has ``in_features``, ``out_features`` and a checkpoint ``prefix``;
 ``sonar_models.layers.Linear`` does) a :class:`LoRALinear`: its stacked A and B of
-``max_loras`` slots, rank padded to ``max_lora_rank``. The layer calls ``lora.begin(x)``
-(where the platform can, the shrink starts beside the base product), its ``LinearMethod``
-computes the base output (quantized or not), then ``lora.add(x, out, started)`` adds the
-adapters' products for the tokens of adapter requests; neither does anything in a step where
-no request has one.
+``max_loras`` slots, rank padded to ``max_lora_rank``. The layer calls ``lora.apply(self,
+x)``: its ``LinearMethod`` computes the base output (quantized or not) and the adapters'
+products are added for the tokens of adapter requests; in a step where no request has one,
+only the base product runs. Where the platform can, the shrink runs in the base product's
+launch (an unquantized layer at one row) or beside it on a second stream.
 
 A fused layer (q/k/v, gate/up) holds one A block per part (``a [S, P * R, in]``) and one B over
 all its output rows; an adapter that targets some parts only (q and v, say) leaves the
@@ -90,6 +90,24 @@ class LoRALinear:
         starts = np.cumsum([0, *part_sizes])
         self.part_rows = tuple((int(starts[i]), int(starts[i + 1])) for i in range(len(part_sizes)))
         self.filled: set[int] = set()  # slots an adapter targeting this layer fills
+
+    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """``layer``'s output for ``x``: its ``LinearMethod``'s base product plus each token's
+        adapter delta. An unquantized layer lets the platform compute the product and the
+        shrink in one launch (``lora_ops.lora_linear_shrink``); otherwise the shrink starts
+        beside the product where the platform can (:meth:`begin`) and the delta is added
+        after it (:meth:`add`)."""
+        from sonar.quantization import UnquantizedLinearMethod
+
+        method = layer.linear_method
+        if self._runs() and self.row_group is None and type(method) is UnquantizedLinearMethod:
+            slots = self.batch.token_slots[: x.shape[0]]
+            both = lora_ops.lora_linear_shrink(x, layer.weight, layer.bias, self.a, slots)
+            if both is not None:
+                out, shrunk = both
+                return lora_ops.lora_expand(shrunk, self.b, slots, out, self.part_rows)
+        started = self.begin(x)
+        return self.add(x, method.apply(layer, x), started)
 
     def begin(self, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
         """Start the shrink of ``x`` before the base product, where the platform runs the two

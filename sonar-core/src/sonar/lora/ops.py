@@ -8,12 +8,14 @@ output rows). ``token_slots [T]`` (int32) names each token's slot, ``-1`` for no
 :func:`lora_shrink_expand` is the two in one call (what a layer runs): a platform may fuse
 them for few tokens, where the launches, not the bytes, cost the time.
 
-:func:`lora_shrink_begin` lets a platform start the shrink before the layer's base product,
+:func:`lora_linear_shrink` lets a platform compute an unquantized layer's base product and the
+shrink in one launch (at one row, where launches cost the time); :func:`lora_shrink_begin` lets
+a platform start the shrink before the layer's base product,
 to run beside it (on a second stream, say); without it the shrink follows the product.
 
 The operations are registered like any other (``sonar.ops.declare_op``): a platform puts a
-kernel behind ``"lora_shrink"``, ``"lora_expand"``, ``"lora_shrink_expand"`` and
-``"lora_shrink_begin"``, and the
+kernel behind ``"lora_shrink"``, ``"lora_expand"``, ``"lora_shrink_expand"``,
+``"lora_shrink_begin"`` and ``"lora_linear_shrink"``, and the
 torch versions below run elsewhere (the torch ``lora_shrink_expand`` calls the other two, so
 a platform with only those two kernels still runs them). Kernels must not read
 ``token_slots`` on the host (CUDA graphs capture them).
@@ -32,6 +34,7 @@ ops.declare_op("lora_shrink")
 ops.declare_op("lora_expand")
 ops.declare_op("lora_shrink_expand")
 ops.declare_op("lora_shrink_begin")
+ops.declare_op("lora_linear_shrink")
 
 
 def lora_shrink(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tensor) -> torch.Tensor:
@@ -51,6 +54,16 @@ def lora_shrink_begin(x: torch.Tensor, a: torch.Tensor, token_slots: torch.Tenso
     :func:`lora_shrink_expand` after the product."""
     impl = ops.platform_op(x, "lora_shrink_begin")
     return impl(x, a, token_slots) if impl is not None else None
+
+
+def lora_linear_shrink(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, token_slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(x @ weight.T (+ bias), lora_shrink(x, a, token_slots))`` computed together where the
+    platform has one kernel for both (an unquantized weight, few rows); None where it has not
+    (the default): the caller then runs the product and the shrink apart."""
+    impl = ops.platform_op(x, "lora_linear_shrink")
+    return impl(x, weight, bias, a, token_slots) if impl is not None else None
 
 
 def lora_expand(

@@ -31,12 +31,25 @@ def _gemv_kernel(
     bias_ptr,
     y_ptr,
     stride_w,
+    a_ptr,
+    slots_ptr,
+    shrunk_ptr,
+    num_rows,
+    num_slots,
+    stride_as,
+    stride_an,
     K: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    SHRINK: tl.constexpr,
 ):
     row = tl.program_id(0)
     w_row = w_ptr + row.to(tl.int64) * stride_w
+    if SHRINK:  # the programs past the weight's rows take the adapter's A rows of the token's slot
+        slot = tl.load(slots_ptr)
+        valid = (slot >= 0) & (slot < num_slots)
+        a_row = a_ptr + tl.where(valid, slot, 0).to(tl.int64) * stride_as + (row - num_rows).to(tl.int64) * stride_an
+        w_row = tl.where(row >= num_rows, a_row, w_row)
     cols = tl.arange(0, BLOCK_K)
     acc = tl.zeros([BLOCK_K], tl.float32)
     for start in tl.static_range(0, K, BLOCK_K):
@@ -49,6 +62,10 @@ def _gemv_kernel(
             x = tl.load(x_ptr + start + cols, mask=mask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)
     y = tl.sum(acc, 0)
+    if SHRINK:
+        if row >= num_rows:  # float32, zero for a token without a slot
+            tl.store(shrunk_ptr + (row - num_rows), tl.where(valid, y, 0.0))
+            return
     if HAS_BIAS:
         y += tl.load(bias_ptr + row).to(tl.float32)
     tl.store(y_ptr + row, y.to(y_ptr.dtype.element_ty))
@@ -80,19 +97,43 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     y = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if n == 0:
         return y
-    block_k = min(2048, triton.next_power_of_2(max(k, 1)))
-    _gemv_kernel[(n,)](
-        x,
-        weight,
-        bias if bias is not None else weight,
-        y,
-        weight.stride(0),
-        K=k,
-        BLOCK_K=block_k,
-        HAS_BIAS=bias is not None,
-        num_warps=max(1, min(8 if k <= 4096 else 4, block_k // 256)),
-    )
+    _launch(x, weight, bias, y)
     return y
+
+
+def gemv_with_shrink(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, token_slots: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gemv` and a LoRA shrink of the same row in one launch: ``(x @ weight.T (+ bias),
+    x @ a[slot].T)`` with ``slot = token_slots[0]`` (read on the device), the second float32
+    ``[1, N]`` and zero where the slot is outside ``[0, S)``. ``a [S, N, K]`` adds ``N``
+    programs to the weight's rows (a few dozen, next to thousands), so the shrink costs no
+    launch of its own and no split: decode at batch 1 with an adapter."""
+    assert gemv_supported(x, weight, bias), "gemv takes one contiguous row and a row-major weight of its dtype"
+    assert a.dim() == 3 and a.shape[2] == weight.shape[1] and a.dtype == weight.dtype and a.stride(2) == 1
+    assert token_slots.numel() >= 1 and token_slots.dtype in (torch.int32, torch.int64)
+    y = torch.empty(*x.shape[:-1], weight.shape[0], dtype=x.dtype, device=x.device)
+    shrunk = torch.empty(1, a.shape[1], dtype=torch.float32, device=x.device)
+    _launch(x, weight, bias, y, (a, token_slots, shrunk))
+    return y, shrunk
+
+
+def _launch(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y: torch.Tensor,
+    shrink: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> None:
+    n, k = weight.shape
+    a, slots, shrunk = shrink if shrink is not None else (weight.unsqueeze(0), y, y)
+    extra = a.shape[1] if shrink is not None else 0
+    if n + extra == 0:
+        return
+    block_k = min(2048, triton.next_power_of_2(max(k, 1)))
+    _gemv_kernel[(n + extra,)](
+        x, weight, bias if bias is not None else weight, y, weight.stride(0),
+        a, slots, shrunk, n, a.shape[0], a.stride(0), a.stride(1),
+        K=k, BLOCK_K=block_k, HAS_BIAS=bias is not None, SHRINK=shrink is not None,
+        num_warps=max(1, min(8 if k <= 4096 else 4, block_k // 256)),
+    )  # fmt: skip
 
 
 def reference_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
