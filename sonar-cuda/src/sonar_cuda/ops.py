@@ -6,8 +6,8 @@ Products of one row of activations (decode at batch 1) and argmaxes over the voc
 as Triton kernels; other products go to the library. The LoRA shrink and expand of batches
 that mix adapters are Triton kernels (``sonar_cuda.kernels.lora``); at decode sizes the
 shrink runs on a side stream while the base layer's product does, and at batch 1 in the
-matrix-vector product's own launch; the experts of a mixture-of-experts layer run as two grouped GEMMs over
-tokens sorted by expert (``sonar_cuda.kernels.fused_moe``).
+matrix-vector product's own launch; the experts of a mixture-of-experts layer run as two
+grouped GEMMs over tokens sorted by expert (``sonar_cuda.kernels.fused_moe``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ def lora_linear_shrink(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """One row where the Triton matrix-vector product serves it: the product and the adapter's
     shrink in its one launch; anything else: None (the two run apart)."""
-    if x.numel() != weight.shape[-1] or not (gemv_supported(x, weight, bias) and gemv_pays(weight)):
+    if not (gemv_supported(x, weight, bias) and gemv_pays(weight)):
         return None
     if a.dim() != 3 or a.shape[2] != weight.shape[1] or a.dtype != weight.dtype or a.stride(2) != 1 or a.device != x.device:
         return None
@@ -108,8 +108,8 @@ OPS: dict[str, Callable[..., Any]] = {
     "fp8_linear": fp8_linear,  # declared by sonar.quantization.fp8
     "fused_moe": fused_moe,  # the experts of a mixture-of-experts layer, two grouped GEMMs
     "lora_shrink": lora_shrink,
-    "lora_shrink_begin": lora_shrink_begin,
-    "lora_linear_shrink": lora_linear_shrink,  # batch 1: the base product and the shrink in one launch  # on a side stream, beside the base product (decode sizes)
+    "lora_shrink_begin": lora_shrink_begin,  # on a side stream, beside the base product (decode sizes)
+    "lora_linear_shrink": lora_linear_shrink,  # batch 1: the base product and the shrink in one launch
     "lora_expand": lora_expand,
     "lora_shrink_expand": lora_shrink_expand,  # one launch up to FUSED_TOKENS tokens
 }

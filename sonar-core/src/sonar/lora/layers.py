@@ -23,7 +23,6 @@ the layer's all-reduced output exactly once.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -33,6 +32,7 @@ from torch import nn
 from sonar.distributed import ParallelGroup
 from sonar.lora import ops as lora_ops
 from sonar.lora.adapter import LoRATarget
+from sonar.quantization import UnquantizedLinearMethod
 from sonar.tensors import to_device
 
 EXCLUDED_LEAVES = frozenset({"lm_head"})  # LoRA on the output head is not supported
@@ -93,48 +93,32 @@ class LoRALinear:
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """``layer``'s output for ``x``: its ``LinearMethod``'s base product plus each token's
-        adapter delta. An unquantized layer lets the platform compute the product and the
-        shrink in one launch (``lora_ops.lora_linear_shrink``); otherwise the shrink starts
-        beside the product where the platform can (:meth:`begin`) and the delta is added
-        after it (:meth:`add`)."""
-        from sonar.quantization import UnquantizedLinearMethod
-
+        adapter delta (only the product where no adapter in a slot targets this layer, except
+        while a graph that later adapters will replay is captured). An unquantized layer lets
+        the platform compute the product and the shrink in one launch
+        (``lora_ops.lora_linear_shrink``); otherwise the shrink starts beside the product where
+        the platform can (``lora_ops.lora_shrink_begin``) and the delta is added after it."""
         method = layer.linear_method
-        if self._runs() and self.row_group is None and type(method) is UnquantizedLinearMethod:
-            slots = self.batch.token_slots[: x.shape[0]]
+        batch = self.batch
+        if not batch.active or not (self.filled or batch.capturing):
+            return method.apply(layer, x)
+        slots = batch.token_slots[: x.shape[0]]
+        group = self.row_group
+        if group is not None:  # each rank shrinks its slice of the inputs; the sum expands once
+            out = method.apply(layer, x)
+            summed = group.communicator.all_reduce(lora_ops.lora_shrink(x, self.a, slots))
+            return lora_ops.lora_expand(summed, self.b, slots, out, self.part_rows) if group.rank == 0 else out
+        if type(method) is UnquantizedLinearMethod:
             both = lora_ops.lora_linear_shrink(x, layer.weight, layer.bias, self.a, slots)
             if both is not None:
                 out, shrunk = both
                 return lora_ops.lora_expand(shrunk, self.b, slots, out, self.part_rows)
-        started = self.begin(x)
-        return self.add(x, method.apply(layer, x), started)
-
-    def begin(self, x: torch.Tensor) -> Callable[[], torch.Tensor] | None:
-        """Start the shrink of ``x`` before the base product, where the platform runs the two
-        side by side (``lora_ops.lora_shrink_begin``); pass the result to :meth:`add`."""
-        if not self._runs() or self.row_group is not None:  # row-parallel: the shrink's sum is an all-reduce
-            return None
-        return lora_ops.lora_shrink_begin(x, self.a, self.batch.token_slots[: x.shape[0]])
-
-    def add(self, x: torch.Tensor, out: torch.Tensor, shrunk: Callable[[], torch.Tensor] | None = None) -> torch.Tensor:
-        """``out`` (the base output for ``x [T, in]``) plus each token's adapter delta (nothing
-        to do where no adapter in a slot targets this layer, except while a graph that later
-        adapters will replay is captured); ``shrunk``: what :meth:`begin` started."""
-        if not self._runs():
-            return out
-        slots = self.batch.token_slots[: x.shape[0]]
-        if shrunk is not None:
-            return lora_ops.lora_expand(shrunk(), self.b, slots, out, self.part_rows)
-        group = self.row_group
-        if group is not None:  # each rank shrinks its slice of the inputs; the sum expands once
-            summed = group.communicator.all_reduce(lora_ops.lora_shrink(x, self.a, slots))
-            return lora_ops.lora_expand(summed, self.b, slots, out, self.part_rows) if group.rank == 0 else out
+        join = lora_ops.lora_shrink_begin(x, self.a, slots)
+        out = method.apply(layer, x)
+        if join is not None:
+            return lora_ops.lora_expand(join(), self.b, slots, out, self.part_rows)
         # shrink then expand; a platform fuses them into one launch where the tokens are few
         return lora_ops.lora_shrink_expand(x, self.a, self.b, slots, out, self.part_rows)
-
-    def _runs(self) -> bool:
-        batch = self.batch
-        return batch.active and bool(self.filled or batch.capturing)
 
     def clear_slot(self, slot: int) -> None:
         if slot in self.filled:  # the others are zero already

@@ -9,9 +9,9 @@ output rows). ``token_slots [T]`` (int32) names each token's slot, ``-1`` for no
 them for few tokens, where the launches, not the bytes, cost the time.
 
 :func:`lora_linear_shrink` lets a platform compute an unquantized layer's base product and the
-shrink in one launch (at one row, where launches cost the time); :func:`lora_shrink_begin` lets
-a platform start the shrink before the layer's base product,
-to run beside it (on a second stream, say); without it the shrink follows the product.
+shrink in one launch (at one row, where launches cost the time); :func:`lora_shrink_begin`
+lets it start the shrink before the layer's base product, to run beside it (on a second
+stream, say). Without either, the shrink follows the product.
 
 The operations are registered like any other (``sonar.ops.declare_op``): a platform puts a
 kernel behind ``"lora_shrink"``, ``"lora_expand"``, ``"lora_shrink_expand"``,
