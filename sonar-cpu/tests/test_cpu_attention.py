@@ -7,8 +7,8 @@ import torch
 
 from cpu_paged_step import PagedStep, make_step
 from sonar.attention import reference_attention
+from sonar_cpu import attention, attention_plan, native
 from sonar_cpu.attention import CpuAttentionBackend
-from sonar_cpu import attention_plan
 from sonar_cpu.attention_plan import split_into_buckets
 
 # (context_lens, query_lens): decodes (query_len 1) first, then prefill chunks
@@ -185,3 +185,32 @@ def test_one_decode_attends_its_tokens_only(scattered: bool, window: int | None)
     assert bucket.single_len == 38
     assert (bucket.first_block == 0) == (not scattered)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(native.load() is None, reason="no C compiler or no AVX2/FMA/F16C here")
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 36), (8, 1, 128), (12, 4, 40)])
+@pytest.mark.parametrize("window", [None, 8, 100])
+def test_the_c_decode_attention_matches_the_torch_path(
+    monkeypatch: pytest.MonkeyPatch, num_heads: int, num_kv_heads: int, head_dim: int, window: int | None
+) -> None:
+    # decodes of many lengths (spans that are and are not multiples of the 8-wide vectors), two
+    # prefill chunks after them; queries scaled up so that softmax underflows for most tokens
+    context_lens, query_lens = [0, 6, 7, 15, 16, 63, 300, 1000, 24, 3], [1, 1, 1, 1, 1, 1, 1, 1, 7, 19]
+    scale = head_dim**-0.5
+    assert attention.native_library(torch.zeros(1), torch.zeros(1)) is not None
+    outputs = []
+    for use_native in (True, False):
+        if not use_native:
+            monkeypatch.setattr("sonar_cpu.attention.native_library", lambda query, kv_cache: None)
+        step = make_step(context_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16)
+        step.query.mul_(8.0)
+        backend = CpuAttentionBackend(num_heads, num_kv_heads, head_dim, scale, sliding_window=window)
+        outputs.append(backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata))
+    native_out, torch_out = outputs
+    torch.testing.assert_close(native_out, torch_out, atol=1e-5, rtol=1e-4)  # float32 rounding of large scores
+
+
+def test_the_c_decode_attention_leaves_other_dtypes_to_torch() -> None:
+    assert attention.native_library(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)) is None
+    assert attention.native_library(torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)) is None
+    assert attention.native_library(torch.zeros(1), torch.zeros(4, 4).t()) is None  # a cache that is not contiguous

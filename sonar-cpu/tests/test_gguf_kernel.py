@@ -1,4 +1,4 @@
-"""The C GGUF kernel against a float64 product of the dequantized blocks."""
+"""The C GGUF kernel against float64 products of the dequantized blocks."""
 
 from __future__ import annotations
 
@@ -21,20 +21,54 @@ def random_blocks(ggml_type: int, rows: int, cols: int, generator: torch.Generat
     return GGUFBlocks(ggml_type, rows, cols, data.reshape(rows, -1))
 
 
+def int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the int8 product sees it: rounded to codes in blocks of 32, scale amax / 127."""
+    blocks = x.double().view(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    codes = torch.where(scale > 0, blocks / scale.clamp_min(1e-300), 0).round()
+    return (codes * scale).view_as(x)
+
+
 @pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0])
-def test_matches_the_dequantized_product(ggml_type: int) -> None:
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_matches_the_dequantized_product(ggml_type: int, interleaved: bool) -> None:
     generator = torch.Generator().manual_seed(ggml_type)
-    for rows, cols in [(37, 96), (203, 160), (8, 32)]:
+    for rows, cols in [(36, 96), (204, 160), (8, 32), (37, 64)]:
         blocks = random_blocks(ggml_type, rows, cols, generator)
         weight = dequantize_blocks(blocks).double()
-        for num_x in range(1, 21):
+        kernel = gguf_kernel.GGUFBlockKernel(ggml_type)
+        data = kernel.prepare(blocks.data) if interleaved else blocks.data
+        assert kernel.interleave == (gguf_kernel.INTERLEAVE if interleaved and rows % 4 == 0 else 1)
+        for num_x in [*range(1, 12), 17, 20]:
             x = torch.randn(num_x, cols, generator=generator)
-            expected = x.double() @ weight.T
-            out = gguf_kernel.gguf_linear(x, ggml_type, blocks.data, rows, cols)
+            scale = (x.double().abs() @ weight.abs().T).max()
+            out = kernel(x, data, rows, cols, exact=True)
             assert out.dtype == torch.float32 and out.shape == (num_x, rows)
             # float32 summation order only: a few ulps of the row's magnitude
-            scale = (x.double().abs() @ weight.abs().T).max()
-            assert ((out.double() - expected).abs().max() / scale).item() < 1e-6
+            assert ((out.double() - x.double() @ weight.T).abs().max() / scale).item() < 1e-6
+            # the int8 product: exact but for the activations' rounding to int8 blocks
+            fast = kernel(x, data, rows, cols, exact=False)
+            assert ((fast.double() - int8_blocks(x) @ weight.T).abs().max() / scale).item() < 1e-6
+            assert ((fast.double() - x.double() @ weight.T).abs().max() / scale).item() < 1e-2
+
+
+def test_the_int8_product_of_zeros_and_of_blocks_with_one_large_value() -> None:
+    generator = torch.Generator().manual_seed(1)
+    blocks = random_blocks(Q4_1, 16, 64, generator)
+    weight = dequantize_blocks(blocks).double()
+    x = torch.zeros(2, 64)
+    x[1, 5] = 1e4  # one block all zeros but one, the other block all zeros
+    out = gguf_kernel.gguf_linear(x, Q4_1, blocks.data, 16, 64, exact=False)
+    torch.testing.assert_close(out.double(), x.double() @ weight.T, rtol=1e-6, atol=1e-6)
+
+
+def test_rows_come_back_in_the_files_layout() -> None:
+    blocks = random_blocks(Q4_1, 40, 96, torch.Generator().manual_seed(2))
+    kernel = gguf_kernel.GGUFBlockKernel(Q4_1)
+    data = kernel.prepare(blocks.data)
+    assert not torch.equal(data, blocks.data)  # interleaved
+    for start, stop in [(0, 40), (5, 11), (8, 12), (39, 40)]:
+        assert torch.equal(kernel.rows_in_order(data, start, stop), blocks.data[start:stop])
 
 
 def test_refuses_a_width_not_a_multiple_of_32() -> None:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from sonar.attention import AttentionBackend, AttentionMetadata, is_fp8, quantize_for_cache
 
+from sonar_cpu import native
 from sonar_cpu.attention_plan import BUCKET_CALL_COST_TOKENS, CpuAttentionPlan, DecodeBucket, PrefillChunk, build_plan
 
 #: Without AMX, PyTorch's half-precision flash kernel converts to float32 block by block and runs
@@ -76,14 +77,37 @@ class CpuAttentionBackend(AttentionBackend):
         flat_cache[1].index_copy_(0, metadata.slot_mapping, value_rows)
         scales = (k_scale, v_scale) if fp8 else (1.0, 1.0)
 
-        if not plan.prefills and len(plan.decode_buckets) == 1:
+        library = native_library(query, kv_cache) if metadata.num_decodes else None
+        if library is not None:
+            decoded = self._native_decode(library, query, kv_cache, metadata)
+            if not plan.prefills:
+                return decoded
+            out = torch.empty_like(query)
+            out[: metadata.num_decodes] = decoded
+        elif not plan.prefills and len(plan.decode_buckets) == 1:
             return self._decode(query, kv_cache, plan, plan.decode_buckets[0], scales)
-        out = torch.empty_like(query)
-        decode_out = out[: metadata.num_decodes]
-        for bucket in plan.decode_buckets:
-            decode_out[bucket.rows] = self._decode(query[: metadata.num_decodes][bucket.rows], kv_cache, plan, bucket, scales)
+        else:
+            out = torch.empty_like(query)
+            decode_out = out[: metadata.num_decodes]
+            for bucket in plan.decode_buckets:
+                decode_out[bucket.rows] = self._decode(query[: metadata.num_decodes][bucket.rows], kv_cache, plan, bucket, scales)
         for chunk in plan.prefills:
             out[chunk.start : chunk.end] = self._prefill(query, key, value, kv_cache, plan, chunk, scales)
+        return out
+
+    def _native_decode(self, library, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """Every decode of the step in one call of the C kernel (float32 query and cache)."""
+        n = metadata.num_decodes
+        decode_query = query[:n].contiguous()
+        out = torch.empty_like(decode_query)
+        tables, seq_lens = metadata.block_tables.contiguous(), metadata.seq_lens.contiguous()
+        code = library.paged_decode_attention(
+            decode_query.data_ptr(), kv_cache.data_ptr(), kv_cache.shape[1], kv_cache.shape[2], self.num_kv_heads,
+            self.head_dim, self.num_heads, tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), n,
+            self.sliding_window or 0, self.scale, out.data_ptr(), torch.get_num_threads(),
+        )
+        if code:
+            raise RuntimeError(f"the C decode attention failed (code {code}) for {self.num_heads} heads over {self.num_kv_heads} KV heads")
         return out
 
     def _decode(
@@ -161,6 +185,14 @@ class CpuAttentionBackend(AttentionBackend):
             workspace = self._workspace = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
         rows = kv_cache.view(-1, *kv_cache.shape[2:])  # [2 * num_cache_blocks, block_size, kv_heads, head_dim]
         return torch.index_select(rows, 0, gather_ids, out=workspace[:numel].view(shape))
+
+
+def native_library(query: torch.Tensor, kv_cache: torch.Tensor):
+    """Sonar's C kernels where they take this step's decodes: float32 queries over a contiguous
+    float32 cache."""
+    if query.dtype != torch.float32 or kv_cache.dtype != torch.float32 or not kv_cache.is_contiguous():
+        return None
+    return native.load()
 
 
 def _times(x: torch.Tensor, factor: float) -> torch.Tensor:

@@ -81,19 +81,29 @@ class _Packed:
 @dataclass(slots=True)
 class _Blocks:
     """Rows kept in GGUF blocks: products of fewer than ``BLOCK_KERNEL_MAX_ROWS`` rows run the
-    platform's block kernel where there is one, the others dequantize a tile at a time."""
+    platform's block kernel where there is one (its fast product under ``DENSE_MIN_ROWS`` rows,
+    its exact one from there on and in steps that ask for exact products), the others
+    dequantize a tile at a time."""
 
     blocks: GGUFBlocks
     kernel: Callable[..., torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.numel() < BLOCK_KERNEL_MAX_ROWS * x.shape[-1]:
-            return self.kernel(x, self.blocks.data, self.blocks.rows, self.blocks.cols)
+            exact = x.numel() >= DENSE_MIN_ROWS * x.shape[-1] or ops.exact_products_requested()
+            return self.kernel(x, self.blocks.data, self.blocks.rows, self.blocks.cols, exact)
         tiles = []
         for start in range(0, self.blocks.rows, DEQUANTIZE_TILE_ROWS):
-            tile = self.blocks.select_rows(slice(start, start + DEQUANTIZE_TILE_ROWS))
+            tile = self._tile(start, min(start + DEQUANTIZE_TILE_ROWS, self.blocks.rows))
             tiles.append(torch.nn.functional.linear(x, dequantize_blocks(tile, x.dtype)))
         return tiles[0] if len(tiles) == 1 else torch.cat(tiles, dim=-1)
+
+    def _tile(self, start: int, stop: int) -> GGUFBlocks:
+        """Rows ``[start, stop)`` as blocks in the file's layout (the kernel may keep its own)."""
+        if self.kernel is None:
+            return self.blocks.select_rows(slice(start, stop))
+        data = self.kernel.rows_in_order(self.blocks.data, start, stop)
+        return GGUFBlocks(self.blocks.ggml_type, stop - start, self.blocks.cols, data)
 
     @property
     def nbytes(self) -> int:
@@ -203,9 +213,9 @@ class GGUFLinearMethod(LinearMethod):
         pack, linear = ops.platform_op(probe, INT4_GROUP_PACK), ops.platform_op(probe, INT4_GROUP_LINEAR)
         block_kernel = ops.platform_op(probe, GGUF_BLOCK_KERNEL)
         kernel = block_kernel(blocks.ggml_type) if block_kernel is not None else None
-        kept = _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)), kernel)
-        if kernel is not None and blocks.ggml_type in SPLIT_TYPES:  # Q8_0: the block kernel beats two nibbles
-            return kept
+        if kernel is not None:  # the platform runs these blocks as they are, from where it placed them
+            return _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, kernel.prepare(blocks.data.to(device))), kernel)
+        kept = _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)))
         if blocks.ggml_type in INT4_GROUP_TYPES and pack is not None and linear is not None:
             codes, scales, zeros = int4_groups(blocks)
             packed, scales_and_zeros = pack(codes.to(device), scales.to(device), zeros.to(device))
@@ -226,9 +236,12 @@ class GGUFMethod(QuantizationMethod):
     name = "gguf"
     reads = "a .gguf file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K blocks (F32/F16/BF16 tensors stay floating); other types are dequantized at load"
     execution = {
-        "cpu": "decode steps under 16 rows: torch's int4 weight-packed matmul (bf16) for Q4_0/Q4_1/Q4_K/Q5_K/Q8_0; steps "
-        "with prompt tokens and larger batches: the float32 product, dequantized per tile (with SONAR_CPU_GGUF_KERNEL=1, "
-        "Sonar's C kernel for Q4_0/Q4_1 under 48 rows and for every Q8_0 product); Q6_K: dequantized per tile",
+        "cpu": "Q4_0/Q4_1/Q8_0: Sonar's C kernel on the blocks as stored (huge pages, four rows interleaved): decode "
+        "steps under 16 rows with the activations rounded to int8 blocks (integer dot products, as llama.cpp), steps "
+        "with prompt tokens and batches of 16-47 rows exact in float32, larger ones dequantized per tile into a float32 "
+        "GEMM; Q4_K/Q5_K: torch's int4 weight-packed matmul (bf16) for decode steps under 16 rows, the float32 product "
+        "otherwise (also Q4_0/Q4_1/Q8_0 where the C kernel cannot be built, or with SONAR_CPU_GGUF_KERNEL=0); Q6_K: "
+        "dequantized per tile",
         "cuda": "dequantized per tile of 4,096 rows, library GEMM",
     }
     tested_by = {"cpu": "sonar-models/tests/test_gguf_native.py"}
