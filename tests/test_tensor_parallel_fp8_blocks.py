@@ -21,6 +21,12 @@ from tp_compare import assert_same_greedy_run, two_ranks_and_one_device
 # every fused part's rows per rank (q, k, v 128; gate, up 256) a multiple of the 128-row blocks
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_attention_heads=2, num_key_value_heads=2)
 EXACT = 1e-4  # the same FP8 products on each rank, summed in another order
+#: Activations are quantized to FP8 per token and 128-wide group as they enter each product, so
+#: the float32 rounding that the all-reduce's order leaves in the residual stream can move one
+#: activation across an FP8 rounding boundary (a step of 1/16 of its magnitude); such a flip
+#: moves logprobs by up to about 0.1 (seen on the CPU: 1 prompt in 6). A scale block cut wrong
+#: would move them by whole nats and change the greedy tokens, which stay compared exactly.
+FP8_ACTIVATION_FLIP = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +37,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_block_scales(tiny: Path, tmp_path: Path) -> None:
     config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128], "modules_to_not_convert": None}
     quantized, _ = write_checkpoint(tiny, tmp_path, per_block, config)
-    assert_same_greedy_run(*two_ranks_and_one_device(str(quantized)), EXACT)
+    assert_same_greedy_run(*two_ranks_and_one_device(str(quantized)), FP8_ACTIVATION_FLIP)
 
 
 def test_online_fp8_quantizes_each_row_whole(tiny: Path) -> None:

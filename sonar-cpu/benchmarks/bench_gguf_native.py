@@ -46,9 +46,20 @@ def sonar_runs(quantization: str | None, requests: list[tuple[list[int], int]]) 
     return {"decode_tok_s": round(decode, 1), "mixed_tok_s": round(produced / elapsed, 1)}
 
 
-def llama_cpp_runs(path: str, threads: int, requests: list[tuple[list[int], int]]) -> dict[str, float]:
+def llama_cpp_runs(path: str, threads: int, requests: list[tuple[list[int], int]], plain_buffers: bool) -> dict[str, float]:
+    import llama_cpp
     from llama_cpp import Llama
 
+    if plain_buffers:  # weights in plain CPU buffers: no AMX or repacked copies
+        defaults = llama_cpp.llama_model_default_params
+
+        def plain_params():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        llama_cpp.llama_model_default_params = plain_params
+        llama_cpp.llama.llama_cpp.llama_model_default_params = plain_params
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, verbose=False)
 
     def run(prompt: list[int], n: int) -> float:
@@ -92,6 +103,11 @@ def transformers_runs(path: str, requests: list[tuple[list[int], int]]) -> dict[
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--skip", nargs="*", default=[], choices=["native", "dequantized", "llama.cpp", "transformers"])
+    parser.add_argument(
+        "--llama-cpp-plain-buffers", action="store_true",
+        help="load llama.cpp's weights without its extra buffer types (AMX, repacking): on hosts that report AMX "
+        "but fault in it, as llama-cpp-python 0.3.36 does on some virtual machines",
+    )
     args = parser.parse_args()
     from sonar_models.testing import smollm2_gguf_path
 
@@ -104,14 +120,22 @@ def main() -> None:
     if "dequantized" not in args.skip:
         results["sonar_dequantized"] = sonar_runs("unquantized", requests)
     if "llama.cpp" not in args.skip:
-        results["llama_cpp"] = llama_cpp_runs(path, threads, requests)
+        results["llama_cpp"] = llama_cpp_runs(path, threads, requests, args.llama_cpp_plain_buffers)
     if "transformers" not in args.skip:
         import torch
 
         torch.set_num_threads(threads)
         results["transformers_batched"] = transformers_runs(path, requests)
     load = [round(load_before, 2), round(os.getloadavg()[0], 2)]
-    print(json.dumps({"threads": threads, "requests": len(requests), "load_average_before_after": load, **results}))
+    ratios = {}
+    if "sonar_native" in results and "llama_cpp" in results:
+        ratios["decode_vs_llama_cpp"] = round(results["sonar_native"]["decode_tok_s"] / results["llama_cpp"]["decode_tok_s"], 2)
+        ratios["mixed_vs_llama_cpp"] = round(results["sonar_native"]["mixed_tok_s"] / results["llama_cpp"]["mixed_tok_s"], 2)
+    if "sonar_native" in results and "transformers_batched" in results:
+        ratios["mixed_vs_transformers"] = round(
+            results["sonar_native"]["mixed_tok_s"] / results["transformers_batched"]["mixed_tok_s"], 2
+        )
+    print(json.dumps({"threads": threads, "requests": len(requests), "load_average_before_after": load, **results, **ratios}))
 
 
 if __name__ == "__main__":

@@ -65,6 +65,15 @@ class CpuAttentionBackend(AttentionBackend):
         plan: CpuAttentionPlan = metadata.extra
         plan.bind(kv_cache, metadata)
 
+        library = native_library(query, kv_cache)
+        if library is not None and _rows_contiguous(key, value):
+            slots = metadata.slot_mapping.contiguous()
+            library.write_kv(
+                key.data_ptr(), key.stride(0), value.data_ptr(), value.stride(0), kv_cache.data_ptr(),
+                kv_cache.shape[1] * kv_cache.shape[2], self.num_kv_heads * self.head_dim, slots.data_ptr(), slots.numel(),
+            )
+            return self._attend(query, key, value, kv_cache, metadata, plan, (1.0, 1.0), library)
+
         # cache write: [2, num_blocks * block_size, num_kv_heads, head_dim]
         flat_cache = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
         fp8 = is_fp8(kv_cache.dtype)
@@ -76,9 +85,22 @@ class CpuAttentionBackend(AttentionBackend):
         flat_cache[0].index_copy_(0, metadata.slot_mapping, key_rows)
         flat_cache[1].index_copy_(0, metadata.slot_mapping, value_rows)
         scales = (k_scale, v_scale) if fp8 else (1.0, 1.0)
+        return self._attend(query, key, value, kv_cache, metadata, plan, scales, library)
 
-        library = native_library(query, kv_cache) if metadata.num_decodes else None
-        if library is not None:
+    def _attend(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: AttentionMetadata,
+        plan: CpuAttentionPlan,
+        scales: tuple[float, float],
+        library,
+    ) -> torch.Tensor:
+        """Attend the step's tokens over the cache holding them: the decodes in one C call where
+        ``library`` is given, else in the plan's batched calls; each prefill chunk in one call."""
+        if library is not None and metadata.num_decodes:
             decoded = self._native_decode(library, query, kv_cache, metadata)
             if not plan.prefills:
                 return decoded
@@ -185,6 +207,12 @@ class CpuAttentionBackend(AttentionBackend):
             workspace = self._workspace = torch.empty(numel, dtype=kv_cache.dtype, device=kv_cache.device)
         rows = kv_cache.view(-1, *kv_cache.shape[2:])  # [2 * num_cache_blocks, block_size, kv_heads, head_dim]
         return torch.index_select(rows, 0, gather_ids, out=workspace[:numel].view(shape))
+
+
+def _rows_contiguous(*tensors: torch.Tensor) -> bool:
+    """float32 with each token's heads one after another, contiguous (rows may sit apart: a
+    fused projection's views)."""
+    return all(x.dtype == torch.float32 and x.stride(2) == 1 and x.stride(1) == x.shape[2] for x in tensors)
 
 
 def native_library(query: torch.Tensor, kv_cache: torch.Tensor):

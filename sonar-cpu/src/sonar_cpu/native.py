@@ -27,7 +27,8 @@ SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
 SWITCH_ENV = "SONAR_CPU_KERNELS"  # "0": no C kernels
 CACHE_ENV = "SONAR_CPU_KERNEL_CACHE"
 REQUIRED_FLAGS = {"avx2", "fma", "f16c"}
-BASE_FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC"]
+# fp-contract off: a product and a sum written apart round apart (explicit FMA intrinsics stay FMAs)
+BASE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 #: the instruction sets to compile for, best first: this host's own, then the AVX2 baseline
 TARGETS = (["-march=native"], ["-mavx2", "-mfma", "-mf16c"])
 _library: ctypes.CDLL | None = None
@@ -100,6 +101,14 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
         pointer, pointer, size, integer, integer, integer, integer, pointer, size, pointer, size, integer, ctypes.c_float,
         pointer, integer,
     ]
+    library.add_rms_norm.restype = None
+    library.add_rms_norm.argtypes = [pointer, pointer, pointer, pointer, size, size, ctypes.c_float, integer]
+    library.rotary_neox.restype = None
+    library.rotary_neox.argtypes = [pointer, size, integer, pointer, size, integer, integer, integer, pointer, pointer, size]
+    library.silu_and_mul.restype = None
+    library.silu_and_mul.argtypes = [pointer, pointer, size, size, integer]
+    library.write_kv.restype = None
+    library.write_kv.argtypes = [pointer, size, pointer, size, pointer, size, size, pointer, size]
     return library
 
 

@@ -11,6 +11,9 @@ as the torch ones in ``sonar.ops`` in fewer operations:
 - rotary rotates in place (a batched product with per-position rotation matrices is kept
   behind ``MAX_MATRIX_ROTARY_TOKENS``, off: see there).
 
+Where Sonar's C kernels are built (``sonar_cpu.native``), float32 RMSNorm (with its residual
+add), rotary and SiLU-and-mul are each one C call instead of several tensor operations.
+
 The quantized-weight kernels of ``sonar_cpu.quant_ops`` are registered with them.
 """
 
@@ -22,7 +25,7 @@ from typing import Any, Callable
 import torch
 
 from sonar.ops import torch_rms_norm
-from sonar_cpu import quant_ops
+from sonar_cpu import native, quant_ops
 
 #: Up to this many tokens a step rotates with per-position matrices (one product per tensor);
 #: beyond it the element-wise rotation is cheaper than building the matrices. Off: the
@@ -35,11 +38,37 @@ from sonar_cpu import quant_ops
 MAX_MATRIX_ROTARY_TOKENS = 0
 
 
+def _native_for(*tensors: torch.Tensor):
+    """Sonar's C kernels where every tensor is float32 (and the kernels are built), else None.
+    Where they are, every float32 call takes them, whatever its layout (a copy makes it
+    contiguous), so that one computation never mixes the C and the tensor roundings: two runs
+    of the same model that lay a tensor out differently (tensor parallelism) stay bit-equal."""
+    if all(t.dtype == torch.float32 for t in tensors):
+        return native.load()
+    return None
+
+
+def _norm_into(library, x: torch.Tensor | None, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``residual += x`` (unless ``x`` is None), then the norm of ``residual`` into a new tensor;
+    ``residual`` contiguous."""
+    out = torch.empty_like(residual)
+    dim = residual.shape[-1]
+    library.add_rms_norm(
+        None if x is None else x.contiguous().data_ptr(), residual.data_ptr(), weight.contiguous().data_ptr(),
+        out.data_ptr(), residual.numel() // dim, dim, eps, torch.get_num_threads(),
+    )
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension; for float32 activations and weights the same operations
-    as Hugging Face's (bit for bit), with the temporaries updated in place."""
+    """RMSNorm over the last dimension; float32 activations and weights in one C call where the
+    kernels are built (its sum of squares in another order than torch's mean: a few ulps), else
+    the same operations as Hugging Face's (bit for bit) with the temporaries updated in place."""
     if x.dtype != torch.float32 or weight.dtype != torch.float32:
         return torch_rms_norm(x, weight, eps)
+    library = _native_for(x, weight)
+    if library is not None:
+        return _norm_into(library, None, x.contiguous(), weight, eps)
     inverse_rms = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
     return (x * inverse_rms).mul_(weight)
 
@@ -48,6 +77,9 @@ def fused_add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``residual += x`` in place, then ``(rms_norm(residual), residual)``."""
+    library = _native_for(x, residual, weight)
+    if library is not None and residual.shape == x.shape and residual.is_contiguous():
+        return _norm_into(library, x, residual, weight, eps), residual
     if residual.dtype != x.dtype or residual.shape != x.shape:
         residual = x + residual
     else:
@@ -69,7 +101,7 @@ def rotary_tables(rotary_emb: Any, positions: torch.Tensor, dtype: torch.dtype) 
     """Rows of the model's float32 cos/sin table for this step's positions, cast to ``dtype``;
     as rotation matrices when the step has at most ``MAX_MATRIX_ROTARY_TOKENS`` tokens."""
     cos_sin = rotary_emb.cos_sin_cache(positions.device)[positions]  # [T, rotary_dim]
-    cos, sin = cos_sin.to(dtype).chunk(2, dim=-1)  # [T, rotary_dim / 2] each
+    cos, sin = (half.contiguous() for half in cos_sin.to(dtype).chunk(2, dim=-1))  # [T, rotary_dim / 2] each
     head_dim = rotary_emb.spec.head_dim
     if positions.numel() > MAX_MATRIX_ROTARY_TOKENS:
         return RotaryTables(None, cos[:, None, :], sin[:, None, :])
@@ -103,10 +135,44 @@ def _rotate_in_place(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 def apply_rotary(query: torch.Tensor, key: torch.Tensor, tables: RotaryTables) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``query`` ``[T, H, D]`` and ``key`` ``[T, KVH, D]``: a product with each token's
-    matrix (new tensors), or in place."""
+    matrix (new tensors), or in place (float32 in one C call where the kernels are built, the
+    same roundings as the tensor operations)."""
     if tables.matrices is not None:
         return torch.matmul(query, tables.matrices), torch.matmul(key, tables.matrices)
-    return _rotate_in_place(query, tables.cos, tables.sin), _rotate_in_place(key, tables.cos, tables.sin)
+    library = _rotary_kernel(query, key, tables)
+    if library is None:
+        return _rotate_in_place(query, tables.cos, tables.sin), _rotate_in_place(key, tables.cos, tables.sin)
+    tokens, num_heads, head_dim = query.shape
+    library.rotary_neox(
+        query.data_ptr(), query.stride(0), num_heads, key.data_ptr(), key.stride(0), key.shape[1], head_dim,
+        tables.cos.shape[-1], tables.cos.data_ptr(), tables.sin.data_ptr(), tokens,
+    )
+    return query, key
+
+
+def _rotary_kernel(query: torch.Tensor, key: torch.Tensor, tables: RotaryTables):
+    """The C rotation where it takes these tensors: float32 heads each contiguous, one after
+    another within a token, and contiguous cos/sin rows."""
+    for x in (query, key):
+        if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
+            return None
+    if not (tables.cos.dtype == torch.float32 and tables.cos.is_contiguous() and tables.sin.is_contiguous()):
+        return None
+    return native.load()
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` over a fused ``[..., 2 * intermediate]`` input: float32 in one C call
+    where the kernels are built (its exp is libm's, torch's is its own: a few ulps), else torch."""
+    library = _native_for(gate_up)
+    if library is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+    gate_up = gate_up.contiguous()
+    dim = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], dim)
+    library.silu_and_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.numel() // (2 * dim), dim, torch.get_num_threads())
+    return out
 
 
 OPS: dict[str, Callable[..., Any]] = {
@@ -114,5 +180,6 @@ OPS: dict[str, Callable[..., Any]] = {
     "fused_add_rms_norm": fused_add_rms_norm,
     "rotary_tables": rotary_tables,
     "apply_rotary": apply_rotary,
+    "silu_and_mul": silu_and_mul,
     **quant_ops.OPS,
 }
