@@ -30,15 +30,15 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0])
-@pytest.mark.parametrize("interleaved", [False, True])
-def test_matches_the_dequantized_product(ggml_type: int, interleaved: bool) -> None:
+@pytest.mark.parametrize("prepared", [False, True])
+def test_matches_the_dequantized_product(ggml_type: int, prepared: bool) -> None:
     generator = torch.Generator().manual_seed(ggml_type)
-    for rows, cols in [(36, 96), (204, 160), (8, 32), (37, 64)]:
+    for rows, cols in [(40, 96), (208, 160), (8, 32), (37, 64)]:
         blocks = random_blocks(ggml_type, rows, cols, generator)
         weight = dequantize_blocks(blocks).double()
         kernel = gguf_kernel.GGUFBlockKernel(ggml_type)
-        data = kernel.prepare(blocks.data) if interleaved else blocks.data
-        assert kernel.interleave == (gguf_kernel.INTERLEAVE if interleaved and rows % 4 == 0 else 1)
+        data = kernel.prepare(blocks.data) if prepared else blocks.data
+        assert kernel.layout == (gguf_kernel.LANES if prepared and rows % 8 == 0 else 1)
         for num_x in [*range(1, 12), 17, 20]:
             x = torch.randn(num_x, cols, generator=generator)
             scale = (x.double().abs() @ weight.abs().T).max()
@@ -62,12 +62,13 @@ def test_the_int8_product_of_zeros_and_of_blocks_with_one_large_value() -> None:
     torch.testing.assert_close(out.double(), x.double() @ weight.T, rtol=1e-6, atol=1e-6)
 
 
-def test_rows_come_back_in_the_files_layout() -> None:
-    blocks = random_blocks(Q4_1, 40, 96, torch.Generator().manual_seed(2))
-    kernel = gguf_kernel.GGUFBlockKernel(Q4_1)
+@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0])
+def test_rows_come_back_in_the_files_layout(ggml_type: int) -> None:
+    blocks = random_blocks(ggml_type, 40, 96, torch.Generator().manual_seed(2))
+    kernel = gguf_kernel.GGUFBlockKernel(ggml_type)
     data = kernel.prepare(blocks.data)
-    assert not torch.equal(data, blocks.data)  # interleaved
-    for start, stop in [(0, 40), (5, 11), (8, 12), (39, 40)]:
+    assert not torch.equal(data, blocks.data)  # laid out for the kernel
+    for start, stop in [(0, 40), (5, 11), (8, 16), (39, 40)]:
         assert torch.equal(kernel.rows_in_order(data, start, stop), blocks.data[start:stop])
 
 

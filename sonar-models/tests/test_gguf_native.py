@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from sonar import LLM, SamplingParams, ops
 from sonar_models.formats.gguf_blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, TYPE_NAMES
-from sonar_models.formats.gguf_quant import DENSE_MIN_ROWS, _Blocks, _Packed
+from sonar_models.formats.gguf_quant import BLOCK_KERNEL_MAX_ROWS, DENSE_MIN_ROWS, _Blocks, _Packed
 from sonar_models.formats.gguf_quantize import write_llama_gguf
 from sonar_models.testing import build_tiny_model, load_sonar_model
 
@@ -85,7 +85,9 @@ def test_layers_stay_quantized_and_multiply_like_the_dequantized_weights(gguf_ch
         error = (module(x_in) - expected).norm() / expected.norm()
         assert error < RELATIVE_ERROR, (module.prefix, float(error))
         if isinstance(run, _Blocks) or run.dense is not None:  # prefill-sized: the float product
-            many = torch.randn(DENSE_MIN_ROWS, weight.shape[1])
+            # a block kernel runs its fast product below BLOCK_KERNEL_MAX_ROWS (decode batches)
+            rows = BLOCK_KERNEL_MAX_ROWS if isinstance(run, _Blocks) and run.kernel is not None else DENSE_MIN_ROWS
+            many = torch.randn(rows, weight.shape[1])
             torch.testing.assert_close(module(many), many @ weight.T, atol=1e-4, rtol=1e-4)
         one = torch.randn(1, weight.shape[1])
         with ops.exact_products():  # a step that carries prompt tokens: the float product at any rows

@@ -10,9 +10,10 @@ It holds two products (:func:`gguf_linear`):
   steps run it. The rounding is the only difference from the exact product (about 0.2% of a
   product's scale, less than the bfloat16 rounding of torch's int4 kernel it replaces).
 
-A layer's blocks are placed once (:meth:`GGUFBlockKernel.prepare`) in huge-page memory, each
-group of four rows interleaved block by block, so that a decode product streams one sequential
-run of memory per thread. ``SONAR_CPU_GGUF_KERNEL=0`` (or ``SONAR_CPU_KERNELS=0``) leaves GGUF
+A layer's blocks are placed once (:meth:`GGUFBlockKernel.prepare`) in huge-page memory, laid
+out so that each 256-bit vector holds eight weight rows, one per 32-bit lane (layout 8): a
+block's products for eight rows are then eight integer dot instructions, its scales apply as
+vectors, and a product streams one sequential run of memory per thread. ``SONAR_CPU_GGUF_KERNEL=0`` (or ``SONAR_CPU_KERNELS=0``) leaves GGUF
 layers to their torch paths.
 """
 
@@ -29,7 +30,7 @@ from sonar_cpu.native import load
 SWITCH_ENV = "SONAR_CPU_GGUF_KERNEL"  # "0": GGUF layers run their torch paths
 BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0: bytes per block of 32 values
 TYPES = tuple(BLOCK_BYTES)
-INTERLEAVE = 4  # rows whose blocks are interleaved (the kernel's four-row products)
+LANES = 8  # rows per group of the kernel's layout 8 (one row per 32-bit lane of a 256-bit vector)
 _scratch = threading.local()
 
 
@@ -41,26 +42,46 @@ def _scratch_buffer(nbytes: int) -> torch.Tensor:
     return buffer
 
 
-def interleave_rows(data: torch.Tensor, block_bytes: int, factor: int = INTERLEAVE) -> torch.Tensor:
-    """Blocks ``[rows, row_bytes]`` with each group of ``factor`` rows laid out as
-    ``[blocks per row, factor, block_bytes]`` (``rows`` a multiple of ``factor``)."""
+def lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """GGUF blocks ``[rows, row_bytes]`` (``rows`` a multiple of 8) in the kernel's layout 8: per
+    group of eight rows and per block, the eight fp16 scales, the eight fp16 minimums (Q4_1),
+    then the codes as vectors holding four consecutive codes of each row in its 32-bit lane
+    (``csrc/gguf_gemm.c`` says how). Returns ``[rows, row_bytes]`` bytes, rows no longer apart."""
     rows, row_bytes = data.shape
-    grouped = data.reshape(rows // factor, factor, row_bytes // block_bytes, block_bytes)
-    return grouped.transpose(1, 2).reshape(rows, row_bytes)
+    block = BLOCK_BYTES[ggml_type]
+    blocks = data.reshape(rows // LANES, LANES, row_bytes // block, block).transpose(1, 2)  # [G, nb, 8, block]
+    head = 4 if ggml_type == 3 else 2
+    parts = [blocks[..., 0:2].reshape(*blocks.shape[:2], 2 * LANES)]  # scales
+    if ggml_type == 3:
+        parts.append(blocks[..., 2:4].reshape(*blocks.shape[:2], 2 * LANES))  # minimums
+    codes = blocks[..., head:]  # [G, nb, 8, 16 or 32]
+    chunks = codes.reshape(*codes.shape[:3], -1, 4).transpose(2, 3)  # [G, nb, chunks, 8, 4]
+    parts.append(chunks.reshape(*blocks.shape[:2], -1))
+    return torch.cat(parts, dim=-1).reshape(rows, row_bytes)
 
 
-def deinterleave_rows(data: torch.Tensor, block_bytes: int, factor: int = INTERLEAVE) -> torch.Tensor:
-    """The inverse of :func:`interleave_rows` (``data``'s first row starts a group)."""
+def rows_from_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The inverse of :func:`lanes_layout` for whole groups of eight rows."""
     rows, row_bytes = data.shape
-    grouped = data.reshape(rows // factor, row_bytes // block_bytes, factor, block_bytes)
-    return grouped.transpose(1, 2).reshape(rows, row_bytes)
+    block = BLOCK_BYTES[ggml_type]
+    nb, head = row_bytes // block, (4 if ggml_type == 3 else 2)
+    grouped = data.reshape(rows // LANES, nb, LANES * block)
+    fields = [grouped[..., 0 : 2 * LANES].reshape(rows // LANES, nb, LANES, 2)]
+    offset = 2 * LANES
+    if ggml_type == 3:
+        fields.append(grouped[..., offset : offset + 2 * LANES].reshape(rows // LANES, nb, LANES, 2))
+        offset += 2 * LANES
+    chunks = grouped[..., offset:].reshape(rows // LANES, nb, -1, LANES, 4).transpose(2, 3)  # [G, nb, 8, chunks, 4]
+    fields.append(chunks.reshape(rows // LANES, nb, LANES, block - head))
+    blocks = torch.cat(fields, dim=-1)  # [G, nb, 8, block]
+    return blocks.transpose(1, 2).reshape(rows, row_bytes)
 
 
 def gguf_linear(
-    x: torch.Tensor, ggml_type: int, data: torch.Tensor, rows: int, cols: int, exact: bool = True, interleave: int = 1
+    x: torch.Tensor, ggml_type: int, data: torch.Tensor, rows: int, cols: int, exact: bool = True, layout: int = 1
 ) -> torch.Tensor:
     """``x [..., cols] @ w.T`` for ``w`` the ``[rows, cols]`` GGUF blocks ``data`` (uint8, as
-    stored, or laid out by :func:`interleave_rows` with ``interleave`` 4), in float32;
+    stored, or laid out by :func:`lanes_layout` with ``layout`` 8), in float32;
     ``exact=False`` rounds the activations to int8 blocks first (the fast product). Needs
     :func:`load` to have answered a library."""
     library = load()
@@ -70,20 +91,13 @@ def gguf_linear(
     num_x = flat.shape[0]
     out = torch.empty(num_x, rows, dtype=torch.float32)
     threads = torch.get_num_threads()
-    if exact:
-        code = library.gguf_linear(
-            ggml_type, data.data_ptr(), interleave, rows, cols, flat.data_ptr(), num_x, out.data_ptr(), threads
-        )
-    else:
-        scratch = _scratch_buffer(library.gguf_q8_scratch_bytes(cols, num_x))
-        code = library.gguf_linear_q8(
-            ggml_type, data.data_ptr(), interleave, rows, cols, flat.data_ptr(), num_x, out.data_ptr(), threads,
-            scratch.data_ptr(),
-        )
+    scratch = _scratch_buffer(library.gguf_q8_scratch_bytes(cols, num_x))
+    product = library.gguf_linear if exact else library.gguf_linear_q8
+    code = product(ggml_type, data.data_ptr(), layout, rows, cols, flat.data_ptr(), num_x, out.data_ptr(), threads, scratch.data_ptr())
     if code:
         raise ValueError(
-            f"the GGUF C kernel takes Q4_0/Q4_1/Q8_0 with columns a multiple of 32 (and interleaved rows a multiple "
-            f"of {INTERLEAVE}), not type {ggml_type}, {rows} x {cols}, interleave {interleave}"
+            f"the GGUF C kernel takes Q4_0/Q4_1/Q8_0 with columns a multiple of 32 (and rows a multiple of {LANES} "
+            f"in layout {LANES}), not type {ggml_type}, {rows} x {cols}, layout {layout}"
         )
     out = out.reshape(*x.shape[:-1], rows)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -93,29 +107,27 @@ class GGUFBlockKernel:
     """The ``gguf_block_kernel`` operation's answer for one layer's blocks of one type.
 
     ``prepare(data)`` places the blocks where and how the kernel reads them fastest (huge
-    pages; four rows interleaved where the rows allow), ``kernel(x, data, rows, cols, exact)``
-    multiplies by what ``prepare`` returned, and ``rows_in_order(data, start, stop)`` gives
-    rows ``[start, stop)`` back in the file's layout (for callers that dequantize them)."""
+    pages; layout 8 where the rows come in groups of eight), ``kernel(x, data, rows, cols,
+    exact)`` multiplies by what ``prepare`` returned, and ``rows_in_order(data, start, stop)``
+    gives rows ``[start, stop)`` back in the file's layout (for callers that dequantize them)."""
 
     def __init__(self, ggml_type: int) -> None:
         self.ggml_type = ggml_type
-        self.block_bytes = BLOCK_BYTES[ggml_type]
-        self.interleave = 1
+        self.layout = 1
 
     def prepare(self, data: torch.Tensor) -> torch.Tensor:
-        self.interleave = INTERLEAVE if data.shape[0] % INTERLEAVE == 0 else 1
-        laid_out = interleave_rows(data, self.block_bytes) if self.interleave > 1 else data
+        self.layout = LANES if data.shape[0] % LANES == 0 else 1
+        laid_out = lanes_layout(data, self.ggml_type) if self.layout == LANES else data
         return copy_to_huge_pages(laid_out.contiguous())
 
     def rows_in_order(self, data: torch.Tensor, start: int, stop: int) -> torch.Tensor:
-        if self.interleave == 1:
+        if self.layout == 1:
             return data[start:stop]
-        first, last = start - start % self.interleave, -(-stop // self.interleave) * self.interleave
-        rows = deinterleave_rows(data[first:last], self.block_bytes, self.interleave)
-        return rows[start - first : stop - first]
+        first, last = start - start % LANES, -(-stop // LANES) * LANES
+        return rows_from_lanes_layout(data[first:last], self.ggml_type)[start - first : stop - first]
 
     def __call__(self, x: torch.Tensor, data: torch.Tensor, rows: int, cols: int, exact: bool = True) -> torch.Tensor:
-        return gguf_linear(x, self.ggml_type, data, rows, cols, exact, self.interleave)
+        return gguf_linear(x, self.ggml_type, data, rows, cols, exact, self.layout)
 
 
 def block_kernel(ggml_type: int) -> GGUFBlockKernel | None:

@@ -90,7 +90,7 @@ def _build() -> ctypes.CDLL | None:
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     pointer, size = ctypes.c_void_p, ctypes.c_int64
     library.gguf_linear.restype = ctypes.c_int
-    library.gguf_linear.argtypes = [ctypes.c_int, pointer, ctypes.c_int, size, size, pointer, size, pointer, ctypes.c_int]
+    library.gguf_linear.argtypes = [ctypes.c_int, pointer, ctypes.c_int, size, size, pointer, size, pointer, ctypes.c_int, pointer]
     library.gguf_linear_q8.restype = ctypes.c_int
     library.gguf_linear_q8.argtypes = [ctypes.c_int, pointer, ctypes.c_int, size, size, pointer, size, pointer, ctypes.c_int, pointer]
     library.gguf_q8_scratch_bytes.restype = size

@@ -56,6 +56,9 @@ static inline void share(int64_t rows, int t, int nt, int64_t *n0, int64_t *n1) 
     if (*n1 > rows) *n1 = rows;
 }
 
+static int lanes_linear(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t num_x,
+                        float *out, int num_threads, uint8_t *scratch, int exact);
+
 static inline int clamp_threads(int num_threads, int64_t rows) {
     if (num_threads > rows / ROW_ALIGN) num_threads = (int)(rows / ROW_ALIGN);
     return num_threads < 1 ? 1 : num_threads;
@@ -113,8 +116,9 @@ static void exact_tile(int type, const uint8_t *w, int64_t row_bytes, int interl
 
 /* out [num_x, rows] = x [num_x, cols] @ w.T, float32 activations */
 int gguf_linear(int type, const uint8_t *w, int interleave, int64_t rows, int64_t cols, const float *x, int64_t num_x,
-                float *out, int num_threads) {
+                float *out, int num_threads, uint8_t *scratch) {
     if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || cols % 32) return -1;
+    if (interleave == 8) return lanes_linear(type, w, rows, cols, x, num_x, out, num_threads, scratch, 1);
     if ((interleave != 1 && interleave != 4) || rows % interleave) return -1;
     int64_t row_bytes = cols / 32 * block_bytes(type);
     int nt = clamp_threads(num_threads, rows);
@@ -272,6 +276,156 @@ static void q8_tile(int type, const uint8_t *w, int64_t row_bytes, int interleav
     }
 }
 
+
+/* ------------------------------------------------ eight rows in the lanes of one vector (layout 8)
+ *
+ * Each group of eight weight rows is stored block by block as
+ *   [8 fp16 scales d][8 fp16 minimums m (Q4_1 only)][codes]
+ * where the codes are vectors of 32 bytes holding, in 32-bit lane j, four consecutive codes of
+ * row j: for 4-bit types four vectors, chunk c holding the GGUF bytes qs[4c .. 4c + 4] of each
+ * row (low nibbles: values 4c .. 4c + 3, high nibbles: values 16 + 4c ..); for Q8_0 eight
+ * vectors, chunk c holding values 4c .. 4c + 3. A dot product of four bytes per lane (VNNI, or
+ * maddubs + madd) against four activation codes broadcast to every lane then yields eight
+ * rows' partial sums at once, and the per-block scales apply as vectors of eight rows. */
+
+static inline int lanes_codes_bytes(int type) { return type == Q8_0 ? 256 : 128; }
+static inline int lanes_head_bytes(int type) { return type == Q4_1 ? 32 : 16; }
+static inline int64_t lanes_group_block_bytes(int type) { return lanes_head_bytes(type) + lanes_codes_bytes(type); }
+
+/* the eight 32-byte operands of a block of eight rows: operand k pairs with activation values
+ * 4k .. 4k + 3 (unsigned codes for 4-bit types; for Q8_0 the signed codes, made unsigned by the
+ * caller with their signs moved onto the activations) */
+static inline void lanes_operands(int type, const uint8_t *codes, __m256i op[8]) {
+    if (type == Q8_0) {
+        for (int k = 0; k < 8; k++) op[k] = _mm256_loadu_si256((const __m256i *)(codes + 32 * k));
+        return;
+    }
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; c++) {
+        __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + 32 * c));
+        op[c] = _mm256_and_si256(packed, low);
+        op[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    }
+}
+
+/* one activation row's int8 block against a block of eight rows: the eight rows' integer dots */
+static inline __m256i lanes_block_dot(int type, const __m256i op[8], const int8_t *xq) {
+    __m256i total = _mm256_setzero_si256();
+    for (int k = 0; k < 8; k++) {
+        __m256i x4 = _mm256_set1_epi32(*(const int32_t *)(xq + 4 * k));
+        __m256i part = type == Q8_0 ? dot_u8_s8(_mm256_sign_epi8(op[k], op[k]), _mm256_sign_epi8(x4, op[k]))
+                                    : dot_u8_s8(op[k], x4);
+        total = _mm256_add_epi32(total, part);
+    }
+    return total;
+}
+
+/* int8 activation rows [0, nr) (nr <= 4) against row groups [g0, g1) */
+static void lanes_q8(int type, const uint8_t *w, int64_t nb, const int8_t *codes, const float *scale,
+                     const int32_t *sums, int64_t cols, int64_t nr, float *out, int64_t out_stride, int64_t g0,
+                     int64_t g1) {
+    int64_t gb = lanes_group_block_bytes(type);
+    int head = lanes_head_bytes(type);
+    for (int64_t g = g0; g < g1; g++) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        const uint8_t *group = w + g * nb * gb;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = group + b * gb;
+            _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            /* Q4_1: + m sum(x);  Q4_0: codes offset by 8, - 8 d sum(x) */
+            __m256 offset = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                          : type == Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
+            __m256i op[8];
+            lanes_operands(type, blk + head, op);
+            for (int r = 0; r < nr; r++) {
+                float dx = scale[r * nb + b];
+                __m256 dot = _mm256_cvtepi32_ps(lanes_block_dot(type, op, codes + r * cols + b * 32));
+                acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), dot, acc[r]);
+                if (type != Q8_0) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(dx * (float)sums[r * nb + b]), acc[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++) _mm256_storeu_ps(out + r * out_stride + g * 8, acc[r]);
+    }
+}
+
+/* float activation rows [0, nr) (nr <= 4) against row groups [g0, g1), exact up to summation
+ * order: per block d * sum(q x) + m * sum(x) with the codes as floats */
+static void lanes_exact(int type, const uint8_t *w, int64_t nb, const float *x, const float *xsums, int64_t cols,
+                        int64_t nr, float *out, int64_t out_stride, int64_t g0, int64_t g1) {
+    int64_t gb = lanes_group_block_bytes(type);
+    int head = lanes_head_bytes(type);
+    const __m256i byte = _mm256_set1_epi32(0xFF);
+    for (int64_t g = g0; g < g1; g++) {
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        const uint8_t *group = w + g * nb * gb;
+        for (int64_t b = 0; b < nb; b++) {
+            const uint8_t *blk = group + b * gb;
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+            __m256 m = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : _mm256_setzero_ps();
+            __m256i op[8];
+            lanes_operands(type, blk + head, op);
+            __m256 block_acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+            for (int k = 0; k < 8; k++) {
+                for (int i = 0; i < 4; i++) {
+                    __m256i q = _mm256_srli_epi32(op[k], 8 * i);
+                    /* Q8_0: sign-extend the byte; 4-bit: the code less 8 for Q4_0 */
+                    __m256 wq = type == Q8_0 ? _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(op[k], 24 - 8 * i), 24))
+                              : _mm256_cvtepi32_ps(_mm256_and_si256(q, byte));
+                    if (type == Q4_0) wq = _mm256_sub_ps(wq, _mm256_set1_ps(8.0f));
+                    for (int r = 0; r < nr; r++)
+                        block_acc[r] = _mm256_fmadd_ps(wq, _mm256_set1_ps(x[r * cols + b * 32 + 4 * k + i]), block_acc[r]);
+                }
+            }
+            for (int r = 0; r < nr; r++) {
+                acc[r] = _mm256_fmadd_ps(d, block_acc[r], acc[r]);
+                if (type == Q4_1) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsums[r * nb + b]), acc[r]);
+            }
+        }
+        for (int r = 0; r < nr; r++) _mm256_storeu_ps(out + r * out_stride + g * 8, acc[r]);
+    }
+}
+
+enum { LANE_ROWS = 4 };  /* activation rows per pass over the weights (accumulators in registers) */
+
+static int lanes_linear(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t num_x,
+                        float *out, int num_threads, uint8_t *scratch, int exact) {
+    if (rows % 8) return -1;
+    int64_t nb = cols / 32, groups = rows / 8;
+    int nt = num_threads < 1 ? 1 : num_threads;
+    if (nt > groups) nt = (int)groups;
+    int8_t *codes = (int8_t *)scratch;
+    float *scale = (float *)(scratch + ((num_x * cols + 15) & ~(int64_t)15));
+    int32_t *sums = (int32_t *)(scale + num_x * nb);
+    float *xsums = scale; /* exact products: the activations' sums per block, in the scales' place */
+#pragma omp parallel num_threads(nt)
+    {
+        int t = omp_get_thread_num(), count = omp_get_num_threads();
+        for (int64_t r = t; r < num_x; r += count) {
+            if (exact) {
+                for (int64_t b = 0; b < nb; b++) {
+                    const float *xb = x + r * cols + b * 32;
+                    __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                             _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+                    xsums[r * nb + b] = hsum(s);
+                }
+            } else {
+                quantize_row(x + r * cols, cols, codes + r * cols, scale + r * nb, sums + r * nb);
+            }
+        }
+#pragma omp barrier
+        int64_t g0 = groups * t / count, g1 = groups * (t + 1) / count;
+        for (int64_t r = 0; r < num_x; r += LANE_ROWS) {
+            int64_t nr = num_x - r < LANE_ROWS ? num_x - r : LANE_ROWS;
+            if (exact)
+                lanes_exact(type, w, nb, x + r * cols, xsums + r * nb, cols, nr, out + r * rows, rows, g0, g1);
+            else
+                lanes_q8(type, w, nb, codes + r * cols, scale + r * nb, sums + r * nb, cols, nr, out + r * rows, rows, g0, g1);
+        }
+    }
+    return 0;
+}
+
 /* bytes of scratch gguf_linear_q8 needs for num_x rows of cols activations */
 int64_t gguf_q8_scratch_bytes(int64_t cols, int64_t num_x) {
     return num_x * (cols + cols / 32 * (int64_t)(sizeof(float) + sizeof(int32_t))) + 64;
@@ -282,6 +436,7 @@ int64_t gguf_q8_scratch_bytes(int64_t cols, int64_t num_x) {
 int gguf_linear_q8(int type, const uint8_t *w, int interleave, int64_t rows, int64_t cols, const float *x, int64_t num_x,
                    float *out, int num_threads, uint8_t *scratch) {
     if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || cols % 32) return -1;
+    if (interleave == 8) return lanes_linear(type, w, rows, cols, x, num_x, out, num_threads, scratch, 0);
     if ((interleave != 1 && interleave != 4) || rows % interleave) return -1;
     int64_t row_bytes = cols / 32 * block_bytes(type), nb = cols / 32;
     int8_t *codes = (int8_t *)scratch;

@@ -38,8 +38,8 @@ GGUF_BLOCK_KERNEL = "gguf_block_kernel"
 for _name in (INT4_GROUP_PACK, INT4_GROUP_LINEAR, GGUF_BLOCK_KERNEL):
     ops.declare_op(_name)
 #: Products of fewer rows than this run the platform's block kernel (where it has one) instead
-#: of dequantizing: float32 like the dense product, and faster below it (measured on 2 AVX2 cores:
-#: 3,072 x 576 at 16 rows 2.1 ms against 4.8, at 32 rows 4.4 against 5.3).
+#: of dequantizing (measured on 2 AVX2 cores with the first, exact-only kernel: 3,072 x 576 at 16
+#: rows 2.1 ms against 4.8, at 32 rows 4.4 against 5.3).
 BLOCK_KERNEL_MAX_ROWS = 48
 TIED_HEAD_PARAM = "tied_weight"
 DEQUANTIZE_TILE_ROWS = 4096  # rows dequantized at once by the blocks path
@@ -81,16 +81,15 @@ class _Packed:
 @dataclass(slots=True)
 class _Blocks:
     """Rows kept in GGUF blocks: products of fewer than ``BLOCK_KERNEL_MAX_ROWS`` rows run the
-    platform's block kernel where there is one (its fast product under ``DENSE_MIN_ROWS`` rows,
-    its exact one from there on and in steps that ask for exact products), the others
-    dequantize a tile at a time."""
+    platform's block kernel where there is one (its exact product in steps that ask for exact
+    products, its fast one in decode steps), the others dequantize a tile at a time."""
 
     blocks: GGUFBlocks
     kernel: Callable[..., torch.Tensor] | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.numel() < BLOCK_KERNEL_MAX_ROWS * x.shape[-1]:
-            exact = x.numel() >= DENSE_MIN_ROWS * x.shape[-1] or ops.exact_products_requested()
+            exact = ops.exact_products_requested()
             return self.kernel(x, self.blocks.data, self.blocks.rows, self.blocks.cols, exact)
         tiles = []
         for start in range(0, self.blocks.rows, DEQUANTIZE_TILE_ROWS):
