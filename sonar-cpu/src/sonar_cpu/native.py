@@ -30,7 +30,10 @@ REQUIRED_FLAGS = {"avx2", "fma", "f16c"}
 # fp-contract off: a product and a sum written apart round apart (explicit FMA intrinsics stay FMAs)
 BASE_FLAGS = ["-O3", "-fopenmp", "-ffp-contract=off", "-shared", "-fPIC"]
 #: the instruction sets to compile for, best first: this host's own, then the AVX2 baseline
-TARGETS = (["-march=native"], ["-mavx2", "-mfma", "-mf16c"])
+#: (``SONAR_CPU_KERNEL_ISA=avx2`` takes the baseline only, to check it on a newer host)
+BASELINE = ["-mavx2", "-mfma", "-mf16c"]
+TARGETS = (["-march=native"], BASELINE)
+ISA_ENV = "SONAR_CPU_KERNEL_ISA"
 _library: ctypes.CDLL | None = None
 _tried = False
 
@@ -79,7 +82,7 @@ def _build() -> ctypes.CDLL | None:
     cache = _cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     complaint = None
-    for flags in TARGETS:
+    for flags in (BASELINE,) if os.environ.get(ISA_ENV) == "avx2" else TARGETS:
         target = cache / f"sonar_cpu-{digest}-{flags[0].lstrip('-').replace('=', '-')}.so"
         if target.exists() or (complaint := _compile(compiler, target, flags)) is None:
             return _bind(ctypes.CDLL(str(target)))

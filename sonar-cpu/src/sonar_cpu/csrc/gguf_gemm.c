@@ -37,12 +37,9 @@ static inline float f16(const uint8_t *p) {
 
 static inline int block_bytes(int type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34; }
 
-/* Weights are stored row after row (interleave 1), or with the blocks of each group of four
- * rows interleaved (interleave 4: block b of rows 4g..4g+3 side by side, then block b + 1), so
- * that a product of four rows at a time reads one sequential stream. */
-static inline const uint8_t *block_at(const uint8_t *w, int64_t row_bytes, int block, int interleave, int64_t n,
-                                      int64_t b) {
-    if (interleave == 4) return w + (n >> 2) * 4 * row_bytes + ((b << 2) + (n & 3)) * block;
+/* Weights are stored row after row as in the file (layout 1), or eight rows to a vector
+ * (layout 8, below: lanes_*). */
+static inline const uint8_t *block_at(const uint8_t *w, int64_t row_bytes, int block, int64_t n, int64_t b) {
     return w + n * row_bytes + b * block;
 }
 static inline int head_bytes(int type) { return type == Q4_1 ? 4 : 2; }
@@ -83,7 +80,7 @@ static inline void codes4(int type, const uint8_t *qs, __m256 q[4]) {
 }
 
 /* weight rows [n0, n1) against nr <= MAX_ROWS activation rows */
-static void exact_tile(int type, const uint8_t *w, int64_t row_bytes, int interleave, int64_t cols, const float *x,
+static void exact_tile(int type, const uint8_t *w, int64_t row_bytes, int64_t cols, const float *x,
                        int64_t nr, float *out, int64_t out_stride, int64_t n0, int64_t n1) {
     int64_t nb = cols / 32;
     int block = block_bytes(type), head = head_bytes(type);
@@ -91,7 +88,7 @@ static void exact_tile(int type, const uint8_t *w, int64_t row_bytes, int interl
         __m256 acc[MAX_ROWS], accm[MAX_ROWS];
         for (int r = 0; r < nr; r++) acc[r] = accm[r] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; b++) {
-            const uint8_t *blk = block_at(w, row_bytes, block, interleave, n, b);
+            const uint8_t *blk = block_at(w, row_bytes, block, n, b);
             __m256 q[4];
             codes4(type, blk + head, q);
             if (type == Q4_0) for (int i = 0; i < 4; i++) q[i] = _mm256_sub_ps(q[i], _mm256_set1_ps(8.0f));
@@ -115,11 +112,11 @@ static void exact_tile(int type, const uint8_t *w, int64_t row_bytes, int interl
 }
 
 /* out [num_x, rows] = x [num_x, cols] @ w.T, float32 activations */
-int gguf_linear(int type, const uint8_t *w, int interleave, int64_t rows, int64_t cols, const float *x, int64_t num_x,
+int gguf_linear(int type, const uint8_t *w, int layout, int64_t rows, int64_t cols, const float *x, int64_t num_x,
                 float *out, int num_threads, uint8_t *scratch) {
     if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || cols % 32) return -1;
-    if (interleave == 8) return lanes_linear(type, w, rows, cols, x, num_x, out, num_threads, scratch, 1);
-    if ((interleave != 1 && interleave != 4) || rows % interleave) return -1;
+    if (layout == 8) return lanes_linear(type, w, rows, cols, x, num_x, out, num_threads, scratch, 1);
+    if (layout != 1) return -1;
     int64_t row_bytes = cols / 32 * block_bytes(type);
     int nt = clamp_threads(num_threads, rows);
 #pragma omp parallel num_threads(nt)
@@ -128,7 +125,7 @@ int gguf_linear(int type, const uint8_t *w, int interleave, int64_t rows, int64_
         share(rows, omp_get_thread_num(), omp_get_num_threads(), &n0, &n1);
         for (int64_t r = 0; r < num_x; r += MAX_ROWS) {
             int64_t nr = num_x - r < MAX_ROWS ? num_x - r : MAX_ROWS;
-            exact_tile(type, w, row_bytes, interleave, cols, x + r * cols, nr, out + r * rows, rows, n0, n1);
+            exact_tile(type, w, row_bytes, cols, x + r * cols, nr, out + r * rows, rows, n0, n1);
         }
     }
     return 0;
@@ -214,7 +211,7 @@ static inline __m256i block_dot(int type, const wblock_t *wb, __m256i xq) {
 
 /* one activation row against weight rows [n0, n1), four weight rows at a time (independent
  * accumulators, so the adds do not wait on each other) */
-static void q8_row(int type, const uint8_t *w, int64_t row_bytes, int interleave, int64_t cols, const int8_t *codes,
+static void q8_row(int type, const uint8_t *w, int64_t row_bytes, int64_t cols, const int8_t *codes,
                    const float *scale, const int32_t *sums, float *out, int64_t n0, int64_t n1) {
     int64_t nb = cols / 32;
     int block = block_bytes(type);
@@ -225,10 +222,9 @@ static void q8_row(int type, const uint8_t *w, int64_t row_bytes, int interleave
         for (int64_t b = 0; b < nb; b++) {
             __m256i xq = _mm256_loadu_si256((const __m256i *)(codes + b * 32));
             float dx = scale[b], sx = dx * (float)sums[b];
-            if (interleave == 4) _mm_prefetch((const char *)block_at(w, row_bytes, block, 4, n, b) + PREFETCH_BYTES, _MM_HINT_T0);
             for (int i = 0; i < 4; i++) {
-                const uint8_t *blk = block_at(w, row_bytes, block, interleave, n + i, b);
-                if (interleave == 1) _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
+                const uint8_t *blk = block_at(w, row_bytes, block, n + i, b);
+                _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
                 wblock_t wb = load_block(type, blk);
                 acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * dx), _mm256_cvtepi32_ps(block_dot(type, &wb, xq)), acc[i]);
                 extra[i] += wb.offset * sx;
@@ -241,7 +237,7 @@ static void q8_row(int type, const uint8_t *w, int64_t row_bytes, int interleave
         float extra = 0.0f;
         for (int64_t b = 0; b < nb; b++) {
             __m256i xq = _mm256_loadu_si256((const __m256i *)(codes + b * 32));
-            wblock_t wb = load_block(type, block_at(w, row_bytes, block, interleave, n, b));
+            wblock_t wb = load_block(type, block_at(w, row_bytes, block, n, b));
             acc = _mm256_fmadd_ps(_mm256_set1_ps(wb.d * scale[b]), _mm256_cvtepi32_ps(block_dot(type, &wb, xq)), acc);
             extra += wb.offset * scale[b] * (float)sums[b];
         }
@@ -250,11 +246,11 @@ static void q8_row(int type, const uint8_t *w, int64_t row_bytes, int interleave
 }
 
 /* nr <= MAX_ROWS activation rows against weight rows [n0, n1), each weight block decoded once */
-static void q8_tile(int type, const uint8_t *w, int64_t row_bytes, int interleave, int64_t cols, const int8_t *codes,
+static void q8_tile(int type, const uint8_t *w, int64_t row_bytes, int64_t cols, const int8_t *codes,
                     const float *scale, const int32_t *sums, int64_t nr, float *out, int64_t out_stride, int64_t n0,
                     int64_t n1) {
     if (nr == 1) {
-        q8_row(type, w, row_bytes, interleave, cols, codes, scale, sums, out, n0, n1);
+        q8_row(type, w, row_bytes, cols, codes, scale, sums, out, n0, n1);
         return;
     }
     int64_t nb = cols / 32;
@@ -264,7 +260,7 @@ static void q8_tile(int type, const uint8_t *w, int64_t row_bytes, int interleav
         float extra[MAX_ROWS];
         for (int r = 0; r < nr; r++) { acc[r] = _mm256_setzero_ps(); extra[r] = 0.0f; }
         for (int64_t b = 0; b < nb; b++) {
-            wblock_t wb = load_block(type, block_at(w, row_bytes, block, interleave, n, b));
+            wblock_t wb = load_block(type, block_at(w, row_bytes, block, n, b));
             for (int r = 0; r < nr; r++) {
                 __m256i xq = _mm256_loadu_si256((const __m256i *)(codes + r * cols + b * 32));
                 float dx = scale[r * nb + b];
@@ -433,11 +429,11 @@ int64_t gguf_q8_scratch_bytes(int64_t cols, int64_t num_x) {
 
 /* out [num_x, rows] = x [num_x, cols] @ w.T with x quantized to int8 blocks in `scratch`
  * (gguf_q8_scratch_bytes of it) */
-int gguf_linear_q8(int type, const uint8_t *w, int interleave, int64_t rows, int64_t cols, const float *x, int64_t num_x,
+int gguf_linear_q8(int type, const uint8_t *w, int layout, int64_t rows, int64_t cols, const float *x, int64_t num_x,
                    float *out, int num_threads, uint8_t *scratch) {
     if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || cols % 32) return -1;
-    if (interleave == 8) return lanes_linear(type, w, rows, cols, x, num_x, out, num_threads, scratch, 0);
-    if ((interleave != 1 && interleave != 4) || rows % interleave) return -1;
+    if (layout == 8) return lanes_linear(type, w, rows, cols, x, num_x, out, num_threads, scratch, 0);
+    if (layout != 1) return -1;
     int64_t row_bytes = cols / 32 * block_bytes(type), nb = cols / 32;
     int8_t *codes = (int8_t *)scratch;
     float *scale = (float *)(scratch + ((num_x * cols + 15) & ~(int64_t)15));
@@ -453,7 +449,7 @@ int gguf_linear_q8(int type, const uint8_t *w, int interleave, int64_t rows, int
         share(rows, t, count, &n0, &n1);
         for (int64_t r = 0; r < num_x; r += MAX_ROWS) {
             int64_t nr = num_x - r < MAX_ROWS ? num_x - r : MAX_ROWS;
-            q8_tile(type, w, row_bytes, interleave, cols, codes + r * cols, scale + r * nb, sums + r * nb, nr, out + r * rows, rows,
+            q8_tile(type, w, row_bytes, cols, codes + r * cols, scale + r * nb, sums + r * nb, nr, out + r * rows, rows,
                     n0, n1);
         }
     }

@@ -235,10 +235,9 @@ class GGUFMethod(QuantizationMethod):
     name = "gguf"
     reads = "a .gguf file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K blocks (F32/F16/BF16 tensors stay floating); other types are dequantized at load"
     execution = {
-        "cpu": "Q4_0/Q4_1/Q8_0: Sonar's C kernel on the blocks as stored (huge pages, four rows interleaved): decode "
-        "steps under 16 rows with the activations rounded to int8 blocks (integer dot products, as llama.cpp), steps "
-        "with prompt tokens and batches of 16-47 rows exact in float32, larger ones dequantized per tile into a float32 "
-        "GEMM; Q4_K/Q5_K: torch's int4 weight-packed matmul (bf16) for decode steps under 16 rows, the float32 product "
+        "cpu": "Q4_0/Q4_1/Q8_0: Sonar's C kernel on the blocks (in huge pages, eight rows to a vector): decode "
+        "batches under 48 rows with the activations rounded to int8 blocks (integer dot products, as llama.cpp), steps "
+        "with prompt tokens under 48 rows exact in float32, larger ones dequantized per tile into a float32 GEMM; Q4_K/Q5_K: torch's int4 weight-packed matmul (bf16) for decode steps under 16 rows, the float32 product "
         "otherwise (also Q4_0/Q4_1/Q8_0 where the C kernel cannot be built, or with SONAR_CPU_GGUF_KERNEL=0); Q6_K: "
         "dequantized per tile",
         "cuda": "dequantized per tile of 4,096 rows, library GEMM",
