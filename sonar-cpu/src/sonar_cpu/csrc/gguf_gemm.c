@@ -9,6 +9,10 @@
  *   or VNNI where the compiler targets it), scaled per block. The activations' rounding is the
  *   only difference from the exact product (about 0.4% of a block's largest value).
  *
+ * Each reads the weights in one of two layouts: the file's, row after row (layout 1), or eight
+ * rows to a vector (layout 8, the lanes_* functions below), which sonar_cpu.gguf_kernel lays a
+ * layer's blocks out in at load wherever its rows come in groups of eight.
+ *
  * Both split the weight's rows over OpenMP threads. Compiled with -fopenmp, the library binds
  * to the OpenMP runtime already loaded in the process (torch's), so its threads are torch's:
  * nothing contends with torch's own parallel regions. */
