@@ -1,7 +1,10 @@
 """FP8 W8A8 on Llama-3.1-8B shapes: the GEMM choice per shape, and batch-1 decode against bf16.
 
-    python sonar-cuda/benchmarks/fp8_decode.py [--part gemm|tpot|all] [--out summary.json]
+    python sonar-cuda/benchmarks/fp8_decode.py [--part gemv|gemm|tpot|profile|all] [--out summary.json]
 
+gemv: M = 1 only, microseconds and weight TB/s per projection: bf16 (``sonar_cuda.ops.linear``),
+the FP8 GEMV at its default tile and a sweep of tiles, the first FP8 GEMV's loop (amax before
+the weight loads: the split-K kernel unsplit) and quantize + Triton GEMM.
 gemm: for each projection of Llama-3.1-8B (qkv 6144x4096, o 4096x4096, gate_up 28672x4096,
 down 4096x14336) and M = 1, 16, 128, 1024 rows, microseconds per product (activation
 quantization included) of ``torch._scaled_mm`` (row-wise scales), the Triton tiled GEMM, the
@@ -10,6 +13,9 @@ as a CUDA graph over copies of the weight that together exceed L2, as decode run
 tpot: ``LLM`` on dummy Llama-3.1-8B weights, bf16 and ``quantization="fp8"`` in the same run:
 milliseconds per output token at batch 1 (a 32-token prompt; the time of 16 + 128 output
 tokens minus that of 16, over 128; best of 3). Prints one compact JSON summary.
+profile: for bf16 and FP8 in turn, TPOT as above, the device time of one replay of the batch-1
+decode graph (CUDA events) and, under the torch profiler, the kernels of 10 replays plus the
+head, and those of one generate() call (how many graph launches, what runs eagerly).
 """
 
 from __future__ import annotations
@@ -28,7 +34,8 @@ from sonar_cuda.graph_timing import graph_us
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 ROWS = (1, 16, 128, 1024)
 BYTES_PER_CASE = 400e6  # the copies of one weight, together: beyond the 50 MB L2
-GEMV_TILES = ((4, 1024, 4), (8, 1024, 8), (4, 2048, 8), (8, 1024, 4), (2, 2048, 4))
+# (rows per program, warps, programs per multiprocessor or 0 for a program per tile)
+GEMV_TILES = ((2, 8, 0), (4, 4, 0), (4, 8, 0), (8, 8, 0), (8, 16, 0), (4, 4, 8), (8, 8, 4), (2, 8, 2), (2, 4, 2), (4, 16, 2))
 GEMM_TILES = ((16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 32, 512, 4, 3), (16, 64, 128, 4, 6), (16, 128, 256, 4, 3))
 
 
@@ -70,16 +77,59 @@ def gemm_sweep() -> dict:
                         [lambda w=w, x=x, tile=tile: (lambda q, s: fp8_gemm(q, w, s, scale, None, torch.bfloat16, tile))(*quantize_rows(x)) for w in weights]
                     )
             if m == 1:
-                for bn, bk, warps in GEMV_TILES:
-                    case[f"gemv_{bn}x{bk}w{warps}"] = graph_us(
-                        [lambda w=w, x=x, bn=bn, bk=bk, warps=warps: fp8_gemv(x, w, scale, None, None, bn, bk, warps) for w in weights]
-                    )
+                case["gemv"] = graph_us([lambda w=w, x=x: fp8_gemv(x, w, scale, None) for w in weights])
             case["gbps_dispatch"] = round(n * k / case["dispatch"] / 1e3, 1)
             results[f"{name} M={m}"] = case
             print(name, m, case, flush=True)
         del weights, bf16
         torch.cuda.empty_cache()
     return results
+
+
+def gemv_sweep() -> dict:
+    from sonar_cuda import ops as cuda_ops
+    from sonar_cuda.kernels.fp8_gemm import fp8_gemm
+    from sonar_cuda.kernels.fp8_gemv import fp8_gemv
+    from sonar_cuda.kernels.fp8_gemv_splitk import Fp8GemvLaunch, fp8_gemv_splitk
+    from sonar_cuda.kernels.fp8_linear import fp8_linear
+    from sonar_cuda.kernels.fp8_quant import quantize_rows
+
+    results: dict = {}
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, int(BYTES_PER_CASE // (n * k)))
+        weights = [(torch.randn(n, k, device="cuda") * 0.02).to(torch.float8_e4m3fn) for _ in range(copies)]
+        bf16 = [w.to(torch.bfloat16) for w in weights[: max(2, copies // 2)]]
+        scale = torch.full((n,), 0.01, device="cuda")
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        first = Fp8GemvLaunch(block_n=8, block_k=1024, split_k=1, num_warps=4)
+        case = {
+            "bf16": graph_us([lambda w=w: cuda_ops.linear(x, w) for w in bf16]),
+            "dispatch": graph_us([lambda w=w: fp8_linear(x, w, scale, None) for w in weights]),
+            "gemv_default": graph_us([lambda w=w: fp8_gemv(x, w, scale, None) for w in weights]),
+            "first_gemv_8x1024w4": graph_us([lambda w=w: fp8_gemv_splitk(x, w, scale, None, None, first) for w in weights]),
+            "quant_triton_gemm": graph_us(
+                [lambda w=w: (lambda q, s: fp8_gemm(q, w, s, scale, None, torch.bfloat16))(*quantize_rows(x)) for w in weights]
+            ),
+        }
+        for bn, warps, per_sm in GEMV_TILES:
+            if bn * triton_next_pow2(k) <= 65536:
+                case[f"gemv_{bn}w{warps}x{per_sm}"] = graph_us(
+                    [lambda w=w, bn=bn, warps=warps, per_sm=per_sm: fp8_gemv(x, w, scale, None, None, bn, warps, per_sm) for w in weights]
+                )
+        fastest = min((v, key) for key, v in case.items() if key.startswith("gemv_"))
+        case["fastest_gemv"] = fastest[1]
+        case["tbps_dispatch"] = round(n * k / case["dispatch"] / 1e6, 2)
+        case["tbps_fastest_gemv"] = round(n * k / fastest[0] / 1e6, 2)
+        case["tbps_bf16"] = round(2 * n * k / case["bf16"] / 1e6, 2)
+        results[name] = case
+        print(name, case, flush=True)
+        del weights, bf16
+        torch.cuda.empty_cache()
+    return results
+
+
+def triton_next_pow2(k: int) -> int:
+    return 1 << (k - 1).bit_length()
 
 
 LLAMA_3_1_8B = {
@@ -112,26 +162,77 @@ def tpot_ms(folder: Path, **options) -> float:
     return round(1000 * best / 128, 3)
 
 
-def profile_decode(folder: Path) -> list[str]:
-    """The CUDA kernels of 32 batch-1 decode steps with ``quantization="fp8"``, by device time."""
+def _kernel_table(prof: torch.profiler.profile, per: int) -> list[dict]:
+    rows = [
+        {"kernel": e.key[:90], "calls": e.count / per, "us": round(e.self_device_time_total / per, 1)}
+        for e in prof.key_averages() if e.self_device_time_total > 0
+    ]
+    return sorted(rows, key=lambda r: -r["us"])
+
+
+def profile_decode(folder: Path, **options) -> dict:
+    """TPOT, the batch-1 decode graph's device time and the kernels of a batch-1 decode step."""
     from sonar import LLM, SamplingParams
 
     llm = LLM(str(folder), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16", max_model_len=1024,
-              gpu_memory_utilization=0.85, max_num_seqs=4, enable_prefix_caching=False, quantization="fp8")
+              gpu_memory_utilization=0.85, max_num_seqs=4, enable_prefix_caching=False, **options)
     prompt = [{"prompt_token_ids": list(range(1000, 1032))}]
-    llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+
+    def seconds(tokens: int) -> float:
+        started = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+        return time.perf_counter() - started
+
+    seconds(16)
+    out: dict = {"tpot_ms": round(1000 * min(seconds(16 + 128) - seconds(16) for _ in range(3)) / 128, 3)}
+    runner = llm.llm_engine.core.executor.worker.model_runner
+    graphs = runner.graphs
+    out["graph_sizes"] = sorted(graphs.graphs) if graphs is not None else []
+    model = runner.model
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.inference_mode():
+        hidden = graphs.run(1)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range(20):
+            graphs.run(1)
+        end.record()
+        torch.cuda.synchronize()
+        out["graph_replay_ms"] = round(start.elapsed_time(end) / 20, 3)
+        start.record()
+        for _ in range(20):
+            model.compute_logits(hidden[:1])
+        end.record()
+        torch.cuda.synchronize()
+        out["head_ms"] = round(start.elapsed_time(end) / 20, 3)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(10):
+                model.compute_logits(graphs.run(1)[:1])
+            torch.cuda.synchronize()
+        out["replay_kernels"] = _kernel_table(prof, 10)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
+            graphs._forward(1)  # eager: every launch of one step
+            torch.cuda.synchronize()
+        out["eager_kernels"] = _kernel_table(prof, 1)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA, torch.profiler.ProfilerActivity.CPU]) as prof:
-        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True))
-    del llm
+        started = time.perf_counter()
+        llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=33, ignore_eos=True))
+        out["generate_33_s"] = round(time.perf_counter() - started, 4)
+    out["generate_ops"] = [
+        {"op": e.key[:90], "calls": e.count, "cpu_us": round(e.cpu_time_total), "dev_us": round(e.self_device_time_total)}
+        for e in sorted(prof.key_averages(), key=lambda e: -e.self_device_time_total - e.cpu_time_total)[:40]
+    ]
+    del llm, runner, graphs, model
     gc.collect()
     torch.cuda.empty_cache()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60).splitlines()
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("gemm", "tpot", "profile", "all"), default="all")
+    parser.add_argument("--part", choices=("gemv", "gemm", "tpot", "profile", "all"), default="all")
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--configs", default="fp8,bf16", help="profile: which models, in order (fp8, bf16)")
     args = parser.parse_args()
     summary: dict = {"device": torch.cuda.get_device_name()}
 
@@ -144,13 +245,22 @@ def main() -> None:
             folder = Path(root)
             (folder / "config.json").write_text(json.dumps(LLAMA_3_1_8B))
             if args.part == "profile":
-                print("\n".join(profile_decode(folder)), flush=True)
+                for label in args.configs.split(","):
+                    options = {"quantization": "fp8"} if label == "fp8" else {}
+                    summary[f"profile_{label}"] = profile = profile_decode(folder, **options)
+                    save()
+                    print(label, {k: v for k, v in profile.items() if not isinstance(v, list)}, flush=True)
+                    for row in profile["replay_kernels"][:25]:
+                        print("   ", row, flush=True)
                 return
             summary["tpot_ms_fp8"] = tpot_ms(folder, quantization="fp8")
             save()
             summary["tpot_ms_bf16"] = tpot_ms(folder)
             save()
             print(json.dumps({k: summary[k] for k in ("tpot_ms_fp8", "tpot_ms_bf16")}), flush=True)
+    if args.part == "gemv":
+        summary["gemv_us"] = gemv_sweep()
+        save()
     if args.part in ("gemm", "all"):
         summary["gemm_us"] = gemm_sweep()
         save()

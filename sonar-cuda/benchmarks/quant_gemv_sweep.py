@@ -67,7 +67,6 @@ def sweep_shape(name: str, n: int, k: int, deadline: float) -> dict:
     from sonar_cuda.kernels.fp8_gemm import fp8_gemm
     from sonar_cuda.kernels.fp8_gemv import fp8_gemv
     from sonar_cuda.kernels.fp8_gemv_splitk import fp8_gemv_splitk
-    from sonar_cuda.kernels.fp8_linear import GEMV_TILE
     from sonar_cuda.kernels.fp8_quant import quantize_rows
     from sonar_cuda.kernels.int4_gemm import int4_gemm, int4_gemv
     from sonar_cuda.kernels.int4_splitk import int4_gemv_splitk, int4_skinny_gemm
@@ -101,8 +100,8 @@ def sweep_shape(name: str, n: int, k: int, deadline: float) -> dict:
             case[f"int4_{label}_err"] = relative_error(new_int4(x, *int4[0], GROUP, None, launch), expected)
         # FP8
         if m == 1:
-            case["fp8_old_gemv"] = graph_us([lambda w=w: fp8_gemv(x, w, fp8_scale, None, None, *GEMV_TILE) for w in fp8])
-            expected = fp8_gemv(x, fp8[0], fp8_scale, None, None, *GEMV_TILE)
+            case["fp8_gemv"] = graph_us([lambda w=w: fp8_gemv(x, w, fp8_scale, None) for w in fp8])
+            expected = fp8_gemv(x, fp8[0], fp8_scale, None)
             for label, launch in fp8_candidates().items():
                 if time.monotonic() > deadline:
                     case[f"fp8_{label}"] = "skipped"

@@ -55,6 +55,16 @@ def test_fp8_gemv_matches_the_reference(n: int, k: int, bias: bool, static: bool
     assert_matches_reference(fp8_gemv(x, weight, scale, input_scale, b), x, weight, scale, input_scale, b)
 
 
+@pytest.mark.parametrize("n, k, tile", [(41, 96, (4, 4, 2)), (33, 1024 + 96, (2, 4, 3)), (40, 64, (8, 4, 0)), (17, 5000, (0, 0, -1))])
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_gemv_tiles_and_waves_match_the_reference(n: int, k: int, tile: tuple[int, int, int], static: bool, device: torch.device) -> None:
+    # a program per tile of rows, or one wave of programs taking several tiles each (rows no tile divides)
+    weight, scale, b = operands(n, k, device, True)
+    x = torch.randn(1, k).to(device)
+    input_scale = torch.tensor(0.01, device=device) if static else None
+    assert_matches_reference(fp8_gemv(x, weight, scale, input_scale, b, *tile), x, weight, scale, input_scale, b)
+
+
 @pytest.mark.parametrize("m, n, k, bias", [(5, 40, 96, False), (17, 24, 160, True)])
 def test_fp8_gemm_matches_the_reference(m: int, n: int, k: int, bias: bool, device: torch.device) -> None:
     weight, scale, b = operands(n, k, device, bias)

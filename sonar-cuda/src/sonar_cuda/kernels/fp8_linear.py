@@ -1,17 +1,14 @@
 """``sonar.ops`` operation ``fp8_linear`` on CUDA: the product kernel chosen per shape.
 
-One row of activations, at most ``GEMV_MAX_ROWS`` outputs and ``GEMV_MAX_K`` inputs: the fused FP8
-GEMV (activation quantization inside, one launch); a shape listed in ``GEMV_LAUNCHES`` takes the
-split-K GEMV (``sonar_cuda.kernels.fp8_gemv_splitk``) instead. ``quant_gemv_sweep.py`` on an
-H200 found none where it pays (one row, us, split-K best / unsplit GEMV / Triton GEMM: qkv
-13.2 / 13.1 / 13.2, o 10.6 / 8.9 / 11.1, gate_up 50.2 / 44.3 / 34.0), so the table is empty.
-Otherwise the activations are quantized by one Triton launch, then ``torch._scaled_mm`` with row-wise scales (CUTLASS on Hopper; bf16 output,
-K and N multiples of 16) from ``SCALED_MM_MIN_ROWS`` rows, the Triton tiled GEMM below that
-and where ``_scaled_mm`` cannot run the shape. The thresholds are what
-``sonar-cuda/benchmarks/fp8_decode.py`` measured on an H200 (Llama-3.1-8B, M = 1: o 4096x4096
-GEMV 10.5 us against Triton GEMM 15.3, gate_up 28672x4096 GEMM 44.5 against GEMV 56.6; M = 16:
-Triton 12.3-43.5 us against _scaled_mm 16.0-48.3; M = 128: _scaled_mm 16.5-41.5 against
-Triton 20.6-40.8). Nothing here synchronises with the host, so decode graphs capture it.
+One row of activations (decode at batch 1): the fused FP8 GEMV (activation quantization inside,
+one launch, ``sonar_cuda.kernels.fp8_gemv``) at every shape it takes, with the tile in
+``GEMV_TILES`` where the H200 sweep (``fp8_decode.py --part gemv``) chose one, its default
+otherwise. Otherwise the activations are quantized by one Triton launch, then
+``torch._scaled_mm`` with row-wise scales (CUTLASS on Hopper; bf16 output, K and N multiples of
+16) from ``SCALED_MM_MIN_ROWS`` rows, the Triton tiled GEMM below that and where
+``_scaled_mm`` cannot run the shape (H200, Llama-3.1-8B, M = 16: Triton 12.3-43.5 us against
+_scaled_mm 16.0-48.3; M = 128: _scaled_mm 16.5-41.5 against Triton 20.6-40.8). Nothing here
+synchronises with the host, so decode graphs capture it.
 """
 
 from __future__ import annotations
@@ -23,14 +20,19 @@ import torch
 from sonar.quantization.fp8 import to_fp8
 from sonar_cuda.kernels.fp8_gemm import fp8_gemm
 from sonar_cuda.kernels.fp8_gemv import fp8_gemv, fp8_gemv_supported
-from sonar_cuda.kernels.fp8_gemv_splitk import Fp8GemvLaunch, fp8_gemv_splitk
 from sonar_cuda.kernels.fp8_quant import quantize_rows
 
 SCALED_MM_MIN_ROWS = 17
-GEMV_MAX_ROWS = 8192
-GEMV_MAX_K = 8192  # down 4096 x 14336 at M = 1: Triton GEMM 31.0 us against GEMV 35.5
-GEMV_TILE = (8, 1024, 4)  # (rows per program, BLOCK_K, warps): qkv 13.1 us, o 8.85
-GEMV_LAUNCHES: dict[tuple[int, int], Fp8GemvLaunch] = {}  # (N, K) -> a split-K launch at one row
+# (N, K) -> (rows per program, warps, programs per multiprocessor or 0): Llama-3.1-8B's projections,
+# the fastest of an H200 sweep (one row, us: qkv 8.3, o 6.8, gate_up 29.5, down 20.7; the first
+# GEMV 11.8 / 9.7 / 44.3 / 40.4, quantize + Triton GEMM 13.0 / 11.0 / 33.9 / 29.6, bf16 12.8-12.9 /
+# 9.3 / 53.4-54.3 / 30.7)
+GEMV_TILES: dict[tuple[int, int], tuple[int, int, int]] = {
+    (6144, 4096): (4, 4, 8),
+    (4096, 4096): (8, 8, 0),
+    (28672, 4096): (4, 4, 0),
+    (4096, 14336): (2, 8, 2),
+}
 
 
 def scaled_mm_runs(m: int, n: int, k: int, dtype: torch.dtype) -> bool:
@@ -52,11 +54,8 @@ def fp8_linear(
 ) -> torch.Tensor:
     """``sonar.quantization.fp8.fp8_linear`` on CUDA tensors: same arguments, same math."""
     n, k = weight.shape
-    if fp8_gemv_supported(x, weight):
-        if (n, k) in GEMV_LAUNCHES:
-            return fp8_gemv_splitk(x, weight, weight_scale, input_scale, bias, GEMV_LAUNCHES[(n, k)])
-        if n <= GEMV_MAX_ROWS and k <= GEMV_MAX_K:
-            return fp8_gemv(x, weight, weight_scale, input_scale, bias, *GEMV_TILE)
+    if fp8_gemv_supported(x, weight) and (input_scale is None or input_scale.numel() == 1):
+        return fp8_gemv(x, weight, weight_scale, input_scale, bias, *GEMV_TILES.get((n, k), (0, 0, -1)))
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
