@@ -165,6 +165,10 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     return max(1, min(wanted, math.ceil(max_seq_len / MIN_TOKENS_PER_SPLIT), MAX_SPLITS))
 
 
+BLOCK_N = 64  # cached tokens per tile (bf16/fp16/fp32 caches)
+FP8_BLOCK_N = 128  # for an FP8 cache
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4
@@ -182,7 +186,7 @@ def decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     sliding_window: int | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 3,
     k_scale: float = 1.0,
@@ -216,6 +220,8 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     split = num_splits > 1
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if block_n is None:  # a tile of the same bytes either way: an FP8 cache's tokens are half the size
+        block_n = FP8_BLOCK_N if kv_fp8 else BLOCK_N
     if split:
         part_out = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
