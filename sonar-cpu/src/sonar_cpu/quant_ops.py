@@ -4,8 +4,10 @@
 (``w = scale * (code - 8) + zero``) and ``int4_group_linear(x, packed, scales_and_zeros,
 input_repeats)`` multiplies by it; a quantization method asks for both with
 ``sonar.ops.platform_op`` and runs its own torch version where a platform has none.
-``gguf_block_kernel(ggml_type)`` answers Sonar's C kernel for GGUF blocks of that type
-(``sonar_cpu.gguf_kernel``) or None.
+``gguf_block_kernel(ggml_type)`` answers Sonar's C kernel for one layer's GGUF blocks of that
+type (``sonar_cpu.gguf_kernel.GGUFBlockKernel``: ``prepare(data)`` places the blocks,
+``kernel(x, data, rows, cols, exact)`` multiplies, ``rows_in_order(data, start, stop)`` gives
+rows back in the file's layout) or None.
 """
 
 from __future__ import annotations

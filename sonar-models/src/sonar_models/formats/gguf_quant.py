@@ -2,14 +2,22 @@
 
 A GGUF file declares ``quantization_config = {"quant_method": "gguf"}`` (see ``gguf_file``), so
 its linear layers are built with ``GGUFLinearMethod``, and the file's reader hands them their
-tensors still in blocks (``GGUFBlocks``). At load each layer picks how to run them:
+tensors still in blocks (``GGUFBlocks``). At load each layer picks how to run them, the first
+that applies:
 
-- a platform kernel for 4-bit codes in groups of 32 (``sonar.ops`` operations
+- a platform's own kernel for the blocks as they are (``sonar.ops`` operation
+  ``gguf_block_kernel(ggml_type)``, None where it has none): an object whose
+  ``prepare(data)`` places a layer's blocks once (in any layout of its own), whose
+  ``kernel(x, data, rows, cols, exact)`` multiplies by them (``exact``: the float product, for
+  steps that carry prompt tokens; otherwise it may round the activations) and whose
+  ``rows_in_order(data, start, stop)`` gives rows back in the file's layout; the CPU's is
+  Sonar's C kernel for Q4_0 / Q4_1 / Q8_0;
+- else a platform kernel for 4-bit codes in groups of 32 (``sonar.ops`` operations
   ``int4_group_pack`` / ``int4_group_linear``; the CPU's runs torch's int4 weight-packed matmul)
   where the format maps onto it: Q4_0, Q4_1, Q4_K, and Q8_0 / Q5_K split into two nibbles; a
   4-bit layer keeps its blocks too and dequantizes them for products of many rows (prefill);
 - otherwise the blocks stay as they are and each product dequantizes them a tile of rows at a
-  time (Q6_K, and every format on a platform without the kernel): correct everywhere, if slow;
+  time (Q6_K, and every format on a platform without a kernel): correct everywhere, if slow;
 - F32 / F16 / BF16 tensors stay floating.
 
 Fused layers (q/k/v, gate/up) stack their parts' blocks when the parts share a format and run
