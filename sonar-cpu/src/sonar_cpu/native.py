@@ -21,6 +21,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import torch  # noqa: F401  (loaded before the library, so that the library binds to torch's OpenMP runtime)
+
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
