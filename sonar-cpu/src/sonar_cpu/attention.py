@@ -1,6 +1,12 @@
-"""Paged attention on the CPU with PyTorch's scaled_dot_product_attention.
+"""Paged attention on the CPU: Sonar's C kernel for float32 decodes, PyTorch's
+scaled_dot_product_attention otherwise.
 
-Per layer and step: one ``index_copy_`` per K and V writes the new tokens into the cache; the
+With a float32 cache and queries, where Sonar's C kernels are built (``sonar_cpu.native``), the
+new tokens' keys and values are written by one C call and every decode of the step is attended
+by another, reading its blocks in place through the block table (``csrc/decode_attention.c``);
+prefill chunks still go to SDPA as below.
+
+Otherwise, per layer and step: one ``index_copy_`` per K and V writes the new tokens into the cache; the
 decodes are attended in a few batched calls over their blocks gathered from the cache (grouped
 by length and sized to stay in the CPU's caches, see ``attention_plan``); each prefill chunk is
 one call. Grouped-query attention never repeats K/V: a decode's query heads are laid out as
