@@ -196,7 +196,10 @@ def test_the_kv_port_refuses_another_layout_and_malformed_frames(producer, consu
     for data in garbage:
         with _connect(params) as sock:
             sock.sendall(data)
-            sock.shutdown(socket.SHUT_WR)
+            try:
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:  # the port already closed it: what the check below looks for
+                pass
             assert _closed_without_answer(sock)
     assert not marker.exists()
 
