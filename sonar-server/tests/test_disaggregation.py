@@ -3,6 +3,7 @@ server and ``sonar proxy``, all real processes on loopback, against one server's
 
 from __future__ import annotations
 
+import errno
 import os
 import pickle
 import signal
@@ -160,6 +161,8 @@ def _closed_without_answer(sock: socket.socket) -> bool:
         return sock.recv(1024) == b""
     except ConnectionResetError:  # closed with our bytes unread
         return True
+    except OSError as error:  # already torn down on our side by the reset
+        return error.errno == errno.ENOTCONN
 
 
 def _connect(params: dict) -> socket.socket:
