@@ -22,6 +22,13 @@ LAYOUTS = {
 }
 
 
+@pytest.fixture
+def sdpa_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes attended by the SDPA buckets, not the C kernel (which float32 steps take where
+    it is built): for the tests of the buckets themselves."""
+    monkeypatch.setattr("sonar_cpu.attention.native_library", lambda query, kv_cache: None)
+
+
 def run_both(step: PagedStep, num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, ...]:
     scale = head_dim**-0.5
     ref_cache = step.kv_cache.clone()
@@ -67,6 +74,7 @@ def test_fp32_activations_over_bf16_cache() -> None:
     assert torch.equal(cache, ref_cache)
 
 
+@pytest.mark.usefixtures("sdpa_decodes")
 def test_decode_buckets_of_very_different_lengths() -> None:
     # two length clusters: the plan attends them in separate calls, in scattered row order
     context_lens = [300, 2, 310, 5, 290, 1, 305, 3]
@@ -78,6 +86,7 @@ def test_decode_buckets_of_very_different_lengths() -> None:
 
 
 @pytest.mark.parametrize("max_gather_bytes", [1, 60_000])
+@pytest.mark.usefixtures("sdpa_decodes")
 def test_decode_calls_split_by_gather_size(monkeypatch: pytest.MonkeyPatch, max_gather_bytes: int) -> None:
     # a call gathers at most MAX_GATHER_BYTES (at least one sequence): 1 byte -> one call each
     monkeypatch.setattr(attention_plan, "MAX_GATHER_BYTES", max_gather_bytes)
@@ -172,6 +181,7 @@ def test_strided_views_of_a_fused_qkv_projection() -> None:
 
 @pytest.mark.parametrize("scattered", [True, False])
 @pytest.mark.parametrize("window", [None, 8])
+@pytest.mark.usefixtures("sdpa_decodes")
 def test_one_decode_attends_its_tokens_only(scattered: bool, window: int | None) -> None:
     # batch 1: the sequence is attended unpadded (no mask), read in place where its blocks are consecutive
     step = make_step([37], [1], num_heads=9, num_kv_heads=3, head_dim=32, block_size=4, scattered=scattered)
@@ -200,7 +210,7 @@ def test_the_c_decode_attention_matches_the_torch_path(
     assert attention.native_library(torch.zeros(1), torch.zeros(1)) is not None
     outputs = []
     for use_native in (True, False):
-        if not use_native:
+        if not use_native:  # as the sdpa_decodes fixture does
             monkeypatch.setattr("sonar_cpu.attention.native_library", lambda query, kv_cache: None)
         step = make_step(context_lens, query_lens, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, block_size=16)
         step.query.mul_(8.0)

@@ -69,9 +69,9 @@ class CpuAttentionBackend(AttentionBackend):
         if not isinstance(metadata.extra, CpuAttentionPlan):
             self.prepare_metadata(metadata)
         plan: CpuAttentionPlan = metadata.extra
-        plan.bind(kv_cache, metadata)
-
         library = native_library(query, kv_cache)
+        plan.bind(kv_cache, metadata, decode_buckets=library is None)
+
         if library is not None and _rows_contiguous(key, value):
             slots = metadata.slot_mapping.contiguous()
             library.write_kv(

@@ -70,20 +70,21 @@ class CpuAttentionPlan:
     decode_seq_lens_cpu: list[int]
     prefills: list[PrefillChunk]
     decode_buckets: list[DecodeBucket] = field(default_factory=list)  # built by bind()
-    bound_to: tuple[int, int, int] | None = None  # (block_size, bytes per cached token, cache blocks)
+    bound_to: tuple[int, int, int, bool] | None = None  # (block_size, bytes per cached token, cache blocks, buckets)
 
-    def bind(self, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> None:
+    def bind(self, kv_cache: torch.Tensor, metadata: AttentionMetadata, decode_buckets: bool = True) -> None:
         """Build the calls and gather indices for this cache layout (the first layer does it;
-        the others find it done)."""
+        the others find it done); the decodes' buckets only with ``decode_buckets`` (a kernel
+        that reads the block tables itself needs none)."""
         _, num_cache_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape
-        layout = (block_size, 2 * num_kv_heads * head_dim * kv_cache.element_size(), num_cache_blocks)
+        layout = (block_size, 2 * num_kv_heads * head_dim * kv_cache.element_size(), num_cache_blocks, decode_buckets)
         if self.bound_to == layout:
             return
         num_decodes = metadata.num_decodes
         decode_tables = metadata.block_tables[:num_decodes]
         decode_lens = metadata.seq_lens[:num_decodes]
         self.decode_buckets = []
-        for group in self.decode_groups:
+        for group in self.decode_groups if decode_buckets else ():
             num_blocks = -(-max(self.decode_seq_lens_cpu[i] for i in group) // block_size)
             per_call = max(1, MAX_GATHER_BYTES // (num_blocks * block_size * layout[1]))
             for first in range(0, len(group), per_call):

@@ -13,8 +13,8 @@ It holds two products (:func:`gguf_linear`):
 A layer's blocks are placed once (:meth:`GGUFBlockKernel.prepare`) in huge-page memory, laid
 out so that each 256-bit vector holds eight weight rows, one per 32-bit lane (layout 8): a
 block's products for eight rows are then eight integer dot instructions, its scales apply as
-vectors, and a product streams one sequential run of memory per thread. ``SONAR_CPU_GGUF_KERNEL=0`` (or ``SONAR_CPU_KERNELS=0``) leaves GGUF
-layers to their torch paths.
+vectors, and a product streams one sequential run of memory per thread.
+``SONAR_CPU_GGUF_KERNEL=0`` (or ``SONAR_CPU_KERNELS=0``) leaves GGUF layers to their torch paths.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from sonar_cpu.huge_pages import copy_to_huge_pages
 from sonar_cpu.native import load
 
 SWITCH_ENV = "SONAR_CPU_GGUF_KERNEL"  # "0": GGUF layers run their torch paths
-BLOCK_BYTES = {2: 18, 3: 20, 8: 34}  # Q4_0, Q4_1, Q8_0: bytes per block of 32 values
+Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGUF type ids
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # bytes per block of 32 values
 TYPES = tuple(BLOCK_BYTES)
 LANES = 8  # rows per group of the kernel's layout 8 (one row per 32-bit lane of a 256-bit vector)
 _scratch = threading.local()
@@ -50,9 +51,9 @@ def lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
     rows, row_bytes = data.shape
     block = BLOCK_BYTES[ggml_type]
     blocks = data.reshape(rows // LANES, LANES, row_bytes // block, block).transpose(1, 2)  # [G, nb, 8, block]
-    head = 4 if ggml_type == 3 else 2
+    head = 4 if ggml_type == Q4_1 else 2  # bytes of scale (and minimum) before the codes
     parts = [blocks[..., 0:2].reshape(*blocks.shape[:2], 2 * LANES)]  # scales
-    if ggml_type == 3:
+    if ggml_type == Q4_1:
         parts.append(blocks[..., 2:4].reshape(*blocks.shape[:2], 2 * LANES))  # minimums
     codes = blocks[..., head:]  # [G, nb, 8, 16 or 32]
     chunks = codes.reshape(*codes.shape[:3], -1, 4).transpose(2, 3)  # [G, nb, chunks, 8, 4]
@@ -64,11 +65,11 @@ def rows_from_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """The inverse of :func:`lanes_layout` for whole groups of eight rows."""
     rows, row_bytes = data.shape
     block = BLOCK_BYTES[ggml_type]
-    nb, head = row_bytes // block, (4 if ggml_type == 3 else 2)
+    nb, head = row_bytes // block, (4 if ggml_type == Q4_1 else 2)
     grouped = data.reshape(rows // LANES, nb, LANES * block)
     fields = [grouped[..., 0 : 2 * LANES].reshape(rows // LANES, nb, LANES, 2)]
     offset = 2 * LANES
-    if ggml_type == 3:
+    if ggml_type == Q4_1:
         fields.append(grouped[..., offset : offset + 2 * LANES].reshape(rows // LANES, nb, LANES, 2))
         offset += 2 * LANES
     chunks = grouped[..., offset:].reshape(rows // LANES, nb, -1, LANES, 4).transpose(2, 3)  # [G, nb, 8, chunks, 4]

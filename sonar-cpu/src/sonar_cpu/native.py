@@ -93,15 +93,13 @@ def _build() -> ctypes.CDLL | None:
 
 
 def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    library.gguf_linear.restype = ctypes.c_int
-    library.gguf_linear.argtypes = [ctypes.c_int, pointer, ctypes.c_int, size, size, pointer, size, pointer, ctypes.c_int, pointer]
-    library.gguf_linear_q8.restype = ctypes.c_int
-    library.gguf_linear_q8.argtypes = [ctypes.c_int, pointer, ctypes.c_int, size, size, pointer, size, pointer, ctypes.c_int, pointer]
+    pointer, size, integer = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    for product in (library.gguf_linear, library.gguf_linear_q8):
+        product.restype = integer
+        product.argtypes = [integer, pointer, integer, size, size, pointer, size, pointer, integer, pointer]
     library.gguf_q8_scratch_bytes.restype = size
     library.gguf_q8_scratch_bytes.argtypes = [size, size]
-    library.paged_decode_attention.restype = ctypes.c_int
-    integer = ctypes.c_int
+    library.paged_decode_attention.restype = integer
     library.paged_decode_attention.argtypes = [
         pointer, pointer, size, integer, integer, integer, integer, pointer, size, pointer, size, integer, ctypes.c_float,
         pointer, integer,

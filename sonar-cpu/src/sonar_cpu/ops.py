@@ -41,8 +41,7 @@ MAX_MATRIX_ROTARY_TOKENS = 0
 def _native_for(*tensors: torch.Tensor):
     """Sonar's C kernels where every tensor is float32 (and the kernels are built), else None.
     Where they are, every float32 call takes them, whatever its layout (a copy makes it
-    contiguous), so that one computation never mixes the C and the tensor roundings: two runs
-    of the same model that lay a tensor out differently (tensor parallelism) stay bit-equal."""
+    contiguous), so that a model never mixes the C and the tensor roundings of one operation."""
     if all(t.dtype == torch.float32 for t in tensors):
         return native.load()
     return None
