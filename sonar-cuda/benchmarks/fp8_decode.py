@@ -39,6 +39,13 @@ GEMV_TILES = ((2, 8, 0), (4, 4, 0), (4, 8, 0), (8, 8, 0), (8, 16, 0), (4, 4, 8),
 GEMM_TILES = ((16, 32, 256, 4, 4), (16, 64, 256, 4, 4), (16, 32, 512, 4, 3), (16, 64, 128, 4, 6), (16, 128, 256, 4, 3))
 
 
+def weight_copies(n: int, k: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """FP8 copies of an ``n x k`` weight filling ``BYTES_PER_CASE`` (so each timed product reads
+    from memory, not L2), bf16 copies of half of them, and a per-row scale."""
+    copies = max(2, int(BYTES_PER_CASE // (n * k)))
+    weights = [(torch.randn(n, k, device="cuda") * 0.02).to(torch.float8_e4m3fn) for _ in range(copies)]
+    bf16 = [w.to(torch.bfloat16) for w in weights[: max(2, copies // 2)]]
+    return weights, bf16, torch.full((n,), 0.01, device="cuda")
 
 
 def gemm_sweep() -> dict:
@@ -50,10 +57,7 @@ def gemm_sweep() -> dict:
 
     results: dict = {}
     for name, (n, k) in SHAPES.items():
-        copies = max(2, int(BYTES_PER_CASE // (n * k)))
-        weights = [(torch.randn(n, k, device="cuda") * 0.02).to(torch.float8_e4m3fn) for _ in range(copies)]
-        bf16 = [w.to(torch.bfloat16) for w in weights[: max(2, copies // 2)]]
-        scale = torch.full((n,), 0.01, device="cuda")
+        weights, bf16, scale = weight_copies(n, k)
         for m in ROWS:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
 
@@ -96,10 +100,7 @@ def gemv_sweep() -> dict:
 
     results: dict = {}
     for name, (n, k) in SHAPES.items():
-        copies = max(2, int(BYTES_PER_CASE // (n * k)))
-        weights = [(torch.randn(n, k, device="cuda") * 0.02).to(torch.float8_e4m3fn) for _ in range(copies)]
-        bf16 = [w.to(torch.bfloat16) for w in weights[: max(2, copies // 2)]]
-        scale = torch.full((n,), 0.01, device="cuda")
+        weights, bf16, scale = weight_copies(n, k)
         x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
         first = Fp8GemvLaunch(block_n=8, block_k=1024, split_k=1, num_warps=4)
         case = {
