@@ -1,20 +1,30 @@
 """``sonar bench serve`` against the shared tiny server and against one it launches: the
-numbers it reports, its JSON result, failed requests counted, and the metric arithmetic."""
+numbers it reports, its JSON result, failed requests counted, and the metric arithmetic; its
+streaming client against a scripted local server: chunked, Content-Length and close-delimited
+bodies split anywhere, CRLF, HTTP and mid-stream errors, dropped connections, timeouts, https."""
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
 import math
 import random
+import re
+import shutil
+import ssl
 import subprocess
 import sys
+import time
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
 from conftest import KV_CACHE_BYTES, sonar_command
-from sonar_server.bench_serve import RequestOutput, percentile, summarize
+from sonar_server.bench_serve import BenchRequest, RequestOutput, percentile, send_request, summarize
+from sonar_server.stream_client import ChunkedDecoder, LineSplitter, StreamClient
 
 SMALL = ["--num-prompts", "8", "--random-input-len", "16", "--random-output-len", "8", "--disable-tqdm"]
 ALL_METRICS = ["--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99"]
@@ -140,3 +150,243 @@ def test_percentiles_and_goodput_arithmetic():
     assert "mean_e2el_ms" not in result  # not asked for
     assert summarize(outputs, 2.0, ["ttft"], [99], {})["request_goodput"] is None
     assert math.isclose(summarize(outputs, 2.0, ["e2el"], [99], {"e2el": 550})["request_goodput"], 0.5)
+
+
+# the streaming client against a scripted server
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+END = b"0\r\n\r\n"
+DONE = b"data: [DONE]\n\n"
+CLOSE = None  # in a script: the server closes the connection there
+PAUSE_S = 0.002
+
+
+def event(data: dict, prefix: bytes = b"data: ", newline: bytes = b"\n") -> bytes:
+    return prefix + json.dumps(data, ensure_ascii=False).encode() + newline + newline
+
+
+def text_event(text: str, **options: bytes) -> bytes:
+    return event({"choices": [{"index": 0, "text": text, "finish_reason": None}]}, **options)
+
+
+def usage_event(completion_tokens: int) -> bytes:
+    return event({"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": completion_tokens}})
+
+
+def chunked(body: bytes, cuts: list[int]) -> bytes:
+    """``body`` in chunked coding, a chunk between consecutive ``cuts``, then the last chunk."""
+    edges = [0, *cuts, len(body)]
+    return b"".join(b"%x\r\n%s\r\n" % (end - start, body[start:end]) for start, end in itertools.pairwise(edges) if end > start) + END
+
+
+def pieces(data: bytes, size: int) -> list[bytes]:
+    return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+class ScriptedServer:
+    """Answers each request, on any connection, with the next script: raw bytes written apart (a
+    pause after each, so the client reads them apart), a float to wait that long, ``CLOSE``."""
+
+    def __init__(self, *scripts: list[bytes | float | None]) -> None:
+        self.scripts = list(scripts)
+        self.bodies: list[bytes] = []
+        self.num_connections = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.num_connections += 1
+        try:
+            while self.scripts:
+                head = await reader.readuntil(b"\r\n\r\n")
+                self.bodies.append(await reader.readexactly(int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))))
+                for step in self.scripts.pop(0):
+                    if step is CLOSE:
+                        return
+                    if isinstance(step, float):
+                        await asyncio.sleep(step)
+                        continue
+                    writer.write(step)
+                    await writer.drain()
+                    await asyncio.sleep(PAUSE_S)
+        except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
+            pass  # the client left, or the test ended
+        finally:
+            writer.close()
+
+
+@asynccontextmanager
+async def scripted_server(*scripts: list[bytes | float | None], ssl_context: ssl.SSLContext | None = None):
+    server = ScriptedServer(*scripts)
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", 0, ssl=ssl_context)
+    scheme = "https" if ssl_context else "http"
+    server.url = f"{scheme}://127.0.0.1:{listener.sockets[0].getsockname()[1]}"
+    async with listener:
+        yield server
+
+
+def run(scenario) -> object:
+    return asyncio.run(asyncio.wait_for(scenario(), 20))
+
+
+async def send(client: StreamClient) -> RequestOutput:
+    return await send_request(client, "/v1/completions", b'{"prompt": [1, 2]}', BenchRequest([1, 2], 2, 3))
+
+
+# every way an OpenAI-compatible server may write its events: CRLF, "event:" lines, comments,
+# "data:" without a space, blank lines, text of several bytes a character
+SSE_BODY = (
+    b": a comment\r\n\r\n"
+    + b"event: completion\r\n"
+    + text_event("h\u00e9llo", newline=b"\r\n")
+    + text_event(" \u65e5\u672c\u8a9e", prefix=b"data:")
+    + text_event(" \U0001f600!")
+    + usage_event(3)
+    + DONE
+)
+SSE_LINES = SSE_BODY.decode().splitlines()
+# chunk boundaries inside a line, inside a CRLF and inside a 2-, 3- and 4-byte character
+SSE_CUTS = [5, SSE_BODY.index(b"\r\n") + 1, SSE_BODY.index("\u00e9".encode()) + 1, SSE_BODY.index("\u65e5".encode()) + 2, SSE_BODY.index("\U0001f600".encode()) + 3]
+
+
+@pytest.mark.parametrize("piece_size", [1, 7, 100000])
+def test_stream_client_splits_chunked_sse_anywhere(piece_size):
+    answer = pieces(CHUNKED_HEAD + chunked(SSE_BODY, SSE_CUTS), piece_size)
+
+    async def scenario():
+        async with scripted_server(answer, answer) as server, StreamClient(server.url) as client:
+            async with client.post("/v1/completions", b"{}") as response:
+                assert (response.status, response.headers["content-type"]) == (200, "text/event-stream")
+                lines = [line.decode() async for line in response.lines()]
+            output = await send(client)
+            return lines, output, server.num_connections
+
+    lines, output, num_connections = run(scenario)
+    assert lines == SSE_LINES
+    assert "data: {\"choices\": [{\"index\": 0, \"text\": \" \U0001f600!\", \"finish_reason\": null}]}" in lines
+    assert (output.success, output.error, output.output_tokens, output.prompt_len, len(output.itl)) == (True, "", 3, 7, 2)
+    assert num_connections == 1  # the first answer was read to its end: its connection served the second
+
+
+def test_splitters_take_any_split_of_their_input():
+    wire = chunked(SSE_BODY, SSE_CUTS)
+    for cut in range(len(wire) + 1):
+        decoder = ChunkedDecoder()
+        body = decoder.feed(wire[:cut]) + decoder.feed(wire[cut:])
+        assert (body, decoder.done) == (SSE_BODY, True)
+    decoder = ChunkedDecoder()
+    assert b"".join(decoder.feed(wire[i : i + 1]) for i in range(len(wire))) == SSE_BODY
+    for cut in range(len(SSE_BODY) + 1):
+        splitter = LineSplitter()
+        lines = splitter.feed(SSE_BODY[:cut]) + splitter.feed(SSE_BODY[cut:])
+        assert [line.decode() for line in lines] == SSE_LINES and splitter.rest == b""
+    splitter = LineSplitter()
+    assert splitter.feed(b"a\rb\r") + splitter.feed(b"\nc\n\r\n") == [b"a", b"b", b"c", b""]  # CR alone ends a line too
+
+
+def test_stream_client_times_each_chunk():
+    role = event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+    deltas = [event({"choices": [{"index": 0, "delta": {"content": word}}]}) for word in ("one", " two", " three")]
+    gap = 0.1
+    answer = [CHUNKED_HEAD, gap, chunked(role, []).removesuffix(END)]
+    for delta in deltas:
+        answer += [gap, chunked(delta, []).removesuffix(END)]
+    answer += [chunked(usage_event(3) + DONE, [])]
+
+    async def scenario():
+        async with scripted_server(answer) as server, StreamClient(server.url) as client:
+            return await send(client)
+
+    output = run(scenario)
+    assert output.success and output.output_tokens == 3
+    assert len(output.itl) == 2  # the role chunk carries no text: not a token
+    assert 2 * gap <= output.ttft < 2 * gap + 1.0  # a pause never ends early; a busy machine may add to it
+    assert all(gap / 2 <= itl < gap + 1.0 for itl in output.itl)
+    assert output.latency >= output.ttft + sum(output.itl)
+
+
+def test_stream_client_reads_content_length_and_close_delimited_bodies():
+    body = text_event("a") + text_event("b")  # no usage: a token per chunk
+    with_length = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n" % len(body), *pieces(body, 9)]
+    until_close = [b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\n", *pieces(body, 9), CLOSE]
+    http_10 = [b"HTTP/1.0 200 OK\r\n\r\n", body + usage_event(2), CLOSE]
+
+    async def scenario():
+        async with scripted_server(with_length, until_close, http_10, with_length) as server, StreamClient(server.url) as client:
+            outputs = [await send(client) for _ in range(4)]
+            return outputs, server.num_connections
+
+    outputs, num_connections = run(scenario)
+    assert [(o.success, o.error, o.output_tokens, len(o.itl)) for o in outputs] == [(True, "", 2, 1)] * 4
+    assert num_connections == 3  # kept after the Content-Length body, closed after the other two
+
+
+def test_stream_client_reports_http_and_stream_errors():
+    message = "This model's maximum context length is 512 tokens. However, you requested 600 tokens."
+    error_json = json.dumps({"object": "error", "error": {"message": message, "type": "BadRequestError", "code": 400}}).encode()
+    refused = [b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(error_json), error_json]
+    not_found = [b"HTTP/1.1 404 Not Found\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n", chunked(b'{"detail":"Not Found"}', [3])]
+    failing = [CHUNKED_HEAD, chunked(text_event("a") + event({"error": {"message": "the engine stopped", "code": 500}}), [])]
+
+    async def scenario():
+        async with scripted_server(refused, not_found, failing) as server, StreamClient(server.url) as client:
+            return [await send(client) for _ in range(3)]
+
+    refused_output, not_found_output, failing_output = run(scenario)
+    assert (refused_output.success, refused_output.error) == (False, f"HTTP 400: {message}")
+    assert (not_found_output.success, not_found_output.error) == (False, 'HTTP 404: {"detail":"Not Found"}')
+    assert (failing_output.success, failing_output.error) == (False, "stream error: the engine stopped")
+
+
+def test_dropped_connections_and_timeouts_are_errors_not_hangs():
+    dropped_mid_stream = [CHUNKED_HEAD, chunked(text_event("a"), []).removesuffix(END), CLOSE]
+    dropped_before_answer = [CLOSE]
+    stalled = [CHUNKED_HEAD, chunked(text_event("a"), []).removesuffix(END), 30.0]
+
+    async def scenario():
+        async with scripted_server(dropped_mid_stream, dropped_before_answer, stalled) as server, StreamClient(server.url, timeout=0.3) as client:
+            outputs = [await send(client) for _ in range(2)]
+            started = time.perf_counter()
+            outputs.append(await send(client))
+            return outputs, time.perf_counter() - started
+
+    (mid_stream, before_answer, stalled_output), stalled_s = run(scenario)
+    assert (mid_stream.success, mid_stream.error) == (False, "ConnectionError: the server closed the connection before the end of its answer")
+    assert (before_answer.success, before_answer.error) == (False, "ConnectionError: the server closed the connection without answering")
+    assert (stalled_output.success, stalled_output.error) == (False, "TimeoutError: no complete answer within 0.3 s")
+    assert stalled_s < 5
+
+
+def test_a_kept_connection_the_server_closed_is_replaced():
+    answer = [b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(usage_event(1) + DONE), usage_event(1) + DONE]
+
+    async def scenario():
+        # the server takes the second request on the kept connection and closes it unanswered
+        async with scripted_server(answer, [CLOSE], answer) as server, StreamClient(server.url) as client:
+            outputs = [await send(client) for _ in range(2)]
+            return outputs, server.num_connections, len(server.bodies)
+
+    outputs, num_connections, num_requests = run(scenario)
+    assert [(o.success, o.output_tokens) for o in outputs] == [(True, 1), (True, 1)]
+    assert (num_connections, num_requests) == (2, 3)
+
+
+def test_stream_client_speaks_https(tmp_path):
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command to make a certificate")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", key, "-out", cert],
+        check=True,
+        capture_output=True,
+    )
+    server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_context.load_cert_chain(cert, key)
+    answer = [CHUNKED_HEAD, *pieces(chunked(SSE_BODY, SSE_CUTS), 50)]
+
+    async def scenario():
+        client_context = ssl.create_default_context(cafile=cert)
+        async with scripted_server(answer, ssl_context=server_context) as server, StreamClient(server.url, ssl_context=client_context) as client:
+            return server.url, await send(client)
+
+    url, output = run(scenario)
+    assert url.startswith("https://")
+    assert (output.success, output.error, output.output_tokens, len(output.itl)) == (True, "", 3, 2)

@@ -5,13 +5,15 @@ Prompts are random but ordinary: token ids for /v1/completions are drawn from th
 tokens of a list of common words (exact prompt lengths, no special or byte tokens); chat
 prompts are random words of those, sized by the tokens per word the server reports. The
 prompt tokens counted are the server's own, from each stream's usage.
+
+The streams go through ``stream_client`` (under uvloop where it is installed), whose work per
+request and per chunk is a small part of httpx's: the figures are the server's, not the client's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import itertools
 import json
 import math
 import os
@@ -20,6 +22,7 @@ import statistics
 import sys
 import time
 from collections import Counter
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -27,12 +30,12 @@ from typing import Any
 
 from sonar_server.bench_launch import LaunchedServer, free_port, healthy, wait_for
 from sonar_server.settings import DEFAULT_PORT
+from sonar_server.stream_client import StreamClient
 
 ENDPOINTS = {"/v1/completions": "openai", "/v1/chat/completions": "openai-chat"}
 PERCENTILE_METRICS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)", "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
 GOODPUT_METRICS = ("ttft", "tpot", "e2el")
 REQUEST_TIMEOUT_S = 6 * 3600.0
-STREAMS_PER_POOL = 16  # concurrent streams per HTTP connection pool
 
 # the words random prompts are made of: common, mostly one token each in any BPE vocabulary
 WORDS = """
@@ -224,21 +227,26 @@ def _chunk_text(data: dict[str, Any]) -> str:
     return choice.get("text") or ""
 
 
-async def send_request(client, url: str, body: dict[str, Any], request: BenchRequest) -> RequestOutput:
+def encode_body(body: dict[str, Any]) -> bytes:
+    """A request body as sent: compact JSON, encoded before the clock starts."""
+    return json.dumps(body, separators=(",", ":")).encode()
+
+
+async def send_request(client: StreamClient, path: str, body: bytes, request: BenchRequest) -> RequestOutput:
     """Stream one request; every failure becomes ``RequestOutput.error``, never an exception."""
     output = RequestOutput(prompt_len=request.prompt_len)
     num_chunks = 0
     started = last = time.perf_counter()
     try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                text = (await response.aread()).decode(errors="replace")
-                output.error = f"HTTP {response.status_code}: {_error_message(text)}"
+        async with client.post(path, body) as response:
+            if response.status != 200:
+                text = (await response.read()).decode(errors="replace")
+                output.error = f"HTTP {response.status}: {_error_message(text)}"
                 return output
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in response.lines():
+                if not line.startswith(b"data:"):
                     continue  # blank separators, comments, "event:" lines
-                payload = line[len("data:"):].strip()
+                payload = line[5:].strip().decode()
                 if payload == "[DONE]":
                     break
                 data = json.loads(payload)
@@ -290,59 +298,54 @@ async def benchmark(args: argparse.Namespace, base_url: str, headers: dict[str, 
     from tqdm import tqdm
 
     chat = args.endpoint == "/v1/chat/completions"
-    url = base_url + args.endpoint
-    limits = httpx.Limits(max_connections=args.max_concurrency, max_keepalive_connections=args.max_concurrency)
-    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0), limits=limits) as client:
-        # model and prompts
+    # model and prompts
+    async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)) as client:
         model = args.served_model_name or args.model or await _first_model(client, base_url)
         token_pool, tokens_per_word = await _server_tokens(client, base_url, model)
-        requests = random_requests(args, token_pool, tokens_per_word, chat)
-        bodies = [request_body(r, model, chat, args.ignore_eos) for r in requests]
+    requests = random_requests(args, token_pool, tokens_per_word, chat)
+    bodies = [encode_body(request_body(r, model, chat, args.ignore_eos)) for r in requests]
 
+    async with StreamClient(base_url, headers, timeout=REQUEST_TIMEOUT_S) as client:
         # test run and warm-ups
         print("Starting initial single prompt test run...", flush=True)
-        test = await send_request(client, url, bodies[0], requests[0])
+        test = await send_request(client, args.endpoint, bodies[0], requests[0])
         if not test.success:
             raise RuntimeError(f"the initial test request failed: {test.error}; check --model, --endpoint and the server's log")
         print("Initial test run completed. Starting main benchmark run...", flush=True)
         for number in range(args.num_warmups):
-            await send_request(client, url, bodies[number % len(bodies)], requests[number % len(requests)])
+            await send_request(client, args.endpoint, bodies[number % len(bodies)], requests[number % len(requests)])
         print(f"Traffic request rate: {args.request_rate}", flush=True)
         print(f"Maximum request concurrency: {args.max_concurrency}", flush=True)
 
-        # measured run: the streams spread over several clients, as one httpx connection pool
-        # does work per request in proportion to its open connections (500 streams at once
-        # through one pool took 6 s against 1 s through 32 pools of 16, on a server that
-        # answers at once)
+        # measured run
         progress = tqdm(total=len(requests), disable=args.disable_tqdm)
         semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-        num_pools = -(-min(args.max_concurrency or len(requests), len(requests)) // STREAMS_PER_POOL)
-        pools = [
-            httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0), limits=limits)
-            for _ in range(num_pools)
-        ]
-        turn = itertools.count()
 
-        async def one(body: dict[str, Any], request: BenchRequest) -> RequestOutput:
+        async def one(body: bytes, request: BenchRequest) -> RequestOutput:
             if semaphore is None:
-                output = await send_request(pools[next(turn) % num_pools], url, body, request)
+                output = await send_request(client, args.endpoint, body, request)
             else:
                 async with semaphore:
-                    output = await send_request(pools[next(turn) % num_pools], url, body, request)
+                    output = await send_request(client, args.endpoint, body, request)
             progress.update(1)
             return output
 
         started = time.perf_counter()
         arrivals = _arrivals(list(zip(bodies, requests)), args.request_rate, random.Random(args.seed + 1))
-        try:
-            tasks = [asyncio.create_task(one(body, request)) async for body, request in arrivals]
-            outputs = await asyncio.gather(*tasks)
-            duration = time.perf_counter() - started
-        finally:
-            for pool in pools:
-                await pool.aclose()
+        tasks = [asyncio.create_task(one(body, request)) async for body, request in arrivals]
+        outputs = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - started
         progress.close()
     return model, list(outputs), duration
+
+
+def _run_loop(coroutine: Coroutine[Any, Any, Any]) -> Any:
+    """``coroutine`` under uvloop where it is installed (less of the client's own time per chunk)."""
+    try:
+        from uvloop import run
+    except ImportError:
+        return asyncio.run(coroutine)
+    return run(coroutine)
 
 
 def build_result(args: argparse.Namespace, base_url: str, model: str, outputs: list[RequestOutput], duration: float) -> dict[str, Any]:
@@ -524,7 +527,7 @@ def run(args: argparse.Namespace) -> int:
                 print(f"a server answers {base_url}; benchmarking it (--launch-server starts {model_path} instead)", file=sys.stderr)
             wait_for(base_url, args.ready_check_timeout_sec)
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        model, outputs, duration = asyncio.run(benchmark(args, base_url, headers))
+        model, outputs, duration = _run_loop(benchmark(args, base_url, headers))
     finally:
         if launched is not None:
             launched.stop()
