@@ -38,7 +38,10 @@ class ParentState:
 
     @property
     def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children.values())
+        for child in self.children.values():  # a loop, not all(genexpr): it runs per request per step
+            if child.finish_reason is None:
+                return False
+        return True
 
 
 class OutputProcessor:
@@ -118,11 +121,12 @@ class OutputProcessor:
             if out.finish_reason is not None and child.finish_reason is None:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             touched[parent_id] = parent
-        results = [
-            self._request_output(p) for p in touched.values() if p.finished or p.params.output_kind != "final_only"
-        ]
+        results = []
         for parent in touched.values():
-            if parent.finished:
+            finished = parent.finished
+            if finished or parent.params.output_kind != "final_only":
+                results.append(self._request_output(parent, finished))
+            if finished:
                 self._forget(parent)
         return results, to_stop
 
@@ -152,7 +156,7 @@ class OutputProcessor:
             return text[: max(0, len(text) - detokenizer.max_stop_len + 1)]
         return text
 
-    def _request_output(self, parent: ParentState) -> RequestOutput:
+    def _request_output(self, parent: ParentState, finished: bool | None = None) -> RequestOutput:
         completions = [
             CompletionOutput(
                 index=child.index,
@@ -171,7 +175,7 @@ class OutputProcessor:
             prompt_token_ids=parent.prompt_token_ids,
             prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
             outputs=completions,
-            finished=parent.finished,
+            finished=parent.finished if finished is None else finished,
             num_cached_tokens=parent.num_cached_tokens,
             kv_transfer_params=parent.kv_transfer_params,
         )
