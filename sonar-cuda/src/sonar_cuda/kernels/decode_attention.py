@@ -183,6 +183,8 @@ BLOCK_N = 64  # cached tokens per tile
 # 256 x 1,100 193 against 275; the bf16 cache 136-137 and 277-278 with either)
 NUM_WARPS = 4
 FP8_NUM_WARPS = 2
+NUM_STAGES = 3
+FP8_NUM_STAGES = 3
 
 
 def _num_sms(device: torch.device) -> int:
@@ -204,7 +206,7 @@ def decode_attention(
     sliding_window: int | None = None,
     block_n: int = BLOCK_N,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
@@ -238,6 +240,8 @@ def decode_attention(
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
     if num_warps is None:
         num_warps = FP8_NUM_WARPS if kv_fp8 else NUM_WARPS
+    if num_stages is None:
+        num_stages = FP8_NUM_STAGES if kv_fp8 else NUM_STAGES
     if split:
         part_out = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
