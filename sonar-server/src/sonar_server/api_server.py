@@ -39,6 +39,7 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
     import uvicorn
 
     from sonar.engine.async_mp import AsyncMPLLM
+    from sonar.engine.process_util import freeze_startup_heap
     from sonar.engine.resolve import load_tokenizer
     from sonar_server.app import build_app
     from sonar_server.draining import DrainingServer
@@ -70,6 +71,7 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
             )
 
         server = DrainingServer(config, state, report_serving if launch.client_index == 0 else None)
+        freeze_startup_heap()
         server.run(sockets=[listener])
     finally:
         client.shutdown()

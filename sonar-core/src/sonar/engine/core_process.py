@@ -25,6 +25,7 @@ import zmq
 
 from sonar.config import EngineConfig
 from sonar.engine import wire
+from sonar.engine.process_util import freeze_startup_heap
 from sonar.engine.wire import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from sonar.lora.errors import LoRAError, LoRAInUseError
 
@@ -71,6 +72,7 @@ class EngineCoreProc:
             socket.setsockopt(zmq.LINGER, 1000)
             socket.connect(addresses.output)
             outputs.append(socket)
+        freeze_startup_heap()  # the model is loaded and warmed up: what is alive now stays
         ready = wire.EngineReady(self.engine_index, os.getpid(), self.core.cache_config.num_blocks, self.config.block_size)
         for socket in inputs:
             socket.send_multipart(wire.encode_ready(ready))
