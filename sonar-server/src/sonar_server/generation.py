@@ -140,10 +140,10 @@ class Generation:
             if completion.logprobs is not None:
                 start = len(choice.logprobs) if choice.logprobs is not None else 0
                 new_logprobs = completion.logprobs[start:]
-                choice.logprobs = list(completion.logprobs)
+                choice.logprobs = completion.logprobs  # each output's lists are its own: kept, not copied
                 choice.cumulative_logprob = completion.cumulative_logprob
             choice.text = full_text if finished else full_text[:end]
-            choice.token_ids = list(completion.token_ids)
+            choice.token_ids = completion.token_ids
             num_new_tokens += len(new_ids)
             if finished:
                 choice.finish_reason = completion.finish_reason or "abort"

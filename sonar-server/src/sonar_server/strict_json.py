@@ -49,13 +49,16 @@ def finite(obj: Any) -> Any:
     return obj
 
 
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))  # one, not one per event
+
+
 def dumps(obj: Any) -> str:
     """``obj`` as RFC 8259 JSON text (non-finite floats replaced, see ``finite``), UTF-8 kept
     as is, compact. Raises ValueError for what JSON cannot hold at all (a circular reference)."""
     try:
-        return json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return _ENCODER.encode(obj)
     except ValueError:  # a non-finite float somewhere: pay for the walk only then
-        return json.dumps(finite(obj), ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+        return _ENCODER.encode(finite(obj))
 
 
 class StrictJSONResponse(JSONResponse):
