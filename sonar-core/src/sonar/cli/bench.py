@@ -123,6 +123,7 @@ def run_hf(model_path: str, dtype, workload: Workload) -> float:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
+    from sonar.engine.process_util import freeze_startup_heap
     from sonar.entrypoints.llm import LLM
 
     print("loading model...", file=sys.stderr, flush=True)
@@ -133,6 +134,7 @@ def run_throughput(args: argparse.Namespace) -> int:
         run_engine(llm, Workload(workload.prompts[:few], [min(8, n) for n in workload.output_lens[:few]]), True)
         if llm.llm_engine.core is not None:
             llm.llm_engine.core.kv_cache.reset_prefix_cache()  # the timed run computes every prompt
+    freeze_startup_heap()  # the collector policy of the serving processes, so both sides compare alike
     stats_before = llm.llm_engine.get_stats()
     elapsed, num_output = run_engine(llm, workload, args.ignore_eos)
     stats_after = llm.llm_engine.get_stats()
@@ -183,6 +185,7 @@ def run_throughput(args: argparse.Namespace) -> int:
 def run_latency(args: argparse.Namespace) -> int:
     """End-to-end time of one batch, and its decode time per step with the prefill taken out:
     (time for output_len tokens - time for 1 token) / (output_len - 1), best of num_iters."""
+    from sonar.engine.process_util import freeze_startup_heap
     from sonar.entrypoints.llm import LLM
 
     if args.output_len < 2:
@@ -201,6 +204,7 @@ def run_latency(args: argparse.Namespace) -> int:
         return min(times)
 
     run_engine(llm, Workload(workload.prompts, [4] * args.batch_size), True)  # warm-up
+    freeze_startup_heap()  # the collector policy of the serving processes
     total = best_of(workload)
     prefill = best_of(prefill_only)
     decode_ms = 1000 * (total - prefill) / (args.output_len - 1)
