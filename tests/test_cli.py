@@ -43,7 +43,7 @@ def test_bench_latency_separates_decode_from_prefill(tiny_model_dir, tmp_path) -
     report = tmp_path / "latency.json"
     result = _run([
         "bench", "latency", str(tiny_model_dir("llama")), "--dtype", "float32", "--input-len", "16",
-        "--output-len", "12", "--num-iters", "2", "--max-model-len", "128", "--output-json", str(report),
+        "--output-len", "24", "--num-iters", "5", "--max-model-len", "128", "--output-json", str(report),
     ])
     assert result.returncode == 0, result.stderr
     figures = json.loads(report.read_text())
