@@ -69,10 +69,19 @@ class RequestStream:
         self.request_id = request_id
         self.finished = False
         self._client = client
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        # outputs are cumulative: only the newest not yet taken is kept; a finished output or
+        # an error is the last, and nothing put after it replaces it
+        self._pending: RequestOutput | BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self._queue.put_nowait(item)
+        pending = self._pending
+        if pending is not None and (isinstance(pending, BaseException) or pending.finished):
+            return
+        self._pending = item
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -80,10 +89,13 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        # cumulative outputs: skip to the newest one, but never past an error
-        while isinstance(item, RequestOutput) and not item.finished and not self._queue.empty():
-            item = self._queue.get_nowait()
+        while self._pending is None:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        item, self._pending = self._pending, None
         if isinstance(item, BaseException):
             self.finished = True
             raise item
