@@ -163,55 +163,22 @@ async def serve(interval: float, num_chunks: int) -> None:
 # the clients
 
 
-def _chunk_text(data: dict[str, Any]) -> str:
-    choices = data.get("choices") or []
-    if not choices:
-        return ""
-    choice = choices[0]
-    if "delta" in choice:
-        delta = choice["delta"] or {}
-        return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
-    return choice.get("text") or ""
-
-
 async def send_httpx(client: Any, url: str, body: dict[str, Any], request: Any) -> Any:
     """The bench's former request function, on an httpx pool."""
-    from sonar_server.bench_serve import RequestOutput, _error_message
+    from sonar_server.bench_serve import RequestOutput, StreamReading, _error_message
 
     output = RequestOutput(prompt_len=request.prompt_len)
-    num_chunks = 0
-    started = last = time.perf_counter()
     try:
+        reading = StreamReading(output)
         async with client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 text = (await response.aread()).decode(errors="replace")
                 output.error = f"HTTP {response.status_code}: {_error_message(text)}"
                 return output
             async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                payload = line[len("data:") :].strip()
-                if payload == "[DONE]":
+                if not reading.take(line.encode()):
                     break
-                data = json.loads(payload)
-                if "error" in data:
-                    output.error = f"stream error: {_error_message(payload)}"
-                    return output
-                now = time.perf_counter()
-                if _chunk_text(data):
-                    if num_chunks == 0:
-                        output.ttft = now - started
-                    else:
-                        output.itl.append(now - last)
-                    num_chunks += 1
-                    last = now
-                if usage := data.get("usage"):
-                    output.prompt_len = usage.get("prompt_tokens", output.prompt_len)
-                    output.output_tokens = usage.get("completion_tokens", 0)
-        output.latency = time.perf_counter() - started
-        if not output.output_tokens:
-            output.output_tokens = num_chunks
-        output.success = True
+        return reading.finish()
     except Exception as exc:
         output.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return output
@@ -219,42 +186,20 @@ async def send_httpx(client: Any, url: str, body: dict[str, Any], request: Any) 
 
 async def send_aiohttp(session: Any, url: str, body: bytes, request: Any) -> Any:
     """The same request and timing on an aiohttp session."""
-    from sonar_server.bench_serve import RequestOutput, _error_message
+    from sonar_server.bench_serve import RequestOutput, StreamReading, _error_message
 
     output = RequestOutput(prompt_len=request.prompt_len)
-    num_chunks = 0
-    started = last = time.perf_counter()
     try:
+        reading = StreamReading(output)
         async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
             if response.status != 200:
                 text = (await response.read()).decode(errors="replace")
                 output.error = f"HTTP {response.status}: {_error_message(text)}"
                 return output
             async for line in response.content:
-                if not line.startswith(b"data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == b"[DONE]":
+                if not reading.take(line):
                     break
-                data = json.loads(payload)
-                if "error" in data:
-                    output.error = f"stream error: {_error_message(payload.decode(errors='replace'))}"
-                    return output
-                now = time.perf_counter()
-                if _chunk_text(data):
-                    if num_chunks == 0:
-                        output.ttft = now - started
-                    else:
-                        output.itl.append(now - last)
-                    num_chunks += 1
-                    last = now
-                if usage := data.get("usage"):
-                    output.prompt_len = usage.get("prompt_tokens", output.prompt_len)
-                    output.output_tokens = usage.get("completion_tokens", 0)
-        output.latency = time.perf_counter() - started
-        if not output.output_tokens:
-            output.output_tokens = num_chunks
-        output.success = True
+        return reading.finish()
     except Exception as exc:
         output.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return output

@@ -232,42 +232,65 @@ def encode_body(body: dict[str, Any]) -> bytes:
     return json.dumps(body, separators=(",", ":")).encode()
 
 
+class StreamReading:
+    """One stream's figures as its SSE lines arrive: TTFT, the gap before each chunk that
+    carries text, and the server's usage counts."""
+
+    def __init__(self, output: RequestOutput) -> None:
+        self.output = output
+        self.num_chunks = 0
+        self.started = self.last = time.perf_counter()
+
+    def take(self, line: bytes) -> bool:
+        """One line of the stream; False when it ends the stream (``[DONE]``, an error event)."""
+        if not line.startswith(b"data:"):
+            return True  # blank separators, comments, "event:" lines
+        payload = line[5:].strip().decode()
+        if payload == "[DONE]":
+            return False
+        data = json.loads(payload)
+        if "error" in data:
+            self.output.error = f"stream error: {_error_message(payload)}"
+            return False
+        now = time.perf_counter()
+        if _chunk_text(data):
+            if self.num_chunks == 0:
+                self.output.ttft = now - self.started
+            else:
+                self.output.itl.append(now - self.last)
+            self.num_chunks += 1
+            self.last = now
+        if usage := data.get("usage"):
+            self.output.prompt_len = usage.get("prompt_tokens", self.output.prompt_len)
+            self.output.output_tokens = usage.get("completion_tokens", 0)
+        return True
+
+    def finish(self) -> RequestOutput:
+        """The output once the stream ended: a success unless an error event came."""
+        output = self.output
+        if output.error:
+            return output
+        output.latency = time.perf_counter() - self.started
+        if not output.output_tokens:
+            output.output_tokens = self.num_chunks  # a server without stream usage: one token per chunk
+        output.success = True
+        return output
+
+
 async def send_request(client: StreamClient, path: str, body: bytes, request: BenchRequest) -> RequestOutput:
     """Stream one request; every failure becomes ``RequestOutput.error``, never an exception."""
     output = RequestOutput(prompt_len=request.prompt_len)
-    num_chunks = 0
-    started = last = time.perf_counter()
     try:
+        reading = StreamReading(output)
         async with client.post(path, body) as response:
             if response.status != 200:
                 text = (await response.read()).decode(errors="replace")
                 output.error = f"HTTP {response.status}: {_error_message(text)}"
                 return output
             async for line in response.lines():
-                if not line.startswith(b"data:"):
-                    continue  # blank separators, comments, "event:" lines
-                payload = line[5:].strip().decode()
-                if payload == "[DONE]":
+                if not reading.take(line):
                     break
-                data = json.loads(payload)
-                if "error" in data:
-                    output.error = f"stream error: {_error_message(payload)}"
-                    return output
-                now = time.perf_counter()
-                if _chunk_text(data):
-                    if num_chunks == 0:
-                        output.ttft = now - started
-                    else:
-                        output.itl.append(now - last)
-                    num_chunks += 1
-                    last = now
-                if usage := data.get("usage"):
-                    output.prompt_len = usage.get("prompt_tokens", output.prompt_len)
-                    output.output_tokens = usage.get("completion_tokens", 0)
-        output.latency = time.perf_counter() - started
-        if not output.output_tokens:
-            output.output_tokens = num_chunks  # a server without stream usage: one token per chunk
-        output.success = True
+        return reading.finish()
     except Exception as exc:  # a failed request is counted, not fatal
         output.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
     return output
