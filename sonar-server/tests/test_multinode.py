@@ -8,6 +8,7 @@ that never comes fails the head's start."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -26,17 +27,30 @@ ENGINE = ["--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512", "
 
 
 def _free_port_pair() -> int:
-    """A port P with P + 1 free too (the rendezvous and the control link)."""
-    for _ in range(50):
+    """A port P with P + 1 free too (the rendezvous and the control link), below the kernel's
+    ephemeral range: a port from that range can be taken, before the head binds it, as the source
+    port of one of the follower's connection attempts to P (seen once in CI: "Address already in
+    use" for P + 1)."""
+    low = _ephemeral_range()[0]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low - 1)
         with socket.socket() as first, socket.socket() as second:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
             try:
+                first.bind(("127.0.0.1", port))
                 second.bind(("127.0.0.1", port + 1))
             except OSError:
                 continue
             return port
     raise RuntimeError("no two consecutive free ports")
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
 
 
 class Follower:
