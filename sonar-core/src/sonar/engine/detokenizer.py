@@ -15,15 +15,13 @@ _PROMPT_CONTEXT_TOKENS = 5
 _REPLACEMENT_CHAR = "\ufffd"
 
 
-def _ids_decoder(tokenizer: Any | None, skip_special_tokens: bool) -> Callable[[list[int]], str]:
+def _ids_decoder(tokenizer: Any, skip_special_tokens: bool) -> Callable[[list[int]], str]:
     """``ids -> text`` as ``tokenizer.decode(ids, skip_special_tokens=...)`` computes it; for a
     fast tokenizer that cleans up no spaces, its Rust decoder called directly (what the Python
     wrapper calls, less the wrapper's per-call cost: two decodes a token, every stream)."""
     backend = getattr(tokenizer, "_tokenizer", None)
     if isinstance(backend, tokenizers.Tokenizer) and not getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return functools.partial(backend.decode, skip_special_tokens=skip_special_tokens)
-    if tokenizer is None:
-        return lambda ids: ""
     return functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
@@ -49,7 +47,8 @@ class IncrementalDetokenizer:
         """
         self.tokenizer = tokenizer if params.detokenize else None
         self.params = params
-        self._decode = _ids_decoder(self.tokenizer, params.skip_special_tokens)
+        if self.tokenizer is not None:  # without one, append() returns before decoding
+            self._decode = _ids_decoder(self.tokenizer, params.skip_special_tokens)
         self.stop_strings: list[str] = list(params.stop or [])
         self.max_stop_len = max((len(s) for s in self.stop_strings), default=0)
         self.output_text = ""
