@@ -57,3 +57,24 @@ def test_silu_and_mul(rows: int) -> None:
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up, rtol=2e-6, atol=2e-6)
     assert ops.silu_and_mul(gate_up.to(torch.bfloat16)).dtype == torch.bfloat16  # other dtypes: torch
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (5, 37), (64, 1000), (3, 7)])
+def test_argmax_answers_as_torch_does(rows: int, vocab: int) -> None:
+    generator = torch.Generator().manual_seed(rows * vocab)
+    logits = torch.randn(rows, vocab, generator=generator)
+    assert torch.equal(ops.argmax(logits), logits.argmax(dim=-1))
+    # ties: the first index; NaN: the first NaN; all -inf: 0; -0.0 and 0.0 compare equal
+    hostile = torch.full((6, vocab), -float("inf"))
+    hostile[1, vocab // 2:] = 3.0
+    hostile[2, [vocab - 1, vocab // 3]] = float("nan")
+    hostile[2, 0] = float("inf")
+    hostile[3, :] = 0.0
+    hostile[3, vocab // 2] = -0.0
+    hostile[4, vocab - 1] = float("inf")
+    hostile[5] = torch.randint(0, 3, (vocab,), generator=generator).float()
+    assert torch.equal(ops.argmax(hostile), hostile.argmax(dim=-1))
+    # a strided view is read as its values
+    wide = torch.randn(rows, 2 * vocab, generator=generator)[:, ::2]
+    assert torch.equal(ops.argmax(wide), wide.argmax(dim=-1))
+    assert ops.argmax(logits.to(torch.bfloat16)).dtype == torch.int64  # other dtypes: torch

@@ -112,6 +112,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.silu_and_mul.argtypes = [pointer, pointer, size, size, integer]
     library.write_kv.restype = None
     library.write_kv.argtypes = [pointer, size, pointer, size, pointer, size, size, pointer, size]
+    library.argmax_rows.restype = None
+    library.argmax_rows.argtypes = [pointer, size, size, pointer, integer]
     return library
 
 
