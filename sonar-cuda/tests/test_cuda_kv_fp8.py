@@ -4,6 +4,8 @@ match their float32 references on the same FP8 cache."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from paged_batch import assert_close, dtypes_for, make_paged_batch
@@ -83,6 +85,17 @@ def check_prefill(chunks, num_heads, num_kv_heads, head_dim, page_size, dtype, d
 def test_decode_reads_fp8_small(case: tuple, device: torch.device) -> None:
     for dtype in dtypes_for(device):
         check_decode(*case, dtype, device)
+
+
+@pytest.mark.parametrize("launch", [(32, 1, 5), (128, 4, 2)])
+def test_decode_reads_fp8_under_other_launch_shapes(launch: tuple[int, int, int], device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The FP8 cache's own tile, warps and stages (module constants a benchmark sets) read the
+    same attention, split or not."""
+    module = importlib.import_module("sonar_cuda.kernels.decode_attention")
+    for name, value in zip(("FP8_BLOCK_N", "FP8_NUM_WARPS", "FP8_NUM_STAGES"), launch):
+        monkeypatch.setattr(module, name, value)
+    for case in DECODE_CASES:
+        check_decode(*case, dtypes_for(device)[-1], device)
 
 
 @pytest.mark.parametrize("case", PREFILL_CASES)

@@ -182,6 +182,13 @@ BLOCK_N = 64  # cached tokens per tile
 # 256 x 1,100 193 against 275; the bf16 cache 136-137 and 277-278 with either)
 NUM_WARPS = 4
 FP8_NUM_WARPS = 2
+NUM_STAGES = 3
+# an FP8 cache's tile and stages, apart from the 16-bit cache's: a sweep of the kernel alone
+# found 32-token tiles with 1 warp and 5 stages faster again at 256 sequences (171 against 190
+# us at 1,100 cached tokens); kept at the measured engine choice until an engine run confirms it
+# (``python sonar-cuda/benchmarks/kv_fp8.py --fp8-launch 32:1:5`` measures it beside this one)
+FP8_BLOCK_N = 64
+FP8_NUM_STAGES = 3
 
 
 def _num_sms(device: torch.device) -> int:
@@ -201,9 +208,9 @@ def decode_attention(
     max_seq_len: int | None = None,
     num_splits: int | None = None,
     sliding_window: int | None = None,
-    block_n: int = BLOCK_N,
+    block_n: int | None = None,
     num_warps: int | None = None,
-    num_stages: int = 3,
+    num_stages: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
@@ -235,8 +242,12 @@ def decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     split = num_splits > 1
     kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if block_n is None:
+        block_n = FP8_BLOCK_N if kv_fp8 else BLOCK_N
     if num_warps is None:
         num_warps = FP8_NUM_WARPS if kv_fp8 else NUM_WARPS
+    if num_stages is None:
+        num_stages = FP8_NUM_STAGES if kv_fp8 else NUM_STAGES
     if split:
         part_out = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
         part_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
