@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,7 @@ from sonar.outputs import Logprob
 from sonar_server import strict_json
 from sonar_server.parsers import ToolCallStream, make_tool_parser
 from sonar_server.parsers.base import arguments_text
-from sonar_server.strict_json import StrictJSONResponse, finite, finite_logprob
+from sonar_server.strict_json import StrictJSONResponse, dumps_float_free, finite, finite_logprob
 from sonar_server.surfaces.openai.logprobs import chat_logprobs, completion_logprobs
 from sonar_server.tool_calling import OutputParser, ToolPlan, ToolSpec, template_message_tool_calls
 
@@ -362,3 +363,21 @@ def test_grammar_plans_and_helpers_refuse_non_finite_numbers() -> None:
     # a client's earlier call with NaN arguments reaches the template as the text it sent
     history = template_message_tool_calls([{"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"x": NaN}'}}])
     assert history[0]["function"]["arguments"] == '{"x": NaN}'
+
+
+def test_float_free_chunks_are_written_as_dumps_writes_them() -> None:
+    """The stream's fast encoder writes the same bytes as ``dumps`` for payloads without floats:
+    control characters, quotes, backslashes, line separators and astral characters included."""
+    rng = random.Random(7)
+    alphabet = [chr(i) for i in range(0x80)] + ["é", "\u2028", "\u2029", "😀", "\ufeff", "\u0085", "ー", "\ufffd"]
+    for _ in range(2000):
+        text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 16)))
+        payload = {
+            "id": "cmpl-1", "object": "text_completion", "created": 1_700_000_000, "model": "m/ü",
+            "choices": [{"index": rng.randint(0, 3), "text": text, "logprobs": None, "finish_reason": rng.choice([None, "stop"]),
+                         "stop_reason": rng.choice([None, 2, text]), "delta": {"tool_calls": [{"index": 0, "function": {"arguments": text}}]}}],
+            "usage": rng.choice([None, {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}]), "flag": rng.choice([True, False]),
+        }
+        assert dumps_float_free(payload) == strict_json.dumps(payload).encode("utf-8")
+    # a float that gets in anyway still comes out as RFC 8259 JSON
+    assert dumps_float_free({"a": float("nan"), "b": float("-inf"), "c": 0.5}) == b'{"a":null,"b":null,"c":0.5}'

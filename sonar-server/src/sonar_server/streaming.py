@@ -23,6 +23,12 @@ def sse_data(payload: Any) -> str:
     return f"data: {strict_json.dumps(payload)}\n\n"
 
 
+def sse_data_float_free(payload: Any) -> bytes:
+    """``sse_data`` of a payload that holds no float (see ``strict_json.dumps_float_free``):
+    the same event, written faster, as bytes."""
+    return b"data: " + strict_json.dumps_float_free(payload) + b"\n\n"
+
+
 def sse_event(event: str, payload: Any) -> str:
     """One named event whose ``data:`` is RFC 8259 JSON."""
     return f"event: {event}\ndata: {strict_json.dumps(payload)}\n\n"

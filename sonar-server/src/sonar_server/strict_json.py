@@ -17,6 +17,7 @@ import json
 import math
 from typing import Any
 
+import msgspec
 from starlette.responses import JSONResponse
 
 NEG_INF_STAND_IN = -9999.0
@@ -59,6 +60,19 @@ def dumps(obj: Any) -> str:
         return _ENCODER.encode(obj)
     except ValueError:  # a non-finite float somewhere: pay for the walk only then
         return _ENCODER.encode(finite(obj))
+
+
+_FLOAT_FREE_ENCODER = msgspec.json.Encoder()
+
+
+def dumps_float_free(obj: Any) -> bytes:
+    """``obj`` as compact UTF-8 JSON, for values that hold no float (strings, integers, bools,
+    None, and lists and dicts of them: a stream's content chunks). msgspec writes these about
+    ten times faster than ``dumps``, byte for byte the same. Should a float get in anyway it is
+    written in its shortest form, a non-finite one as ``null``: still RFC 8259, but ``-inf``
+    does not get its ``-9999.0`` stand-in, so values that can hold logprobs go through
+    ``dumps``."""
+    return _FLOAT_FREE_ENCODER.encode(obj)
 
 
 class StrictJSONResponse(JSONResponse):

@@ -16,7 +16,7 @@ from sonar_server.json_closer import closing_suffix
 from sonar_server.prompts import decode_tokens, encode_prompt
 from sonar_server.sampling import build_sampling_params
 from sonar_server.state import ServerState
-from sonar_server.streaming import EventStreamResponse, merge, sse_data, unless_disconnected
+from sonar_server.streaming import EventStreamResponse, merge, sse_data, sse_data_float_free, unless_disconnected
 from sonar_server.strict_json import StrictJSONResponse
 from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
@@ -152,21 +152,22 @@ async def _stream(
     generations: list[Generation],
     echo_texts: list[str],
     include_usage: bool,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[str | bytes]:
     created = int(time.time())
     model = body.model or state.model_name
     text_offsets: dict[int, int] = {}
     texts: dict[int, str] = {}  # the generated text so far, for closing a json_object cut short
     closes_json = _closes_json(body)
 
-    def chunk(index: int, text: str, logprobs: Any = None, finish_reason: str | None = None, stop_reason: Any = None) -> str:
+    def chunk(index: int, text: str, logprobs: Any = None, finish_reason: str | None = None, stop_reason: Any = None) -> str | bytes:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
         payload: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
         if include_usage:
             payload["usage"] = None
         if finish_reason is not None and len(generations) == 1 and generations[0].kv_transfer_params is not None:
             payload["kv_transfer_params"] = generations[0].kv_transfer_params  # on the finishing chunk, as vLLM
-        return sse_data(payload)
+            return sse_data(payload)
+        return sse_data(payload) if logprobs is not None else sse_data_float_free(payload)
 
     merged = merge([g.deltas() for g in generations])
     try:
