@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sonar import ops
 from sonar.registry import load_registered, speculative_proposers
 from sonar.sampler.logprobs import LogprobsTensors, compute_logprobs
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
@@ -92,7 +93,7 @@ class SpeculativeDecoder:
         positions = [state for state, tokens in zip(states, drafts) for _ in range(len(tokens) + 1)]
         meta = SamplingMetadata.build(positions, logits.shape[-1], logits.device)
         processed = sampler.process(logits, meta)
-        greedy_ids = None if meta.all_random else processed.argmax(dim=-1)
+        greedy_ids = None if meta.all_random else ops.argmax(processed)
         if meta.all_greedy:  # the argmax is the emitted token everywhere; the host counts the kept drafts
             return VerifiedStep(layout, VerifyResult(greedy_ids, None), self._logprobs(logits, greedy_ids, meta))
         probs = sampler.final_probabilities(processed, meta)
