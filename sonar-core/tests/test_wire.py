@@ -53,8 +53,11 @@ def _garbage(rng: random.Random) -> list[list[bytes]]:
     cases += [[kind, pickle.dumps(_Exploit())] for kind in (wire.ADD, wire.ABORT, wire.OUTPUTS)]
     cases += [[wire.ADD, bytes(valid[1])[:-3]], [wire.ADD, bytes(valid[1]) + b"\x00"], [wire.ADD]]
     bad_params = msgspec.msgpack.decode(bytes(valid[1]))
-    bad_params[2]["temperature"] = -1
+    bad_params[0], bad_params[2]["temperature"] = "bad-params", -1
     cases.append([wire.ADD, msgspec.msgpack.encode(bad_params)])
+    bad_type = msgspec.msgpack.decode(bytes(valid[1]))
+    bad_type[0], bad_type[2]["skip_special_tokens"] = "bad-type", {"a": 1}
+    cases.append([wire.ADD, msgspec.msgpack.encode(bad_type)])
     ext = msgspec.msgpack.decode(bytes(valid[1]))
     ext[1] = msgspec.msgpack.Ext(wire.ARRAY_EXT, (7).to_bytes(4, "little"))
     cases.append([wire.ADD, msgspec.msgpack.encode(ext)])
@@ -117,7 +120,8 @@ def test_engine_core_process_drops_garbage_and_serves_on(tmp_path: Path) -> None
                 elif output.finish_reason == "abort":
                     rejected.append(output.req_id)
         assert len(tokens) == 4 and engines.processes[0].poll() is None
-        assert rejected == ["bad-vocab", "bad-n", "bad-len"]  # decoded but refused: each ends at once
+        # what does not decode but names its id, and what decoded but cannot run, each ends at once
+        assert [r for r in rejected if r != "ok"] == ["bad-params", "bad-type", "bad-vocab", "bad-n", "bad-len"]
         assert not Path("/nonexistent-sonar-marker").exists()
     finally:
         engines.terminate()

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import json
+
 import anthropic
 import httpx
 import openai
 import pytest
+
+
+def escaped(body: dict) -> bytes:
+    """``body`` as ASCII JSON: a lone surrogate goes out as its ``\\uXXXX`` escape (no UTF-8 holds it)."""
+    return json.dumps(body).encode()
+
 
 LONG_PROMPT = "word " * 2000  # far more than the 512-token context
 TEN_MB = b'{"prompt": "' + b"a" * (10 * 1024 * 1024) + b'"}'
@@ -51,6 +59,11 @@ CASES = [
         ("bad sampling field", {**COMPLETION, "top_p": 7}, 400),
         ("malformed JSON", b'{"prompt": "Hel', 400),
         ("invalid UTF-8", b'{"prompt": "\xff\xfe\xfd"}', 400),
+        ("lone surrogate escape", escaped({**COMPLETION, "prompt": "Hel\ud800lo"}), 400),
+        ("lone surrogate in a stop string", escaped({**COMPLETION, "stop": ["\udc00"]}), 400),
+        ("engine field of the wrong type", {**COMPLETION, "skip_special_tokens": {"a": 1}}, 400),
+        ("stop of the wrong type", {**COMPLETION, "stop_token_ids": 7}, 400),
+        ("logit_bias values not numbers", {**COMPLETION, "logit_bias": {"5": []}}, 400),
         ("10 MB body", TEN_MB, 413),
     ]),
     ("/v1/chat/completions", CHAT, openai_error, [
@@ -60,6 +73,8 @@ CASES = [
         ("unknown model", {**CHAT, "model": "gpt-17"}, 404),
         ("prompt longer than the context", {**CHAT, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400),
         ("huge max_tokens", {**CHAT, "max_completion_tokens": 10**9}, 400),
+        ("lone surrogate escape", escaped({**CHAT, "messages": [{"role": "user", "content": "\udbff"}]}), 400),
+        ("engine field of the wrong type", {**CHAT, "ignore_eos": "yes"}, 400),
         ("malformed JSON", b"[[[", 400),
     ]),
     ("/v1/messages", MESSAGES, anthropic_error, [
@@ -72,6 +87,7 @@ CASES = [
         ("prompt longer than the context", {**MESSAGES, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400),
         ("malformed JSON", b'{"model":', 400),
         ("invalid UTF-8", b'{"model": "\xc3\x28"}', 400),
+        ("lone surrogate escape", escaped({**MESSAGES, "system": "\ud800"}), 400),
         ("10 MB body", TEN_MB, 413),
     ]),
     ("/api/v1/generate", KOBOLD, kobold_error, [
@@ -80,6 +96,8 @@ CASES = [
         ("huge max_length", {**KOBOLD, "max_length": 10**9}, 400),
         ("huge n", {**KOBOLD, "n": 10**6}, 400),
         ("prompt longer than the context", {**KOBOLD, "prompt": LONG_PROMPT}, 400),
+        ("lone surrogate escape", escaped({**KOBOLD, "prompt": "\ud800"}), 400),
+        ("engine field of the wrong type", {**KOBOLD, "skip_special_tokens": []}, 400),
         ("malformed JSON", b"{prompt: Hello}", 400),
         ("10 MB body", TEN_MB, 413),
     ]),
@@ -98,6 +116,19 @@ def test_bad_requests_get_4xx_in_the_api_format(server, path, good, parse_error,
             assert parse_error(response), f"{case}: empty error message"
             assert http.post(path, json=good).status_code == 200, f"a good request after {case!r} failed"
     assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_token_counting_refuses_lone_surrogates(server):
+    """The tokenizing endpoints, which run no generation, answer a lone surrogate with a 400 too."""
+    for path, body, parse_error in (
+        ("/tokenize", {"prompt": "a\ud800"}, openai_error),
+        ("/v1/messages/count_tokens", {**MESSAGES, "messages": [{"role": "user", "content": "\ud800"}]}, anthropic_error),
+        ("/api/extra/tokencount", {"prompt": "\ud800"}, kobold_error),
+    ):
+        response = httpx.post(f"{server.url}{path}", content=escaped(body), headers={"content-type": "application/json"})
+        assert response.status_code == 400 and "surrogate" in parse_error(response), (path, response.text[:300])
+    emoji = httpx.post(f"{server.url}/tokenize", content=b'{"prompt": "\\ud83d\\ude00"}', headers={"content-type": "application/json"})
+    assert emoji.status_code == 200  # an escaped pair is one character, not a lone surrogate
 
 
 def test_error_messages_say_what_was_wrong(server):

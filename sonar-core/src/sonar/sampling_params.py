@@ -6,9 +6,19 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from sonar.structured_output.params import GuidedDecodingParams
 
 _GREEDY_EPS = 1e-5
+_FLOAT_FIELDS = (
+    "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+    "repetition_penalty_slope", "dry_multiplier", "dry_base", "xtc_threshold", "xtc_probability",
+    "mirostat_tau", "mirostat_eta", "typical_p", "tfs", "top_a", "eta_cutoff", "epsilon_cutoff",
+    "nsigma", "smoothing_factor", "smoothing_curve", "dynatemp_min", "dynatemp_max",
+    "dynatemp_exponent", "skew",
+)  # fmt: skip
+_BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "temperature_last")
 DEFAULT_DRY_SEQUENCE_BREAKERS = ["\n", ":", '"', "*"]
 
 
@@ -96,12 +106,29 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            if not isinstance(value, (list, tuple, type(None))):
+                raise ValueError(f"{name} must be a list, got {value!r}")
+            setattr(self, name, list(value or []))
         if self.top_k == -1:
             self.top_k = 0
+        for name in _BOOL_FIELDS:  # 0 and 1 read as booleans (as pydantic reads them); the rest must be one
+            value = getattr(self, name)
+            if type(value) is int and value in (0, 1):
+                setattr(self, name, bool(value))
+        for name in _FLOAT_FIELDS:  # integers read as floats (one past a double's range stays, and is refused)
+            value = getattr(self, name)
+            if type(value) is int:
+                try:
+                    setattr(self, name, float(value))
+                except OverflowError:
+                    pass
         if isinstance(self.logit_bias, dict):
-            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
+            except (TypeError, ValueError, OverflowError):
+                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if isinstance(self.dry_sequence_breakers, str):
@@ -127,27 +154,24 @@ class SamplingParams:
                 raise ValueError(message)
 
         def is_int(value: object) -> bool:
-            return isinstance(value, int) and not isinstance(value, bool)
+            """An integer a 64-bit signed field holds."""
+            return isinstance(value, int) and not isinstance(value, bool) and -(2**63) <= value < 2**63
 
         def is_token_list(value: object) -> bool:
             return isinstance(value, list) and all(is_int(t) and t >= 0 for t in value)
 
-        floats = (
-            "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
-            "repetition_penalty_slope", "dry_multiplier", "dry_base", "xtc_threshold", "xtc_probability",
-            "mirostat_tau", "mirostat_eta", "typical_p", "tfs", "top_a", "eta_cutoff", "epsilon_cutoff",
-            "nsigma", "smoothing_factor", "smoothing_curve", "dynatemp_min", "dynatemp_max",
-            "dynatemp_exponent", "skew",
-        )  # fmt: skip
-        for name in floats:
+        for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-            check(ok, f"{name} must be a finite number, got {value!r}")
+            ok = isinstance(value, float) or (is_int(value) and abs(value) < 2**63)
+            check(ok and math.isfinite(value), f"{name} must be a finite number, got {value!r}")
         ints = ("n", "min_tokens", "top_k", "repetition_penalty_range", "dry_allowed_length", "dry_range",
                 "mirostat_mode", "no_repeat_ngram_size")  # fmt: skip
         for name in ints:
             value = getattr(self, name)
             check(is_int(value), f"{name} must be an integer, got {value!r}")
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            check(isinstance(value, bool), f"{name} must be a boolean, got {value!r}")
 
         # vLLM's fields
         check(self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
@@ -175,14 +199,14 @@ class SamplingParams:
             value = getattr(self, name)
             check(value is None or (is_int(value) and 0 <= value <= 20), f"{name} must be an integer in [0, 20], got {value!r}")
         check(
-            self.seed is None or (is_int(self.seed) and -(2**63) <= self.seed < 2**64),
+            self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool) and -(2**63) <= self.seed < 2**64),
             f"seed must be a 64-bit integer, got {self.seed!r}",
         )
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         check(is_token_list(self.stop_token_ids), "stop_token_ids must be non-negative integers")
         check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias must map token ids to numbers")
         for token_id, bias in (self.logit_bias or {}).items():
-            check(token_id >= 0 and math.isfinite(bias), f"logit_bias entry {token_id}: {bias} is invalid")
+            check(is_int(token_id) and token_id >= 0 and math.isfinite(bias), f"logit_bias entry {token_id}: {bias} is invalid")
         check(
             isinstance(self.logits_processors, list) and all(isinstance(n, str) for n in self.logits_processors),
             "logits_processors must be a list of registered processor names",
@@ -239,7 +263,6 @@ class SamplingParams:
         )
         check(self.dynatemp_exponent >= 0.0, f"dynatemp_exponent must be >= 0, got {self.dynatemp_exponent}")
         check(self.no_repeat_ngram_size >= 0, f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
-        check(isinstance(self.temperature_last, bool), f"temperature_last must be a boolean, got {self.temperature_last!r}")
         if self.sampler_priority is not None:
             check(isinstance(self.sampler_priority, list), f"sampler_priority must be a list, got {self.sampler_priority!r}")
             table = _stage_table()
@@ -248,6 +271,15 @@ class SamplingParams:
             except ValueError as exc:
                 raise ValueError(f"sampler_priority: {exc}") from None
             check(len(set(names)) == len(names), f"sampler_priority lists a stage twice: {self.sampler_priority}")
+
+        # free-form values still have to cross the engine-core wire
+        for name in ("extra_args", "kv_transfer_params"):
+            value = getattr(self, name)
+            if value is not None:
+                try:
+                    msgspec.msgpack.encode(value)
+                except (TypeError, ValueError, OverflowError) as exc:
+                    raise ValueError(f"{name} holds a value that cannot be sent: {exc}") from None
 
         # plugins' stages
         if self.extra_args is not None:

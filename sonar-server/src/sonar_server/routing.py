@@ -4,7 +4,9 @@ RFC 8259 JSON (``StrictJSONResponse``)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +26,7 @@ ErrorRenderer = Callable[[ApiError], Response]
 _BODY_METHODS = {"POST", "PUT", "PATCH"}
 _DRAIN_FACTOR = 8  # bodies up to 8x the limit are read and dropped, so the client sees the 413
 _LENIENT_CONTENT_TYPES = ("", "application/x-www-form-urlencoded", "text/plain")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape of a UTF-16 surrogate
 
 
 def surface_router(render_error: ErrorRenderer, guarded: bool = True, tags: list[str] | None = None) -> APIRouter:
@@ -86,6 +89,8 @@ async def read_body(request: Request, limit: int) -> bytes:
         body.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ApiError(400, f"the request body is not valid UTF-8 (bad byte at offset {exc.start})") from exc
+    if _SURROGATE_ESCAPE.search(body):
+        _refuse_lone_surrogates(body)
     request._body = body  # FastAPI's body parsing reads it from here
     content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if body and content_type in _LENIENT_CONTENT_TYPES:
@@ -94,3 +99,26 @@ async def read_body(request: Request, limit: int) -> bytes:
         if hasattr(request, "_headers"):
             del request._headers
     return body
+
+
+def _refuse_lone_surrogates(body: bytes) -> None:
+    """A 400 for a JSON body whose strings hold a lone UTF-16 surrogate (``"\\ud800"`` with no
+    partner): valid JSON syntax, but no Unicode text, so no tokenizer or encoder can take it.
+    Escaped pairs (an emoji written as two escapes) read as the one character they are."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return  # not JSON (or nested past the parser's depth): the handler's own parsing says so
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ApiError(400, f"the request body holds a lone UTF-16 surrogate (\\u{ord(item[exc.start]):04x}): not valid Unicode text") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)

@@ -113,7 +113,13 @@ class EngineCoreProc:
         kind = frames[0].bytes if frames else b""
         try:
             if kind == wire.ADD:
-                request = wire.decode_request([f.buffer for f in frames])
+                try:
+                    request = wire.decode_request([f.buffer for f in frames])
+                except wire.BadFrame as exc:  # tell its sender, where the id can be read, so nothing waits for it
+                    request_id = wire.request_id_of([f.buffer for f in frames])
+                    if request_id is not None:
+                        self._reject_id(request_id, client_index, str(exc))
+                    raise
                 try:
                     self._prepare(request)
                 except ValueError as exc:
@@ -150,10 +156,13 @@ class EngineCoreProc:
     def _reject(self, request: EngineCoreRequest, reason: str, kind: str = wire.REJECTED) -> None:
         """A request that decoded but cannot run ends at once, so its frontend never waits
         (and raises: ``wire.rejection`` reads the reason back)."""
+        self._reject_id(request.request_id, request.client_index, reason, kind)
+
+    def _reject_id(self, request_id: str, client_index: int, reason: str, kind: str = wire.REJECTED) -> None:
         logger.warning("engine core %d rejected a request: %s", self.engine_index, reason)
-        if 0 <= request.client_index < len(self.clients):
-            output = EngineCoreOutput(request.request_id, [], finish_reason="abort", stop_reason=f"{kind}{reason}")
-            self.sends.put((request.client_index, self._outputs_message([output])))
+        if 0 <= client_index < len(self.clients):
+            output = EngineCoreOutput(request_id, [], finish_reason="abort", stop_reason=f"{kind}{reason}")
+            self.sends.put((client_index, self._outputs_message([output])))
 
     def _grammar_compiler(self) -> Any:
         from sonar.engine.resolve import load_tokenizer

@@ -52,6 +52,7 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=T
 
 # stop_reason prefixes of a request an engine core refused (finish_reason "abort", no tokens)
 REJECTED = "rejected: "
+MAX_REQUEST_ID_CHARS = 512  # an id read from a message that did not decode is believed up to this length
 REJECTED_ADAPTER_IN_USE = "rejected (adapter being removed): "
 
 
@@ -222,6 +223,20 @@ def decode_request(frames: list[Any]) -> EngineCoreRequest:
 
 def encode_abort(request_ids: list[str]) -> list[Any]:
     return [ABORT, _ENCODER.encode(AbortRequests(request_ids))]
+
+
+def request_id_of(frames: list[Any]) -> str | None:
+    """The request id of an add message that does not decode as a whole (its first field, read
+    with no schema), so the sender can be told; None where even that cannot be read."""
+    if len(frames) < 2:
+        return None
+    try:
+        fields = msgspec.msgpack.decode(frames[1])
+    except (msgspec.DecodeError, ValueError, TypeError):
+        return None
+    if isinstance(fields, list) and fields and isinstance(fields[0], str) and 0 < len(fields[0]) <= MAX_REQUEST_ID_CHARS:
+        return fields[0]
+    return None
 
 
 def decode_abort(frames: list[Any]) -> AbortRequests:

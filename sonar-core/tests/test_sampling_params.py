@@ -1,0 +1,46 @@
+"""Sampling parameters refuse what they cannot carry: whatever the constructor accepts crosses
+the engine-core wire, so no request is admitted that the engine core would drop unread."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+
+from sonar.engine import wire
+from sonar.sampling_params import SamplingParams
+
+HOSTILE = [None, True, False, 0, 1, 2, -1, 2**63, 2**64, 10**30, 0.5, -0.5, float("nan"), float("inf"), "", "x", "true",
+           [], [1], ["a"], [[1]], [None], {}, {"a": 1}, {"1": 2.0}, {"1": []}, {"x": 1}, {"ns.x": 1}]  # fmt: skip
+
+
+def test_whatever_is_accepted_crosses_the_wire() -> None:
+    rng = random.Random(0)
+    names = [f.name for f in dataclasses.fields(SamplingParams)]
+    accepted = 0
+    for _ in range(3000):
+        values = {name: rng.choice(HOSTILE) for name in rng.sample(names, rng.choice([1, 1, 2, 3]))}
+        try:
+            params = SamplingParams(**values)
+        except ValueError:
+            continue  # refused with a message: the server's 400
+        accepted += 1
+        request = wire.EngineCoreRequest("r", [1, 2], params, 4, 0.0)
+        decoded = wire.decode_request([bytes(frame) for frame in wire.encode_request(request)])
+        assert decoded.sampling_params == params, values
+    assert accepted > 150  # the fuzz reached accepted values too
+
+
+@pytest.mark.parametrize("name", ["ignore_eos", "skip_special_tokens", "detokenize", "include_stop_str_in_output", "temperature_last"])
+def test_booleans_take_booleans_and_read_0_and_1_as_them(name: str) -> None:
+    assert getattr(SamplingParams(**{name: 1}), name) is True and getattr(SamplingParams(**{name: 0}), name) is False
+    for value in ({"a": 1}, [], "yes", 2, 0.5, None):
+        with pytest.raises(ValueError, match=f"{name} must be a boolean"):
+            SamplingParams(**{name: value})
+
+
+def test_containers_of_the_wrong_type_are_refused_naming_the_field() -> None:
+    for values, field in (({"stop": 5}, "stop"), ({"stop_token_ids": 7}, "stop_token_ids"), ({"logit_bias": {"1": []}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias")):
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**values)
