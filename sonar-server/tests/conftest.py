@@ -116,9 +116,9 @@ def embedded_server() -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="session")
 def tools_server(tiny_model: str) -> Iterator[ServerProcess]:
-    """A second server with automatic tool choice and a reasoning parser, shared by the
+    """A second server with automatic tool choice, a reasoning parser and request chat templates allowed, shared by the
     structured-output, tool and reasoning tests (started on first use)."""
-    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"]
+    flags = ["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--trust-request-chat-template"]
     process = ServerProcess(
         [tiny_model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512", *flags]
     )

@@ -62,6 +62,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to let running requests finish after SIGTERM before aborting them")
     group.add_argument("--retry-after", type=int, default=1, help="seconds clients are told to wait (Retry-After) when the server is full")
+    group.add_argument(
+        "--trust-request-chat-template", action="store_true",
+        help="let chat requests bring their own chat template (chat_template, or chat_template_kwargs.chat_template); off by default: a template is a program the server runs, and a hostile one can burn its CPU and memory",
+    )
     group.add_argument("--kobold-max-length", type=int, default=100, help="KoboldAI max_length when a request leaves it out")
     group.add_argument(
         "--tool-call-parser", default=None, metavar="NAME",
@@ -133,6 +137,7 @@ def settings_from(args: argparse.Namespace, default_model_name: str, default_sam
         allow_runtime_lora_updating=args.allow_runtime_lora_updating,
         lora_root=os.path.realpath(args.lora_root) if args.lora_root else None,
         api_server_count=args.api_server_count,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 

@@ -28,6 +28,11 @@ async def render_chat(
     tokenizer = state.require_tokenizer()
     if not messages:
         raise ApiError(400, "messages must not be empty", param="messages")
+    if "chat_template" in (template_kwargs or {}) and not state.settings.trust_request_chat_template:
+        raise ApiError(
+            400, "this server does not run chat templates sent with requests (the operator may allow them with --trust-request-chat-template)",
+            param="chat_template",
+        )
     if getattr(tokenizer, "chat_template", None) is None:
         raise ApiError(400, "this model has no chat template; use the completions API instead")
 

@@ -31,6 +31,7 @@ class ServerSettings:
     allow_runtime_lora_updating: bool = False  # --allow-runtime-lora-updating
     lora_root: str | None = None  # --lora-root, as a real path
     api_server_count: int = 1  # API servers sharing the engine cores (runtime adapter ids are spread over them)
+    trust_request_chat_template: bool = False  # --trust-request-chat-template: requests may bring their own chat template
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -63,6 +63,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     plan.adapt_to(state.require_tokenizer())
     guide = plan.constraint(body_guide(body, body.response_format))
     template_kwargs = dict(body.chat_template_kwargs or {})
+    if body.chat_template is not None:
+        template_kwargs["chat_template"] = body.chat_template
     messages = plan.render_inputs(message_dicts(body.messages), template_kwargs)
     prompt_text, prompt_ids = await render_chat(state, messages, body.add_generation_prompt, body.continue_final_message, template_kwargs)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

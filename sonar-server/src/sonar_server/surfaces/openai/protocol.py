@@ -96,6 +96,7 @@ class ChatCompletionRequest(_GenerationBody):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template: str | None = None  # with --trust-request-chat-template only
     chat_template_kwargs: dict[str, Any] | None = None
 
 
