@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 import torch
@@ -379,3 +380,28 @@ def test_unknown_logits_processor_names_the_registered_ones() -> None:
     meta = SamplingMetadata.build([make_state(SamplingParams(logits_processors=["nope"]))], VOCAB, torch.device("cpu"))
     with pytest.raises(ValueError, match="'nope' is not registered"):
         Sampler()(random_logits(1), meta)
+
+
+def test_banned_ids_match_the_definition_on_random_contexts() -> None:
+    """The per-request index of bad words (by each word's second-to-last token) bans exactly what
+    comparing every word with the end of the context bans."""
+
+    def by_definition(state: RequestSamplingState) -> list[int]:
+        context = state.prompt_token_ids + state.output_token_ids
+        banned = list(state.min_tokens_blocked_ids())
+        for word in state.params.bad_words_token_ids or ():
+            prefix = word[:-1]
+            if not prefix or (len(context) >= len(prefix) and context[len(context) - len(prefix):] == prefix):
+                banned.append(word[-1])
+        return banned
+
+    rng = random.Random(3)
+    for _ in range(300):
+        alphabet = rng.randint(2, 6)
+        words = [[rng.randrange(alphabet) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 30))]
+        params = SamplingParams(bad_words_token_ids=words, min_tokens=rng.choice([0, 3]), stop_token_ids=[1])
+        state = RequestSamplingState(params, [rng.randrange(alphabet) for _ in range(rng.randint(0, 5))], [], None, [0])
+        for _ in range(rng.randint(0, 8)):
+            assert sorted(state.banned_ids()) == sorted(by_definition(state))
+            state.output_token_ids.append(rng.randrange(alphabet))
+        assert sorted(state.banned_ids()) == sorted(by_definition(state))

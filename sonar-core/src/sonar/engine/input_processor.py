@@ -146,15 +146,14 @@ class InputProcessor:
         if params.bad_words and params.bad_words_token_ids is None:
             if tokenizer is None:
                 raise ValueError("bad_words needs a tokenizer; send bad_words_token_ids instead")
-            sequences: list[list[int]] = []
-            for word in params.bad_words:
-                for variant in (word, " " + word.lstrip()):
-                    ids = tokenizer.encode(variant, add_special_tokens=False)
-                    if ids and ids not in sequences:
-                        sequences.append(ids)
-            changes["bad_words_token_ids"] = sequences
+            variants = [variant for word in params.bad_words for variant in (word, " " + word.lstrip())]
+            sequences: dict[tuple[int, ...], None] = {}  # first-seen order, no repeats
+            for ids in _encode_all(tokenizer, variants):
+                if ids:
+                    sequences.setdefault(tuple(ids))
+            changes["bad_words_token_ids"] = [list(ids) for ids in sequences]
         if params.dry_multiplier > 0 and params.dry_sequence_breaker_ids is None and tokenizer is not None:
-            breaker_ids = {t for text in params.dry_sequence_breakers for t in tokenizer.encode(text, add_special_tokens=False)}
+            breaker_ids = {t for ids in _encode_all(tokenizer, params.dry_sequence_breakers) for t in ids}
             changes["dry_sequence_breaker_ids"] = sorted(breaker_ids)
         return params.clone(**changes) if changes else params
 
@@ -172,3 +171,13 @@ class InputProcessor:
 
         config = self.config
         get_grammar_compiler(config.model, self.tokenizer, config.vocab_size, list(config.eos_token_ids)).compile(params.guided_decoding)
+
+
+def _encode_all(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """Each text's ids without special tokens, as ``tokenizer.encode`` gives them, in one
+    batched call where the tokenizer takes one."""
+    if not texts:
+        return []
+    if callable(tokenizer) and getattr(tokenizer, "is_fast", False):
+        return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    return [tokenizer.encode(text, add_special_tokens=False) for text in texts]

@@ -30,6 +30,9 @@ class RequestSamplingState:
     prompt_ids_tensor: torch.Tensor | None = field(default=None, repr=False)  # cached, CPU int64
     mirostat_mu: float | None = None  # None: not started (2 * tau)
     reads_output_tokens: bool = field(init=False)  # sampling needs the earlier tokens' values
+    # the request's fixed constraints in the form each step reads, built once (a request may
+    # carry a whole vocabulary of them: per step they are then copies, not Python loops)
+    _constraints: dict[str, Any] = field(init=False, repr=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         self.reads_output_tokens = self.params.reads_output_tokens
@@ -38,6 +41,57 @@ class RequestSamplingState:
         if self.prompt_ids_tensor is None:
             self.prompt_ids_tensor = torch.tensor(self.prompt_token_ids, dtype=torch.int64)
         return self.prompt_ids_tensor
+
+    def logit_bias_tensors(self, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(ids, biases)`` of ``logit_bias`` inside the vocabulary, CPU int64 / float32."""
+        key = ("logit_bias", vocab_size)
+        if key not in self._constraints:
+            pairs = [(t, b) for t, b in (self.params.logit_bias or {}).items() if 0 <= t < vocab_size]
+            self._constraints[key] = (
+                torch.tensor([t for t, _ in pairs], dtype=torch.int64),
+                torch.tensor([b for _, b in pairs], dtype=torch.float32),
+            )
+        return self._constraints[key]
+
+    def allowed_mask(self, vocab_size: int) -> torch.Tensor:
+        """``[V]`` bool: True for ``allowed_token_ids`` inside the vocabulary."""
+        key = ("allowed", vocab_size)
+        if key not in self._constraints:
+            keep = torch.zeros(vocab_size, dtype=torch.bool)
+            keep[[t for t in self.params.allowed_token_ids or () if 0 <= t < vocab_size]] = True
+            self._constraints[key] = keep
+        return self._constraints[key]
+
+    def banned_ids(self) -> list[int]:
+        """Token ids this step may not sample: eos/stop ids before ``min_tokens``, and the last
+        token of each bad word whose earlier tokens end the context (a one-token bad word always).
+        Only the words whose prefix ends in the context's last token are compared."""
+        banned = self.min_tokens_blocked_ids()
+        words = self.params.bad_words_token_ids
+        if not words:
+            return banned
+        index = self._constraints.get("bad_words")
+        if index is None:
+            always = [word[-1] for word in words if len(word) == 1]
+            by_last: dict[int, list[list[int]]] = {}
+            for word in words:
+                if len(word) > 1:
+                    by_last.setdefault(word[-2], []).append(word)
+            index = self._constraints["bad_words"] = (always, by_last)
+        always, by_last = index
+        banned = banned + always
+        context_end = self.output_token_ids[-1] if self.output_token_ids else (self.prompt_token_ids[-1] if self.prompt_token_ids else None)
+        for word in by_last.get(context_end, ()):  # type: ignore[arg-type]
+            if self._context_ends_with(word[:-1]):
+                banned.append(word[-1])
+        return banned
+
+    def _context_ends_with(self, prefix: list[int]) -> bool:
+        output, n = self.output_token_ids, len(prefix)
+        if len(output) >= n:
+            return output[-n:] == prefix
+        head = n - len(output)
+        return len(self.prompt_token_ids) >= head and self.prompt_token_ids[-head:] + output == prefix
 
     def min_tokens_blocked_ids(self) -> list[int]:
         """Token ids that may not be sampled yet because min_tokens is not reached."""

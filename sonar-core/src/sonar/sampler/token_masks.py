@@ -31,57 +31,36 @@ def _pairs(rows: list[int], ids: list[int], device: torch.device) -> tuple[torch
 def build_banned(
     states: list["RequestSamplingState"], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(rows, ids) to set to -inf: eos/stop ids before min_tokens, and the last token of each
-    bad word whose earlier tokens end the context (a one-token bad word is always banned)."""
+    """(rows, ids) to set to -inf: each state's ``banned_ids`` inside the vocabulary."""
     rows: list[int] = []
     ids: list[int] = []
     for row, state in enumerate(states):
-        banned = list(state.min_tokens_blocked_ids())
-        for word in state.params.bad_words_token_ids or ():
-            prefix = word[:-1]
-            if not prefix or _ends_with(state, prefix):
-                banned.append(word[-1])
-        for token_id in banned:
+        for token_id in state.banned_ids():
             if 0 <= token_id < vocab_size:
                 rows.append(row)
                 ids.append(token_id)
     return _pairs(rows, ids, device)
 
 
-def _ends_with(state: "RequestSamplingState", prefix: list[int]) -> bool:
-    output, n = state.output_token_ids, len(prefix)
-    if len(output) >= n:
-        return output[-n:] == prefix
-    head = n - len(output)
-    return len(state.prompt_token_ids) >= head and state.prompt_token_ids[-head:] + output == prefix
-
-
 def build_logit_bias(
     states: list["RequestSamplingState"], vocab_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    rows: list[int] = []
-    ids: list[int] = []
-    biases: list[float] = []
-    for row, state in enumerate(states):
-        for token_id, bias in (state.params.logit_bias or {}).items():
-            if 0 <= token_id < vocab_size:
-                rows.append(row)
-                ids.append(token_id)
-                biases.append(bias)
-    pairs = _pairs(rows, ids, device)
-    if pairs is None:
+    """(rows, ids, biases) of every row's ``logit_bias`` inside the vocabulary."""
+    parts = [(row, *state.logit_bias_tensors(vocab_size)) for row, state in enumerate(states) if state.params.logit_bias]
+    parts = [part for part in parts if part[1].numel()]
+    if not parts:
         return None
-    return pairs[0], pairs[1], to_device(torch.tensor(biases, dtype=torch.float32), device)
+    rows = torch.cat([torch.full((ids.numel(),), row, dtype=torch.int64) for row, ids, _ in parts])
+    ids = torch.cat([ids for _, ids, _ in parts])
+    biases = torch.cat([biases for _, _, biases in parts])
+    return to_device(rows, device), to_device(ids, device), to_device(biases, device)
 
 
 def build_allowed(states: list["RequestSamplingState"], vocab_size: int, device: torch.device) -> AllowedTokens | None:
     rows = [row for row, s in enumerate(states) if s.params.allowed_token_ids]
     if not rows:
         return None
-    keep = torch.zeros(len(rows), vocab_size, dtype=torch.bool)
-    for i, row in enumerate(rows):
-        ids = [t for t in states[row].params.allowed_token_ids if 0 <= t < vocab_size]
-        keep[i, ids] = True
+    keep = torch.stack([states[row].allowed_mask(vocab_size) for row in rows])
     return AllowedTokens(index=to_device(torch.tensor(rows, dtype=torch.int64), device), keep=to_device(keep, device))
 
 
