@@ -92,6 +92,39 @@ def test_abort_by_genkey_returns_partial_text(server):
     assert final["text"].startswith(checked)
 
 
+def test_check_and_abort_without_a_genkey_reach_only_unnamed_jobs(server):
+    """On a server many clients share, a check or abort that names no genkey never reads or
+    stops a generation whose client named its genkey; a single-user client that names none
+    still reaches its own."""
+    named = {"prompt": PROMPT, "max_length": 400, "temperature": 0, "genkey": "KCPP-named", "ban_eos_token": True}
+    unnamed = {k: v for k, v in named.items() if k != "genkey"}
+    results: dict[str, httpx.Response] = {}
+
+    def run(name: str, body: dict) -> None:
+        results[name] = httpx.post(f"{server.url}/api/v1/generate", json=body, timeout=60)
+
+    worker = threading.Thread(target=run, args=("named", named))
+    worker.start()
+    deadline = time.monotonic() + 20
+    while not httpx.post(f"{server.url}/api/extra/generate/check", json={"genkey": "KCPP-named"}).json()["results"][0]["text"]:
+        assert time.monotonic() < deadline, "the named generation never showed progress"
+        time.sleep(0.05)
+    assert httpx.post(f"{server.url}/api/extra/generate/check", json={}).json()["results"][0]["text"] == ""
+    assert httpx.post(f"{server.url}/api/extra/abort", json={}).json()["success"] == "false"
+    worker.join(30)
+    assert results["named"].json()["results"][0]["finish_reason"] == "length"  # ran to its end
+
+    worker = threading.Thread(target=run, args=("unnamed", unnamed))
+    worker.start()
+    deadline = time.monotonic() + 20
+    while not httpx.post(f"{server.url}/api/extra/generate/check", json={}).json()["results"][0]["text"]:
+        assert time.monotonic() < deadline, "the unnamed generation never showed progress"
+        time.sleep(0.05)
+    assert httpx.post(f"{server.url}/api/extra/abort", json={}).json()["success"] == "true"
+    worker.join(30)
+    assert results["unnamed"].json()["results"][0]["finish_reason"] == "abort"
+
+
 def test_token_count_and_info_routes(server, oracle):
     count = httpx.post(f"{server.url}/api/extra/tokencount", json={"prompt": PROMPT}).json()
     assert count["value"] == len(oracle.get_tokenizer().encode(PROMPT)) == len(count["ids"])

@@ -36,6 +36,24 @@ def _jobs(state: ServerState) -> dict[str, Generation]:
     return state.surface_data.setdefault("kobold", {})
 
 
+def _anonymous(state: ServerState) -> set[str]:
+    """The keys of the running jobs whose requests named no genkey (the server made one up)."""
+    return state.surface_data.setdefault("kobold_anonymous", set())
+
+
+def _forget(state: ServerState, genkey: str) -> None:
+    _jobs(state).pop(genkey, None)
+    _anonymous(state).discard(genkey)
+
+
+def _unnamed_jobs(state: ServerState) -> list[Generation]:
+    """What a check or abort that names no genkey reaches: only jobs started without one (as a
+    single-user client runs them), never a job whose client named its genkey, so on a server
+    many clients share nobody reads or stops another's named generation."""
+    jobs, anonymous = _jobs(state), _anonymous(state)
+    return [jobs[key] for key in anonymous if key in jobs]
+
+
 async def _start(body: GenerateRequest, state: ServerState) -> tuple[str, Generation]:
     arrival = time.monotonic()
     lora_request = await state.resolve_model(body.model)
@@ -48,6 +66,8 @@ async def _start(body: GenerateRequest, state: ServerState) -> tuple[str, Genera
         raise ApiError(400, f"genkey {genkey!r} is already generating")
     generation = await start_generation(state, API, state.new_request_id("kobold"), prompt_ids, params, arrival, body.prompt, lora_request=lora_request)
     jobs[genkey] = generation
+    if not body.genkey:
+        _anonymous(state).add(genkey)
     return genkey, generation
 
 
@@ -57,7 +77,7 @@ async def generate(body: GenerateRequest, request: Request) -> dict[str, Any]:
     try:
         await unless_disconnected(request, generation.collect())
     finally:
-        _jobs(state).pop(genkey, None)
+        _forget(state, genkey)
     return {"results": [{"text": c.text, "finish_reason": c.finish_reason} for c in generation.choices]}
 
 
@@ -67,7 +87,7 @@ async def generate_stream(body: GenerateRequest, request: Request) -> Response:
 
     async def on_close() -> None:
         await generation.close()
-        _jobs(state).pop(genkey, None)
+        _forget(state, genkey)
 
     return EventStreamResponse(_stream(state, genkey, generation), on_close)
 
@@ -89,14 +109,16 @@ async def _stream(state: ServerState, genkey: str, generation: Generation) -> As
     finally:
         await deltas.aclose()
         await generation.close()
-        _jobs(state).pop(genkey, None)
+        _forget(state, genkey)
 
 
 async def check(request: Request, body: GenkeyRequest | None = None) -> dict[str, Any]:
     state: ServerState = request.app.state.sonar
-    generation = _jobs(state).get(body.genkey if body and body.genkey else "")
-    if generation is None and not (body and body.genkey) and len(_jobs(state)) == 1:
-        generation = next(iter(_jobs(state).values()))
+    if body and body.genkey:
+        generation = _jobs(state).get(body.genkey)
+    else:
+        unnamed = _unnamed_jobs(state)
+        generation = unnamed[0] if len(unnamed) == 1 else None
     text = generation.choices[0].text if generation is not None else ""
     return {"results": [{"text": text}]}
 
@@ -107,7 +129,7 @@ async def abort(request: Request, body: GenkeyRequest | None = None) -> dict[str
     if body and body.genkey:
         targets = [jobs[body.genkey]] if body.genkey in jobs else []
     else:
-        targets = list(jobs.values())
+        targets = _unnamed_jobs(state)
     for generation in targets:
         state.client.abort(generation.request_id)
     return {"success": "true" if targets else "false", "done": "true"}
