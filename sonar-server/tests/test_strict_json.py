@@ -381,3 +381,13 @@ def test_float_free_chunks_are_written_as_dumps_writes_them() -> None:
         assert dumps_float_free(payload) == strict_json.dumps(payload).encode("utf-8")
     # a float that gets in anyway still comes out as RFC 8259 JSON
     assert dumps_float_free({"a": float("nan"), "b": float("-inf"), "c": 0.5}) == b'{"a":null,"b":null,"c":0.5}'
+
+
+def test_json_nested_past_the_parsers_depth_is_a_value_error() -> None:
+    """Model text (a tool call's arguments) can nest as deep as its token budget allows; that
+    is bad JSON to the parsers, not a crash."""
+    for text in ("[" * 100_000 + "]" * 100_000, '{"a":' * 50_000 + "1" + "}" * 50_000):
+        with pytest.raises(ValueError, match="nested too deeply"):
+            strict_json.loads(text)
+        with pytest.raises(ValueError, match="nested too deeply"):
+            strict_json.raw_decode("call " + text, 5)

@@ -98,15 +98,22 @@ DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_
 
 
 def loads(text: str) -> Any:
-    """``text`` as JSON, refusing ``NaN``, ``Infinity``, ``-Infinity`` and numbers that
-    overflow a double (ValueError), so what it returns can be written back as strict JSON."""
-    return DECODER.decode(text)
+    """``text`` as JSON, refusing ``NaN``, ``Infinity``, ``-Infinity``, numbers that overflow a
+    double and nesting past the parser's depth (ValueError), so what it returns can be written
+    back as strict JSON."""
+    try:
+        return DECODER.decode(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def raw_decode(text: str, start: int = 0) -> tuple[Any, int]:
     """The strict JSON value beginning at ``text[start]`` (after whitespace) and the index
-    after it; ValueError if there is none."""
-    return DECODER.raw_decode(text, _skip_space(text, start))
+    after it; ValueError if there is none (or it nests past the parser's depth)."""
+    try:
+        return DECODER.raw_decode(text, _skip_space(text, start))
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
 
 
 def _skip_space(text: str, start: int) -> int:
