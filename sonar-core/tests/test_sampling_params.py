@@ -44,3 +44,16 @@ def test_containers_of_the_wrong_type_are_refused_naming_the_field() -> None:
     for values, field in (({"stop": 5}, "stop"), ({"stop_token_ids": 7}, "stop_token_ids"), ({"logit_bias": {"1": []}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias")):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**values)
+
+
+def test_stop_strings_are_bounded() -> None:
+    assert len(SamplingParams(stop=["x" * 1024] * 256).stop) == 256
+    with pytest.raises(ValueError, match="at most 256 strings"):
+        SamplingParams(stop=["ab"] * 257)
+    with pytest.raises(ValueError, match="at most 1024 characters"):
+        SamplingParams(stop=["x" * 1025])
+
+
+def test_a_logits_processor_named_many_times_runs_once() -> None:
+    params = SamplingParams(logits_processors=["b", "a", "b"] * 10_000)
+    assert params.logits_processors == ["b", "a"]

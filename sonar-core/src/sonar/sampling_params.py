@@ -11,6 +11,8 @@ import msgspec
 from sonar.structured_output.params import GuidedDecodingParams
 
 _GREEDY_EPS = 1e-5
+MAX_STOP_STRINGS = 256
+MAX_STOP_STRING_CHARS = 1024
 _FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "repetition_penalty_slope", "dry_multiplier", "dry_base", "xtc_threshold", "xtc_probability",
@@ -58,7 +60,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
-    logits_processors: list[str] = field(default_factory=list)  # registered processor names
+    logits_processors: list[str] = field(default_factory=list)  # registered processor names, each run once
     output_kind: str = "cumulative"  # "cumulative": an output every step; "final_only": only when finished
     guided_decoding: GuidedDecodingParams | None = None  # structured output: json, regex, grammar, choice
     bad_words: list[str] | None = None
@@ -111,6 +113,8 @@ class SamplingParams:
             if not isinstance(value, (list, tuple, type(None))):
                 raise ValueError(f"{name} must be a list, got {value!r}")
             setattr(self, name, list(value or []))
+        if all(isinstance(t, int) for t in self.stop_token_ids):
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # each id once (a list of a million repeats is one id)
         if self.top_k == -1:
             self.top_k = 0
         for name in _BOOL_FIELDS:  # 0 and 1 read as booleans (as pydantic reads them); the rest must be one
@@ -135,6 +139,8 @@ class SamplingParams:
             self.dry_sequence_breakers = [self.dry_sequence_breakers]
         if self.guided_decoding is not None:
             self.guided_decoding = GuidedDecodingParams.from_value(self.guided_decoding)
+        if isinstance(self.logits_processors, list) and all(isinstance(n, str) for n in self.logits_processors):
+            self.logits_processors = list(dict.fromkeys(self.logits_processors))  # each named processor runs once
         if isinstance(self.extra_args, dict):
             self.extra_args = dict(self.extra_args) or None
         if self.kv_transfer_params is not None and not (
@@ -203,6 +209,13 @@ class SamplingParams:
             f"seed must be a 64-bit integer, got {self.seed!r}",
         )
         check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        # each streamed token is searched for every stop string: bounded, so no request can make
+        # that search the server's main cost
+        check(len(self.stop) <= MAX_STOP_STRINGS, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        check(
+            all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
+            f"each stop string may be at most {MAX_STOP_STRING_CHARS} characters long",
+        )
         check(is_token_list(self.stop_token_ids), "stop_token_ids must be non-negative integers")
         check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias must map token ids to numbers")
         for token_id, bias in (self.logit_bias or {}).items():

@@ -76,10 +76,12 @@ class Request:
     kv_transfer_params: dict | None = None  # what its KV connector hands back when it finishes
     lora_request: LoRARequest | None = None  # the adapter it runs with (None: the base model)
     block_hash_seed: bytes | None = field(init=False)  # its first block's hash parent: adapters never share KV
+    stop_token_set: frozenset[int] = field(init=False, repr=False)  # its stop token ids, looked up per token
 
     def __post_init__(self) -> None:
         self.reads_output_tokens = self.sampling_params.reads_output_tokens
         self.block_hash_seed = lora_hash_seed(self.lora_int_id)
+        self.stop_token_set = frozenset(self.sampling_params.stop_token_ids or ())
 
     @property
     def lora_int_id(self) -> int:
@@ -121,7 +123,7 @@ class Request:
         if not params.ignore_eos and last in self.eos_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             return True
-        if last in params.stop_token_ids:
+        if last in self.stop_token_set:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = last
             return True

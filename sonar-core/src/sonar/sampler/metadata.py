@@ -72,9 +72,10 @@ class RequestSamplingState:
             return banned
         index = self._constraints.get("bad_words")
         if index is None:
-            always = [word[-1] for word in words if len(word) == 1]
+            distinct = [list(word) for word in dict.fromkeys(tuple(word) for word in words)]
+            always = [word[-1] for word in distinct if len(word) == 1]
             by_last: dict[int, list[list[int]]] = {}
-            for word in words:
+            for word in distinct:
                 if len(word) > 1:
                     by_last.setdefault(word[-2], []).append(word)
             index = self._constraints["bad_words"] = (always, by_last)
