@@ -111,7 +111,7 @@ class SamplingParams:
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name)
             if not isinstance(value, (list, tuple, type(None))):
-                raise ValueError(f"{name} must be a list, got {value!r}")
+                raise ValueError(f"{name} must be a list, got {_brief(value)}")
             setattr(self, name, list(value or []))
         if all(isinstance(t, int) for t in self.stop_token_ids):
             self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # each id once (a list of a million repeats is one id)
@@ -132,7 +132,7 @@ class SamplingParams:
             try:
                 self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()} or None
             except (TypeError, ValueError, OverflowError):
-                raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+                raise ValueError(f"logit_bias must map token ids to numbers, got {_brief(self.logit_bias)}") from None
         if isinstance(self.bad_words, str):
             self.bad_words = [self.bad_words]
         if isinstance(self.dry_sequence_breakers, str):
@@ -168,16 +168,16 @@ class SamplingParams:
 
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
-            ok = isinstance(value, float) or (is_int(value) and abs(value) < 2**63)
-            check(ok and math.isfinite(value), f"{name} must be a finite number, got {value!r}")
+            ok = isinstance(value, float) or is_int(value)
+            check(ok and math.isfinite(value), f"{name} must be a finite number, got {_brief(value)}")
         ints = ("n", "min_tokens", "top_k", "repetition_penalty_range", "dry_allowed_length", "dry_range",
                 "mirostat_mode", "no_repeat_ngram_size")  # fmt: skip
         for name in ints:
             value = getattr(self, name)
-            check(is_int(value), f"{name} must be an integer, got {value!r}")
+            check(is_int(value), f"{name} must be an integer, got {_brief(value)}")
         for name in _BOOL_FIELDS:
             value = getattr(self, name)
-            check(isinstance(value, bool), f"{name} must be a boolean, got {value!r}")
+            check(isinstance(value, bool), f"{name} must be a boolean, got {_brief(value)}")
 
         # vLLM's fields
         check(self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
@@ -336,6 +336,13 @@ class SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def _brief(value: object, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters: error messages echo what a client sent,
+    which may be a whole request body's worth."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _stage_table() -> Any:
