@@ -88,6 +88,8 @@ CASES = [
         ("malformed JSON", b'{"model":', 400),
         ("invalid UTF-8", b'{"model": "\xc3\x28"}', 400),
         ("lone surrogate escape", escaped({**MESSAGES, "system": "\ud800"}), 400),
+        ("tool_result content not text", {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}]}, 400),
+        ("tool_result content a list of strings", {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": ["x"]}]}]}, 400),
         ("10 MB body", TEN_MB, 413),
     ]),
     ("/api/v1/generate", KOBOLD, kobold_error, [

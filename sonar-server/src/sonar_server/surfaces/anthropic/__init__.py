@@ -50,11 +50,15 @@ def render_error(error: ApiError) -> StrictJSONResponse:
 def _text(content: str | list[ContentBlock] | list[dict[str, Any]], where: str) -> str:
     if isinstance(content, str):
         return content
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}: expected a string or a list of content blocks, got {type(content).__name__}")
     texts = []
     for block in content:
+        if not isinstance(block, (dict, ContentBlock)):
+            raise ApiError(400, f"{where}: content blocks are objects, got {type(block).__name__}")
         block_type = block.get("type") if isinstance(block, dict) else block.type
         text = block.get("text") if isinstance(block, dict) else block.text
-        if block_type != "text" or text is None:
+        if block_type != "text" or not isinstance(text, str):
             raise ApiError(400, f"{where}: content blocks of type {block_type!r} are not supported here; send text blocks")
         texts.append(text)
     return "".join(texts)
