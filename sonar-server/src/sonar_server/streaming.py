@@ -18,20 +18,42 @@ T = TypeVar("T")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
+# Characters JSON may carry raw that line readers splitting like Python's str.splitlines (httpx's
+# iter_lines among them) take for line ends, cutting an event's JSON in two: written as escapes
+# in events, the same JSON value. (Other such characters are control characters JSON escapes.)
+_LINE_BREAKING = ("\u0085", "\u2028", "\u2029")
+_LINE_BREAKING_UTF8 = tuple(c.encode() for c in _LINE_BREAKING)
+
+
+def _one_line(json_text: str) -> str:
+    for char in _LINE_BREAKING:
+        if char in json_text:
+            json_text = json_text.replace(char, f"\\u{ord(char):04x}")
+    return json_text
+
+
+def _one_line_bytes(json_bytes: bytes) -> bytes:
+    for char, raw in zip(_LINE_BREAKING, _LINE_BREAKING_UTF8):
+        if raw in json_bytes:
+            json_bytes = json_bytes.replace(raw, f"\\u{ord(char):04x}".encode())
+    return json_bytes
+
+
 def sse_data(payload: Any) -> str:
-    """One ``data:`` event of RFC 8259 JSON (non-finite floats replaced, see ``strict_json``)."""
-    return f"data: {strict_json.dumps(payload)}\n\n"
+    """One ``data:`` event of RFC 8259 JSON (non-finite floats replaced, see ``strict_json``),
+    on one line for any line reader."""
+    return f"data: {_one_line(strict_json.dumps(payload))}\n\n"
 
 
 def sse_data_float_free(payload: Any) -> bytes:
     """``sse_data`` of a payload that holds no float (see ``strict_json.dumps_float_free``):
     the same event, written faster, as bytes."""
-    return b"data: " + strict_json.dumps_float_free(payload) + b"\n\n"
+    return b"data: " + _one_line_bytes(strict_json.dumps_float_free(payload)) + b"\n\n"
 
 
 def sse_event(event: str, payload: Any) -> str:
-    """One named event whose ``data:`` is RFC 8259 JSON."""
-    return f"event: {event}\ndata: {strict_json.dumps(payload)}\n\n"
+    """One named event whose ``data:`` is RFC 8259 JSON, on one line for any line reader."""
+    return f"event: {event}\ndata: {_one_line(strict_json.dumps(payload))}\n\n"
 
 
 class EventStreamResponse(StreamingResponse):
