@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
@@ -94,3 +95,22 @@ def test_non_streaming_client_that_gives_up_is_aborted(server):
     assert after["sonar:num_requests_in_flight"] == 0
     assert after["sonar:num_kv_blocks_free"] == after["sonar:num_kv_blocks_total"]
     assert after["sonar:generation_tokens_total"] - before["sonar:generation_tokens_total"] < 450
+
+
+def test_a_client_leaving_a_non_streaming_request_is_no_server_error(server):
+    """The request is aborted and its blocks freed, and the server logs no failure for it:
+    nobody is there to read an answer (499, as proxies record it)."""
+
+    async def leave() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=0.3) as http:
+            with contextlib.suppress(httpx.TimeoutException):
+                await http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 400, "ignore_eos": True})
+
+    log_before = server.log()
+    asyncio.run(leave())
+    deadline = time.monotonic() + 10
+    while metrics(server.url)["sonar:num_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metrics(server.url)["sonar:num_requests_running"] == 0
+    new_log = server.log()[len(log_before):]
+    assert "finish=abort" in new_log and "Traceback" not in new_log and "failed" not in new_log, new_log[-2000:]

@@ -47,6 +47,13 @@ class ApiError(Exception):
         self.headers = headers or {}
 
 
+CLIENT_CLOSED_REQUEST = 499  # the status proxies log for a request whose client went away first
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away before the response was ready."""
+
+
 def to_api_error(exc: BaseException, retry_after_s: int = 1) -> ApiError:
     """Map any exception raised while serving a request onto an ApiError."""
     if isinstance(exc, ApiError):
@@ -63,6 +70,8 @@ def to_api_error(exc: BaseException, retry_after_s: int = 1) -> ApiError:
         return ApiError(503, "the server is shutting down", headers={"Retry-After": str(retry_after_s)})
     if isinstance(exc, LoRAInUseError):  # its adapter is being unloaded
         return ApiError(409, str(exc), param="model")
+    if isinstance(exc, ClientDisconnected):  # nobody reads the answer: not a server error
+        return ApiError(CLIENT_CLOSED_REQUEST, str(exc))
     if isinstance(exc, ValueError):
         return ApiError(400, str(exc))
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")

@@ -12,6 +12,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from sonar_server import strict_json
+from sonar_server.errors import ClientDisconnected
 
 T = TypeVar("T")
 
@@ -84,10 +85,6 @@ class EventStreamResponse(StreamingResponse):
                 await self.on_close()
         if stream_task.done() and not stream_task.cancelled() and stream_task.exception() is not None:
             raise stream_task.exception()  # type: ignore[misc]
-
-
-class ClientDisconnected(Exception):
-    """The HTTP client went away before the response was ready."""
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
