@@ -9,7 +9,9 @@ import random
 import pytest
 
 from sonar.engine import wire
+from sonar.engine.input_processor import _encode_all
 from sonar.sampling_params import SamplingParams
+from sonar_models.testing import smollm2_tokenizer
 
 HOSTILE = [None, True, False, 0, 1, 2, -1, 2**63, 2**64, 10**30, 0.5, -0.5, float("nan"), float("inf"), "", "x", "true",
            [], [1], ["a"], [[1]], [None], {}, {"a": 1}, {"1": 2.0}, {"1": []}, {"x": 1}, {"ns.x": 1}]  # fmt: skip
@@ -57,3 +59,12 @@ def test_stop_strings_are_bounded() -> None:
 def test_a_logits_processor_named_many_times_runs_once() -> None:
     params = SamplingParams(logits_processors=["b", "a", "b"] * 10_000)
     assert params.logits_processors == ["b", "a"]
+
+
+def test_word_lists_tokenize_in_one_batch_as_encode_does_each() -> None:
+    """bad_words and DRY's breakers are tokenized in one batched call: the same ids as
+    ``tokenizer.encode`` of each text alone, on random text (spaces, accents, emoji, newlines)."""
+    tokenizer = smollm2_tokenizer()
+    rng = random.Random(11)
+    texts = ["".join(rng.choice("ab cdé😀\n\t.") for _ in range(rng.randint(0, 12))) for _ in range(3000)] + [" hello", "world", ""]
+    assert _encode_all(tokenizer, texts) == [tokenizer.encode(text, add_special_tokens=False) for text in texts]
