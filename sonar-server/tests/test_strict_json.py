@@ -22,7 +22,7 @@ from sonar_server import strict_json
 from sonar_server.parsers import ToolCallStream, make_tool_parser
 from sonar_server.parsers.base import arguments_text
 from sonar_server.strict_json import StrictJSONResponse, dumps_float_free, finite, finite_logprob
-from sonar_server.streaming import sse_data, sse_data_float_free, sse_event
+from sonar_server.streaming import sse_data, sse_event
 from sonar_server.surfaces.openai.logprobs import chat_logprobs, completion_logprobs
 from sonar_server.tool_calling import OutputParser, ToolPlan, ToolSpec, template_message_tool_calls
 
@@ -399,7 +399,7 @@ def test_events_stay_one_line_for_readers_that_split_on_unicode_line_breaks() ->
     """NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR go out as escapes: httpx's ``iter_lines``
     (str.splitlines' rules) would otherwise cut the event's JSON in two."""
     payload = {"choices": [{"text": "a\u2028b\u2029c\x85d é"}]}
-    for event in (sse_data(payload), sse_data_float_free(payload).decode(), sse_event("message", payload)):
+    for event in (sse_data(payload), sse_data(payload, float_free=True).decode(), sse_event("message", payload)):
         lines = [line for line in LineDecoder().decode(event) if line]
         data = [line for line in lines if line.startswith("data: ")]
         assert len(data) == 1 and json.loads(data[0][6:]) == payload, event

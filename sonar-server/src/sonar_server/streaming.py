@@ -40,16 +40,14 @@ def _one_line_bytes(json_bytes: bytes) -> bytes:
     return json_bytes
 
 
-def sse_data(payload: Any) -> str:
+def sse_data(payload: Any, float_free: bool = False) -> str | bytes:
     """One ``data:`` event of RFC 8259 JSON (non-finite floats replaced, see ``strict_json``),
-    on one line for any line reader."""
+    on one line for any line reader. ``float_free``: the caller knows the payload holds no
+    float (a content chunk without logprobs); the same event is then written faster, as bytes
+    (``strict_json.dumps_float_free``)."""
+    if float_free:
+        return b"data: " + _one_line_bytes(strict_json.dumps_float_free(payload)) + b"\n\n"
     return f"data: {_one_line(strict_json.dumps(payload))}\n\n"
-
-
-def sse_data_float_free(payload: Any) -> bytes:
-    """``sse_data`` of a payload that holds no float (see ``strict_json.dumps_float_free``):
-    the same event, written faster, as bytes."""
-    return b"data: " + _one_line_bytes(strict_json.dumps_float_free(payload)) + b"\n\n"
 
 
 def sse_event(event: str, payload: Any) -> str:

@@ -16,7 +16,7 @@ from sonar_server.parsers import StreamEvent
 from sonar_server.prompts import render_chat
 from sonar_server.sampling import build_sampling_params
 from sonar_server.state import ServerState
-from sonar_server.streaming import EventStreamResponse, sse_data, sse_data_float_free, unless_disconnected
+from sonar_server.streaming import EventStreamResponse, sse_data, unless_disconnected
 from sonar_server.strict_json import StrictJSONResponse
 from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
@@ -160,8 +160,8 @@ async def _stream(
             payload["usage"] = usage
         if any(c["finish_reason"] is not None for c in choices) and generation.kv_transfer_params is not None:
             payload["kv_transfer_params"] = generation.kv_transfer_params  # on the finishing chunk, as vLLM
-            return sse_data(payload)
-        return sse_data(payload) if any(c.get("logprobs") is not None for c in choices) else sse_data_float_free(payload)
+        float_free = "kv_transfer_params" not in payload and all(c.get("logprobs") is None for c in choices)
+        return sse_data(payload, float_free=float_free)
 
     deltas = generation.deltas()
     parsers = [output_parser(plan, state.settings, guide) for _ in range(body.n)]

@@ -16,7 +16,7 @@ from sonar_server.json_closer import closing_suffix
 from sonar_server.prompts import decode_tokens, encode_prompt
 from sonar_server.sampling import build_sampling_params
 from sonar_server.state import ServerState
-from sonar_server.streaming import EventStreamResponse, merge, sse_data, sse_data_float_free, unless_disconnected
+from sonar_server.streaming import EventStreamResponse, merge, sse_data, unless_disconnected
 from sonar_server.strict_json import StrictJSONResponse
 from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
@@ -166,8 +166,7 @@ async def _stream(
             payload["usage"] = None
         if finish_reason is not None and len(generations) == 1 and generations[0].kv_transfer_params is not None:
             payload["kv_transfer_params"] = generations[0].kv_transfer_params  # on the finishing chunk, as vLLM
-            return sse_data(payload)
-        return sse_data(payload) if logprobs is not None else sse_data_float_free(payload)
+        return sse_data(payload, float_free=logprobs is None and "kv_transfer_params" not in payload)
 
     merged = merge([g.deltas() for g in generations])
     try:
