@@ -196,18 +196,28 @@ class DFlashDrafter(nn.Module):
             features = torch.cat([hidden, self.markov_head.prev_embeddings(prev_ids).to(hidden.dtype)], dim=-1)
         return self.confidence_head(features)
 
-    def teacher_forced_logits(self, base_logits: torch.Tensor, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
-        """Training: ``base_logits [..., n, vocab]`` plus the Markov bias of the known tokens
-        before each slot (``prev_ids [..., n]``), slot by slot over the last-but-one axis."""
-        if self.markov_head is None:
-            return base_logits
-        if self.markov_head.kind != "rnn":  # no state: every slot at once
-            return base_logits + self.markov_head.step(prev_ids, hidden, None)[0].float()
-        state = self.markov_head.initial_state(hidden[..., 0, :])
+    def teacher_forced_logits(self, hidden: torch.Tensor, head_weight: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor:
+        """Training: float32 logits ``[..., n, vocab]`` of slots ``hidden [..., n, hidden]``
+        through the target's head ``head_weight [vocab, hidden]``, plus the Markov bias of the
+        known tokens before each slot (``prev_ids [..., n]``), slot by slot over the last-but-one
+        axis. A stateless Markov head's bias joins the head's product (one product over
+        ``[hidden, w1[prev]]``), so no vocabulary-wide tensor is added or converted twice."""
+        head = head_weight.to(hidden.dtype)
+        markov = self.markov_head
+        if markov is None:
+            return (hidden @ head.T).float()
+        if markov.kind == "vanilla":
+            prev = markov.prev_embeddings(prev_ids).to(hidden.dtype)
+            weight = torch.cat([head, markov.markov_w2.weight.to(hidden.dtype)], dim=1)
+            return (torch.cat([hidden, prev], dim=-1) @ weight.T).float()
+        base = (hidden @ head.T).float()
+        if markov.kind != "rnn":  # no state: every slot at once
+            return base + markov.step(prev_ids, hidden, None)[0].float()
+        state = markov.initial_state(hidden[..., 0, :])
         out = []
-        for j in range(base_logits.shape[-2]):
-            bias, state = self.markov_head.step(prev_ids[..., j], hidden[..., j, :], state)
-            out.append(base_logits[..., j, :] + bias.float())
+        for j in range(base.shape[-2]):
+            bias, state = markov.step(prev_ids[..., j], hidden[..., j, :], state)
+            out.append(base[..., j, :] + bias.float())
         return torch.stack(out, dim=-2)
 
     def pick_greedy(self, base_logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

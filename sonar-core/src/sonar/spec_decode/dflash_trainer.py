@@ -15,6 +15,7 @@ its sigmoids estimates the chance a prefix survives greedy verification.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import sys
@@ -210,8 +211,7 @@ def _forward(
     context = drafter.context(batch.aux, batch.ctx_positions)
     hidden = drafter.block(embed(batch.block_ids), batch.block_positions, context, [batch.mask] * config.num_hidden_layers)
     slots = hidden.view(size, num_blocks, config.block_size, -1)[:, :, config.first_slot :]  # [S, N, n, hidden]
-    base = (slots @ head_weight.to(slots.dtype).T).float()
-    logits = drafter.teacher_forced_logits(base, slots, batch.prev_ids)
+    logits = drafter.teacher_forced_logits(slots, head_weight, batch.prev_ids)
     decay = torch.exp(-torch.arange(n, device=logits.device, dtype=torch.float32) / options.loss_decay_gamma)
     weights = batch.weights * decay
     labels = batch.labels.clamp(min=0)
@@ -228,11 +228,20 @@ def _forward(
 
 
 def _autocast(device: torch.device):
+    """bfloat16 autocast on CUDA, and on a CPU whose matrix units take bfloat16 natively
+    (AMX or AVX-512 BF16: the vocabulary-wide products run about 4x faster there)."""
     if device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
-    import contextlib
-
+    if device.type == "cpu" and _cpu_has_native_bfloat16():
+        return torch.autocast("cpu", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def _cpu_has_native_bfloat16() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def train_drafter(
