@@ -109,6 +109,30 @@ def test_sdks_through_two_api_servers_and_two_replicas(mp_server: ServerProcess,
     assert kobold.status_code == 200 and kobold.json()["results"][0]["text"]
 
 
+def test_kobold_check_and_abort_reach_the_generation_from_any_connection(mp_server: ServerProcess) -> None:
+    """A Kobold client's check and abort come on connections of their own, which the kernel
+    spreads over both API servers: each reads or stops the generation wherever it runs."""
+    ipc = next(Path(mp_server.ipc_dir).glob("sonar-ipc-*"))  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 20
+    while not {"peer-0", "peer-1"} <= {p.name for p in ipc.iterdir()}:  # both API servers up
+        assert time.monotonic() < deadline, "an API server never bound its peer socket"
+        time.sleep(0.05)
+    body = {"prompt": PROMPTS[1], "max_length": 500, "temperature": 0, "genkey": "KCPP-mp", "ban_eos_token": True}
+    result: dict[str, httpx.Response] = {}
+    worker = threading.Thread(target=lambda: result.setdefault("response", httpx.post(f"{mp_server.url}/api/v1/generate", json=body, timeout=60)))
+    worker.start()
+    deadline = time.monotonic() + 20
+    while not httpx.post(f"{mp_server.url}/api/extra/generate/check", json={"genkey": "KCPP-mp"}).json()["results"][0]["text"]:
+        assert time.monotonic() < deadline, "the generation never showed progress"
+        time.sleep(0.02)
+    texts = [httpx.post(f"{mp_server.url}/api/extra/generate/check", json={"genkey": "KCPP-mp"}).json()["results"][0]["text"] for _ in range(3)]
+    assert all(texts) and all(b.startswith(a) for a, b in zip(texts, texts[1:])), [len(t) for t in texts]
+    assert httpx.post(f"{mp_server.url}/api/extra/abort", json={"genkey": "KCPP-mp"}).json()["success"] == "true"
+    worker.join(30)
+    final = result["response"].json()["results"][0]
+    assert final["finish_reason"] == "abort" and final["text"].startswith(texts[-1])
+
+
 def test_metrics_are_one_view_across_processes(mp_server: ServerProcess) -> None:
     before = metrics(mp_server.url).get("sonar:request_success_total", 0.0)
     for _ in range(8):  # new connections: the kernel spreads them over both API servers

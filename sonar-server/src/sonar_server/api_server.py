@@ -32,6 +32,7 @@ class ApiServerLaunch(msgspec.Struct):
     access_log: bool = False
     log_level: str = "INFO"
     listen_fd: int = -1  # the inherited listening socket (child processes)
+    ipc_dir: str | None = None  # the server's private socket directory (the API servers' peer channel)
 
 
 def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: Any = None, check_started: Callable[[], None] | None = None) -> int:
@@ -51,7 +52,7 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
         launch.config, tokenizer, launch.addresses, launch.client_index, launch.max_in_flight, launch.engine_step_timeout, check_started
     )
     try:
-        state = ServerState(client, launch.settings, launch.client_index)
+        state = ServerState(client, launch.settings, launch.client_index, launch.ipc_dir)
         app = build_app(state)
         config = uvicorn.Config(
             app,

@@ -32,9 +32,14 @@ class DrainingServer(uvicorn.Server):
         ``on_serving``): until then connections wait in the listening socket's backlog,
         ``/health`` included."""
         await self.state.adapters.load_startup()
+        await self.state.peers.start()
         await super().startup(sockets=sockets)
         if self.on_serving is not None:
             self.on_serving()
+
+    async def shutdown(self, sockets: list | None = None) -> None:
+        await super().shutdown(sockets=sockets)
+        await self.state.peers.close()
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining:

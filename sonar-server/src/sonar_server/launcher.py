@@ -112,6 +112,7 @@ def _serve_on(args: argparse.Namespace, engine_args: EngineArgs, listener: socke
             access_log=args.access_log,
             log_level=logging.getLevelName(logger.getEffectiveLevel()),
             listen_fd=listener.fileno(),
+            ipc_dir=ipc_dir,
         )
         for i in range(count)
     ]

@@ -11,6 +11,7 @@ from sonar.lora import LoRARequest
 from sonar_server.adapters import ServedAdapters
 from sonar_server.errors import ApiError
 from sonar_server.metrics import ServerMetrics
+from sonar_server.peers import ApiServerPeers
 from sonar_server.settings import ServerSettings
 
 
@@ -21,7 +22,7 @@ class ServerState:
     :param settings: the server's settings.
     """
 
-    def __init__(self, client: AsyncLLM, settings: ServerSettings, server_index: int = 0) -> None:
+    def __init__(self, client: AsyncLLM, settings: ServerSettings, server_index: int = 0, ipc_dir: str | None = None) -> None:
         self.client = client
         self.settings = settings
         self.tokenizer = client.tokenizer
@@ -33,6 +34,8 @@ class ServerState:
         self.surface_data: dict[str, Any] = {}  # per-surface state, keyed by surface name
         self.enabled_apis: list[str] = []
         self.adapters = ServedAdapters(client, settings, server_index)
+        # the other API servers of this server (none without an IPC directory: one process)
+        self.peers = ApiServerPeers(ipc_dir or "", server_index, settings.api_server_count if ipc_dir else 1)
 
     @property
     def model_name(self) -> str:

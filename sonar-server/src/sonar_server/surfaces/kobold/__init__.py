@@ -1,4 +1,8 @@
-"""The KoboldAI API surface, as KoboldCpp serves it and SillyTavern calls it."""
+"""The KoboldAI API surface, as KoboldCpp serves it and SillyTavern calls it.
+
+A generation's genkey and text live in the API server process that admitted it. With several
+API servers a ``check`` or ``abort`` may land on another one, which asks its peers
+(``sonar_server.peers``); a genkey is also refused when a peer is generating under it."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from starlette.responses import Response
 from sonar_server import __version__
 from sonar_server.errors import ApiError, to_api_error
 from sonar_server.generation import Generation, start_generation
+from sonar_server.peers import PeerAnswer
 from sonar_server.prompts import encode_prompt
 from sonar_server.routing import surface_router
 from sonar_server.state import ServerState
@@ -62,7 +67,7 @@ async def _start(body: GenerateRequest, state: ServerState) -> tuple[str, Genera
     prompt_ids = await encode_prompt(state, body.prompt)
     genkey = body.genkey or f"KCPP{uuid.uuid4().hex[:8]}"
     jobs = _jobs(state)
-    if genkey in jobs:
+    if genkey in jobs or (body.genkey and await state.peers.ask("kobold.running", genkey)):
         raise ApiError(400, f"genkey {genkey!r} is already generating")
     generation = await start_generation(state, API, state.new_request_id("kobold"), prompt_ids, params, arrival, body.prompt, lora_request=lora_request)
     jobs[genkey] = generation
@@ -115,24 +120,55 @@ async def _stream(state: ServerState, genkey: str, generation: Generation) -> As
 async def check(request: Request, body: GenkeyRequest | None = None) -> dict[str, Any]:
     state: ServerState = request.app.state.sonar
     if body and body.genkey:
-        generation = _jobs(state).get(body.genkey)
+        answer = _check_named(state, body.genkey)
+        if not answer.found:
+            answer = next(iter(await state.peers.ask("kobold.check", body.genkey)), answer)
     else:
-        unnamed = _unnamed_jobs(state)
-        generation = unnamed[0] if len(unnamed) == 1 else None
-    text = generation.choices[0].text if generation is not None else ""
-    return {"results": [{"text": text}]}
+        answers = [_check_unnamed(state), *await state.peers.ask("kobold.check_unnamed")]
+        held = [a for a in answers if a.count]
+        answer = held[0] if len(held) == 1 and held[0].count == 1 else PeerAnswer()
+    return {"results": [{"text": answer.text}]}
 
 
 async def abort(request: Request, body: GenkeyRequest | None = None) -> dict[str, Any]:
     state: ServerState = request.app.state.sonar
-    jobs = _jobs(state)
     if body and body.genkey:
-        targets = [jobs[body.genkey]] if body.genkey in jobs else []
+        aborted = _abort_named(state, body.genkey).found or bool(await state.peers.ask("kobold.abort", body.genkey))
     else:
-        targets = _unnamed_jobs(state)
-    for generation in targets:
+        aborted = _abort_unnamed(state).found
+        aborted = bool(await state.peers.ask("kobold.abort_unnamed")) or aborted
+    return {"success": "true" if aborted else "false", "done": "true"}
+
+
+def _check_named(state: ServerState, genkey: str | None) -> PeerAnswer:
+    generation = _jobs(state).get(genkey) if genkey else None
+    if generation is None:
+        return PeerAnswer()
+    return PeerAnswer(found=True, count=1, text=generation.choices[0].text)
+
+
+def _check_unnamed(state: ServerState, _key: str | None = None) -> PeerAnswer:
+    unnamed = _unnamed_jobs(state)
+    text = unnamed[0].choices[0].text if len(unnamed) == 1 else ""
+    return PeerAnswer(found=bool(unnamed), count=len(unnamed), text=text)
+
+
+def _running(state: ServerState, genkey: str | None) -> PeerAnswer:
+    return PeerAnswer(found=bool(genkey) and genkey in _jobs(state))
+
+
+def _abort_named(state: ServerState, genkey: str | None) -> PeerAnswer:
+    generation = _jobs(state).get(genkey) if genkey else None
+    if generation is not None:
         state.client.abort(generation.request_id)
-    return {"success": "true" if targets else "false", "done": "true"}
+    return PeerAnswer(found=generation is not None)
+
+
+def _abort_unnamed(state: ServerState, _key: str | None = None) -> PeerAnswer:
+    unnamed = _unnamed_jobs(state)
+    for generation in unnamed:
+        state.client.abort(generation.request_id)
+    return PeerAnswer(found=bool(unnamed), count=len(unnamed))
 
 
 async def token_count(body: TokenCountRequest, request: Request) -> dict[str, Any]:
@@ -181,3 +217,8 @@ def install(app: FastAPI, state: ServerState) -> None:
     open_routes.add_api_route("/api/v1/info/version", api_version, methods=["GET"], summary="KoboldAI API version")
     open_routes.add_api_route("/api/extra/version", extra_version, methods=["GET"], summary="Server identity and version")
     app.include_router(open_routes)
+    for op, handler in (
+        ("kobold.running", _running), ("kobold.check", _check_named), ("kobold.check_unnamed", _check_unnamed),
+        ("kobold.abort", _abort_named), ("kobold.abort_unnamed", _abort_unnamed),
+    ):  # fmt: skip
+        state.peers.handle(op, lambda key, handler=handler: handler(state, key))
