@@ -171,6 +171,17 @@ def _http(app) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://sonar", timeout=60)
 
 
+async def _first_text(http: httpx.AsyncClient, body: dict) -> str:
+    """Check (``body``: a genkey or none) through ``http`` until the generation shows text."""
+    deadline = time.monotonic() + 20
+    while True:
+        text = (await http.post("/api/extra/generate/check", json=body)).json()["results"][0]["text"]
+        if text:
+            return text
+        assert time.monotonic() < deadline, "the generation never showed progress through the other API server"
+        await asyncio.sleep(0.02)
+
+
 def test_check_abort_and_genkey_clashes_reach_the_api_server_that_runs_the_generation(two_api_servers):
     apps, states, _ = two_api_servers
     body = {"prompt": PROMPT, "max_length": 400, "temperature": 0, "genkey": "KCPP-peer", "ban_eos_token": True}
@@ -180,11 +191,7 @@ def test_check_abort_and_genkey_clashes_reach_the_api_server_that_runs_the_gener
         try:
             async with _http(apps[0]) as owner, _http(apps[1]) as other:
                 running = asyncio.create_task(owner.post("/api/v1/generate", json=body))
-                checked, deadline = "", time.monotonic() + 20
-                while not checked:
-                    assert time.monotonic() < deadline, "the generation never showed progress through the other API server"
-                    await asyncio.sleep(0.02)
-                    checked = (await other.post("/api/extra/generate/check", json={"genkey": "KCPP-peer"})).json()["results"][0]["text"]
+                checked = await _first_text(other, {"genkey": "KCPP-peer"})
                 clash = await other.post("/api/v1/generate", json=body)
                 assert clash.status_code == 400 and "already generating" in clash.json()["detail"]["msg"]
                 assert (await other.post("/api/extra/generate/check", json={"genkey": "KCPP-nobody"})).json()["results"][0]["text"] == ""
@@ -210,11 +217,7 @@ def test_unnamed_jobs_are_reached_through_the_other_api_server_and_two_are_not_r
         try:
             async with _http(apps[0]) as first, _http(apps[1]) as second:
                 running = asyncio.create_task(first.post("/api/v1/generate", json=body))
-                checked, deadline = "", time.monotonic() + 20
-                while not checked:
-                    assert time.monotonic() < deadline, "the unnamed generation never showed progress through the other API server"
-                    await asyncio.sleep(0.02)
-                    checked = (await second.post("/api/extra/generate/check", json={})).json()["results"][0]["text"]
+                await _first_text(second, {})
                 also = asyncio.create_task(second.post("/api/v1/generate", json=body))  # one unnamed job on each server
                 deadline = time.monotonic() + 20
                 while not any(states[1].surface_data.get("kobold", {})):

@@ -141,11 +141,8 @@ class ApiServerPeers:
 
     async def _read_answers(self, dealer: zmq.asyncio.Socket) -> None:
         while True:
-            frame = await dealer.recv()
-            try:
-                answer = self._answers.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                logger.warning("dropped an API server peer answer that does not decode: %s", exc)
+            answer = _decoded(self._answers, await dealer.recv(), "answer")
+            if answer is None:
                 continue
             pending = self._pending.get(answer.id)
             if pending is None:  # its question timed out
@@ -163,10 +160,8 @@ class ApiServerPeers:
                 logger.warning("dropped an API server peer message of %d frames", len(frames))
                 continue
             identity, frame = frames
-            try:
-                question = self._questions.decode(frame)
-            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-                logger.warning("dropped an API server peer question that does not decode: %s", exc)
+            question = _decoded(self._questions, frame, "question")
+            if question is None:
                 continue
             handler = self._handlers.get(question.op)
             answer = PeerAnswer(question.id)
@@ -178,3 +173,12 @@ class ApiServerPeers:
                     logger.exception("answering an API server peer's %s", question.op)
                     answer = PeerAnswer(question.id)
             await self._router.send_multipart([identity, self._encoder.encode(answer)])
+
+
+def _decoded(decoder: msgspec.msgpack.Decoder, frame: bytes, what: str):
+    """``frame`` decoded, or None (logged) where it does not decode into ``decoder``'s type."""
+    try:
+        return decoder.decode(frame)
+    except msgspec.DecodeError as exc:  # ValidationError included
+        logger.warning("dropped an API server peer %s that does not decode: %s", what, exc)
+        return None
