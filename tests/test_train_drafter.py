@@ -76,6 +76,18 @@ def test_bad_prompt_files_are_refused_with_the_line_number(target_dir, tmp_path,
     assert "bad.jsonl:2: needs a text field" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("lr", ["0", "-1e-3", "nan"])
+def test_a_learning_rate_that_is_not_positive_is_refused(target_dir, tmp_path, capsys, lr):
+    assert main(["train-drafter", str(target_dir), "--method", "dspark", f"--lr={lr}", "--output", str(tmp_path / "o")]) == 2
+    assert "--lr must be > 0" in capsys.readouterr().err
+
+
+def test_each_method_has_its_default_learning_rate():
+    from sonar.cli.train_drafter import DEFAULT_LR, METHODS
+
+    assert set(DEFAULT_LR) == set(METHODS) and DEFAULT_LR["eagle3"] == 5e-4 and DEFAULT_LR["dflash"] == DEFAULT_LR["dspark"] == 1e-3
+
+
 def test_training_lowers_the_loss_and_raises_agreement_on_the_targets_answers(target_dir):
     llm = LLM(str(target_dir), kv_cache_memory_bytes=2**22)
     tokenizer = llm.get_tokenizer()

@@ -20,6 +20,8 @@ from sonar.cli.engine_args import add_engine_arguments, engine_args_from
 DEFAULT_DRAFT_VOCAB_SIZE = 4096
 METHODS = ("eagle3", "dflash", "dspark")
 DEFAULT_MARKOV_RANK = 256
+# short self-distillation runs: block drafters held out 2.06 at 1e-3 against 1.94 at 5e-4 and 1.90 at 2e-3 (docs/benchmarks.md)
+DEFAULT_LR = {"eagle3": 5e-4, "dflash": 1e-3, "dspark": 1e-3}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -32,7 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: 128)")
     group.add_argument("--temperature", type=float, default=0.0, help="of the target's answers (default: 0, greedy)")
     group.add_argument("--epochs", type=int, default=2, help="passes over the training data (default: 2)")
-    group.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (default: 5e-4)")
+    group.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default: {DEFAULT_LR['eagle3']:g} for eagle3, {DEFAULT_LR['dspark']:g} for dflash and dspark)")
     group.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step (default: 8)")
     group.add_argument("--ttt-steps", type=int, default=3, help="eagle3: training-time-test steps (default: 3)")
     group.add_argument("--draft-vocab-size", type=int, default=DEFAULT_DRAFT_VOCAB_SIZE, help=f"eagle3: the head's vocabulary, the most frequent target tokens (default: {DEFAULT_DRAFT_VOCAB_SIZE})")
@@ -54,6 +56,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def _check(args: argparse.Namespace) -> str | None:
+    if args.lr is not None and not args.lr > 0:
+        return f"--lr must be > 0, got {args.lr}"
     if args.num_prompts < 2:
         return "--num-prompts must be at least 2 (one answer is held out)"
     if args.max_tokens < 2:
@@ -93,6 +97,8 @@ def run(args: argparse.Namespace) -> int:
         except (OSError, ValueError) as error:
             print(f"sonar train-drafter: {error}", file=sys.stderr)
             return 2
+    if args.lr is None:
+        args.lr = DEFAULT_LR[args.method]
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     seed = args.seed if args.seed is not None else 0
     tty = sys.stderr.isatty()
