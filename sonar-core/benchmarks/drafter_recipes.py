@@ -85,7 +85,7 @@ def _target_layers(core: torch.nn.Module) -> dict:
 def train(args: argparse.Namespace) -> None:
     from transformers import LlamaConfig
 
-    cache = torch.load(args.cache, weights_only=False)
+    cache = torch.load(args.cache, weights_only=True)  # tensors, lists and plain values only: nothing is unpickled into code
     layer_ids = [int(i) for i in args.target_layer_ids.split(",")]
     hidden = cache["head"].shape[1]
     columns = torch.cat([torch.arange(hidden) + cache["layers"].index(i) * hidden for i in layer_ids])
@@ -157,7 +157,10 @@ def main() -> None:
     t.add_argument("--tag", default="")
     t.add_argument("--save", default=None, help="write the drafter (DeepSpec layout) here")
     args = parser.parse_args()
-    collect(args) if args.command == "collect" else train(args)
+    if args.command == "collect":
+        collect(args)
+    else:
+        train(args)
 
 
 if __name__ == "__main__":

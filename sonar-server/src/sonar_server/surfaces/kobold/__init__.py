@@ -135,8 +135,8 @@ async def abort(request: Request, body: GenkeyRequest | None = None) -> dict[str
     if body and body.genkey:
         aborted = _abort_named(state, body.genkey).found or bool(await state.peers.ask("kobold.abort", body.genkey))
     else:
-        aborted = _abort_unnamed(state).found
-        aborted = bool(await state.peers.ask("kobold.abort_unnamed")) or aborted
+        here = _abort_unnamed(state).found
+        aborted = bool(await state.peers.ask("kobold.abort_unnamed")) or here  # every API server's, always asked
     return {"success": "true" if aborted else "false", "done": "true"}
 
 
