@@ -321,6 +321,14 @@ def load(url: str, body: object, headers: dict[str, str] | None = AUTH, **kwargs
     return httpx.post(f"{url}/v1/load_lora_adapter", json=body, headers=headers, timeout=60, **kwargs)
 
 
+def wait_until_unlisted(url: str, name: str, timeout: float = 30.0) -> None:
+    """Wait until ``GET /v1/models`` no longer lists adapter ``name``."""
+    deadline = time.monotonic() + timeout
+    while name in [c["id"] for c in httpx.get(f"{url}/v1/models", headers=AUTH).json()["data"]]:
+        assert time.monotonic() < deadline, f"{name!r} was still listed after {timeout:.0f}s"
+        time.sleep(0.05)
+
+
 def unload(url: str, body: object) -> httpx.Response:
     return httpx.post(f"{url}/v1/unload_lora_adapter", json=body, headers=AUTH, timeout=60)
 
@@ -362,7 +370,7 @@ def test_unloading_an_adapter_in_use_waits_for_its_requests(lora_server: ServerP
         events.append(next(line for line in lines if line.startswith("data: ")))  # running now
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             unloading = pool.submit(unload, url, {"lora_name": "busy"})
-            time.sleep(0.3)
+            wait_until_unlisted(url, "busy")  # the engine has taken the unload: it drains the adapter now
             refused = complete(url, "busy")
             assert not unloading.done(), "the unload answered while a request still ran through the adapter"
             events += [line for line in lines if line.startswith("data: ")]
