@@ -12,6 +12,8 @@
     # 1/64/256, throughput with fixed against confidence verification, a DSpark drafter's cost
     # (spec_confidence.py; --tiny runs it on the CPU)
     python sonar-cuda/benchmarks/spec_decode.py --part confidence --output-json confidence.json
+    # a real target and a trained drafter at batch 1/64/256: none, fixed and confidence verification
+    python sonar-cuda/benchmarks/spec_decode.py --part batched --method dspark --target model.gguf --drafter dspark/ --prompts gsm8k.jsonl --skip-prompts 1219 --num-prompts 100 -k 7
 
 verify-cost drafts random tokens (a benchmark-only proposer): a random-weight target accepts
 none of them, so every step emits one token per request while verifying k + 1 positions; its
@@ -39,6 +41,7 @@ from sonar import LLM, SamplingParams, registry
 from sonar.hookspecs import hookimpl
 from sonar.plugins import get_plugin_manager
 from sonar.spec_decode import DraftTokens, Proposer, ProposerInputs
+from sonar.spec_decode.interface import NO_BATCH_LIMIT
 
 MAX_K = 8
 
@@ -233,9 +236,53 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
     return {"method": method, "prompts": len(conversations), "plain_tok_s": round(plain_tokens / plain_s, 1), "runs": runs}
 
 
+def batched(args: argparse.Namespace) -> dict[str, Any]:
+    """A real target and a trained drafter at several batch sizes: output tok/s of the batch
+    answering ``--batches`` held-out prompts at once (cycled where fewer), greedy, without
+    speculation, with fixed-length verification (every draft, at every batch size) and with
+    confidence-scheduled verification; the mean acceptance length of each."""
+    common = dict(dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.5, quantization="unquantized",
+                  max_num_seqs=max(int(b) for b in args.batches.split(",")), enable_prefix_caching=False)
+    turns = _read_prompts(args.prompts, args.num_prompts, args.skip_prompts)
+    conversations = [[{"role": "user", "content": t[0]}] for t in turns]
+    configs: dict[str, dict[str, Any] | None] = {"none": None}
+    for verification in ("fixed", "confidence"):
+        configs[verification] = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.k,
+                                 "verification": verification, "disable_by_batch_size": NO_BATCH_LIMIT}
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    results: dict[str, Any] = {"method": args.method, "k": args.k, "prompts": len(conversations), "tok_s": {}, "acceptance": {}}
+    for name, spec in configs.items():
+        llm = LLM(args.target, speculative_config=spec, **common) if spec else LLM(args.target, **common)
+        llm.chat(conversations[:4], params, use_tqdm=False)  # warm-up (and the cost profile's compile)
+        for batch in (int(b) for b in args.batches.split(",")):
+            batch_conversations = [conversations[i % len(conversations)] for i in range(batch)]
+            before = _acceptance(llm) if spec else None
+            _sync()
+            started = time.perf_counter()
+            outputs = llm.chat(batch_conversations, params, use_tqdm=False)
+            _sync()
+            seconds = time.perf_counter() - started
+            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+            results["tok_s"].setdefault(name, {})[batch] = round(tokens / seconds, 1)
+            if spec:
+                after = _acceptance(llm)
+                drafts = after["drafts"] - before["drafts"]
+                accepted = after["accepted"] - before["accepted"]
+                results["acceptance"].setdefault(name, {})[batch] = {
+                    "mean_acceptance_length": round(1 + accepted / max(drafts, 1), 3), "drafts": drafts,
+                    "draft_tokens": after["draft_tokens"] - before["draft_tokens"], "accepted": accepted}
+            print(name, batch, results["tok_s"][name][batch], "tok/s", file=sys.stderr, flush=True)
+        del llm
+        _release()
+    plain = results["tok_s"]["none"]
+    results["speedup"] = {name: {b: round(v / plain[b], 3) for b, v in row.items()} for name, row in results["tok_s"].items() if name != "none"}
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", required=True, choices=["verify-cost", "loaded", "ngram", "eagle3", "dflash", "dspark", "confidence"])
+    parser.add_argument("--part", required=True, choices=["verify-cost", "loaded", "ngram", "eagle3", "dflash", "dspark", "confidence", "batched"])
+    parser.add_argument("--method", default="dspark", choices=["dspark", "dflash", "eagle3"], help="batched part: the drafter's method")
     parser.add_argument("--batches", default=None, help="default: 1,8,32,128 (confidence: 1,64,256)")
     parser.add_argument("--target", help="a real target model (a GGUF file or folder)")
     parser.add_argument("--drafter", help="the drafter's folder (eagle3, dflash, dspark parts)")
@@ -250,13 +297,15 @@ def main() -> None:
     spec_confidence.add_arguments(parser)
     args = parser.parse_args()
     if args.batches is None:
-        args.batches = "1,64,256" if args.part == "confidence" else "1,8,32,128"
+        args.batches = "1,64,256" if args.part in ("confidence", "batched") else "1,8,32,128"
     if args.part == "confidence":
         result = spec_confidence.confidence_part(args)
     elif args.part == "verify-cost":
         result = verify_cost(args)
     elif args.part == "loaded":
         result = loaded(args)
+    elif args.part == "batched":
+        result = batched(args)
     else:
         result = real_target(args, args.part)
     print(json.dumps(result, indent=1))
