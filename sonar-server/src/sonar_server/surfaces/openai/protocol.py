@@ -3,9 +3,17 @@ used, the rest ignored (clients send vendor fields)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+
+# A completion's prompt: text, token ids, or a list of either. Strict members tried in order:
+# a long list of ids is checked once. (A smart union validates it against every member in full,
+# 0.18 s for 700,000 ids, on the event loop.) Token ids are JSON integers, not strings or floats.
+Prompt = Annotated[
+    Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]],
+    Field(union_mode="left_to_right"),
+]
 
 
 class _Body(BaseModel):
@@ -40,7 +48,7 @@ class CompletionRequest(_GenerationBody):
     ``min_p``, ``repetition_penalty``, ``ignore_eos``, ...)."""
 
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: Prompt
     max_tokens: int | None = 16
     temperature: float | None = None
     top_p: float | None = None
