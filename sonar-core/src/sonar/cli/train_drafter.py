@@ -30,7 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group = parser.add_argument_group("drafter training")
     group.add_argument("--method", choices=METHODS, default="eagle3", help="the drafter to train (default: eagle3)")
     group.add_argument("--prompts", default=None, metavar="FILE", help="JSON lines with a turns/prompt/text field (default: the target writes its own)")
-    group.add_argument("--num-prompts", type=int, default=200, help="prompts to answer (default: 200)")
+    group.add_argument("--num-prompts", type=int, default=200, help="prompts to answer, drawn at random (--seed) from --prompts (default: 200); to hold prompts out, leave them out of the file")
     group.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: 128)")
     group.add_argument("--temperature", type=float, default=0.0, help="of the target's answers (default: 0, greedy)")
     group.add_argument("--epochs", type=int, default=2, help="passes over the training data (default: 2)")
