@@ -79,6 +79,7 @@ CASES = [
         ("lone surrogate escape", escaped({**CHAT, "messages": [{"role": "user", "content": "\udbff"}]}), 400),
         ("engine field of the wrong type", {**CHAT, "ignore_eos": "yes"}, 400),
         ("malformed JSON", b"[[[", 400),
+        ("more messages than the context holds", {**CHAT, "messages": [{"role": "user", "content": "a"}] * 20000}, 400),
     ]),
     ("/v1/messages", MESSAGES, anthropic_error, [
         ("missing max_tokens", {k: v for k, v in MESSAGES.items() if k != "max_tokens"}, 400),
@@ -89,6 +90,7 @@ CASES = [
         ("image block", {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]}, 400),
         ("prompt longer than the context", {**MESSAGES, "messages": [{"role": "user", "content": LONG_PROMPT}]}, 400),
         ("malformed JSON", b'{"model":', 400),
+        ("more messages than the context holds", {**MESSAGES, "messages": [{"role": "user", "content": "a"}] * 20000}, 400),
         ("invalid UTF-8", b'{"model": "\xc3\x28"}', 400),
         ("lone surrogate escape", escaped({**MESSAGES, "system": "\ud800"}), 400),
         ("tool_result content not text", {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": 5}]}]}, 400),

@@ -28,6 +28,8 @@ async def render_chat(
     tokenizer = state.require_tokenizer()
     if not messages:
         raise ApiError(400, "messages must not be empty", param="messages")
+    if len(messages) > state.max_model_len:  # each turn renders to a token at least: refused before the template runs
+        raise ApiError(400, f"{len(messages)} messages cannot fit in the model's context of {state.max_model_len} tokens", param="messages")
     if "chat_template" in (template_kwargs or {}) and not state.settings.trust_request_chat_template:
         raise ApiError(
             400, "this server does not run chat templates sent with requests (the operator may allow them with --trust-request-chat-template)",
