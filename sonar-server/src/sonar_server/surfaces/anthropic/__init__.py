@@ -58,8 +58,10 @@ def _text(content: str | list[ContentBlock] | list[dict[str, Any]], where: str) 
             raise ApiError(400, f"{where}: content blocks are objects, got {type(block).__name__}")
         block_type = block.get("type") if isinstance(block, dict) else block.type
         text = block.get("text") if isinstance(block, dict) else block.text
-        if block_type != "text" or not isinstance(text, str):
+        if block_type != "text":
             raise ApiError(400, f"{where}: content blocks of type {block_type!r} are not supported here; send text blocks")
+        if not isinstance(text, str):
+            raise ApiError(400, f"{where}: a text block's text must be a string, got {type(text).__name__}")
         texts.append(text)
     return "".join(texts)
 
@@ -73,10 +75,17 @@ def _message_entries(message: Message, where: str) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     for number, block in enumerate(message.content):
         extra = block.model_extra or {}
-        if block.type == "text" and block.text is not None:
+        if block.type == "text":
+            if not isinstance(block.text, str):
+                raise ApiError(400, f"{where}.{number}: a text block's text must be a string, got {type(block.text).__name__}")
             texts.append(block.text)
         elif block.type == "tool_use":
-            function = {"name": extra.get("name", ""), "arguments": extra.get("input") or {}}
+            name, arguments = extra.get("name"), extra.get("input", {})
+            if not isinstance(name, str) or not name:
+                raise ApiError(400, f"{where}.{number}: a tool_use block needs a name")
+            if not isinstance(arguments, dict):
+                raise ApiError(400, f"{where}.{number}: a tool_use block's input must be an object, got {type(arguments).__name__}")
+            function = {"name": name, "arguments": arguments}
             tool_calls.append({"id": extra.get("id", ""), "type": "function", "function": function})
         elif block.type == "tool_result":
             content = extra.get("content")
