@@ -106,6 +106,7 @@ CASES = [
         ("negative max_length", {**KOBOLD, "max_length": -3}, 400),
         ("huge max_length", {**KOBOLD, "max_length": 10**9}, 400),
         ("huge n", {**KOBOLD, "n": 10**6}, 400),
+        ("genkey of 100,000 characters", {**KOBOLD, "genkey": "k" * 100000}, 400),
         ("prompt longer than the context", {**KOBOLD, "prompt": LONG_PROMPT}, 400),
         ("lone surrogate escape", escaped({**KOBOLD, "prompt": "\ud800"}), 400),
         ("engine field of the wrong type", {**KOBOLD, "skip_special_tokens": []}, 400),

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, StringConstraints
+
+# a client's name for its generation (KoboldCpp's are "KCPP" and a few hex digits); kept while
+# it runs and sent to the other API servers, so its length is bounded
+Genkey = Annotated[str, StringConstraints(max_length=256)]
 
 
 class GenerateRequest(BaseModel):
@@ -27,7 +33,7 @@ class GenerateRequest(BaseModel):
     ban_eos_token: bool = False
     bypass_eos: bool = False
     trim_stop: bool = True
-    genkey: str | None = None
+    genkey: Genkey | None = None
     grammar: str | None = None  # a GBNF grammar the output must follow
     model: str | None = None  # Sonar's: a LoRA adapter's name (or the served model's); KoboldCpp has no per-request model
 
@@ -37,7 +43,7 @@ class GenkeyRequest(BaseModel):
 
     model_config = ConfigDict(extra="allow")
 
-    genkey: str | None = None
+    genkey: Genkey | None = None
 
 
 class TokenCountRequest(BaseModel):
