@@ -84,3 +84,16 @@ def test_same_constraint_compiles_once_across_threads(tokenizer: Any) -> None:
         thread.join()
     assert len(results) == 8 and all(r is results[0] for r in results)
     assert compiler.cache.num_entries == 1
+
+
+
+def test_a_grammar_that_matches_no_text_is_refused(tokenizer: Any) -> None:
+    """An empty language would mask every logit; an endless one (max_tokens ends it) compiles."""
+    compiler = make_compiler(tokenizer)
+    try:
+        with pytest.raises(ValueError, match="matches no text"):
+            compiler.compile(GuidedDecodingParams(grammar="root ::= root"))
+        assert compiler.cache.num_entries == 0
+        assert compiler.compile(GuidedDecodingParams(grammar='root ::= "a" root')) is not None
+    finally:
+        compiler.shutdown()

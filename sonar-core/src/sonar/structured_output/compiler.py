@@ -105,11 +105,21 @@ class GrammarCompiler:
     def _compile_into_cache(self, key: Hashable, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
         try:
             compiled = self._compile(params)
+            self._check_opens(compiled)
             self.cache.put(key, compiled, compiled.memory_size_bytes)
             return compiled
         finally:
             with self._lock:
                 self._in_flight.pop(key, None)
+
+    def _check_opens(self, compiled: xgr.CompiledGrammar) -> None:
+        """Refuse a grammar that allows no first token (its language is empty, as with
+        ``root ::= root``, or no token spells its start): every logit would be masked."""
+        matcher = xgr.GrammarMatcher(compiled)
+        bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        matcher.fill_next_token_bitmask(bitmask)
+        if not matcher.is_terminated() and not bool(bitmask.any()):
+            raise ValueError("the constraint matches no text this model's tokens can write")
 
     def _compile(self, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
         kind = params.kind
