@@ -177,18 +177,18 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 
 BLOCK_N = 64  # cached tokens per tile
-# warps per program: 4, and 2 for an FP8 cache (H200, 32 query / 8 KV heads of 128, 64-token
-# tiles, sequences x cached tokens: 125 x 1,100 111 us with 2 warps against 143 with 4,
-# 256 x 1,100 193 against 275; the bf16 cache 136-137 and 277-278 with either)
+# warps per program: 4 for a 16-bit cache (H200, 32 query / 8 KV heads of 128, 64-token tiles:
+# 136-137 us at 125 sequences x 1,100 cached tokens, 277-278 at 256, with 2 or 4 warps)
 NUM_WARPS = 4
-FP8_NUM_WARPS = 2
 NUM_STAGES = 3
-# an FP8 cache's tile and stages, apart from the 16-bit cache's: a sweep of the kernel alone
-# found 32-token tiles with 1 warp and 5 stages faster again at 256 sequences (171 against 190
-# us at 1,100 cached tokens); kept at the measured engine choice until an engine run confirms it
-# (``python sonar-cuda/benchmarks/kv_fp8.py --fp8-launch 32:1:5`` measures it beside this one)
-FP8_BLOCK_N = 64
-FP8_NUM_STAGES = 3
+# an FP8 cache's tile, warps and stages, apart from the 16-bit cache's: 32-token tiles with 1 warp
+# and 5 stages. The kernel alone at 256 sequences x 1,100 cached tokens: 171 us against 190 with
+# 64-token tiles and 2 warps (256-275 with 4); workload c with FP8 weights and this cache, one
+# engine each in one run: 19,984 output tok/s against 19,359 (+3.2%)
+# (``python sonar-cuda/benchmarks/kv_fp8.py --quantization fp8 --kv-dtypes fp8 --fp8-launch 64:2:3``)
+FP8_BLOCK_N = 32
+FP8_NUM_WARPS = 1
+FP8_NUM_STAGES = 5
 
 
 def _num_sms(device: torch.device) -> int:
