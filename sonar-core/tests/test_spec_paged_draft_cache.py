@@ -196,3 +196,28 @@ def test_a_pass_that_cannot_be_captured_runs_eagerly():
     x = torch.arange(6.0).view(2, 3)
     (out,) = draft.run({"x": x}, 8)
     assert torch.equal(out, x * 2) and calls == [(2, 8)]  # at its own shape, not a padded one
+
+
+def test_appending_many_requests_at_once_equals_one_append_each():
+    """The drafter commits every request's new states in one call: the same slots, positions,
+    lengths and device rows as one append per request (a request with no new state untouched)."""
+    gen = torch.Generator().manual_seed(3)
+    rounds = [(["a", "b", "c"], [5, 0, 3]), (["a", "b", "c"], [2, 7, 1]), (["c", "a"], [12, 1])]
+    one_by_one, at_once = paged(), paged()
+    for req_ids, counts in rounds:
+        kv = torch.randn(2, 2, sum(counts), 2, 8, generator=gen)
+        positions = torch.arange(sum(counts)) + 100
+        start = 0
+        for req_id, count in zip(req_ids, counts):
+            if count:
+                one_by_one.append(req_id, kv[:, :, start : start + count], positions[start : start + count])
+            start += count
+        at_once.append_many(req_ids, counts, kv, positions)
+    assert at_once.lengths == one_by_one.lengths and at_once.committed == one_by_one.committed
+    for req_id in ("a", "b", "c"):
+        num_slots = at_once.lengths[req_id]
+        got_row, want_row = torch.tensor([at_once.row_of(req_id)]), torch.tensor([one_by_one.row_of(req_id)])
+        for got, want in zip(at_once.read(1, got_row, num_slots), one_by_one.read(1, want_row, num_slots)):
+            assert torch.equal(got, want)
+        assert torch.equal(at_once.read_positions(got_row, num_slots), one_by_one.read_positions(want_row, num_slots))
+        assert at_once.device_lengths[got_row] == one_by_one.device_lengths[want_row]

@@ -161,11 +161,7 @@ class DFlashProposer(Proposer):
         if inputs.hidden_states.shape[0]:
             context = drafter.context(inputs.hidden_states, inputs.positions)
             kv = torch.stack([torch.stack([k, v]) for k, v in context])  # [layers, 2, N, KVH, D]
-            start = 0
-            for req_id, count in zip(inputs.req_ids, inputs.num_hidden_states):
-                if count:
-                    cache.append(req_id, kv[:, :, start : start + count], inputs.positions[start : start + count])
-                start += count
+            cache.append_many(list(inputs.req_ids), list(inputs.num_hidden_states), kv, inputs.positions)
         drafts: list[list[int]] = [[] for _ in inputs.req_ids]
         confidence: list[list[float] | None] | None = None
         if not drafting:

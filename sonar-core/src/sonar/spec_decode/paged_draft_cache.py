@@ -148,9 +148,38 @@ class PagedDraftCache:
 
     def slots(self, req_id: str, start: int, count: int) -> torch.Tensor:
         """The pool slots of the request's slots ``start .. start + count - 1`` (host-computed)."""
+        return torch.from_numpy(self._host_slots(req_id, start, count))
+
+    def _host_slots(self, req_id: str, start: int, count: int) -> np.ndarray:
         index = np.arange(start, start + count)
         blocks = np.asarray(self._blocks_of[req_id], dtype=np.int64)
-        return torch.from_numpy(blocks[index // self.block_size] * self.block_size + index % self.block_size)
+        return blocks[index // self.block_size] * self.block_size + index % self.block_size
+
+    def append_many(self, req_ids: list[str], counts: list[int], kv: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Commit ``counts[i]`` slots after request ``req_ids[i]``'s last, for every request at
+        once: ``kv [layers, 2, sum(counts), kv_heads, head_dim]`` (and ``positions``) hold them
+        request after request. One copy of slot indices to the device for all of them, where
+        one ``append`` each would make the host wait for the device once per request. Requests
+        with a count of 0 are left alone."""
+        slot_parts, rows, lengths = [], [], []
+        for req_id, count in zip(req_ids, counts):
+            if not count:
+                continue
+            length = self.lengths.get(req_id, 0)
+            self.reserve(req_id, length + count)
+            slot_parts.append(self._host_slots(req_id, length, count))
+            self.lengths[req_id] = self.committed[req_id] = length + count
+            rows.append(self._row_of[req_id])
+            lengths.append(length + count)
+        if not rows:
+            return
+        slots = to_device(np.concatenate(slot_parts), self.device)
+        flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
+        flat.index_copy_(2, slots, kv.to(self.dtype))
+        if positions is not None:
+            self.positions.index_copy_(0, slots, positions.to(self.device, torch.int64))
+        rows_on_device = to_device(np.asarray(rows, dtype=np.int64), self.device)
+        self.device_lengths.index_copy_(0, rows_on_device, to_device(np.asarray(lengths, dtype=np.int64), self.device))
 
     def append(self, req_id: str, kv: torch.Tensor, positions: torch.Tensor | None = None, commit: bool = True) -> None:
         """Write ``kv [layers, 2, n, kv_heads, head_dim]`` after the request's last slot (its
