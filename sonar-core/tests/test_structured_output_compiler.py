@@ -86,7 +86,6 @@ def test_same_constraint_compiles_once_across_threads(tokenizer: Any) -> None:
     assert compiler.cache.num_entries == 1
 
 
-
 def test_a_grammar_that_matches_no_text_is_refused(tokenizer: Any) -> None:
     """An empty language would mask every logit; an endless one (max_tokens ends it) compiles."""
     compiler = make_compiler(tokenizer)

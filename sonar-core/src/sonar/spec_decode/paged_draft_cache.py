@@ -146,21 +146,25 @@ class PagedDraftCache:
         blocks.extend(new_blocks)
         self.table[row, start:needed] = to_device(torch.tensor(new_blocks, dtype=torch.int64), self.device)
 
-    def slots(self, req_id: str, start: int, count: int) -> torch.Tensor:
-        """The pool slots of the request's slots ``start .. start + count - 1`` (host-computed)."""
-        return torch.from_numpy(self._host_slots(req_id, start, count))
-
     def _host_slots(self, req_id: str, start: int, count: int) -> np.ndarray:
+        """The pool slots of the request's slots ``start .. start + count - 1``."""
         index = np.arange(start, start + count)
         blocks = np.asarray(self._blocks_of[req_id], dtype=np.int64)
         return blocks[index // self.block_size] * self.block_size + index % self.block_size
 
+    def _write(self, slots: np.ndarray, kv: torch.Tensor, positions: torch.Tensor | None) -> None:
+        """``kv [layers, 2, n, kv_heads, head_dim]`` (and ``positions [n]``) into pool slots
+        ``slots [n]``, copied to the device through pinned memory (no wait for the device)."""
+        on_device = to_device(slots, self.device)
+        flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
+        flat.index_copy_(2, on_device, kv.to(self.dtype))
+        if positions is not None:
+            self.positions.index_copy_(0, on_device, positions.to(self.device, torch.int64))
+
     def append_many(self, req_ids: list[str], counts: list[int], kv: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Commit ``counts[i]`` slots after request ``req_ids[i]``'s last, for every request at
         once: ``kv [layers, 2, sum(counts), kv_heads, head_dim]`` (and ``positions``) hold them
-        request after request. One copy of slot indices to the device for all of them, where
-        one ``append`` each would make the host wait for the device once per request. Requests
-        with a count of 0 are left alone."""
+        request after request, in one write. Requests with a count of 0 are left alone."""
         slot_parts, rows, lengths = [], [], []
         for req_id, count in zip(req_ids, counts):
             if not count:
@@ -173,11 +177,7 @@ class PagedDraftCache:
             lengths.append(length + count)
         if not rows:
             return
-        slots = to_device(np.concatenate(slot_parts), self.device)
-        flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
-        flat.index_copy_(2, slots, kv.to(self.dtype))
-        if positions is not None:
-            self.positions.index_copy_(0, slots, positions.to(self.device, torch.int64))
+        self._write(np.concatenate(slot_parts), kv, positions)
         rows_on_device = to_device(np.asarray(rows, dtype=np.int64), self.device)
         self.device_lengths.index_copy_(0, rows_on_device, to_device(np.asarray(lengths, dtype=np.int64), self.device))
 
@@ -187,11 +187,7 @@ class PagedDraftCache:
         length = self.lengths.get(req_id, 0)
         n = kv.shape[2]
         self.reserve(req_id, length + n)
-        slots = self.slots(req_id, length, n).to(self.device, non_blocking=True)
-        flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
-        flat.index_copy_(2, slots, kv.to(self.dtype))
-        if positions is not None:
-            self.positions.index_copy_(0, slots, positions.to(self.device, torch.int64))
+        self._write(self._host_slots(req_id, length, n), kv, positions)
         self.lengths[req_id] = length + n
         if commit:
             self.committed[req_id] = length + n
