@@ -94,4 +94,9 @@ def test_phase_timing_with_speculative_decoding_keeps_the_output(tmp_path_factor
     engine.set_phase_timing(False)
     assert timed == plain and len(timed) == 12
     assert times.get("launch: sampler", 0.0) > 0.0
+    # the speculative parts are timed too, each inside the step part that runs it
+    assert 0.0 < times["launch: spec_verify"] < times["launch"]
+    assert 0.0 < times["fetch: spec_propose: proposer"] <= times["fetch: spec_propose"] < times["fetch_wait"]
+    spec = engine.core.executor.worker.model_runner.spec
+    assert "verify" not in spec.__dict__ and "propose" not in spec.proposer.__dict__  # unwrapped again
     assert engine.get_stats().spec_num_drafts > 0  # drafts were verified while timed

@@ -38,12 +38,14 @@ import torch
 import spec_confidence  # beside this file (the script's folder is on sys.path)
 
 from sonar import LLM, SamplingParams, registry
+from sonar.cli.bench_suite import run_counters
 from sonar.hookspecs import hookimpl
 from sonar.plugins import get_plugin_manager
 from sonar.spec_decode import DraftTokens, Proposer, ProposerInputs
 from sonar.spec_decode.interface import NO_BATCH_LIMIT
 
 MAX_K = 8
+WARM_UP_TOKENS = 16  # output tokens of the warm-up run at each measured batch size
 
 
 class RandomDrafts(Proposer):
@@ -88,6 +90,12 @@ def _timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _sync()
     return time.perf_counter() - started
+
+
+def _per_step(counters: dict[str, float]) -> dict[str, float]:
+    """``run_counters``' figures with the host seconds of each step part as ms per step."""
+    steps = max(int(counters.get("steps", 0)), 1)
+    return {k: (round(1000 * v / steps, 3) if isinstance(v, float) else v) for k, v in counters.items()}
 
 
 def _step_ms(llm: LLM, prompts: list[list[int]], steps: int = 32, base: int = 8) -> float:
@@ -250,20 +258,25 @@ def batched(args: argparse.Namespace) -> dict[str, Any]:
         configs[verification] = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.k,
                                  "verification": verification, "disable_by_batch_size": NO_BATCH_LIMIT}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    results: dict[str, Any] = {"method": args.method, "k": args.k, "prompts": len(conversations), "tok_s": {}, "acceptance": {}}
+    warm_up = SamplingParams(temperature=0.0, max_tokens=WARM_UP_TOKENS)
+    results: dict[str, Any] = {"method": args.method, "k": args.k, "prompts": len(conversations), "tok_s": {}, "acceptance": {}, "counters": {}}
     for name, spec in configs.items():
         llm = LLM(args.target, speculative_config=spec, **common) if spec else LLM(args.target, **common)
-        llm.chat(conversations[:4], params, use_tqdm=False)  # warm-up (and the cost profile's compile)
         for batch in (int(b) for b in args.batches.split(",")):
             batch_conversations = [conversations[i % len(conversations)] for i in range(batch)]
+            # warm-up at this batch size: the shapes it brings (eager verify steps past the
+            # largest graph, eager drafter passes) compile their kernels outside the timed run
+            llm.chat(batch_conversations[::-1], warm_up, use_tqdm=False)
             before = _acceptance(llm) if spec else None
-            _sync()
-            started = time.perf_counter()
-            outputs = llm.chat(batch_conversations, params, use_tqdm=False)
-            _sync()
-            seconds = time.perf_counter() - started
+            with run_counters(llm.llm_engine) as counters:
+                _sync()
+                started = time.perf_counter()
+                outputs = llm.chat(batch_conversations, params, use_tqdm=False)
+                _sync()
+                seconds = time.perf_counter() - started
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             results["tok_s"].setdefault(name, {})[batch] = round(tokens / seconds, 1)
+            results["counters"].setdefault(name, {})[batch] = _per_step(counters)
             if spec:
                 after = _acceptance(llm)
                 drafts = after["drafts"] - before["drafts"]

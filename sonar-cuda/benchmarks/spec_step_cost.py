@@ -1,13 +1,16 @@
 """What a speculative step costs beyond the model: a tiny random target and a random DSpark
 drafter, so the forward passes are cheap and the host's and the drafter's per-step work shows.
 
-    python sonar-cuda/benchmarks/spec_step_cost.py [--batches 1,64] [--output-json F]
+    python sonar-cuda/benchmarks/spec_step_cost.py [--batches 1,64] [--output-json F] [--torch-profile DIR]
 
 For each batch size: output tok/s and milliseconds per step with no speculation, and with
 DSpark at 7 drafts a step under fixed-length verification (drafting at every batch size). A
 random drafter's drafts are all rejected, so every speculative step emits one token per request
-and verifies eight: its time per step is the whole cost of drafting and verifying. Runs on a
-GPU, or on the CPU where there is none.
+and verifies eight: its time per step is the whole cost of drafting and verifying. Each batch
+size is warmed up first (its shapes compile untimed); each timed run reports its steps, the
+host's milliseconds per step in each part of a step (verification, the proposal and the host's
+wait for it among them), the allocator's waits and the Triton kernels compiled meanwhile.
+Runs on a GPU, or on the CPU where there is none.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from sonar import LLM, SamplingParams
+from sonar.cli.bench_suite import run_counters
 from sonar.spec_decode.dflash_checkpoint import save_dflash
 from sonar.spec_decode.dflash_model import DFlashDrafter
 from sonar.spec_decode.dflash_trainer import drafter_config_for, init_drafter
@@ -56,15 +60,43 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
+def profile_steps(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 4) -> None:
+    """torch.profiler over ``num_steps`` steps in the middle of a run of ``prompts``: the host
+    and device time of each operator (self time, sorted), written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True, detokenize=False)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"profile-{i}", prompt, params)
+    for _ in range(8):  # past the prefills
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(num_steps):
+            engine.step()
+        sync()
+    while engine.has_unfinished_requests():
+        engine.step()
+    averages = prof.key_averages()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sections = [f"{num_steps} steps of {len(prompts)} requests\n", averages.table(sort_by="self_cpu_time_total", row_limit=40)]
+    if torch.cuda.is_available():
+        sections.append(averages.table(sort_by="self_cuda_time_total", row_limit=40))
+    path.write_text("\n".join(sections))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--torch-profile", default=None, metavar="DIR", help="also profile a few steps at each batch size (torch.profiler tables into DIR)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(VOCAB - 1) for _ in range(32)]} for _ in range(max(batches))]
     params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True, detokenize=False)
+    warm_up = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
     results: dict[str, dict[int, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         target, drafter = build(Path(tmp))
@@ -74,16 +106,24 @@ def main() -> int:
             options = {"gpu_memory_utilization": 0.3} if torch.cuda.is_available() else {}
             llm = LLM(str(target), max_model_len=512, max_num_seqs=max(batches), enable_prefix_caching=False,
                       speculative_config=spec, skip_tokenizer_init=True, **options)  # fmt: skip
-            llm.generate(prompts[:8], params, use_tqdm=False)  # warm-up
             for batch in batches:
-                sync()
-                started = time.perf_counter()
-                outputs = llm.generate(prompts[:batch], params, use_tqdm=False)
-                sync()
-                seconds = time.perf_counter() - started
+                llm.generate(prompts[:batch][::-1], warm_up, use_tqdm=False)  # this batch size's shapes, compiled untimed
+                with run_counters(llm.llm_engine) as counters:
+                    sync()
+                    started = time.perf_counter()
+                    outputs = llm.generate(prompts[:batch], params, use_tqdm=False)
+                    sync()
+                    seconds = time.perf_counter() - started
                 tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-                results.setdefault(name, {})[batch] = {"tok_s": round(tokens / seconds, 1), "ms_per_step": round(1000 * seconds / OUTPUT_LEN, 3)}
+                steps = max(int(counters["steps"]), 1)
+                results.setdefault(name, {})[batch] = {
+                    "tok_s": round(tokens / seconds, 1), "ms_per_step": round(1000 * seconds / steps, 3), "steps": steps,
+                    "host_ms_per_step": {k: round(1000 * v / steps, 3) for k, v in counters.items() if isinstance(v, float)},
+                    **{k: v for k, v in counters.items() if not isinstance(v, float) and k != "steps"},
+                }  # fmt: skip
                 print(name, batch, results[name][batch], file=sys.stderr, flush=True)
+                if args.torch_profile:
+                    profile_steps(llm, prompts[:batch], Path(args.torch_profile) / f"{name}-{batch}.txt")
             del llm
     line = json.dumps(results)
     print(line)

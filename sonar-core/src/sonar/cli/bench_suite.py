@@ -164,27 +164,38 @@ def _engine_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _generate(llm, prompts: list[list[int]], output_lens: list[int], phases: dict[str, float] | None = None) -> tuple[float, int]:
-    """Run the prompts; seconds and output tokens. ``phases`` (if given) receives the number
-    of steps and the host's seconds in each part of the step (launch, and its pieces; the
-    wait for results; the scheduler; output processing), the allocator's counters and the
-    number of Triton kernels compiled meanwhile."""
+    """Run the prompts; seconds and output tokens. ``phases`` (if given) receives what
+    ``run_counters`` counts over the run."""
     from sonar.sampling_params import SamplingParams
 
     params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in output_lens]
-    engine = llm.llm_engine
-    steps_before, memory_before, compiled_before = engine.get_stats().num_steps, _memory_stats(), _triton_cache_entries()
-    with _phase_timing(engine, phases is not None) as totals:
+    with run_counters(llm.llm_engine, phases is not None) as counters:
         _sync()
         started = time.perf_counter()
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         _sync()
         elapsed = time.perf_counter() - started
     if phases is not None:
-        phases.update(totals)
-        phases["steps"] = engine.get_stats().num_steps - steps_before
-        phases.update({k: v - memory_before.get(k, 0) for k, v in _memory_stats().items()})
-        phases["triton_compiles"] = _triton_cache_entries() - compiled_before
+        phases.update(counters)
     return elapsed, sum(len(o.outputs[0].token_ids) for o in outputs)
+
+
+@contextlib.contextmanager
+def run_counters(engine: Any, phase_timing: bool = True) -> Iterator[dict[str, float]]:
+    """Counts what a timed run of ``engine`` (an ``LLMEngine``) met; the dict yielded is
+    filled when the block ends: the number of steps, the host's seconds in each part of a step
+    (launch and its pieces, the wait for results, the scheduler, output processing, and a
+    speculative runner's verification and drafting) where ``phase_timing``, the CUDA caching
+    allocator's counters of host waits, and the number of Triton kernels compiled meanwhile
+    (a timed run should compile none: a compile takes longer than hundreds of steps)."""
+    counters: dict[str, float] = {}
+    steps_before, memory_before, compiled_before = engine.get_stats().num_steps, _memory_stats(), _triton_cache_entries()
+    with _phase_timing(engine, phase_timing) as totals:
+        yield counters
+    counters.update(totals)
+    counters["steps"] = engine.get_stats().num_steps - steps_before
+    counters.update({k: v - memory_before.get(k, 0) for k, v in _memory_stats().items()})
+    counters["triton_compiles"] = _triton_cache_entries() - compiled_before
 
 
 @contextlib.contextmanager

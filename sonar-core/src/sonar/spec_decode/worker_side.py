@@ -69,6 +69,19 @@ class SpeculativeDecoder:
             self.hidden.remove_requests(req_ids)
         self.draft_probs.remove(req_ids)
 
+    def phase_targets(self) -> list[tuple[object, str, str]]:
+        """The speculative parts of a step a benchmark may time (see ``ModelRunner.phase_targets``):
+        verification (launched with the step), and the proposal once the step's tokens are read
+        back, with the host's wait for the drafter's results in it."""
+        targets: list[tuple[object, str, str]] = [
+            (self, "verify", "launch: spec_verify"),
+            (self, "propose", "fetch: spec_propose"),
+            (self.proposer, "propose", "fetch: spec_propose: proposer"),
+        ]
+        if self.hidden is not None:
+            targets += [(self, "record_hidden_states", "launch: spec_hidden_states"), (self.hidden, "gather", "fetch: spec_propose: gather_states")]
+        return targets
+
     def record_hidden_states(self, batch: StepBatch, final_hidden: torch.Tensor) -> StepHiddenStates:
         """Keep a step's states for the proposer (one that ``needs_hidden_states``): the
         target's auxiliary states where the proposer chose layers, else its final ones."""

@@ -183,6 +183,7 @@ class ModelRunner:
             (self.model, "compute_logits", "launch: compute_logits"),
             (self, "_prompt_logprobs", "launch: prompt_logprobs"),
             (SamplingMetadata, "build", "launch: sampling_metadata"),
+            *(self.spec.phase_targets() if self.spec is not None else ()),
         ]
 
     def device_benchmarks(self) -> dict[str, float]:
