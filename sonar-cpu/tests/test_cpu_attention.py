@@ -19,6 +19,9 @@ LAYOUTS = {
     "mixed": ([3, 47, 15, 0, 20, 64], [1, 1, 1, 17, 5, 33]),
     "block_boundaries": ([15, 16, 31, 32, 12], [1, 1, 1, 1, 4]),
     "single_token_prefill": ([0, 9], [1, 1]),
+    # a verify step: drafts after each context (short chunks, one decode row per token where the
+    # C kernel runs), then a chunk just past the short limit and a fresh prefill
+    "verify_steps": ([40, 5, 16, 63, 31, 0], [1, 8, 8, 16, 17, 12]),
 }
 
 
@@ -224,3 +227,24 @@ def test_the_c_decode_attention_leaves_other_dtypes_to_torch() -> None:
     assert attention.native_library(torch.zeros(1, dtype=torch.bfloat16), torch.zeros(1)) is None
     assert attention.native_library(torch.zeros(1), torch.zeros(1, dtype=torch.bfloat16)) is None
     assert attention.native_library(torch.zeros(1), torch.zeros(4, 4).t()) is None  # a cache that is not contiguous
+
+
+@pytest.mark.skipif(native.load() is None, reason="no C compiler or no AVX2/FMA/F16C here")
+@pytest.mark.parametrize("window", [None, 6])
+def test_short_chunks_go_to_the_c_kernel_as_decode_rows(window: int | None) -> None:
+    # a verify step: each draft token is one decode row of its own length, in the decodes' call;
+    # the chunk past SHORT_CHUNK_TOKENS and the fresh prefill stay prefills
+    context_lens, query_lens = LAYOUTS["verify_steps"]
+    step = make_step(context_lens, query_lens, num_heads=6, num_kv_heads=2, head_dim=32, block_size=4, scattered=True)
+    scale = 32**-0.5
+    expected = reference_with_window(step, scale, window) if window else reference_attention(
+        step.query, step.key, step.value, step.kv_cache.clone(), step.metadata, scale
+    )
+    backend = CpuAttentionBackend(6, 2, 32, scale, sliding_window=window)
+    actual = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata)
+    rows = step.metadata.extra.decode_rows
+    assert attention_plan.SHORT_CHUNK_TOKENS == 16
+    assert rows.num_rows == 1 + 8 + 8 + 16
+    assert [chunk.end - chunk.start for chunk in rows.prefills] == [17, 12]
+    assert rows.seq_lens[1:9].tolist() == list(range(6, 14))  # the drafts after 5 cached tokens: lengths 6..13
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)

@@ -4,7 +4,9 @@ scaled_dot_product_attention otherwise.
 With a float32 cache and queries, where Sonar's C kernels are built (``sonar_cpu.native``), the
 new tokens' keys and values are written by one C call and every decode of the step is attended
 by another, reading its blocks in place through the block table (``csrc/decode_attention.c``);
-prefill chunks still go to SDPA as below.
+so are the tokens of short chunks over a cached context (a verify step's drafts), one decode
+row per token (``attention_plan.SHORT_CHUNK_TOKENS``); longer prefill chunks still go to SDPA as
+below.
 
 Otherwise, per layer and step: one ``index_copy_`` per K and V writes the new tokens into the cache; the
 decodes are attended in a few batched calls over their blocks gathered from the cache (grouped
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from sonar.attention import AttentionBackend, AttentionMetadata, is_fp8, quantize_for_cache
 
 from sonar_cpu import native
-from sonar_cpu.attention_plan import BUCKET_CALL_COST_TOKENS, CpuAttentionPlan, DecodeBucket, PrefillChunk, build_plan
+from sonar_cpu.attention_plan import BUCKET_CALL_COST_TOKENS, CpuAttentionPlan, DecodeBucket, DecodeRows, PrefillChunk, build_plan
 
 #: Without AMX, PyTorch's half-precision flash kernel converts to float32 block by block and runs
 #: compute-bound prefills at about half the float32 speed; decodes are memory-bound and stay in
@@ -104,31 +106,37 @@ class CpuAttentionBackend(AttentionBackend):
         scales: tuple[float, float],
         library,
     ) -> torch.Tensor:
-        """Attend the step's tokens over the cache holding them: the decodes in one C call where
-        ``library`` is given, else in the plan's batched calls; each prefill chunk in one call."""
-        if library is not None and metadata.num_decodes:
-            decoded = self._native_decode(library, query, kv_cache, metadata)
-            if not plan.prefills:
-                return decoded
+        """Attend the step's tokens over the cache holding them: the decodes (and the tokens of
+        short chunks) in one C call where ``library`` is given, else the decodes in the plan's
+        batched calls; each remaining prefill chunk in one call."""
+        prefills = plan.prefills
+        if library is not None:
+            rows = plan.decode_rows
+            prefills = rows.prefills
+            decoded = self._native_decode(library, query[rows.query_rows], kv_cache, rows) if rows.num_rows else None
+            if decoded is not None and isinstance(rows.query_rows, slice) and rows.num_rows == query.shape[0]:
+                return decoded  # every token a decode row, in order
             out = torch.empty_like(query)
-            out[: metadata.num_decodes] = decoded
-        elif not plan.prefills and len(plan.decode_buckets) == 1:
+            if decoded is not None:
+                out[rows.query_rows] = decoded
+        elif not prefills and len(plan.decode_buckets) == 1:
             return self._decode(query, kv_cache, plan, plan.decode_buckets[0], scales)
         else:
             out = torch.empty_like(query)
             decode_out = out[: metadata.num_decodes]
             for bucket in plan.decode_buckets:
                 decode_out[bucket.rows] = self._decode(query[: metadata.num_decodes][bucket.rows], kv_cache, plan, bucket, scales)
-        for chunk in plan.prefills:
+        for chunk in prefills:
             out[chunk.start : chunk.end] = self._prefill(query, key, value, kv_cache, plan, chunk, scales)
         return out
 
-    def _native_decode(self, library, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """Every decode of the step in one call of the C kernel (float32 query and cache)."""
-        n = metadata.num_decodes
-        decode_query = query[:n].contiguous()
+    def _native_decode(self, library, query: torch.Tensor, kv_cache: torch.Tensor, rows: DecodeRows) -> torch.Tensor:
+        """Every decode row of the step (``query``: theirs) in one call of the C kernel
+        (float32 query and cache)."""
+        n = rows.num_rows
+        decode_query = query.contiguous()
         out = torch.empty_like(decode_query)
-        tables, seq_lens = metadata.block_tables.contiguous(), metadata.seq_lens.contiguous()
+        tables, seq_lens = rows.block_tables, rows.seq_lens
         code = library.paged_decode_attention(
             decode_query.data_ptr(), kv_cache.data_ptr(), kv_cache.shape[1], kv_cache.shape[2], self.num_kv_heads,
             self.head_dim, self.num_heads, tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), n,

@@ -10,7 +10,8 @@ sequences share a call:
   caches when SDPA reads it back (one 64-sequence gather of a few tens of MB goes to DRAM and
   back, and costs several times more).
 
-Prefill chunks are attended one sequence at a time.
+Prefill chunks are attended one sequence at a time (short ones, where the C decode kernel runs,
+as decode rows: ``SHORT_CHUNK_TOKENS``).
 """
 
 from __future__ import annotations
@@ -27,6 +28,12 @@ from sonar.attention import AttentionMetadata
 BUCKET_CALL_COST_TOKENS = 256
 #: The most K and V bytes one decode call gathers (about what stays in L2/L3 cache).
 MAX_GATHER_BYTES = 4 * 1024**2
+#: Where a kernel reads the block tables itself (the C decode kernel), a chunk of at most this
+#: many new tokens after a cached context (a verify step's drafts, a short continuation) is
+#: attended as decode rows, one per token: token ``i`` of the chunk is the last token of a
+#: sequence of ``context_len + i + 1`` tokens, which is exactly its causal attention. All such
+#: rows of a step go in the decodes' one call instead of one prefill call per sequence.
+SHORT_CHUNK_TOKENS = 16
 
 MaskCache = dict[tuple[int | None, torch.dtype], torch.Tensor | None]
 
@@ -63,6 +70,21 @@ class PrefillChunk:
 
 
 @dataclass(slots=True)
+class DecodeRows:
+    """The rows a block-table kernel attends as decodes: the step's decodes, then every token
+    of its short chunks (``SHORT_CHUNK_TOKENS``), each with its own length."""
+
+    query_rows: slice | torch.Tensor  # rows of the step's query (and output); a slice when contiguous
+    block_tables: torch.Tensor  # [n, max_blocks] int32, contiguous: each row's sequence's table
+    seq_lens: torch.Tensor  # [n] int32: each row's position + 1
+    prefills: list[PrefillChunk]  # the chunks left to attend as prefills
+
+    @property
+    def num_rows(self) -> int:
+        return self.seq_lens.numel()
+
+
+@dataclass(slots=True)
 class CpuAttentionPlan:
     """``AttentionMetadata.extra`` for ``CpuAttentionBackend``."""
 
@@ -70,6 +92,7 @@ class CpuAttentionPlan:
     decode_seq_lens_cpu: list[int]
     prefills: list[PrefillChunk]
     decode_buckets: list[DecodeBucket] = field(default_factory=list)  # built by bind()
+    decode_rows: DecodeRows | None = None  # built by bind() for a block-table kernel
     bound_to: tuple[int, int, int, bool] | None = None  # (block_size, bytes per cached token, cache blocks, buckets)
 
     def bind(self, kv_cache: torch.Tensor, metadata: AttentionMetadata, decode_buckets: bool = True) -> None:
@@ -84,6 +107,7 @@ class CpuAttentionPlan:
         decode_tables = metadata.block_tables[:num_decodes]
         decode_lens = metadata.seq_lens[:num_decodes]
         self.decode_buckets = []
+        self.decode_rows = None if decode_buckets else self._decode_rows(metadata)
         for group in self.decode_groups if decode_buckets else ():
             num_blocks = -(-max(self.decode_seq_lens_cpu[i] for i in group) // block_size)
             per_call = max(1, MAX_GATHER_BYTES // (num_blocks * block_size * layout[1]))
@@ -107,6 +131,31 @@ class CpuAttentionPlan:
                 num_blocks = -(-chunk.seq_len // block_size)
                 chunk.gather_ids = key_and_value_rows(metadata.block_tables[num_decodes + i, :num_blocks], num_cache_blocks)
         self.bound_to = layout
+
+    def _decode_rows(self, metadata: AttentionMetadata) -> DecodeRows:
+        num_decodes = metadata.num_decodes
+        short = [
+            (i, chunk) for i, chunk in enumerate(self.prefills)
+            if chunk.context_len > 0 and chunk.end - chunk.start <= SHORT_CHUNK_TOKENS
+        ]  # fmt: skip
+        if not short:
+            return DecodeRows(
+                slice(0, num_decodes), metadata.block_tables[:num_decodes].contiguous(), metadata.seq_lens[:num_decodes].contiguous(),
+                self.prefills,
+            )  # fmt: skip
+        rows, sequences, lens = list(range(num_decodes)), list(range(num_decodes)), list(self.decode_seq_lens_cpu)
+        for i, chunk in short:
+            rows += range(chunk.start, chunk.end)
+            sequences += [num_decodes + i] * (chunk.end - chunk.start)
+            lens += range(chunk.context_len + 1, chunk.seq_len + 1)
+        device = metadata.seq_lens.device
+        taken = {i for i, _ in short}
+        return DecodeRows(
+            query_rows=index_or_slice(rows, device),
+            block_tables=metadata.block_tables[torch.tensor(sequences, dtype=torch.long, device=device)].contiguous(),
+            seq_lens=torch.tensor(lens, dtype=metadata.seq_lens.dtype, device=device),
+            prefills=[chunk for i, chunk in enumerate(self.prefills) if i not in taken],
+        )
 
     def decode_mask(self, bucket: DecodeBucket, window: int | None, dtype: torch.dtype) -> torch.Tensor | None:
         """``[n, 1, 1, padded_len]`` additive mask: 0 where a cached position is attended, -inf
