@@ -5,6 +5,9 @@
     # then each recipe on the same answers (the first --held-out answers are never trained on)
     python sonar-core/benchmarks/drafter_recipes.py train --cache states.pt --train 400 --lr 1e-3 --tag lr1e-3
     python sonar-core/benchmarks/drafter_recipes.py train --cache states.pt --train 400 --init-from-target 27,28,29
+    # sampled answers of the training prompts as extra data (2 per prompt, temperature 0.8)
+    python sonar-core/benchmarks/drafter_recipes.py collect --prompts gsm8k.jsonl --skip 100 --limit 400 --temperature 0.8 --samples 2 --cache sampled.pt
+    python sonar-core/benchmarks/drafter_recipes.py train --cache states.pt --train 400 --extra-cache sampled.pt
 
 ``sonar train-drafter`` generates and reads the data anew on every run; caching it once lets
 recipes be compared on identical answers and held-out blocks. The target is the embedded
@@ -23,6 +26,7 @@ import time
 
 import torch
 
+from sonar import SamplingParams
 from sonar.spec_decode import dflash_trainer as trainer
 from sonar.spec_decode import eagle3_data as data
 from sonar.spec_decode.dflash_model import DFlashDrafter
@@ -39,7 +43,14 @@ def collect(args: argparse.Namespace) -> None:
     llm = LLM(args.model or default_model_path(), quantization="unquantized", dtype=args.dtype, max_model_len=1024, max_num_seqs=128, enable_prefix_caching=False)
     tokenizer = llm.get_tokenizer()
     prompt_ids = [data.chat_prompt_ids(tokenizer, text) for path in args.prompts for text in data.read_prompts(path)]
-    responses = data.generate_responses(llm, prompt_ids, args.max_tokens, 0.0, use_tqdm=sys.stderr.isatty())
+    prompt_ids = prompt_ids[args.skip : None if args.limit is None else args.skip + args.limit]
+    if args.temperature > 0:  # --samples answers per prompt, each drawn with its own seed
+        params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=1 + s) for s in range(args.samples)]
+        prompt_ids = [p for p in prompt_ids for _ in range(args.samples)]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids], params * (len(prompt_ids) // args.samples), use_tqdm=sys.stderr.isatty())
+        responses = [list(o.outputs[0].token_ids) for o in outputs]
+    else:
+        responses = data.generate_responses(llm, prompt_ids, args.max_tokens, 0.0, use_tqdm=sys.stderr.isatty())
     print(f"{len(prompt_ids)} answers, {sum(map(len, responses))} tokens in {time.perf_counter() - started:.0f} s", file=sys.stderr)
     runner = data.model_runner_of(llm)
     layers = [int(i) for i in args.layers.split(",")]
@@ -90,6 +101,10 @@ def train(args: argparse.Namespace) -> None:
     hidden = cache["head"].shape[1]
     columns = torch.cat([torch.arange(hidden) + cache["layers"].index(i) * hidden for i in layer_ids])
     samples = [data.Sample(tokens, n, aux[:, columns].contiguous(), final) for tokens, n, aux, final in cache["samples"]]
+    extra = [
+        data.Sample(tokens, n, aux[:, columns].contiguous(), final)
+        for path in args.extra_cache for tokens, n, aux, final in torch.load(path, weights_only=True)["samples"]
+    ]  # fmt: skip
     hf_config = LlamaConfig(**{k: v for k, v in cache["hf_config"].items() if k != "architectures"})
     head, embed = cache["head"], torch.nn.Embedding.from_pretrained(cache["embed"], freeze=True)
     config = trainer.drafter_config_for(
@@ -99,9 +114,11 @@ def train(args: argparse.Namespace) -> None:
     drafter = trainer.init_drafter(DFlashDrafter(config), seed=args.seed)
     if args.init_from_target:
         _copy_target_layers(drafter, cache["target_layers"], [int(i) for i in args.init_from_target.split(",")])
-    greedy = trainer.target_greedy_ids(samples, head, torch.device("cpu"))
     held_out, training = range(args.held_out), range(args.held_out, min(len(samples), args.held_out + args.train))
     pick = lambda items, rows: [items[i] for i in rows]  # noqa: E731
+    samples = pick(samples, held_out) + pick(samples, training) + extra  # the extra caches' answers are all trained on
+    training = range(len(held_out), len(samples))
+    greedy = trainer.target_greedy_ids(samples, head, torch.device("cpu"))
     options = trainer.DFlashTrainOptions(args.epochs, args.lr, args.batch_size, args.num_anchors, args.loss_decay_gamma, seed=args.seed, progress=sys.stderr.isatty())
     started = time.perf_counter()
     result = trainer.train_drafter(drafter, pick(samples, training), pick(greedy, training), embed, head, options)
@@ -139,10 +156,15 @@ def main() -> None:
     c.add_argument("--layers", default=CACHED_LAYERS, help=f"target layers whose states are cached (default: {CACHED_LAYERS})")
     c.add_argument("--keep-layers", action="store_true", help="also keep the target's layer weights (--init-from-target)")
     c.add_argument("--cache", required=True)
+    c.add_argument("--skip", type=int, default=0, help="leave out the first prompts")
+    c.add_argument("--limit", type=int, default=None, help="at most this many prompts (after --skip)")
+    c.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled answers instead of greedy ones")
+    c.add_argument("--samples", type=int, default=1, help="answers per prompt when sampling (seeds 1, 2, ...)")
     t = sub.add_parser("train")
     t.add_argument("--cache", required=True)
     t.add_argument("--train", type=int, default=400, help="answers trained on (after the held-out ones)")
     t.add_argument("--held-out", type=int, default=100)
+    t.add_argument("--extra-cache", nargs="*", default=[], help="caches whose answers are all trained on as well (sampled answers)")
     t.add_argument("--epochs", type=int, default=3)
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--batch-size", type=int, default=8)

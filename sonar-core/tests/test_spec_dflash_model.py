@@ -50,3 +50,26 @@ def test_the_fused_markov_product_equals_the_head_plus_the_bias():
     with torch.no_grad():
         expected = hidden @ head.T + drafter.markov_head.markov_w2(drafter.markov_head.markov_w1(prev))
         torch.testing.assert_close(drafter.teacher_forced_logits(hidden, head, prev), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_training_labels_stop_where_the_answer_leaves_the_greedy_chain():
+    """A block's slot is labelled with the target's argmax only while the answer's tokens
+    between the anchor and it are the greedy chain (as they are when drafting); after a
+    sampled token that differs from the argmax, the later slots of blocks spanning it have none."""
+    from sonar.spec_decode.dflash_trainer import _collate
+    from sonar.spec_decode.eagle3_data import Sample
+
+    config = _drafter(None).config  # deepspec layout, blocks of 5: slot j drafts anchor + j + 1
+    prompt, length = 3, 14
+    greedy = torch.arange(100, 100 + length)  # the argmax after each position
+    tokens = [7, 8, 9] + [int(greedy[p - 1]) for p in range(prompt, length)]
+    tokens[8] = 55  # a sampled token that is not the argmax after position 7
+    sample = Sample(tokens, prompt, torch.zeros(length, HIDDEN), torch.zeros(length, HIDDEN))
+    batch = _collate([sample], [greedy], config, num_anchors=100, gen=torch.Generator().manual_seed(0), device=torch.device("cpu"))
+    anchors = list(range(prompt, length - 1))
+    for row, anchor in enumerate(anchors):
+        for j in range(config.num_drafts):
+            target = anchor + j + 1
+            crosses = anchor < 8 <= target - 1  # the off-chain token lies between the anchor and the slot
+            expected = -1 if target >= length or crosses else int(greedy[target - 1])
+            assert int(batch.labels[0, row, j]) == expected, (anchor, j)

@@ -184,9 +184,14 @@ def _collate(
         block_ids[i, :count, 0] = tokens[anchors]
         block_positions[i, :count] = anchors[:, None] + torch.arange(block)[None, :]
         targets = anchors[:, None] + slots[None, :] + offset  # [count, n] the positions drafted
-        inside = targets < length
         safe = targets.clamp(max=length - 1)
-        labels[i, :count] = torch.where(inside, greedy[i][safe - 1], -1)
+        # a slot's label is the target's argmax after the tokens before it; drafting, those are
+        # the anchor and the greedy chain after it, so a slot counts only while the answer's
+        # own tokens between the anchor and it are that chain (always, in a greedy answer;
+        # not after a sampled token that differs)
+        off_chain = torch.cumsum(torch.cat([torch.zeros(1, dtype=torch.int64), (tokens[1:] != greedy[i][:-1]).long()]), 0)
+        on_chain = off_chain[safe - 1] == off_chain[anchors][:, None]
+        labels[i, :count] = torch.where((targets < length) & on_chain, greedy[i][safe - 1], -1)
         prev_ids[i, :count] = tokens[safe - 1]
         ctx_visible[i, :count] = torch.arange(t)[None, :] < anchors[:, None]
     weights = (labels >= 0).float()
