@@ -111,3 +111,35 @@ def test_training_lowers_the_loss_and_raises_agreement_on_the_targets_answers(ta
     assert result.epoch_losses[-1] < result.epoch_losses[0]
     assert after.loss < 0.95 * before.loss
     assert after.top1[0] > before.top1[0]
+
+
+def test_extra_sampled_answers_train_and_held_out_prompts_keep_one(target_dir, prompts_file, tmp_path, capsys):
+    # 6 prompts, one held out: 1 + 5 first answers, then 2 sampled answers of each of the 5
+    code = main([
+        "train-drafter", str(target_dir), "--method", "dflash", "--prompts", str(prompts_file), "--num-prompts", "6",
+        "--max-tokens", "12", "--epochs", "1", "--batch-size", "4", "--draft-block-size", "3", "--num-draft-layers", "1",
+        "--num-anchors", "8", "--held-out", "0.1", "--samples-per-prompt", "3", "--sample-temperature", "1.0",
+        "--output", str(tmp_path / "d"), "--device", "cpu", "--kv-cache-memory-bytes", str(2**22),
+    ])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "the target answers them 2 more time(s) (temperature 1)" in captured.err
+    assert "on 15 answers" in captured.err and "1 held out" in captured.err
+
+
+def test_extra_answers_sample_with_a_seed_each(target_dir):
+    llm = LLM(str(target_dir), kv_cache_memory_bytes=2**22)
+    prompts = [[(5 * i + 11) % 900 + 100 for i in range(8)], [(3 * i + 7) % 900 + 100 for i in range(9)]]
+    first = data.generate_samples(llm, prompts, 10, 1.0, 3, seed=0, use_tqdm=False)
+    assert [len(answers) for answers in first] == [3, 3]
+    assert len({tuple(a) for a in first[0]}) > 1  # three draws, not one repeated
+    assert data.generate_samples(llm, prompts, 10, 1.0, 3, seed=0, use_tqdm=False) == first  # reproducible
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--samples-per-prompt", "0"], "--samples-per-prompt must be at least 1"),
+    (["--samples-per-prompt", "2", "--sample-temperature", "0"], "--sample-temperature must be > 0"),
+])
+def test_bad_sampling_flags_are_refused(target_dir, tmp_path, capsys, flags, message):
+    assert main(["train-drafter", str(target_dir), *flags, "--output", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err

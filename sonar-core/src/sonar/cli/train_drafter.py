@@ -33,6 +33,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     group.add_argument("--num-prompts", type=int, default=200, help="prompts to answer, drawn at random (--seed) from --prompts (default: 200); to hold prompts out, leave them out of the file")
     group.add_argument("--max-tokens", type=int, default=128, help="tokens per answer (default: 128)")
     group.add_argument("--temperature", type=float, default=0.0, help="of the target's answers (default: 0, greedy)")
+    group.add_argument("--samples-per-prompt", type=int, default=1, help="answers per training prompt: the first at --temperature, the others sampled at --sample-temperature, each with its own seed (default: 1); held-out prompts keep their first answer only")
+    group.add_argument("--sample-temperature", type=float, default=0.8, help="of the extra answers of --samples-per-prompt (default: 0.8)")
     group.add_argument("--epochs", type=int, default=2, help="passes over the training data (default: 2)")
     group.add_argument("--lr", type=float, default=None, help=f"AdamW learning rate (default: {DEFAULT_LR['eagle3']:g} for eagle3, {DEFAULT_LR['dspark']:g} for dflash and dspark)")
     group.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step (default: 8)")
@@ -64,6 +66,10 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--max-tokens must be at least 2"
     if args.draft_vocab_size < 1:
         return "--draft-vocab-size must be >= 1"
+    if args.samples_per_prompt < 1:
+        return f"--samples-per-prompt must be at least 1, got {args.samples_per_prompt}"
+    if args.samples_per_prompt > 1 and not args.sample_temperature > 0:
+        return f"--sample-temperature must be > 0 (extra greedy answers would repeat the first), got {args.sample_temperature}"
     if not 0 < args.held_out < 1:
         return "--held-out must be between 0 and 1"
     if args.method == "dspark" and args.layout != "deepspec":
@@ -116,18 +122,27 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = [data.chat_prompt_ids(tokenizer, text) for text in prompts]
     print(f"the target answers {len(prompt_ids)} prompts (at most {args.max_tokens} tokens each)...", file=sys.stderr, flush=True)
     responses = data.generate_responses(llm, prompt_ids, args.max_tokens, args.temperature, tty)
-    sequences = [(p, r) for p, r in zip(prompt_ids, responses) if len(r) >= 2]
-    if len(sequences) < 2:
+    answered = [(p, r) for p, r in zip(prompt_ids, responses) if len(r) >= 2]
+    if len(answered) < 2:
         print("sonar train-drafter: the target answered fewer than 2 prompts with 2 tokens or more", file=sys.stderr)
         return 1
+    # held out by prompt: the first answers of the first prompts; the others train, with their extra answers
+    num_held_out = max(1, round(len(answered) * args.held_out))
+    sequences = list(answered)
+    if args.samples_per_prompt > 1:
+        training_prompts = [p for p, _ in answered[num_held_out:]]
+        count = args.samples_per_prompt - 1
+        print(f"the target answers them {count} more time(s) (temperature {args.sample_temperature:g})...", file=sys.stderr, flush=True)
+        extra = data.generate_samples(llm, training_prompts, args.max_tokens, args.sample_temperature, count, seed, tty)
+        sequences += [(p, r) for p, answers in zip(training_prompts, extra) for r in answers if len(r) >= 2]
 
     runner = data.model_runner_of(llm)
     if args.method == "eagle3":
-        return _train_eagle3(args, runner, sequences, device, seed, started)
-    return _train_block_drafter(args, runner, tokenizer, sequences, device, seed, started)
+        return _train_eagle3(args, runner, sequences, num_held_out, device, seed, started)
+    return _train_block_drafter(args, runner, tokenizer, sequences, num_held_out, device, seed, started)
 
 
-def _train_eagle3(args: argparse.Namespace, runner, sequences, device: str, seed: int, started: float) -> int:
+def _train_eagle3(args: argparse.Namespace, runner, sequences, num_held_out: int, device: str, seed: int, started: float) -> int:
     import torch
 
     from sonar.spec_decode import eagle3_data as data
@@ -154,7 +169,6 @@ def _train_eagle3(args: argparse.Namespace, runner, sequences, device: str, seed
         head.lm_head.weight.copy_(head_rows)  # starts as the target's own head over the draft vocabulary
     head = head.to(device)
     embed = _host_embedding(target, device)
-    num_held_out = max(1, round(len(samples) * args.held_out))
     held_out, training = samples[:num_held_out], samples[num_held_out:]
     options = TrainOptions(args.epochs, args.lr, args.batch_size, args.ttt_steps, seed=seed, device=device, progress=True)
     num_tokens = sum(len(s.token_ids) for s in training)
@@ -184,7 +198,7 @@ def _samples(runner, sequences, aux_ids: list[int]):
     ]
 
 
-def _train_block_drafter(args: argparse.Namespace, runner, tokenizer, sequences, device: str, seed: int, started: float) -> int:
+def _train_block_drafter(args: argparse.Namespace, runner, tokenizer, sequences, num_held_out: int, device: str, seed: int, started: float) -> int:
     import torch
 
     from sonar.spec_decode import eagle3_data as data
@@ -224,7 +238,6 @@ def _train_block_drafter(args: argparse.Namespace, runner, tokenizer, sequences,
     greedy = target_greedy_ids(samples, head_weight, torch.device(device))
     drafter = init_drafter(DFlashDrafter(config), seed=seed).to(device)
     embed = _host_embedding(target, device)
-    num_held_out = max(1, round(len(samples) * args.held_out))
     options = DFlashTrainOptions(
         args.epochs, args.lr, args.batch_size, args.num_anchors, args.loss_decay_gamma, seed=seed, device=device, progress=True
     )

@@ -98,6 +98,21 @@ def generate_responses(llm: Any, prompt_ids: list[list[int]], max_tokens: int, t
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def generate_samples(
+    llm: Any, prompt_ids: list[list[int]], max_tokens: int, temperature: float, count: int, seed: int, use_tqdm: bool
+) -> list[list[list[int]]]:
+    """``count`` sampled responses per prompt (token ids), each drawn with a seed of its own
+    (``seed``-derived, so a rerun draws the same ones)."""
+    requests = [{"prompt_token_ids": p} for p in prompt_ids for _ in range(count)]
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=(seed * 1_000_003 + i * count + j + 1) % 2**63)
+        for i in range(len(prompt_ids)) for j in range(count)
+    ]  # fmt: skip
+    outputs = llm.generate(requests, params, use_tqdm=use_tqdm)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    return [tokens[i * count : (i + 1) * count] for i in range(len(prompt_ids))]
+
+
 def model_runner_of(llm: Any) -> Any:
     """The in-process model runner of an ``LLM`` (the trainer reads the target's states there)."""
     return llm.llm_engine._local_core("the drafter trainer").executor.worker.model_runner
