@@ -219,7 +219,8 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
         conversations = [[{"role": "user", "content": t[0]}] for t in turns]
         specs = [{"method": method, "model": args.drafter, "num_speculative_tokens": args.k}]
     _chat_run(plain, conversations[:2], 32)  # warm-up
-    plain_s, plain_tokens, plain_texts = _chat_run(plain, conversations, args.max_tokens)
+    with run_counters(plain.llm_engine) as plain_counters:
+        plain_s, plain_tokens, plain_texts = _chat_run(plain, conversations, args.max_tokens)
     del plain
     _release()
     runs = []
@@ -227,7 +228,8 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
         llm = LLM(args.target, speculative_config=spec, **common)
         _chat_run(llm, conversations[:2], 32)
         before = _acceptance(llm)
-        spec_s, spec_tokens, spec_texts = _chat_run(llm, conversations, args.max_tokens)
+        with run_counters(llm.llm_engine) as counters:
+            spec_s, spec_tokens, spec_texts = _chat_run(llm, conversations, args.max_tokens)
         after = _acceptance(llm)
         del llm
         _release()
@@ -239,9 +241,11 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
             "mean_acceptance_length": round(1 + accepted / max(drafts, 1), 3),
             "tokens_per_step": round(spec_tokens / max(spec_tokens - accepted, 1), 3),  # each step emits 1 + its accepted drafts
             "same_text": sum(a == b for a, b in zip(plain_texts, spec_texts)),
+            "counters": _per_step(counters),
         })
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    return {"method": method, "prompts": len(conversations), "plain_tok_s": round(plain_tokens / plain_s, 1), "runs": runs}
+    return {"method": method, "prompts": len(conversations), "plain_tok_s": round(plain_tokens / plain_s, 1),
+            "plain_counters": _per_step(plain_counters), "runs": runs}  # fmt: skip
 
 
 def batched(args: argparse.Namespace) -> dict[str, Any]:
