@@ -20,7 +20,7 @@ from sonar.engine.step_cost import StepCostModel, profile_token_counts
 from sonar.sampling_params import SamplingParams
 from sonar.spec_decode.interface import NO_BATCH_LIMIT, SpeculativeConfig
 from sonar.spec_decode.stats import SpecDecodeStats
-from sonar.spec_decode.verification import REPROBE_STEPS, ConfidenceVerification
+from sonar.spec_decode.verification import MAX_REPROBE_STEPS, REPROBE_STEPS, ConfidenceVerification
 from sonar.spec_decode.worker_side import survival_row
 
 K = 7
@@ -167,6 +167,23 @@ def test_drafting_stops_where_nothing_would_be_verified_and_probes_again():
     assert not any(answers[:-1]) and answers[-1]  # one probe after REPROBE_STEPS refusals
     assert steep.worth_drafting(1, 1)  # a lone request on the same curve: its drafts cost little
     assert steep.worth_drafting(0, 512)  # no decodes: prefills draft for their first verify
+
+
+def test_probes_that_do_not_pay_come_ever_less_often():
+    steep = policy(STEEP)
+    steep.typical = [0.6] * K
+    intervals, waited = [], 0
+    for _ in range(REPROBE_STEPS * (1 + 2 + 4 + 8 + 16 + 16)):
+        waited += 1
+        if steep.worth_drafting(256, 256):  # a probe: its drafts did not pay (the next answer is no again)
+            intervals.append(waited)
+            waited = 0
+    assert intervals[:6] == [REPROBE_STEPS * f for f in (1, 2, 4, 8, 16, 16)]  # doubling, up to MAX_REPROBE_STEPS
+    assert MAX_REPROBE_STEPS == 16 * REPROBE_STEPS
+    assert steep.worth_drafting(1, 1)  # drafting pays (a lone request): probes are frequent again
+    assert steep.reprobe_steps == REPROBE_STEPS
+    answers = [steep.worth_drafting(256, 256) for _ in range(REPROBE_STEPS)]
+    assert not any(answers[:-1]) and answers[-1]
 
 
 def test_drafting_that_costs_more_than_its_drafts_give_is_stopped():

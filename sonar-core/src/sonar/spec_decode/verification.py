@@ -25,8 +25,10 @@ whether a batch of as many decodes, each with drafts of the survival seen lately
 more tokens per second with some drafts verified, the proposer's time per step (measured by
 the worker, :meth:`ConfidenceVerification.observe_drafting`) added to the step's, than
 without drafts; if not, the proposer is skipped (asynchronous scheduling then overlaps the
-steps as without speculation), and every ``REPROBE_STEPS`` such steps one drafts anyway, to
-refresh what survival and drafting cost look like.
+steps as without speculation), and after ``REPROBE_STEPS`` such steps one drafts anyway, to
+refresh what survival and drafting cost look like. Each probe that does not pay either
+doubles the wait before the next (up to ``MAX_REPROBE_STEPS``: a loaded server pays for few
+probes); the first step whose drafts pay again brings it back to ``REPROBE_STEPS``.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ from sonar.spec_decode.stats import SpecDecodeStats
 
 TYPICAL_ROWS = 16  # rows per step that update the typical survival profile
 TYPICAL_WEIGHT = 0.2  # weight of a step's rows in that running average
-REPROBE_STEPS = 64  # steps without drafting after which one drafts again
+REPROBE_STEPS = 64  # steps without drafting after which one drafts again (the first time)
+MAX_REPROBE_STEPS = 1024  # the interval doubles after each probe that did not pay, up to this
 DRAFT_WEIGHT = 0.2  # weight of a step's drafting time in its running average
 
 
@@ -62,6 +65,8 @@ class ConfidenceVerification:
         self.typical: list[float] | None = None  # survival by position, lately (None: no drafts seen yet)
         self.draft_seconds: float | None = None  # the proposer's time per step, lately (None: not measured yet)
         self._steps_without_drafting = 0
+        self.reprobe_steps = REPROBE_STEPS  # the current interval between probes
+        self._probing = False  # the last answer was a probe's yes
 
     def cost(self, num_tokens: int) -> float:
         """Seconds of a step of ``num_tokens`` tokens."""
@@ -136,14 +141,22 @@ class ConfidenceVerification:
         """Whether the step after one of ``num_sampling`` decodes and ``base_tokens`` tokens
         should draft: whether one draft, or every decode's first ``J`` drafts (any ``J``), of
         the survival seen lately would emit more tokens per second than no drafts, the
-        drafting time seen lately added to the step's; else no, but yes again after
-        ``REPROBE_STEPS`` such answers."""
+        drafting time seen lately added to the step's; else no, but yes again (a probe) after
+        ``reprobe_steps`` such answers, an interval that doubles after each probe that did
+        not pay."""
         if num_sampling <= 0 or self.typical is None or self._would_verify(num_sampling, base_tokens):
             self._steps_without_drafting = 0
+            if num_sampling > 0 and self.typical is not None:
+                self.reprobe_steps = REPROBE_STEPS  # drafting pays again: probe often when it stops
+            self._probing = False
             return True
+        if self._probing:  # the probe's drafts did not pay either: wait longer before the next
+            self.reprobe_steps = min(2 * self.reprobe_steps, MAX_REPROBE_STEPS)
+            self._probing = False
         self._steps_without_drafting += 1
-        if self._steps_without_drafting >= REPROBE_STEPS:
+        if self._steps_without_drafting >= self.reprobe_steps:
             self._steps_without_drafting = 0
+            self._probing = True
             return True
         return False
 
