@@ -16,6 +16,7 @@ import collections
 import dataclasses
 import logging
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -103,10 +104,44 @@ def _ring_slot_bytes() -> int:
     return int(raw)
 
 
-def _free_port() -> int:
+#: Where the ranks' rendezvous port is looked for, below the kernel's ephemeral range.
+RENDEZVOUS_PORT_FLOOR = 10000
+PORT_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def _rendezvous_port() -> int:
+    """A free port on 127.0.0.1 for the ranks' rendezvous, below the kernel's ephemeral range
+    where the host says what it is: rank 0 binds the port seconds after it is chosen, and a
+    port of that range may meanwhile become the local end of any outgoing connection (the
+    ranks' own links back to this process are made then), which fails rank 0's bind."""
+    low = _ephemeral_low()
+    if low is not None and low > RENDEZVOUS_PORT_FLOOR:
+        rng = random.SystemRandom()
+        for _ in range(64):
+            port = rng.randrange(RENDEZVOUS_PORT_FLOOR, low)
+            if _port_free(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int | None:
+    """The first port of the kernel's ephemeral range (None where it cannot be read)."""
+    try:
+        with open(PORT_RANGE_FILE) as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 class MultiprocExecutor(Executor):
@@ -128,7 +163,7 @@ class MultiprocExecutor(Executor):
         self._encoder = msgspec.msgpack.Encoder()
         self._reply_decoder = msgspec.msgpack.Decoder(WorkerReply)
         self._dead: WorkerDiedError | None = None
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{_rendezvous_port()}"
         config_json = msgspec.json.encode(config)
         self.processes: list[subprocess.Popen] = []
         self.conns: list[Connection] = []

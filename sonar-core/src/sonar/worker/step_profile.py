@@ -20,6 +20,7 @@ PROFILE_CONTEXT_LEN = 512  # the context each profiled sequence attends to (at m
 PROFILE_REPEATS = 3  # timed runs per token count (after one warm-up); the fastest counts
 PROFILE_POINT_S = 0.05  # a count whose runs took less than this is run again, up to PROFILE_MAX_REPEATS times
 PROFILE_MAX_REPEATS = 10
+PROFILE_MIN_POINTS = 2  # counts timed whatever the budget: a curve needs a slope (a loaded host may spend the budget on one)
 PROFILE_BUDGET_S = {"cpu": 1.0}  # wall time a profile may take, by device type; others: DEFAULT
 DEFAULT_PROFILE_BUDGET_S = 20.0
 
@@ -60,8 +61,8 @@ def profile_step_seconds(
     The steps write keys and values into the runner's KV cache (which holds nothing yet: run
     this before the first request), the sequences spread over its blocks (sharing them when
     there are fewer than they need). Stops early, before a count whose step would take the
-    profile past ``budget_s`` (estimated from the last one); the counts left out are
-    extrapolated by the cost model. Returns the counts timed, their seconds and the context
+    profile past ``budget_s`` (estimated from the last one), once ``PROFILE_MIN_POINTS``
+    counts are timed; the counts left out are extrapolated by the cost model. Returns the counts timed, their seconds and the context
     length used.
     """
     config = runner.config
@@ -79,7 +80,7 @@ def profile_step_seconds(
     counts, seconds = [], []
     for num_tokens in token_counts:
         expected = max(repeats + 1, 2) * seconds[-1] * num_tokens / counts[-1] if seconds else 0.0
-        if seconds and time.perf_counter() - started + expected > budget_s:
+        if len(seconds) >= PROFILE_MIN_POINTS and time.perf_counter() - started + expected > budget_s:
             break
         states, per_seq = decode_shaped_step(num_tokens, max_seqs, context_len, runner.model_config.vocab_size)
         blocks_per_seq = -(-(context_len + max(per_seq)) // block_size)
