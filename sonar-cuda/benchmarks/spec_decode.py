@@ -38,7 +38,7 @@ import torch
 import spec_confidence  # beside this file (the script's folder is on sys.path)
 
 from sonar import LLM, SamplingParams, registry
-from sonar.cli.bench_suite import run_counters
+from sonar.cli.bench_suite import per_step, run_counters
 from sonar.hookspecs import hookimpl
 from sonar.plugins import get_plugin_manager
 from sonar.spec_decode import DraftTokens, Proposer, ProposerInputs
@@ -90,12 +90,6 @@ def _timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> float:
     llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _sync()
     return time.perf_counter() - started
-
-
-def _per_step(counters: dict[str, float]) -> dict[str, float]:
-    """``run_counters``' figures with the host seconds of each step part as ms per step."""
-    steps = max(int(counters.get("steps", 0)), 1)
-    return {k: (round(1000 * v / steps, 3) if isinstance(v, float) else v) for k, v in counters.items()}
 
 
 def _step_ms(llm: LLM, prompts: list[list[int]], steps: int = 32, base: int = 8) -> float:
@@ -241,11 +235,11 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
             "mean_acceptance_length": round(1 + accepted / max(drafts, 1), 3),
             "tokens_per_step": round(spec_tokens / max(spec_tokens - accepted, 1), 3),  # each step emits 1 + its accepted drafts
             "same_text": sum(a == b for a, b in zip(plain_texts, spec_texts)),
-            "counters": _per_step(counters),
+            "counters": per_step(counters),
         })
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
     return {"method": method, "prompts": len(conversations), "plain_tok_s": round(plain_tokens / plain_s, 1),
-            "plain_counters": _per_step(plain_counters), "runs": runs}  # fmt: skip
+            "plain_counters": per_step(plain_counters), "runs": runs}  # fmt: skip
 
 
 def batched(args: argparse.Namespace) -> dict[str, Any]:
@@ -280,7 +274,7 @@ def batched(args: argparse.Namespace) -> dict[str, Any]:
                 seconds = time.perf_counter() - started
             tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
             results["tok_s"].setdefault(name, {})[batch] = round(tokens / seconds, 1)
-            results["counters"].setdefault(name, {})[batch] = _per_step(counters)
+            results["counters"].setdefault(name, {})[batch] = per_step(counters)
             if spec:
                 after = _acceptance(llm)
                 drafts = after["drafts"] - before["drafts"]

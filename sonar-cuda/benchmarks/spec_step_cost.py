@@ -8,7 +8,7 @@ DSpark at 7 drafts a step under fixed-length verification (drafting at every bat
 random drafter's drafts are all rejected, so every speculative step emits one token per request
 and verifies eight: its time per step is the whole cost of drafting and verifying. Each batch
 size is warmed up first (its shapes compile untimed); each timed run reports its steps, the
-host's milliseconds per step in each part of a step (verification, the proposal and the host's
+host's milliseconds per step in each part of a step (``counters``: verification, the proposal and the host's
 wait for it among them), the allocator's waits and the Triton kernels compiled meanwhile.
 Runs on a GPU, or on the CPU where there is none.
 """
@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 from sonar import LLM, SamplingParams
-from sonar.cli.bench_suite import run_counters
+from sonar.cli.bench_suite import per_step, run_counters
 from sonar.spec_decode.dflash_checkpoint import save_dflash
 from sonar.spec_decode.dflash_model import DFlashDrafter
 from sonar.spec_decode.dflash_trainer import drafter_config_for, init_drafter
@@ -117,9 +117,7 @@ def main() -> int:
                 tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
                 steps = max(int(counters["steps"]), 1)
                 results.setdefault(name, {})[batch] = {
-                    "tok_s": round(tokens / seconds, 1), "ms_per_step": round(1000 * seconds / steps, 3), "steps": steps,
-                    "host_ms_per_step": {k: round(1000 * v / steps, 3) for k, v in counters.items() if isinstance(v, float)},
-                    **{k: v for k, v in counters.items() if not isinstance(v, float) and k != "steps"},
+                    "tok_s": round(tokens / seconds, 1), "ms_per_step": round(1000 * seconds / steps, 3), "counters": per_step(counters),
                 }  # fmt: skip
                 print(name, batch, results[name][batch], file=sys.stderr, flush=True)
                 if args.torch_profile:

@@ -126,8 +126,10 @@ class CpuAttentionPlan:
                     bucket.single_len = self.decode_seq_lens_cpu[members[0]]
                     bucket.first_block = first_of_consecutive(block_ids.reshape(-1).tolist())
                 self.decode_buckets.append(bucket)
+        attended = self.prefills if self.decode_rows is None else self.decode_rows.prefills
+        left = {id(chunk) for chunk in attended}  # short chunks taken as decode rows gather nothing
         for i, chunk in enumerate(self.prefills):
-            if chunk.context_len > 0:
+            if chunk.context_len > 0 and id(chunk) in left:
                 num_blocks = -(-chunk.seq_len // block_size)
                 chunk.gather_ids = key_and_value_rows(metadata.block_tables[num_decodes + i, :num_blocks], num_cache_blocks)
         self.bound_to = layout

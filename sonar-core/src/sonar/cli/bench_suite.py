@@ -198,6 +198,12 @@ def run_counters(engine: Any, phase_timing: bool = True) -> Iterator[dict[str, f
     counters["triton_compiles"] = _triton_cache_entries() - compiled_before
 
 
+def per_step(counters: dict[str, float]) -> dict[str, float]:
+    """``run_counters``' figures with each step part's host seconds as milliseconds per step."""
+    steps = max(int(counters.get("steps", 0)), 1)
+    return {k: (round(1000 * v / steps, 3) if isinstance(v, float) else v) for k, v in counters.items()}
+
+
 @contextlib.contextmanager
 def _phase_timing(engine: Any, enabled: bool = True) -> Iterator[dict[str, float]]:
     """While inside, the engine times the parts of its steps; the dict yielded holds the host

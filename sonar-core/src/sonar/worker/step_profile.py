@@ -62,8 +62,8 @@ def profile_step_seconds(
     this before the first request), the sequences spread over its blocks (sharing them when
     there are fewer than they need). Stops early, before a count whose step would take the
     profile past ``budget_s`` (estimated from the last one), once ``PROFILE_MIN_POINTS``
-    counts are timed; the counts left out are extrapolated by the cost model. Returns the counts timed, their seconds and the context
-    length used.
+    counts are timed; the counts left out are extrapolated by the cost model. Returns the
+    counts timed, their seconds and the context length used.
     """
     config = runner.config
     model = runner.model
