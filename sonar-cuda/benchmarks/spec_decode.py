@@ -8,6 +8,10 @@
     python sonar-cuda/benchmarks/spec_decode.py --part ngram --target model.gguf --prompts mbpp.jsonl --ngram-configs 5:2:4,8:1:4
     python sonar-cuda/benchmarks/spec_decode.py --part eagle3 --target model.gguf --drafter head/ --prompts mt-bench.jsonl
     python sonar-cuda/benchmarks/spec_decode.py --part dspark --target model.gguf --drafter dspark/ --prompts mt-bench.jsonl -k 7
+    # several drafters on the same prompts beside one plain run (fixed-length verification for
+    # each, so their acceptance lengths compare; DSpark also with confidence-scheduled)
+    python sonar-cuda/benchmarks/spec_decode.py --part drafters --target model.gguf --prompts gsm8k.jsonl --skip-prompts 1219 -k 7 \
+        --drafters eagle3=head/,dflash=dflash/,dspark=dspark/
     # confidence-scheduled verification: the profiled cost curve, the drafts verified at batch
     # 1/64/256, throughput with fixed against confidence verification, a DSpark drafter's cost
     # (spec_confidence.py; --tiny runs it on the CPU)
@@ -192,10 +196,25 @@ def _acceptance(llm: LLM) -> dict[str, float]:
             "drafts": stats.spec_num_drafts, "draft_tokens": stats.spec_num_draft_tokens, "accepted": stats.spec_num_accepted_tokens}
 
 
+def _drafter_specs(drafters: str, k: int) -> list[dict[str, Any]]:
+    """``method=folder,...`` as speculative configs at ``k`` drafts, each with fixed-length
+    verification (so that mean acceptance lengths compare: every step verifies all ``k``), and
+    DSpark also with its default confidence-scheduled verification."""
+    specs = []
+    for item in drafters.split(","):
+        method, _, folder = item.partition("=")
+        if method not in ("eagle3", "dflash", "dspark") or not folder:
+            raise SystemExit(f"--drafters: {item!r} is not method=folder (eagle3, dflash or dspark)")
+        specs.append({"method": method, "model": folder, "num_speculative_tokens": k, "verification": "fixed"})
+        if method == "dspark":
+            specs.append({"method": method, "model": folder, "num_speculative_tokens": k, "verification": "confidence"})
+    return specs
+
+
 def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
     """Batch-1 greedy decode of a real target with and without ``method``: code edits
     (turn 1 the model's own solution, turn 2 asks for the same code with a docstring) for
-    n-gram, the prompt set's first turns for a drafter."""
+    n-gram, the prompt set's first turns for a drafter (``drafters``: several, one plain run)."""
     common = dict(dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.5, quantization="unquantized")
     plain = LLM(args.target, **common)
     turns = _read_prompts(args.prompts, args.num_prompts, args.skip_prompts)
@@ -209,6 +228,9 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
         for item in args.ngram_configs.split(","):  # k:prompt_lookup_min:prompt_lookup_max
             k, min_n, max_n = (int(v) for v in item.split(":"))
             specs.append({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_max": max_n})
+    elif method == "drafters":
+        conversations = [[{"role": "user", "content": t[0]}] for t in turns]
+        specs = _drafter_specs(args.drafters, args.k)
     else:
         conversations = [[{"role": "user", "content": t[0]}] for t in turns]
         specs = [{"method": method, "model": args.drafter, "num_speculative_tokens": args.k}]
@@ -292,11 +314,12 @@ def batched(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", required=True, choices=["verify-cost", "loaded", "ngram", "eagle3", "dflash", "dspark", "confidence", "batched"])
+    parser.add_argument("--part", required=True, choices=["verify-cost", "loaded", "ngram", "eagle3", "dflash", "dspark", "drafters", "confidence", "batched"])
     parser.add_argument("--method", default="dspark", choices=["dspark", "dflash", "eagle3"], help="batched part: the drafter's method")
     parser.add_argument("--batches", default=None, help="default: 1,8,32,128 (confidence: 1,64,256)")
     parser.add_argument("--target", help="a real target model (a GGUF file or folder)")
     parser.add_argument("--drafter", help="the drafter's folder (eagle3, dflash, dspark parts)")
+    parser.add_argument("--drafters", default="", help="drafters part: method=folder,... (eagle3, dflash, dspark), each beside one plain run")
     parser.add_argument("--prompts", help="a prompt file, one {\"turns\": [...]} a line")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--skip-prompts", type=int, default=0, help="leave out the first N (the drafter's training prompts)")

@@ -86,11 +86,49 @@ def profile_steps(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 4)
     path.write_text("\n".join(sections))
 
 
+def sync_sites(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 4) -> None:
+    """Where the host waits for the device: ``num_steps`` steps in the middle of a run of
+    ``prompts`` under torch's CUDA sync debug mode, each synchronizing call counted by its
+    Python call stack (the innermost frames of Sonar's code), written to ``path``."""
+    import collections
+    import traceback
+    import warnings
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True, detokenize=False)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"sync-{i}", prompt, params)
+    for _ in range(8):
+        engine.step()
+    sites: collections.Counter[str] = collections.Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        frames = [f for f in traceback.extract_stack()[:-1] if "sonar" in f.filename and "warnings" not in f.filename]
+        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-5:]))] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for _ in range(num_steps):
+                engine.step()
+            sync()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    while engine.has_unfinished_requests():
+        engine.step()
+    lines = [f"{num_steps} steps of {len(prompts)} requests: {sum(sites.values())} synchronizing calls"]
+    lines += [f"{count:6d}  {site}" for site, count in sites.most_common(40)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--output-json", default=None)
-    parser.add_argument("--torch-profile", default=None, metavar="DIR", help="also profile a few steps at each batch size (torch.profiler tables into DIR)")
+    parser.add_argument("--torch-profile", default=None, metavar="DIR", help="also profile a few steps at each batch size (torch.profiler tables into DIR; on a GPU also where the host waits for it)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rng = random.Random(0)
@@ -122,6 +160,8 @@ def main() -> int:
                 print(name, batch, results[name][batch], file=sys.stderr, flush=True)
                 if args.torch_profile:
                     profile_steps(llm, prompts[:batch], Path(args.torch_profile) / f"{name}-{batch}.txt")
+                    if torch.cuda.is_available():
+                        sync_sites(llm, prompts[:batch], Path(args.torch_profile) / f"{name}-{batch}-syncs.txt")
             del llm
     line = json.dumps(results)
     print(line)
