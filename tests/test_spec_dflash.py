@@ -277,3 +277,35 @@ def test_cuda_greedy_with_each_method_equals_without(targets, tmp_path, method, 
         engine.step()
     assert proposer.cache.num_requests <= 1
     assert all(proposer.cache.row_of(str(i)) == proposer.cache.padding_row for i in range(len(prompts)))
+
+
+@pytest.mark.parametrize("method, layout", [("dflash", "zlab"), ("dspark", "deepspec")])
+def test_the_drafter_keeps_every_position_through_steps_without_drafts(targets, tmp_path, method, layout):
+    """Steps that carry no drafts (here: more requests than ``disable_by_batch_size``, and a
+    request short of its ``min_tokens``) still hand the target's states to the drafter, so
+    when drafting resumes its cache holds every computed position of each request, in order,
+    with no holes."""
+    from sonar.config import EngineArgs
+    from sonar.engine.llm_engine import LLMEngine
+
+    target = targets("llama")
+    folder = random_drafter(target, tmp_path / "drafter", layout, dspark=method == "dspark")
+    spec = {"method": method, "model": str(folder), "num_speculative_tokens": 3, "verification": "fixed", "disable_by_batch_size": 2}
+    engine = LLMEngine(EngineArgs(model=str(target[0]), kv_cache_memory_bytes=2**22, max_model_len=128, skip_tokenizer_init=True, speculative_config=spec))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, params if i != 1 else params.clone(min_tokens=12))
+    for _ in range(20):  # three requests: past the limit, no drafts (some held, some handed over)
+        engine.step()
+    assert engine.get_stats().spec_num_drafts == 0
+    engine.abort_request(["2"])
+    for _ in range(6):  # two: drafting again
+        engine.step()
+    assert engine.get_stats().spec_num_drafts > 0
+    runner = engine.core.executor.worker.model_runner
+    cache = runner.spec.proposer.cache
+    for req_id in ("0", "1"):
+        computed = runner.requests[req_id].num_tokens - 1  # every position but the last sampled token's
+        slots = cache._host_slots(req_id, 0, cache.committed[req_id])
+        positions = cache.positions[torch.as_tensor(slots)].tolist()
+        assert positions == list(range(computed)), (req_id, positions)

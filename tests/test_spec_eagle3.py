@@ -212,3 +212,29 @@ def test_cuda_greedy_with_eagle3_equals_without(target_dir, tmp_path):
     assert engine.get_stats().spec_num_drafts > 0
     proposer = engine.core.executor.worker.model_runner.spec.proposer
     assert proposer.draft_pass.captured, "the head's drafting pass was captured"
+
+
+def test_the_head_keeps_every_position_through_steps_without_drafts(target_dir, tmp_path):
+    """Steps without drafts (more requests than ``disable_by_batch_size``) still take the
+    target's states into the head's cache: when drafting resumes, each request's cache holds
+    one slot per computed position."""
+    from sonar.config import EngineArgs
+    from sonar.engine.llm_engine import LLMEngine
+
+    folder = random_head(target_dir, tmp_path / "head")
+    spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3, "disable_by_batch_size": 2}
+    engine = LLMEngine(EngineArgs(model=str(target_dir), kv_cache_memory_bytes=KV_BYTES, max_model_len=128, speculative_config=spec))
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), {"prompt_token_ids": [(i * 13 + j * 7) % 97 + 200 for j in range(20 + 9 * i)]}, params)
+    for _ in range(20):  # three requests: past the limit, no drafts (some held, some handed over)
+        engine.step()
+    assert engine.get_stats().spec_num_drafts == 0
+    engine.abort_request(["2"])
+    for _ in range(6):
+        engine.step()
+    assert engine.get_stats().spec_num_drafts > 0
+    runner = engine.core.executor.worker.model_runner
+    cache = runner.spec.proposer.cache
+    for req_id in ("0", "1"):
+        assert cache.committed[req_id] == runner.requests[req_id].num_tokens - 1

@@ -164,3 +164,17 @@ def test_norm_before_residual_decides_whether_the_residual_is_the_normed_hidden_
         _, _, _, residual = head.project(hidden, embeds, torch.tensor([0, 1]))
         expected = head.midlayer.hidden_norm(hidden) if flag else hidden
         assert torch.equal(residual, expected)
+
+
+def test_a_token_sequence_reads_prompt_and_output_as_one_list_without_copying_them():
+    from sonar.spec_decode.worker_side import TokenSequence
+
+    prompt, output = [1, 2, 3], [4, 5]
+    joined = TokenSequence(prompt, output)
+    assert len(joined) == 5 and list(joined) == [1, 2, 3, 4, 5]
+    assert joined[0] == 1 and joined[3] == 4 and joined[-1] == 5 and joined[-5] == 1
+    assert joined[2:5] == [3, 4, 5] and joined[5:5] == [] and joined[::-2] == [5, 3, 1]
+    output.append(6)  # a view: the output growing shows
+    assert len(joined) == 6 and joined[-1] == 6
+    with pytest.raises(IndexError):
+        joined[6]

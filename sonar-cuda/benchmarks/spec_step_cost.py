@@ -6,7 +6,10 @@ drafter, so the forward passes are cheap and the host's and the drafter's per-st
 For each batch size: output tok/s and milliseconds per step with no speculation, and with
 DSpark at 7 drafts a step under fixed-length verification (drafting at every batch size). A
 random drafter's drafts are all rejected, so every speculative step emits one token per request
-and verifies eight: its time per step is the whole cost of drafting and verifying. Each batch
+and verifies eight: its time per step is the whole cost of drafting and verifying. Then the
+same drafter under confidence-scheduled verification, whose policy should learn that drafts
+do not pay and stop drafting: its figure against no speculation is what the policy's probes
+and bookkeeping cost. Each batch
 size is warmed up first (its shapes compile untimed); each timed run reports its steps, the
 host's milliseconds per step in each part of a step (``counters``: verification, the proposal and the host's
 wait for it among them), the allocator's waits and the Triton kernels compiled meanwhile.
@@ -138,9 +141,9 @@ def main() -> int:
     results: dict[str, dict[int, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         target, drafter = build(Path(tmp))
-        for name in ("none", "fixed"):
+        for name in ("none", "fixed", "confidence"):
             spec = None if name == "none" else {"method": "dspark", "model": str(drafter), "num_speculative_tokens": 7,
-                                                 "verification": "fixed", "disable_by_batch_size": NO_BATCH_LIMIT}  # fmt: skip
+                                                 "verification": name, "disable_by_batch_size": NO_BATCH_LIMIT}  # fmt: skip
             options = {"gpu_memory_utilization": 0.3} if torch.cuda.is_available() else {}
             llm = LLM(str(target), max_model_len=512, max_num_seqs=max(batches), enable_prefix_caching=False,
                       speculative_config=spec, skip_tokenizer_init=True, **options)  # fmt: skip

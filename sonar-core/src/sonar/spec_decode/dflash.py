@@ -66,6 +66,7 @@ class DFlashProposer(Proposer):
     """Drafts a block per request with a DFlash drafter (a DSpark one's heads included)."""
 
     needs_hidden_states = True
+    keeps_context = True
     method = "dflash"
 
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
@@ -150,18 +151,14 @@ class DFlashProposer(Proposer):
         latest target state did not arrive), with DSpark's survival estimates where it has them."""
         if inputs.hidden_states is None or inputs.num_hidden_states is None:
             raise RuntimeError(f"the {self.method} proposer needs the target's hidden states (the runner passes them when needs_hidden_states)")
-        drafter, cache = self.drafter, self.cache
+        cache = self.cache
         positions = inputs.positions.tolist()
         drafting, start = [], 0
         for i, (tokens, count) in enumerate(zip(inputs.token_ids, inputs.num_hidden_states)):
             if count and positions[start + count - 1] == len(tokens) - 2:  # the latest state, with the sampled token after it
                 drafting.append(i)
             start += count
-        # 1. the target's states: every layer's keys and values, kept
-        if inputs.hidden_states.shape[0]:
-            context = drafter.context(inputs.hidden_states, inputs.positions)
-            kv = torch.stack([torch.stack([k, v]) for k, v in context])  # [layers, 2, N, KVH, D]
-            cache.append_many(list(inputs.req_ids), list(inputs.num_hidden_states), kv, inputs.positions)
+        self.keep_context(inputs)  # 1. the target's states: every layer's keys and values, kept
         drafts: list[list[int]] = [[] for _ in inputs.req_ids]
         confidence: list[list[float] | None] | None = None
         if not drafting:
@@ -185,6 +182,17 @@ class DFlashProposer(Proposer):
             if rows_survival is not None:
                 confidence[i] = rows_survival[row]
         return DraftTokens(list(inputs.req_ids), drafts, confidence=confidence)
+
+    @torch.inference_mode()
+    def keep_context(self, inputs: ProposerInputs) -> None:
+        """Every draft layer's keys and values of the target's new states, appended to each
+        request's context (no host wait: the counts are the host's, the rest stays on the device)."""
+        if inputs.hidden_states is None or inputs.num_hidden_states is None:
+            raise RuntimeError(f"the {self.method} proposer needs the target's hidden states (the runner passes them when needs_hidden_states)")
+        if inputs.hidden_states.shape[0]:
+            context = self.drafter.context(inputs.hidden_states, inputs.positions)
+            kv = torch.stack([torch.stack([k, v]) for k, v in context])  # [layers, 2, N, KVH, D]
+            self.cache.append_many(list(inputs.req_ids), list(inputs.num_hidden_states), kv, inputs.positions)
 
     def _block_pass(self, inputs: dict[str, torch.Tensor], num_slots: int) -> tuple[torch.Tensor, ...]:
         """The drafts ``[R, k]`` (and DSpark's survival estimates ``[R, k]``) of one block per

@@ -54,6 +54,7 @@ class Eagle3Proposer(Proposer):
     """Drafts with an EAGLE-3 head over the target's auxiliary hidden states."""
 
     needs_hidden_states = True
+    keeps_context = True
 
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
         super().__init__(config, device)
@@ -134,7 +135,7 @@ class Eagle3Proposer(Proposer):
         whose latest target state did not arrive)."""
         if inputs.hidden_states is None or inputs.num_hidden_states is None:
             raise RuntimeError("the EAGLE-3 proposer needs the target's hidden states (the runner passes them when needs_hidden_states)")
-        head, cache = self.head, self.cache
+        cache = self.cache
         positions = inputs.positions.tolist()
         spans, next_ids, start = [], [], 0
         for tokens, count in zip(inputs.token_ids, inputs.num_hidden_states):
@@ -145,17 +146,11 @@ class Eagle3Proposer(Proposer):
             start += count
         drafting = [i for i, (_, _, ready) in enumerate(spans) if ready]
         drafts: list[list[int]] = [[] for _ in inputs.req_ids]
+        if inputs.hidden_states.shape[0]:  # 1. the target's states: every slot's keys and values kept
+            q, residual = self._append(inputs, next_ids)
         if not drafting:
             return DraftTokens(list(inputs.req_ids), drafts)
         device = inputs.hidden_states.device
-        # 1. the target's states: every slot's keys and values kept
-        hidden = head.combine(inputs.hidden_states)
-        embeds = self.embed(torch.tensor(next_ids, dtype=torch.int64, device=device))
-        q, k, v, residual = head.project(hidden, embeds, inputs.positions)
-        kv = torch.stack([k, v])[None]  # [1 layer, 2, N, KVH, D]
-        for req_id, (first, count, _) in zip(inputs.req_ids, spans):
-            if count:
-                cache.append(req_id, kv[:, :, first : first + count], commit=True)
         req_ids = [inputs.req_ids[i] for i in drafting]
         last = torch.tensor([spans[i][0] + spans[i][1] - 1 for i in drafting], dtype=torch.int64, device=device)
         # 2. and 3. one pass: the last slot attended, then the head's own slots, uncommitted
@@ -168,6 +163,36 @@ class Eagle3Proposer(Proposer):
         for i, tokens in zip(drafting, proposed.tolist()):
             drafts[i] = tokens
         return DraftTokens(list(inputs.req_ids), drafts)
+
+    @torch.inference_mode()
+    def keep_context(self, inputs: ProposerInputs) -> None:
+        """The head's keys and values of the target's new states, appended to each request's
+        context. Each request's states are its latest positions, up to the one before its
+        last token (every state reaches the proposer once, in order), so the token after each
+        is read from the host's sequence, with no wait for the device."""
+        if inputs.hidden_states is None or inputs.num_hidden_states is None:
+            raise RuntimeError("the EAGLE-3 proposer needs the target's hidden states (the runner passes them when needs_hidden_states)")
+        next_ids: list[int] = []
+        for tokens, count in zip(inputs.token_ids, inputs.num_hidden_states):
+            next_ids += tokens[len(tokens) - count : len(tokens)] if count else []
+        if next_ids:
+            self._append(inputs, next_ids)
+
+    def _append(self, inputs: ProposerInputs, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Project every new state (with the embedding of the token after it, ``next_ids``)
+        and commit its keys and values to its request's context; the queries and residuals
+        of all rows are returned for the drafting pass."""
+        head = self.head
+        hidden = head.combine(inputs.hidden_states)
+        embeds = self.embed(to_device(torch.tensor(next_ids, dtype=torch.int64), inputs.hidden_states.device))
+        q, k, v, residual = head.project(hidden, embeds, inputs.positions)
+        kv = torch.stack([k, v])[None]  # [1 layer, 2, N, KVH, D]
+        first = 0
+        for req_id, count in zip(inputs.req_ids, inputs.num_hidden_states):
+            if count:
+                self.cache.append(req_id, kv[:, :, first : first + count], commit=True)
+            first += count
+        return q, residual
 
     def _draft(self, inputs: dict[str, torch.Tensor], num_slots: int) -> tuple[torch.Tensor]:
         """The drafts ``[R, k]`` of rows ``inputs["rows"]`` of the cache: the last verified

@@ -16,4 +16,9 @@ from sonar.sampling_params import SamplingParams
 
 def may_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
     """Whether a request with ``params`` and this many output tokens may verify drafts."""
-    return not params.reads_output_tokens and params.mirostat_mode == 0 and num_output_tokens >= params.min_tokens
+    return may_ever_speculate(params) and num_output_tokens >= params.min_tokens
+
+
+def may_ever_speculate(params: SamplingParams) -> bool:
+    """Whether a request with ``params`` may verify drafts at some point of its output."""
+    return not params.reads_output_tokens and params.mirostat_mode == 0

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from sonar.tensors import to_device
 from sonar.worker.input_batch import StepBatch
 
 
@@ -37,16 +38,26 @@ class ProposerHiddenStates:
     counts: list[int]
 
 
+#: steps without drafts whose states are held, then handed to the proposer together
+HOLD_STEPS = 16
+
+
 class HiddenStateCollector:
     """Keeps the states of prefill chunks that sampled nothing until their request's next
-    proposal, and cuts verify steps down to their kept positions."""
+    proposal, holds those of steps without drafts (``hold``), and cuts verify steps down to
+    their kept positions."""
 
     def __init__(self) -> None:
-        self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        # per request, its rows not handed over yet, oldest first: (states, positions, first row, rows)
+        self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor, int, int]]] = {}
+        self._held_steps = 0
 
     def record(self, batch: StepBatch, states: torch.Tensor) -> StepHiddenStates:
-        """The step's states (``[num_tokens, width]``, rows as ``batch`` lays out tokens)."""
-        step = StepHiddenStates(states, batch.positions)
+        """The step's states (``[num_tokens, width]``, rows as ``batch`` lays out tokens).
+
+        The positions are copied: a runner may build the next step's inputs into the same
+        buffers while this step's states are still held."""
+        step = StepHiddenStates(states, batch.positions.clone())
         qsl = batch.attn_metadata.query_start_loc_cpu
         drafts = batch.sample_drafts
         num_drafts = {row: len(drafts[i]) if drafts is not None else 0 for i, row in enumerate(batch.sample_rows)}
@@ -54,27 +65,87 @@ class HiddenStateCollector:
             start, count = int(qsl[row]), batch.num_scheduled[row]
             if row in num_drafts:
                 step.rows[state.req_id] = (start, count, num_drafts[row])
-            else:  # a prefill chunk before the last: held for the request's next proposal
+            else:  # a prefill chunk before the last: held (its rows only) for the request's next proposal
                 rows = slice(start, start + count)
-                self._pending.setdefault(state.req_id, []).append((states[rows].clone(), batch.positions[rows].clone()))
+                self._pending.setdefault(state.req_id, []).append((states[rows].clone(), step.positions[rows].clone(), 0, count))
         return step
 
-    def gather(self, step: StepHiddenStates, req_ids: list[str], num_accepted: list[int]) -> ProposerHiddenStates:
-        """The states of ``req_ids`` not handed over yet: held chunks first, then the step's
-        kept rows (``num_accepted[i]``: 1 + the drafts kept of request ``i``)."""
-        states, positions, counts = [], [], []
+    @staticmethod
+    def _kept(step: StepHiddenStates, req_id: str, accepted: int) -> tuple[int, int]:
+        """The request's first row in the step and how many rows stay (its rows up to the last
+        accepted draft)."""
+        start, count, drafts = step.rows[req_id]
+        return start, count - drafts + (accepted - 1 if drafts else 0)
+
+    def hold(self, step: StepHiddenStates, req_ids: list[str], num_accepted: list[int]) -> bool:
+        """Hold the step's kept rows of ``req_ids`` (a step without drafts to follow) for their
+        next ``gather``, so that one hand-over takes several steps' states: True if held;
+        False once ``HOLD_STEPS - 1`` steps are held (gather this one with them now). The
+        step's states are referenced, not copied."""
+        if self._held_steps >= HOLD_STEPS - 1:
+            return False
         for req_id, accepted in zip(req_ids, num_accepted):
-            start, count, drafts = step.rows[req_id]
-            kept = count - drafts + (accepted - 1 if drafts else 0)
-            pieces = self._pending.pop(req_id, [])
-            pieces.append((step.states[start : start + kept], step.positions[start : start + kept]))
-            states += [s for s, _ in pieces]
-            positions += [p for _, p in pieces]
-            counts.append(sum(len(p) for _, p in pieces))
-        width = step.states.shape[-1]
-        if not states:
-            return ProposerHiddenStates(step.states.new_zeros(0, width), step.positions.new_zeros(0), [])
-        return ProposerHiddenStates(torch.cat(states), torch.cat(positions), counts)
+            start, kept = self._kept(step, req_id, accepted)
+            if kept:
+                self._pending.setdefault(req_id, []).append((step.states, step.positions, start, kept))
+        self._held_steps += 1
+        return True
+
+    def gather(self, step: StepHiddenStates, req_ids: list[str], num_accepted: list[int]) -> ProposerHiddenStates:
+        """The states of ``req_ids`` not handed over yet: held rows first, then the step's
+        kept rows (``num_accepted[i]``: 1 + the drafts kept of request ``i``). Where nothing
+        is held, the rows are one slice of the step's states, or one gather of them; else
+        one gather over the step's and the held tensors."""
+        self._held_steps = 0
+        spans = [self._kept(step, req_id, accepted) for req_id, accepted in zip(req_ids, num_accepted)]
+        pending = self._pending
+        if not any(req_id in pending for req_id in req_ids):
+            return self._rows_of(step, spans)
+        sources: dict[int, int] = {}  # id(tensor) -> its index among the pooled tensors
+        pooled: list[tuple[torch.Tensor, torch.Tensor]] = []
+        pieces_of: list[list[tuple[int, int, int]]] = []
+        for req_id, (start, kept) in zip(req_ids, spans):
+            pieces = []
+            for states, positions, first, rows in [*pending.pop(req_id, []), (step.states, step.positions, start, kept)]:
+                source = sources.get(id(states))
+                if source is None:
+                    source = sources[id(states)] = len(pooled)
+                    pooled.append((states, positions))
+                pieces.append((source, first, rows))
+            pieces_of.append(pieces)
+        offsets = [0]
+        for states, _ in pooled:
+            offsets.append(offsets[-1] + states.shape[0])
+        index: list[int] = []
+        counts: list[int] = []
+        for pieces in pieces_of:
+            counts.append(sum(rows for _, _, rows in pieces))
+            for source, first, rows in pieces:
+                index.extend(range(offsets[source] + first, offsets[source] + first + rows))
+        all_states = torch.cat([states for states, _ in pooled]) if len(pooled) > 1 else pooled[0][0]
+        all_positions = torch.cat([positions for _, positions in pooled]) if len(pooled) > 1 else pooled[0][1]
+        on_device = to_device(torch.tensor(index, dtype=torch.int64), all_states.device)
+        return ProposerHiddenStates(all_states.index_select(0, on_device), all_positions.index_select(0, on_device), counts)
+
+    @staticmethod
+    def _rows_of(step: StepHiddenStates, spans: list[tuple[int, int]]) -> ProposerHiddenStates:
+        """Rows ``start .. start + kept - 1`` of the step for each ``(start, kept)``, in order."""
+        counts = [kept for _, kept in spans]
+        index: list[int] = []
+        for start, kept in spans:
+            if kept == 1:
+                index.append(start)
+            else:
+                index.extend(range(start, start + kept))
+        if not index:
+            width = step.states.shape[-1]
+            return ProposerHiddenStates(step.states.new_zeros(0, width), step.positions.new_zeros(0), counts)
+        first = index[0]
+        if index[-1] - first == len(index) - 1 and all(i == first + n for n, i in enumerate(index)):
+            rows = slice(first, first + len(index))  # contiguous: a view
+            return ProposerHiddenStates(step.states[rows], step.positions[rows], counts)
+        on_device = to_device(torch.tensor(index, dtype=torch.int64), step.states.device)
+        return ProposerHiddenStates(step.states.index_select(0, on_device), step.positions.index_select(0, on_device), counts)
 
     def remove_requests(self, req_ids: set[str]) -> None:
         """Drop what is held for finished or preempted requests."""

@@ -187,11 +187,16 @@ class Proposer:
 
     :cvar needs_hidden_states: whether ``propose`` reads the target's hidden states (the
         runner keeps them only then).
+    :cvar keeps_context: whether the proposer keeps per-request context that only the
+        target's states can build (a drafter's own KV cache over them): the runner then calls
+        ``keep_context`` after every step that does not draft, so no position is missing when
+        drafting resumes.
     :param config: the speculative configuration.
     :param device: the worker's device.
     """
 
     needs_hidden_states: bool = False
+    keeps_context: bool = False
 
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
         self.config = config
@@ -226,3 +231,11 @@ class Proposer:
     def propose(self, inputs: ProposerInputs) -> DraftTokens:
         """Draft up to ``config.num_speculative_tokens`` tokens per request of ``inputs``."""
         raise NotImplementedError
+
+    def keep_context(self, inputs: ProposerInputs) -> None:
+        """Take a step's states into the requests' context without drafting (called only
+        where ``keeps_context``): after a step whose batch was past ``max_batch_size``, one
+        the scheduler chose not to draft for (confidence-scheduled verification), or for a
+        request not yet allowed to draft (short of its ``min_tokens``). ``inputs`` are what
+        ``propose`` would get, except that ``token_ids`` are read-only sequences (not lists);
+        nothing may wait for the device here (the step after this one may be running)."""

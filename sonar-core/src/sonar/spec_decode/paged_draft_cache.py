@@ -165,19 +165,25 @@ class PagedDraftCache:
         """Commit ``counts[i]`` slots after request ``req_ids[i]``'s last, for every request at
         once: ``kv [layers, 2, sum(counts), kv_heads, head_dim]`` (and ``positions``) hold them
         request after request, in one write. Requests with a count of 0 are left alone."""
-        slot_parts, rows, lengths = [], [], []
+        slots: list[int] = []
+        rows, lengths = [], []
+        size = self.block_size
         for req_id, count in zip(req_ids, counts):
             if not count:
                 continue
             length = self.lengths.get(req_id, 0)
-            self.reserve(req_id, length + count)
-            slot_parts.append(self._host_slots(req_id, length, count))
-            self.lengths[req_id] = self.committed[req_id] = length + count
+            end = length + count
+            blocks = self._blocks_of.get(req_id)
+            if blocks is None or len(blocks) * size < end:
+                self.reserve(req_id, end)
+                blocks = self._blocks_of[req_id]
+            slots.extend(blocks[i // size] * size + i % size for i in range(length, end))
+            self.lengths[req_id] = self.committed[req_id] = end
             rows.append(self._row_of[req_id])
-            lengths.append(length + count)
+            lengths.append(end)
         if not rows:
             return
-        self._write(np.concatenate(slot_parts), kv, positions)
+        self._write(np.asarray(slots, dtype=np.int64), kv, positions)
         rows_on_device = to_device(np.asarray(rows, dtype=np.int64), self.device)
         self.device_lengths.index_copy_(0, rows_on_device, to_device(np.asarray(lengths, dtype=np.int64), self.device))
 

@@ -3,6 +3,7 @@ logits, and ask the proposer for the next step's drafts once the step's tokens a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,7 @@ from sonar.sampler.logprobs import LogprobsTensors, compute_logprobs
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
 from sonar.sampler.sampler import Sampler
 from sonar.spec_decode.draft_probs import DraftProbsStore
-from sonar.spec_decode.eligibility import may_speculate
+from sonar.spec_decode.eligibility import may_ever_speculate, may_speculate
 from sonar.spec_decode.hidden_states import HiddenStateCollector, StepHiddenStates
 from sonar.spec_decode.interface import DraftCacheBudget, Proposer, ProposerInputs, SpeculativeConfig
 from sonar.spec_decode.verifier import VerifyLayout, VerifyResult, verify
@@ -23,6 +24,28 @@ from sonar.worker.input_batch import StepBatch
 
 if TYPE_CHECKING:
     from sonar.worker.model_runner import ModelRunner
+
+
+class TokenSequence(Sequence[int]):
+    """A request's prompt and output read as one sequence, without copying either."""
+
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        n = len(self.prompt)
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self.prompt[index] if index < n else self.output[index - n]
 
 
 @dataclass(slots=True)
@@ -47,6 +70,7 @@ class SpeculativeDecoder:
         self._aux_states = None  # the target's auxiliary hidden states, where it keeps them
         self.draft_probs = DraftProbsStore()  # the proposer's distributions, until verified
         self._live: dict[str, Any] | None = None  # the runner's requests, where one owns this
+        self._eligible: dict[str, bool] = {}  # per request: whether its parameters ever allow drafts
 
     def load_model(self, target_model: torch.nn.Module, runner: ModelRunner | None = None) -> None:
         if runner is not None:
@@ -65,6 +89,8 @@ class SpeculativeDecoder:
 
     def remove_requests(self, req_ids: set[str]) -> None:
         self.proposer.remove_requests(req_ids)
+        for req_id in req_ids:
+            self._eligible.pop(req_id, None)
         if self.hidden is not None:
             self.hidden.remove_requests(req_ids)
         self.draft_probs.remove(req_ids)
@@ -128,6 +154,11 @@ class SpeculativeDecoder:
             return None
         return compute_logprobs(logits, token_ids, meta.max_num_logprobs)
 
+    @property
+    def keeps_context(self) -> bool:
+        """Whether steps without drafts still hand their states to the proposer."""
+        return self.proposer.keeps_context
+
     def propose(
         self,
         req_ids: list[str],
@@ -139,25 +170,16 @@ class SpeculativeDecoder:
         estimates where the proposer gives them (``survival_row``: plain floats, one per
         draft); ``sequences[i]`` is request ``i``'s prompt, its output so far and its sampling
         state; ``hidden`` the step's states (``record_hidden_states``), for a proposer that
-        reads them."""
-        # a request the worker dropped while its step was in flight (finished, preempted or
-        # aborted, heard with the next step) drafts nothing: its cache is gone and stays gone
-        live = self._live
-        rows = [
-            i for i, (_, output, sampling) in enumerate(sequences)
-            if may_speculate(sampling.params, len(output)) and (live is None or req_ids[i] in live)
-        ]  # fmt: skip
+        reads them. Requests that may draft later (short of ``min_tokens``) hand their states
+        to a proposer that ``keeps_context``."""
+        live = self._live_rows(req_ids, sequences)
+        rows = [i for i in live if may_speculate(sequences[i][2].params, len(sequences[i][1]))]
+        if self.proposer.keeps_context and len(rows) < len(live):
+            waiting = sorted(set(live) - set(rows))
+            self.proposer.keep_context(self._inputs(req_ids, sequences, num_accepted, waiting, hidden, copy=False))
         if not rows:
             return {}, {}
-        inputs = ProposerInputs(
-            req_ids=[req_ids[i] for i in rows],
-            token_ids=[sequences[i][0] + sequences[i][1] for i in rows],
-            num_accepted=[num_accepted[i] for i in rows],
-            sampling=[sequences[i][2] for i in rows],
-        )
-        if hidden is not None:
-            given = self.hidden.gather(hidden, inputs.req_ids, inputs.num_accepted)
-            inputs.hidden_states, inputs.positions, inputs.num_hidden_states = given.states, given.positions, given.counts
+        inputs = self._inputs(req_ids, sequences, num_accepted, rows, hidden)
         drafts = self.proposer.propose(inputs)
         limit = self.config.num_speculative_tokens
         if drafts.probs is not None:
@@ -173,6 +195,67 @@ class SpeculativeDecoder:
                     if survival is not None:
                         confidence[req_id] = survival
         return proposed, confidence
+
+    def keep_context(
+        self,
+        req_ids: list[str],
+        sequences: list[tuple[list[int], list[int], RequestSamplingState]],
+        num_accepted: list[int],
+        hidden: StepHiddenStates | None = None,
+    ) -> None:
+        """After a step without drafts: hand its states to a proposer that ``keeps_context``
+        (arguments as ``propose``'s), for every request that may draft at some point; states
+        are held a few steps (``HiddenStateCollector.hold``) and handed over together, or with
+        the next proposal, whichever comes first."""
+        if not self.proposer.keeps_context:
+            return
+        rows = self._live_rows(req_ids, sequences)
+        if not rows:
+            return
+        if hidden is not None and self.hidden.hold(hidden, [req_ids[i] for i in rows], [num_accepted[i] for i in rows]):
+            return  # handed over with a later step's (a few steps' states in one pass)
+        self.proposer.keep_context(self._inputs(req_ids, sequences, num_accepted, rows, hidden, copy=False))
+
+    def _live_rows(self, req_ids: list[str], sequences: list[tuple[list[int], list[int], RequestSamplingState]]) -> list[int]:
+        """The rows of requests the worker still runs and that may draft at some point.
+
+        A request the worker dropped while its step was in flight (finished, preempted or
+        aborted, heard with the next step) takes no part: its cache is gone and stays gone."""
+        live, eligible = self._live, self._eligible
+        rows = []
+        for i, req_id in enumerate(req_ids):
+            if live is not None and req_id not in live:
+                continue
+            ok = eligible.get(req_id)
+            if ok is None:
+                ok = eligible[req_id] = may_ever_speculate(sequences[i][2].params)
+            if ok:
+                rows.append(i)
+        return rows
+
+    def _inputs(
+        self,
+        req_ids: list[str],
+        sequences: list[tuple[list[int], list[int], RequestSamplingState]],
+        num_accepted: list[int],
+        rows: list[int],
+        hidden: StepHiddenStates | None,
+        copy: bool = True,
+    ) -> ProposerInputs:
+        """The proposer's view of ``rows``: their sequences (``copy=False``: read-only views
+        of prompt and output, no copy of either) and, for a proposer that reads them, the
+        states of theirs not handed over yet."""
+        joined = (lambda prompt, output: prompt + output) if copy else TokenSequence
+        inputs = ProposerInputs(
+            req_ids=[req_ids[i] for i in rows],
+            token_ids=[joined(sequences[i][0], sequences[i][1]) for i in rows],
+            num_accepted=[num_accepted[i] for i in rows],
+            sampling=[sequences[i][2] for i in rows],
+        )
+        if hidden is not None:
+            given = self.hidden.gather(hidden, inputs.req_ids, inputs.num_accepted)
+            inputs.hidden_states, inputs.positions, inputs.num_hidden_states = given.states, given.positions, given.counts
+        return inputs
 
 
 def survival_row(row: Any, num_drafts: int) -> list[float] | None:
