@@ -309,3 +309,32 @@ def test_the_drafter_keeps_every_position_through_steps_without_drafts(targets, 
         slots = cache._host_slots(req_id, 0, cache.committed[req_id])
         positions = cache.positions[torch.as_tensor(slots)].tolist()
         assert positions == list(range(computed)), (req_id, positions)
+
+
+def test_the_first_drafting_step_of_a_large_batch_drafts_for_a_few(targets, tmp_path):
+    """Confidence-scheduled verification learns survival and drafting time on PROBE_ROWS
+    requests of a larger batch (a whole batch's drafting costs far more than a plain step);
+    the others' states still reach the drafter, and greedy output is unchanged."""
+    from sonar.spec_decode.verification import PROBE_ROWS
+
+    target = targets("llama")
+    folder = random_drafter(target, tmp_path / "drafter", "deepspec", dspark=True)
+    spec = {"method": "dspark", "model": str(folder), "num_speculative_tokens": 3, "verification": "confidence"}
+    prompts = [[(i * 13 + j * 7) % 97 + 200 for j in range(12 + i)] for i in range(PROBE_ROWS + 4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = generate(LLM(str(target[0]), kv_cache_memory_bytes=2**23, max_model_len=128, skip_tokenizer_init=True), prompts, params)
+    llm = LLM(str(target[0]), kv_cache_memory_bytes=2**23, max_model_len=128, skip_tokenizer_init=True, speculative_config=spec)
+    decoder = llm.llm_engine.core.executor.worker.model_runner.spec
+    calls = []
+    propose = decoder.propose
+
+    def recorded(*args, **kwargs):
+        result = propose(*args, **kwargs)
+        calls.append((len(args[0]), kwargs.get("limit"), decoder.drafted_rows))
+        return result
+
+    decoder.propose = recorded
+    got = generate(llm, prompts, params)
+    assert calls and calls[0] == (len(prompts), PROBE_ROWS, PROBE_ROWS)
+    for row, (a, b) in enumerate(zip(got, expected)):
+        assert a == b or len(a) == len(b), row  # float32 ties aside (see assert_same_greedy), same lengths

@@ -20,7 +20,7 @@ from sonar.engine.step_cost import StepCostModel, profile_token_counts
 from sonar.sampling_params import SamplingParams
 from sonar.spec_decode.interface import NO_BATCH_LIMIT, SpeculativeConfig
 from sonar.spec_decode.stats import SpecDecodeStats
-from sonar.spec_decode.verification import MAX_REPROBE_STEPS, REPROBE_STEPS, ConfidenceVerification
+from sonar.spec_decode.verification import MAX_REPROBE_STEPS, PROBE_ROWS, REPROBE_STEPS, ConfidenceVerification
 from sonar.spec_decode.worker_side import survival_row
 
 K = 7
@@ -184,6 +184,36 @@ def test_probes_that_do_not_pay_come_ever_less_often():
     assert steep.reprobe_steps == REPROBE_STEPS
     answers = [steep.worth_drafting(256, 256) for _ in range(REPROBE_STEPS)]
     assert not any(answers[:-1]) and answers[-1]
+
+
+def test_probes_and_the_first_drafting_step_of_a_large_batch_draft_for_a_few():
+    steep = policy(STEEP)
+    assert steep.worth_drafting(256, 256) and steep.draft_limit_for(256, 256) == PROBE_ROWS  # nothing seen yet: learn on a few
+    assert steep.draft_limit_for(4, 4) is None  # a small batch drafts whole
+    steep.typical = [0.6] * K
+    answers, limits = [], []
+    for _ in range(REPROBE_STEPS):
+        answers.append(steep.worth_drafting(256, 256))
+        limits.append(steep.draft_limit_for(256, 256) if answers[-1] else None)
+    assert answers[-1] and limits[-1] == PROBE_ROWS and not any(answers[:-1])  # the probe: a few requests
+    assert steep.worth_drafting(0, 256) and steep.draft_limit_for(256, 256) == PROBE_ROWS  # prefills whose drafts would not pay
+    flat = policy(FLAT)
+    flat.typical = [0.9] * K
+    assert flat.worth_drafting(256, 256) and flat.draft_limit_for(256, 256) is None  # drafting pays: every request
+    assert flat.worth_drafting(0, 512) and flat.draft_limit_for(256, 512) is None
+
+
+def test_drafting_time_measured_on_a_few_requests_is_scaled_up_to_the_batch():
+    chooser = policy(linear(10.0, 0.01))
+    chooser.observe_drafting(0.004, rows=PROBE_ROWS)  # a probe: 4 ms for 8 requests
+    assert chooser.drafting_cost(PROBE_ROWS) == pytest.approx(0.004)
+    assert chooser.drafting_cost(256) == pytest.approx(0.004 * 256 / PROBE_ROWS)
+    assert chooser.drafting_cost(1) == pytest.approx(0.004)  # never scaled down
+    chooser.observe_drafting(0.010, rows=256)  # then a whole batch
+    assert chooser.draft_rows == pytest.approx(PROBE_ROWS + 0.2 * (256 - PROBE_ROWS))
+    unknown = policy(linear(10.0, 0.01))
+    unknown.observe_drafting(0.004)  # rows not given: taken as they are
+    assert unknown.drafting_cost(256) == pytest.approx(0.004)
 
 
 def test_drafting_that_costs_more_than_its_drafts_give_is_stopped():

@@ -312,6 +312,8 @@ class Scheduler:
             out.kv_connector_metadata = self.connector.build_connector_meta(out)
         if in_flight is not None:
             in_flight.update(out.num_scheduled_tokens)
+        if self.verification is not None and out.propose_drafts:  # the batch is known now, admissions in it
+            out.draft_limit = self.verification.draft_limit_for(len(self.running), out.total_num_scheduled_tokens)
         return out
 
     def _admit(self, request: Request, num_computed: int, num_new: int, out: SchedulerOutput) -> None:
@@ -486,7 +488,7 @@ class Scheduler:
         if self.in_flight is not None:
             self.in_flight.difference_update(scheduled.num_scheduled_tokens)
         if self.verification is not None and output.draft_seconds:
-            self.verification.observe_drafting(output.draft_seconds)
+            self.verification.observe_drafting(output.draft_seconds, output.draft_rows)
         verified = output.verified_token_ids
         for req_id, token_id in zip(output.req_ids, output.sampled_token_ids):
             request = self.requests.get(req_id)

@@ -54,6 +54,7 @@ class SchedulerOutput:
     # drafting when the next step would verify none)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
     propose_drafts: bool = True
+    draft_limit: int | None = None  # where it drafts: for at most this many requests (a probe's few; None: all)
     # KV connector: the step's loads and saves for the worker half (its KVConnectorMetadata)
     kv_connector_metadata: Any = None
 
@@ -89,4 +90,5 @@ class ModelRunnerOutput:
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_confidence: dict[str, list[float]] = field(default_factory=dict)
     draft_seconds: float = 0.0  # how long proposing them took (0: no proposal after this step)
+    draft_rows: int = 0  # how many requests that proposal drafted for
     kv_connector_output: KVConnectorOutput | None = None  # transfers the connector finished

@@ -28,7 +28,9 @@ without drafts; if not, the proposer is skipped (asynchronous scheduling then ov
 steps as without speculation), and after ``REPROBE_STEPS`` such steps one drafts anyway, to
 refresh what survival and drafting cost look like. Each probe that does not pay either
 doubles the wait before the next (up to ``MAX_REPROBE_STEPS``: a loaded server pays for few
-probes); the first step whose drafts pay again brings it back to ``REPROBE_STEPS``.
+probes); the first step whose drafts pay again brings it back to ``REPROBE_STEPS``. In a
+batch of more than ``PROBE_ROWS`` decodes a probe drafts for that many requests only, and
+the drafting time it measures is scaled up to the whole batch when weighed.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ TYPICAL_WEIGHT = 0.2  # weight of a step's rows in that running average
 REPROBE_STEPS = 64  # steps without drafting after which one drafts again (the first time)
 MAX_REPROBE_STEPS = 1024  # the interval doubles after each probe that did not pay, up to this
 DRAFT_WEIGHT = 0.2  # weight of a step's drafting time in its running average
+PROBE_ROWS = 8  # requests that draft in a probe (or the first drafting step) of a larger batch
 
 
 class ConfidenceVerification:
@@ -64,6 +67,8 @@ class ConfidenceVerification:
         self._table = costs.table(2 * max_num_batched_tokens + 1)
         self.typical: list[float] | None = None  # survival by position, lately (None: no drafts seen yet)
         self.draft_seconds: float | None = None  # the proposer's time per step, lately (None: not measured yet)
+        self.draft_rows: float | None = None  # requests those steps drafted for, lately (None: as many as asked)
+        self._few: str | None = None  # why the last yes may draft for a few only (learning, a probe, prefills)
         self._steps_without_drafting = 0
         self.reprobe_steps = REPROBE_STEPS  # the current interval between probes
         self._probing = False  # the last answer was a probe's yes
@@ -131,11 +136,26 @@ class ConfidenceVerification:
             lengths[owners[index]] += 1
         return lengths
 
-    def observe_drafting(self, seconds: float) -> None:
-        """Fold the proposer's time for one step's drafts (the worker's measure) into the
-        running drafting cost."""
-        if seconds > 0.0:
-            self.draft_seconds = seconds if self.draft_seconds is None else self.draft_seconds + DRAFT_WEIGHT * (seconds - self.draft_seconds)
+    def observe_drafting(self, seconds: float, rows: int = 0) -> None:
+        """Fold the proposer's time for one step's drafts (the worker's measure) for ``rows``
+        requests (0: unknown) into the running drafting cost."""
+        if seconds <= 0.0:
+            return
+        if self.draft_seconds is None:
+            self.draft_seconds = seconds
+        else:
+            self.draft_seconds += DRAFT_WEIGHT * (seconds - self.draft_seconds)
+        if rows > 0:
+            self.draft_rows = float(rows) if self.draft_rows is None else self.draft_rows + DRAFT_WEIGHT * (rows - self.draft_rows)
+
+    def drafting_cost(self, num_rows: int) -> float:
+        """Seconds of drafting for ``num_rows`` requests: the running measure, scaled up in
+        proportion where it was taken on fewer requests (a probe's few), never down."""
+        if self.draft_seconds is None:
+            return 0.0
+        if self.draft_rows is None:
+            return self.draft_seconds
+        return self.draft_seconds * max(1.0, num_rows / self.draft_rows)
 
     def worth_drafting(self, num_sampling: int, base_tokens: int) -> bool:
         """Whether the step after one of ``num_sampling`` decodes and ``base_tokens`` tokens
@@ -143,11 +163,17 @@ class ConfidenceVerification:
         the survival seen lately would emit more tokens per second than no drafts, the
         drafting time seen lately added to the step's; else no, but yes again (a probe) after
         ``reprobe_steps`` such answers, an interval that doubles after each probe that did
-        not pay."""
-        if num_sampling <= 0 or self.typical is None or self._would_verify(num_sampling, base_tokens):
+        not pay. A step of prefills only drafts (for their first verify). How many requests
+        draft is ``draft_limit_for``'s to say."""
+        self._few = None
+        if self.typical is None or num_sampling <= 0:
             self._steps_without_drafting = 0
-            if num_sampling > 0 and self.typical is not None:
-                self.reprobe_steps = REPROBE_STEPS  # drafting pays again: probe often when it stops
+            self._probing = False
+            self._few = "learning" if self.typical is None else "prefills"
+            return True
+        if self._would_verify(num_sampling, base_tokens):
+            self._steps_without_drafting = 0
+            self.reprobe_steps = REPROBE_STEPS  # drafting pays again: probe often when it stops
             self._probing = False
             return True
         if self._probing:  # the probe's drafts did not pay either: wait longer before the next
@@ -157,12 +183,26 @@ class ConfidenceVerification:
         if self._steps_without_drafting >= self.reprobe_steps:
             self._steps_without_drafting = 0
             self._probing = True
+            self._few = "probe"
             return True
         return False
 
+    def draft_limit_for(self, num_running: int, base_tokens: int) -> int | None:
+        """After a yes from ``worth_drafting``, for a step of ``num_running`` requests: how
+        many draft (None: every one). Where the batch is larger than ``PROBE_ROWS``, the first
+        drafting step, a probe, and prefills whose drafts would not pay at this batch draft
+        for that many only: enough to measure survival and drafting time, at a fraction of
+        a whole batch's drafting cost."""
+        few = self._few
+        if few is None or num_running <= PROBE_ROWS:
+            return None
+        if few == "prefills" and self._would_verify(num_running, base_tokens):
+            return None
+        return PROBE_ROWS
+
     def _would_verify(self, num_sampling: int, base_tokens: int) -> bool:
         typical, cost = self.typical, self.cost
-        drafting = self.draft_seconds or 0.0
+        drafting = self.drafting_cost(num_sampling)
         base_cost = cost(base_tokens)
         if (num_sampling + typical[0]) * base_cost > num_sampling * (cost(base_tokens + 1) + drafting):
             return True

@@ -64,6 +64,7 @@ class LaunchedStep:
     hidden: StepHiddenStates | None = None  # the states a proposer reads (needs_hidden_states)
     kv_connector_output: KVConnectorOutput | None = None  # transfers the KV connector finished by its launch
     propose: bool = True  # the proposer drafts once its tokens are known (the scheduler's say)
+    draft_limit: int | None = None  # for at most this many requests (None: every one)
 
 
 def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: int) -> RequestLogprobs:
@@ -376,6 +377,7 @@ class ModelRunner:
             prompt_logprobs=self._prompt_logprobs(batch, hidden),
             kv_connector_output=self._kv_connector_output(so),
             propose=so.propose_drafts,
+            draft_limit=so.draft_limit,
         )
         if self.spec is not None and self.spec.hidden is not None:  # an EAGLE-style proposer reads them
             step.hidden = self.spec.record_hidden_states(batch, hidden)
@@ -480,8 +482,11 @@ class ModelRunner:
                 sequences = [(s.prompt_token_ids, s.output_token_ids, s.sampling) for s in step.sample_states]
             if drafting:
                 started = time.perf_counter()  # the drafts are read back: the device's drafting is in it
-                output.draft_token_ids, output.draft_confidence = spec.propose(step.sample_req_ids, sequences, num_accepted, step.hidden)
+                output.draft_token_ids, output.draft_confidence = spec.propose(
+                    step.sample_req_ids, sequences, num_accepted, step.hidden, limit=step.draft_limit
+                )
                 output.draft_seconds = time.perf_counter() - started
+                output.draft_rows = spec.drafted_rows
             elif spec.keeps_context:  # no drafts, but the drafter's context takes the step's states
                 spec.keep_context(step.sample_req_ids, sequences, num_accepted, step.hidden)
 
