@@ -203,7 +203,7 @@ def test_appending_many_requests_at_once_equals_one_append_each():
     lengths and device rows as one append per request (a request with no new state untouched)."""
     gen = torch.Generator().manual_seed(3)
     rounds = [(["a", "b", "c"], [5, 0, 3]), (["a", "b", "c"], [2, 7, 1]), (["c", "a"], [12, 1])]
-    one_by_one, at_once = paged(), paged()
+    one_by_one, at_once = paged(num_blocks=16), paged(num_blocks=16)
     for req_ids, counts in rounds:
         kv = torch.randn(2, 2, sum(counts), 2, 8, generator=gen)
         positions = torch.arange(sum(counts)) + 100
@@ -214,6 +214,12 @@ def test_appending_many_requests_at_once_equals_one_append_each():
             start += count
         at_once.append_many(req_ids, counts, kv, positions)
     assert at_once.lengths == one_by_one.lengths and at_once.committed == one_by_one.committed
+    assert torch.equal(at_once.table, one_by_one.table)  # the blocks handed out in one table write
+    wanted = [("a", at_once.lengths["a"] + 9), ("b", at_once.lengths["b"] + 3)]
+    at_once.reserve_many(wanted)
+    for req_id, num_slots in wanted:
+        one_by_one.reserve(req_id, num_slots)
+    assert torch.equal(at_once.table, one_by_one.table)
     for req_id in ("a", "b", "c"):
         num_slots = at_once.lengths[req_id]
         got_row, want_row = torch.tensor([at_once.row_of(req_id)]), torch.tensor([one_by_one.row_of(req_id)])

@@ -155,8 +155,7 @@ class Eagle3Proposer(Proposer):
         last = torch.tensor([spans[i][0] + spans[i][1] - 1 for i in drafting], dtype=torch.int64, device=device)
         # 2. and 3. one pass: the last slot attended, then the head's own slots, uncommitted
         guesses = self.config.num_speculative_tokens - 1
-        for req_id in req_ids:
-            cache.reserve(req_id, cache.committed[req_id] + guesses)
+        cache.reserve_many([(req_id, cache.committed[req_id] + guesses) for req_id in req_ids])
         rows = to_device(torch.tensor([cache.row_of(r) for r in req_ids], dtype=torch.int64), self.device)
         values = {"rows": rows, "queries": q[last], "residual": residual[last], "positions": inputs.positions[last].to(self.device)}
         (proposed,) = self.draft_pass.run(values, max(cache.committed[r] for r in req_ids))

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from sonar.tensors import to_device
@@ -101,30 +102,30 @@ class HiddenStateCollector:
         pending = self._pending
         if not any(req_id in pending for req_id in req_ids):
             return self._rows_of(step, spans)
-        sources: dict[int, int] = {}  # id(tensor) -> its index among the pooled tensors
+        offset_of: dict[int, int] = {}  # id(tensor) -> its first row among the pooled tensors
         pooled: list[tuple[torch.Tensor, torch.Tensor]] = []
-        pieces_of: list[list[tuple[int, int, int]]] = []
-        for req_id, (start, kept) in zip(req_ids, spans):
-            pieces = []
-            for states, positions, first, rows in [*pending.pop(req_id, []), (step.states, step.positions, start, kept)]:
-                source = sources.get(id(states))
-                if source is None:
-                    source = sources[id(states)] = len(pooled)
-                    pooled.append((states, positions))
-                pieces.append((source, first, rows))
-            pieces_of.append(pieces)
-        offsets = [0]
-        for states, _ in pooled:
-            offsets.append(offsets[-1] + states.shape[0])
-        index: list[int] = []
+        total = 0
+        firsts: list[int] = []  # per piece, its first row in the pool
+        lengths: list[int] = []  # per piece, its rows
         counts: list[int] = []
-        for pieces in pieces_of:
-            counts.append(sum(rows for _, _, rows in pieces))
-            for source, first, rows in pieces:
-                index.extend(range(offsets[source] + first, offsets[source] + first + rows))
+        for req_id, (start, kept) in zip(req_ids, spans):
+            count = 0
+            for states, positions, first, rows in [*pending.pop(req_id, []), (step.states, step.positions, start, kept)]:
+                offset = offset_of.get(id(states))
+                if offset is None:
+                    offset = offset_of[id(states)] = total
+                    total += states.shape[0]
+                    pooled.append((states, positions))
+                firsts.append(offset + first)
+                lengths.append(rows)
+                count += rows
+            counts.append(count)
+        sizes = np.asarray(lengths, dtype=np.int64)
+        ends = np.cumsum(sizes)
+        index = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(np.asarray(firsts, dtype=np.int64) - (ends - sizes), sizes)
         all_states = torch.cat([states for states, _ in pooled]) if len(pooled) > 1 else pooled[0][0]
         all_positions = torch.cat([positions for _, positions in pooled]) if len(pooled) > 1 else pooled[0][1]
-        on_device = to_device(torch.tensor(index, dtype=torch.int64), all_states.device)
+        on_device = to_device(index, all_states.device)
         return ProposerHiddenStates(all_states.index_select(0, on_device), all_positions.index_select(0, on_device), counts)
 
     @staticmethod

@@ -120,6 +120,18 @@ class PagedDraftCache:
         :raises RuntimeError: the pool is out of blocks or rows (it is sized so that this does
             not happen while the target's own cache holds the requests).
         """
+        self._write_table(self._grow(req_id, num_slots))
+
+    def reserve_many(self, wanted: list[tuple[str, int]]) -> None:
+        """``reserve`` for each ``(req_id, num_slots)``, the table written in one copy."""
+        grown: list[tuple[int, int, int]] = []
+        for req_id, num_slots in wanted:
+            grown += self._grow(req_id, num_slots)
+        self._write_table(grown)
+
+    def _grow(self, req_id: str, num_slots: int) -> list[tuple[int, int, int]]:
+        """Hand ``req_id`` the blocks ``num_slots`` slots need on the host: the ``(row,
+        column, block)`` table entries to write (see ``reserve``)."""
         row = self._row_of.get(req_id)
         if row is None:
             if not self._free_rows:
@@ -135,7 +147,7 @@ class PagedDraftCache:
                 "one request may hold (max_model_len plus the drafting step's own)"
             )
         if needed <= len(blocks):
-            return
+            return []
         if needed - len(blocks) > len(self._free_blocks):
             raise RuntimeError(
                 f"the drafter cache is out of blocks ({self.num_blocks} of {self.block_size} slots, {len(self._free_blocks)} free): "
@@ -144,7 +156,14 @@ class PagedDraftCache:
         start = len(blocks)
         new_blocks = [self._free_blocks.pop() for _ in range(needed - start)]
         blocks.extend(new_blocks)
-        self.table[row, start:needed] = to_device(torch.tensor(new_blocks, dtype=torch.int64), self.device)
+        return [(row, start + i, block) for i, block in enumerate(new_blocks)]
+
+    def _write_table(self, entries: list[tuple[int, int, int]]) -> None:
+        """Write ``(row, column, block)`` entries into the device table, in one copy."""
+        if not entries:
+            return
+        rows, columns, blocks = to_device(np.asarray(entries, dtype=np.int64).T.copy(), self.device)
+        self.table.index_put_((rows, columns), blocks)
 
     def _host_slots(self, req_id: str, start: int, count: int) -> np.ndarray:
         """The pool slots of the request's slots ``start .. start + count - 1``."""
@@ -167,6 +186,7 @@ class PagedDraftCache:
         request after request, in one write. Requests with a count of 0 are left alone."""
         slots: list[int] = []
         rows, lengths = [], []
+        grown: list[tuple[int, int, int]] = []  # table entries of blocks handed out here
         size = self.block_size
         for req_id, count in zip(req_ids, counts):
             if not count:
@@ -175,7 +195,7 @@ class PagedDraftCache:
             end = length + count
             blocks = self._blocks_of.get(req_id)
             if blocks is None or len(blocks) * size < end:
-                self.reserve(req_id, end)
+                grown += self._grow(req_id, end)
                 blocks = self._blocks_of[req_id]
             slots.extend(blocks[i // size] * size + i % size for i in range(length, end))
             self.lengths[req_id] = self.committed[req_id] = end
@@ -183,6 +203,7 @@ class PagedDraftCache:
             lengths.append(end)
         if not rows:
             return
+        self._write_table(grown)
         self._write(np.asarray(slots, dtype=np.int64), kv, positions)
         rows_on_device = to_device(np.asarray(rows, dtype=np.int64), self.device)
         self.device_lengths.index_copy_(0, rows_on_device, to_device(np.asarray(lengths, dtype=np.int64), self.device))
