@@ -330,7 +330,7 @@ def test_the_first_drafting_step_of_a_large_batch_drafts_for_a_few(targets, tmp_
 
     def recorded(*args, **kwargs):
         result = propose(*args, **kwargs)
-        calls.append((len(args[0]), kwargs.get("limit"), decoder.drafted_rows))
+        calls.append((len(args[0]), kwargs.get("draft_limit"), decoder.drafted_rows))
         return result
 
     decoder.propose = recorded

@@ -166,19 +166,19 @@ class SpeculativeDecoder:
         sequences: list[tuple[list[int], list[int], RequestSamplingState]],
         num_accepted: list[int],
         hidden: StepHiddenStates | None = None,
-        limit: int | None = None,
+        draft_limit: int | None = None,
     ) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
         """Drafts for the next step of the requests that may take them, and their survival
         estimates where the proposer gives them (``survival_row``: plain floats, one per
         draft); ``sequences[i]`` is request ``i``'s prompt, its output so far and its sampling
         state; ``hidden`` the step's states (``record_hidden_states``), for a proposer that
-        reads them; ``limit``: at most that many requests draft (the first), the others as
+        reads them; ``draft_limit``: at most that many requests draft (the first), the others as
         after a step without drafts. Requests that may draft later (short of ``min_tokens``)
         hand their states to a proposer that ``keeps_context``."""
         live = self._live_rows(req_ids, sequences)
         rows = [i for i in live if may_speculate(sequences[i][2].params, len(sequences[i][1]))]
-        if limit is not None:
-            rows = rows[:limit]
+        if draft_limit is not None:
+            rows = rows[:draft_limit]
         self.drafted_rows = len(rows)
         if self.proposer.keeps_context and len(rows) < len(live):
             waiting = sorted(set(live) - set(rows))

@@ -483,7 +483,7 @@ class ModelRunner:
             if drafting:
                 started = time.perf_counter()  # the drafts are read back: the device's drafting is in it
                 output.draft_token_ids, output.draft_confidence = spec.propose(
-                    step.sample_req_ids, sequences, num_accepted, step.hidden, limit=step.draft_limit
+                    step.sample_req_ids, sequences, num_accepted, step.hidden, draft_limit=step.draft_limit
                 )
                 output.draft_seconds = time.perf_counter() - started
                 output.draft_rows = spec.drafted_rows
