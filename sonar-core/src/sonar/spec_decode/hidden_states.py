@@ -94,23 +94,19 @@ class HiddenStateCollector:
 
     def gather(self, step: StepHiddenStates, req_ids: list[str], num_accepted: list[int]) -> ProposerHiddenStates:
         """The states of ``req_ids`` not handed over yet: held rows first, then the step's
-        kept rows (``num_accepted[i]``: 1 + the drafts kept of request ``i``). Where nothing
-        is held, the rows are one slice of the step's states, or one gather of them; else
-        one gather over the step's and the held tensors."""
+        kept rows (``num_accepted[i]``: 1 + the drafts kept of request ``i``), as one slice
+        of the step's states where they are contiguous there, else one gather."""
         self._held_steps = 0
-        spans = [self._kept(step, req_id, accepted) for req_id, accepted in zip(req_ids, num_accepted)]
-        pending = self._pending
-        if not any(req_id in pending for req_id in req_ids):
-            return self._rows_of(step, spans)
-        offset_of: dict[int, int] = {}  # id(tensor) -> its first row among the pooled tensors
+        offset_of: dict[int, int] = {}  # id(states) -> its first row among the pooled tensors
         pooled: list[tuple[torch.Tensor, torch.Tensor]] = []
         total = 0
         firsts: list[int] = []  # per piece, its first row in the pool
         lengths: list[int] = []  # per piece, its rows
         counts: list[int] = []
-        for req_id, (start, kept) in zip(req_ids, spans):
+        for req_id, accepted in zip(req_ids, num_accepted):
+            start, kept = self._kept(step, req_id, accepted)
             count = 0
-            for states, positions, first, rows in [*pending.pop(req_id, []), (step.states, step.positions, start, kept)]:
+            for states, positions, first, rows in [*self._pending.pop(req_id, ()), (step.states, step.positions, start, kept)]:
                 offset = offset_of.get(id(states))
                 if offset is None:
                     offset = offset_of[id(states)] = total
@@ -120,33 +116,19 @@ class HiddenStateCollector:
                 lengths.append(rows)
                 count += rows
             counts.append(count)
+        all_states = torch.cat([states for states, _ in pooled]) if len(pooled) > 1 else step.states
+        all_positions = torch.cat([positions for _, positions in pooled]) if len(pooled) > 1 else step.positions
         sizes = np.asarray(lengths, dtype=np.int64)
         ends = np.cumsum(sizes)
-        index = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64) + np.repeat(np.asarray(firsts, dtype=np.int64) - (ends - sizes), sizes)
-        all_states = torch.cat([states for states, _ in pooled]) if len(pooled) > 1 else pooled[0][0]
-        all_positions = torch.cat([positions for _, positions in pooled]) if len(pooled) > 1 else pooled[0][1]
+        num_rows = int(ends[-1]) if len(ends) else 0
+        if not num_rows:
+            return ProposerHiddenStates(all_states[:0], all_positions[:0], counts)
+        index = np.arange(num_rows, dtype=np.int64) + np.repeat(np.asarray(firsts, dtype=np.int64) - (ends - sizes), sizes)
+        if bool((np.diff(index) == 1).all()):
+            rows = slice(int(index[0]), int(index[0]) + num_rows)  # contiguous: a view
+            return ProposerHiddenStates(all_states[rows], all_positions[rows], counts)
         on_device = to_device(index, all_states.device)
         return ProposerHiddenStates(all_states.index_select(0, on_device), all_positions.index_select(0, on_device), counts)
-
-    @staticmethod
-    def _rows_of(step: StepHiddenStates, spans: list[tuple[int, int]]) -> ProposerHiddenStates:
-        """Rows ``start .. start + kept - 1`` of the step for each ``(start, kept)``, in order."""
-        counts = [kept for _, kept in spans]
-        index: list[int] = []
-        for start, kept in spans:
-            if kept == 1:
-                index.append(start)
-            else:
-                index.extend(range(start, start + kept))
-        if not index:
-            width = step.states.shape[-1]
-            return ProposerHiddenStates(step.states.new_zeros(0, width), step.positions.new_zeros(0), counts)
-        first = index[0]
-        if index[-1] - first == len(index) - 1 and all(i == first + n for n, i in enumerate(index)):
-            rows = slice(first, first + len(index))  # contiguous: a view
-            return ProposerHiddenStates(step.states[rows], step.positions[rows], counts)
-        on_device = to_device(torch.tensor(index, dtype=torch.int64), step.states.device)
-        return ProposerHiddenStates(step.states.index_select(0, on_device), step.positions.index_select(0, on_device), counts)
 
     def remove_requests(self, req_ids: set[str]) -> None:
         """Drop what is held for finished or preempted requests."""

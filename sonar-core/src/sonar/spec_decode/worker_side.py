@@ -3,6 +3,7 @@ logits, and ask the proposer for the next step's drafts once the step's tokens a
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,8 @@ from sonar.tensors import to_device
 from sonar.worker.input_batch import StepBatch
 
 if TYPE_CHECKING:
+    from sonar.engine.scheduler_output import ModelRunnerOutput
+    from sonar.worker.input_batch import CachedRequestState
     from sonar.worker.model_runner import ModelRunner
 
 
@@ -155,10 +158,30 @@ class SpeculativeDecoder:
             return None
         return compute_logprobs(logits, token_ids, meta.max_num_logprobs)
 
-    @property
-    def keeps_context(self) -> bool:
-        """Whether steps without drafts still hand their states to the proposer."""
-        return self.proposer.keeps_context
+    def after_step(
+        self,
+        output: ModelRunnerOutput,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        hidden: StepHiddenStates | None,
+        drafting: bool,
+        draft_limit: int | None,
+    ) -> None:
+        """Once a step's tokens are known (``output``; ``states[i]`` request ``req_ids[i]``'s
+        state): where ``drafting``, the next step's drafts into ``output`` with how long they
+        took and for how many requests; else, for a proposer that ``keeps_context``, the
+        step's states into the drafter's context."""
+        if not drafting and not self.proposer.keeps_context:
+            return
+        num_accepted = [len(output.verified_token_ids.get(r, ())) or 1 for r in req_ids]
+        sequences = [(s.prompt_token_ids, s.output_token_ids, s.sampling) for s in states]
+        if not drafting:
+            self.keep_context(req_ids, sequences, num_accepted, hidden)
+            return
+        started = time.perf_counter()  # the drafts are read back: the device's drafting is in it
+        output.draft_token_ids, output.draft_confidence = self.propose(req_ids, sequences, num_accepted, hidden, draft_limit)
+        output.draft_seconds = time.perf_counter() - started
+        output.draft_rows = self.drafted_rows
 
     def propose(
         self,

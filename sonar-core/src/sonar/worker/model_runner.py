@@ -473,22 +473,9 @@ class ModelRunner:
         else:
             self._resolve_sampled(step)
         step.output.kv_connector_output = step.kv_connector_output
-        spec = self.spec
-        if spec is not None and step.sample_states:
-            drafting = step.propose and len(step.req_ids) <= spec.config.max_batch_size
-            if drafting or spec.keeps_context:
-                output = step.output
-                num_accepted = [len(output.verified_token_ids.get(r, ())) or 1 for r in step.sample_req_ids]
-                sequences = [(s.prompt_token_ids, s.output_token_ids, s.sampling) for s in step.sample_states]
-            if drafting:
-                started = time.perf_counter()  # the drafts are read back: the device's drafting is in it
-                output.draft_token_ids, output.draft_confidence = spec.propose(
-                    step.sample_req_ids, sequences, num_accepted, step.hidden, draft_limit=step.draft_limit
-                )
-                output.draft_seconds = time.perf_counter() - started
-                output.draft_rows = spec.drafted_rows
-            elif spec.keeps_context:  # no drafts, but the drafter's context takes the step's states
-                spec.keep_context(step.sample_req_ids, sequences, num_accepted, step.hidden)
+        if self.spec is not None and step.sample_states:
+            drafting = step.propose and len(step.req_ids) <= self.spec.config.max_batch_size
+            self.spec.after_step(step.output, step.sample_req_ids, step.sample_states, step.hidden, drafting, step.draft_limit)
 
     def _resolve_verified(self, step: LaunchedStep) -> None:
         """A verify step's output: each request's kept drafts and the token after them, put in
