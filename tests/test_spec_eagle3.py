@@ -147,7 +147,8 @@ def test_a_batch_drafts_as_each_alone_and_as_a_padded_pass(target_dir, tmp_path)
     assert together == [alone[r] for r in ("b", "a", "c")]
     capturer = ReplayCapturer()
     padded = proposer(capturer)
-    assert capturer.num_captured == 3 * 4 and padded.draft_pass.shape_for(3, 22 + 3) == (4, 32)  # 16 .. 80 slots: 64 + 3 guesses
+    assert capturer.num_captured == 3 * 4 + 4 and padded.draft_pass.shape_for(3, 22 + 3) == (4, 32)  # 16 .. 80 slots: 64 + 3 guesses
+    assert padded.context_pass.sizes == [8, 16, 32, 64] and padded.context_pass.shape_for(31, 0) == (32, 0)  # the states, padded
     assert padded.propose(inputs(["b", "a", "c"])).token_ids == together
     assert padded.cache.lengths == padded.cache.committed == {"a": 8, "b": 22, "c": 1}  # the guessed slots were not kept
 

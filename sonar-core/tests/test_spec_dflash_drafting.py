@@ -177,12 +177,14 @@ def test_a_batch_of_requests_drafts_as_each_alone(target, tmp_path):
     # a request whose latest state did not arrive gets no drafts (and no estimates)
     stale = proposer.propose(inputs(["a", "c"], stale={"c"}))
     assert stale.token_ids[1] == [] and stale.confidence[1] is None and len(stale.token_ids[0]) == 5
-    # the block pass at a padded batch size (4 rows for 3) and slot bucket, as a graph replays it
+    # the block pass at a padded batch size (4 rows for 3) and slot bucket, and the context
+    # pass at a padded row count (32 rows for 31), as graphs replay them
     padded = DSparkProposer(config, torch.device("cpu"))
     padded.load_model(model)
     capturer = ReplayCapturer()
     padded.init_cache(DraftCacheBudget(num_target_blocks=8, block_size=16, max_num_seqs=4, max_model_len=64, capturer=capturer))
-    assert capturer.num_captured == 3 * 3 and padded.block_pass.shape_for(3, 22) == (4, 32)
+    assert capturer.num_captured == 3 * 3 + 4 and padded.block_pass.shape_for(3, 22) == (4, 32)
+    assert padded.context_pass.sizes == [8, 16, 32, 64] and padded.context_pass.shape_for(31, 0) == (32, 0)
     replayed = padded.propose(inputs(["b", "a", "c"]))
     assert replayed.token_ids == together.token_ids
     for got, expected in zip(replayed.confidence, together.confidence):

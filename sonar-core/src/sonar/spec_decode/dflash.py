@@ -19,21 +19,24 @@ from its normal forward pass. After every step, per request:
 Drafts are greedy (``DraftTokens.probs`` is None): the verifier treats them as one-hot, so
 greedy output equals decoding without speculation and sampled output keeps its distribution.
 The drafter runs on the target's device. Its cache is paged (``PagedDraftCache``): step 1
-writes through slot indices, steps 2 and 3 are one pass (``DraftPass``) that reads through the
-device block table, replayed from a graph at a padded batch size where the platform captures.
+writes through slot indices and steps 2 and 3 are one pass that reads through the device
+block table; each is a ``DraftPass``, replayed from a graph at a padded size where the platform
+captures (step 1 by rows of new states, steps 2 and 3 by drafting requests).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from sonar.spec_decode.dflash_checkpoint import load_dflash
 from sonar.spec_decode.dflash_config import DFlashConfig, read_dflash_config
 from sonar.spec_decode.dflash_model import DFlashDrafter
-from sonar.spec_decode.draft_graphs import DraftPass, capture_sizes, slot_buckets
+from sonar.spec_decode.draft_graphs import DraftPass, capture_sizes, context_sizes, slot_buckets
 from sonar.spec_decode.eagle3 import target_embedding
+from sonar.spec_decode.hidden_states import HOLD_STEPS
 from sonar.spec_decode.interface import DraftCacheBudget, DraftTokens, Proposer, ProposerInputs, SpeculativeConfig
 from sonar.spec_decode.paged_draft_cache import STANDALONE_BUDGET, PagedDraftCache, build_draft_cache
 from sonar.tensors import to_device
@@ -77,6 +80,7 @@ class DFlashProposer(Proposer):
         self.lm_head = None  # the target's compute_logits
         self.cache: PagedDraftCache | None = None
         self.block_pass: DraftPass | None = None
+        self.context_pass: DraftPass | None = None
         self.bound = False  # a model runner sizes the cache (init_cache); else load_model does
 
     @classmethod
@@ -127,17 +131,26 @@ class DFlashProposer(Proposer):
 
     def init_cache(self, budget: DraftCacheBudget) -> None:
         """Allocate the drafter's paged cache for ``budget`` and capture the block pass at
-        padded batch sizes where ``budget.capturer`` is given."""
+        padded batch sizes, and the context pass at padded row counts, where
+        ``budget.capturer`` is given."""
         config = self.drafter_config
         self.cache = build_draft_cache(budget, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.dtype, self.device)
         sizes = capture_sizes(budget.max_num_seqs, self.config.max_batch_size)
-        rows = max(sizes)
         padding = {"rows": self.cache.padding_row, "anchors": 0, "anchor_positions": 0}
-        inputs = {name: torch.full((rows,), value, dtype=torch.int64, device=self.device) for name, value in padding.items()}
+        inputs = {name: torch.full((max(sizes),), value, dtype=torch.int64, device=self.device) for name, value in padding.items()}
         self.block_pass = DraftPass(f"{self.method} block", self._block_pass, inputs, padding)
+        context_rows = context_sizes(budget.max_num_seqs, max(HOLD_STEPS, self.config.num_speculative_tokens + 1))
+        rows = max(context_rows)
+        context_inputs = {
+            "states": torch.zeros((rows, self.drafter.fc.in_features), dtype=self.dtype, device=self.device),
+            "positions": torch.zeros((rows,), dtype=torch.int64, device=self.device),
+            "slots": torch.zeros((rows,), dtype=torch.int64, device=self.device),  # padding: the scratch block's first slot
+        }
+        self.context_pass = DraftPass(f"{self.method} context", self._context_pass, context_inputs, {"states": 0.0, "positions": 0, "slots": 0})
         if budget.capturer is not None:
             max_slots = self.cache.max_blocks_per_request * self.cache.block_size
             self.block_pass.capture(budget.capturer, sizes, slot_buckets(self.cache.block_size, max_slots))
+            self.context_pass.capture(budget.capturer, context_rows, [0])
 
     def remove_requests(self, req_ids: set[str]) -> None:
         """Forget the drafter's context of these requests."""
@@ -165,14 +178,13 @@ class DFlashProposer(Proposer):
             return DraftTokens(list(inputs.req_ids), drafts)
         # 2. and 3. one pass over each drafting request's block
         req_ids = [inputs.req_ids[i] for i in drafting]
-        values = {
-            name: to_device(torch.tensor(column, dtype=torch.int64), self.device)
-            for name, column in (
-                ("rows", [cache.row_of(r) for r in req_ids]),
-                ("anchors", [inputs.token_ids[i][-1] for i in drafting]),
-                ("anchor_positions", [len(inputs.token_ids[i]) - 1 for i in drafting]),
-            )
-        }
+        columns = [
+            [cache.row_of(r) for r in req_ids],
+            [inputs.token_ids[i][-1] for i in drafting],
+            [len(inputs.token_ids[i]) - 1 for i in drafting],
+        ]
+        rows, anchors, anchor_positions = to_device(np.asarray(columns, dtype=np.int64), self.device)  # one copy
+        values = {"rows": rows, "anchors": anchors, "anchor_positions": anchor_positions}
         tokens, *survival = self.block_pass.run(values, max(cache.lengths.get(r, 0) for r in req_ids))
         rows_survival = survival[0].tolist() if survival else None
         if rows_survival is not None:
@@ -189,10 +201,19 @@ class DFlashProposer(Proposer):
         request's context (no host wait: the counts are the host's, the rest stays on the device)."""
         if inputs.hidden_states is None or inputs.num_hidden_states is None:
             raise RuntimeError(f"the {self.method} proposer needs the target's hidden states (the runner passes them when needs_hidden_states)")
-        if inputs.hidden_states.shape[0]:
-            context = self.drafter.context(inputs.hidden_states, inputs.positions)
-            kv = torch.stack([torch.stack([k, v]) for k, v in context])  # [layers, 2, N, KVH, D]
-            self.cache.append_many(list(inputs.req_ids), list(inputs.num_hidden_states), kv, inputs.positions)
+        if not inputs.hidden_states.shape[0]:
+            return
+        slots = self.cache.claim_many(list(inputs.req_ids), list(inputs.num_hidden_states))
+        if slots is not None:
+            self.context_pass.run({"states": inputs.hidden_states, "positions": inputs.positions, "slots": slots})
+
+    def _context_pass(self, inputs: dict[str, torch.Tensor], num_slots: int) -> tuple[torch.Tensor, ...]:
+        """Every draft layer's keys and values of the target's states ``inputs["states"]`` at
+        ``inputs["positions"]``, written to the cache's ``inputs["slots"]`` (device values only:
+        graph-safe; padding rows write the scratch block)."""
+        context = self.drafter.context(inputs["states"], inputs["positions"])
+        self.cache.write_slots(inputs["slots"], context, inputs["positions"])
+        return ()
 
     def _block_pass(self, inputs: dict[str, torch.Tensor], num_slots: int) -> tuple[torch.Tensor, ...]:
         """The drafts ``[R, k]`` (and DSpark's survival estimates ``[R, k]``) of one block per

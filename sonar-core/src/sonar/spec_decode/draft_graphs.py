@@ -23,6 +23,9 @@ logger = logging.getLogger(__name__)
 #: Batch sizes a drafter pass is captured at (up to ``max_num_seqs``): the drafter's share of
 #: a step is largest at small batches, where its eager launches dominate.
 DRAFT_GRAPH_SIZES = (1, 2, 4, 8, 16)
+#: Row counts a pass over the target's new states (a drafter's context upkeep) is captured at:
+#: a step's kept positions (up to ``k + 1`` per request) or a few held steps' together.
+CONTEXT_GRAPH_ROWS = (8, 16, 32, 64, 128, 256)
 #: The most slots per request a captured pass reads (longer contexts run eagerly): a pass
 #: gathers ``size x slots`` keys and values per layer.
 DRAFT_GRAPH_MAX_SLOTS = 8192
@@ -57,7 +60,7 @@ def slot_buckets(block_size: int, max_slots: int, limit: int = DRAFT_GRAPH_MAX_S
 class DraftPass:
     """One drafter pass (``fn(inputs, num_slots)``: ``inputs`` per name ``[rows, ...]``, the
     first read covering ``num_slots`` slots and each later one ``extra_slots`` more at most),
-    eager or replayed.
+    eager or replayed. A pass that reads no slots is captured with the one bucket ``0``.
 
     :param inputs: static buffers ``[max_size, ...]`` per input name, on the device.
     :param padding: the value each input's padding rows hold.
@@ -95,7 +98,7 @@ class DraftPass:
         try:
             for size in sorted(sizes, reverse=True):
                 for bucket in sorted(buckets, reverse=True):
-                    if bucket <= self.extra_slots:
+                    if not self._usable(bucket):
                         continue
                     views = {name: buffer[:size] for name, buffer in self.inputs.items()}
                     self.replays[(size, bucket)] = capturer.capture(lambda views=views, bucket=bucket: self.fn(views, bucket - self.extra_slots))
@@ -104,10 +107,15 @@ class DraftPass:
             self.replays.clear()
             logger.error("the %s pass could not be captured in a graph (%s); it runs eagerly", self.name, exc)
             return
-        self.sizes, self.buckets = sorted(sizes), sorted(b for b in buckets if b > self.extra_slots)
+        self.sizes, self.buckets = sorted(sizes), sorted(b for b in buckets if self._usable(b))
         logger.info("captured %d %s graphs (batch sizes %s, slots %s) in %.1f s", len(self.replays), self.name, self.sizes, self.buckets, time.perf_counter() - started)
 
-    def run(self, values: Inputs, num_slots: int) -> tuple[torch.Tensor, ...]:
+    def _usable(self, bucket: int) -> bool:
+        """Whether a graph at ``bucket`` slots holds a pass (its later reads need
+        ``extra_slots`` more than the first's)."""
+        return bucket > self.extra_slots or bucket == self.extra_slots == 0
+
+    def run(self, values: Inputs, num_slots: int = 0) -> tuple[torch.Tensor, ...]:
         """The pass over ``values`` (``[n, ...]`` per input) reading ``num_slots`` slots first
         (the longest request's): replayed where a graph holds it, eager otherwise; outputs
         ``[n, ...]``."""
@@ -130,6 +138,14 @@ def capture_sizes(max_num_seqs: int, max_batch_size: int) -> list[int]:
     where it is below the largest."""
     limit = min(max_num_seqs, max_batch_size, DRAFT_GRAPH_SIZES[-1])
     return sorted({s for s in DRAFT_GRAPH_SIZES if s <= limit} | {limit})
+
+
+def context_sizes(max_num_seqs: int, rows_per_request: int) -> list[int]:
+    """``CONTEXT_GRAPH_ROWS`` up to the first that holds ``rows_per_request`` rows of each of
+    ``max_num_seqs`` requests (larger hand-overs, such as whole prompts, run eagerly)."""
+    most = max_num_seqs * rows_per_request
+    sizes = [rows for rows in CONTEXT_GRAPH_ROWS if rows < most]
+    return sizes + [rows for rows in CONTEXT_GRAPH_ROWS if rows >= most][:1]
 
 
 class ReplayCapturer:

@@ -31,9 +31,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sonar.spec_decode.draft_graphs import DraftPass, capture_sizes, slot_buckets
+from sonar.spec_decode.draft_graphs import DraftPass, capture_sizes, context_sizes, slot_buckets
 from sonar.spec_decode.eagle3_checkpoint import load_eagle3, read_eagle3_config
 from sonar.spec_decode.eagle3_head import Eagle3Head
+from sonar.spec_decode.hidden_states import HOLD_STEPS
 from sonar.spec_decode.interface import DraftCacheBudget, DraftTokens, Proposer, ProposerInputs, SpeculativeConfig
 from sonar.spec_decode.paged_draft_cache import STANDALONE_BUDGET, PagedDraftCache, build_draft_cache
 from sonar.tensors import to_device
@@ -63,6 +64,7 @@ class Eagle3Proposer(Proposer):
         self.embed: torch.nn.Module | None = None
         self.cache: PagedDraftCache | None = None
         self.draft_pass: DraftPass | None = None
+        self.context_pass: DraftPass | None = None
         self.bound = False  # a model runner sizes the cache (init_cache); else load_model does
 
     @classmethod
@@ -119,9 +121,20 @@ class Eagle3Proposer(Proposer):
         }
         padding = {"rows": self.cache.padding_row, "queries": 0.0, "residual": 0.0, "positions": 0}
         self.draft_pass = DraftPass("EAGLE-3 drafting", self._draft, inputs, padding, extra_slots=k - 1)
+        context_rows = context_sizes(budget.max_num_seqs, max(HOLD_STEPS, k + 1))
+        rows = max(context_rows)
+        context_inputs = {
+            "states": torch.zeros((rows, self.head.fc.in_features), dtype=self.dtype, device=self.device),
+            "next_ids": torch.zeros((rows,), dtype=torch.int64, device=self.device),
+            "positions": torch.zeros((rows,), dtype=torch.int64, device=self.device),
+            "slots": torch.zeros((rows,), dtype=torch.int64, device=self.device),  # padding: the scratch block's first slot
+        }
+        context_padding = {"states": 0.0, "next_ids": 0, "positions": 0, "slots": 0}
+        self.context_pass = DraftPass("EAGLE-3 context", self._context_pass, context_inputs, context_padding)
         if budget.capturer is not None:
             max_slots = self.cache.max_blocks_per_request * self.cache.block_size
             self.draft_pass.capture(budget.capturer, sizes, slot_buckets(self.cache.block_size, max_slots))
+            self.context_pass.capture(budget.capturer, context_rows, [0])
 
     def remove_requests(self, req_ids: set[str]) -> None:
         """Forget the head's cache of these requests."""
@@ -180,17 +193,24 @@ class Eagle3Proposer(Proposer):
     def _append(self, inputs: ProposerInputs, next_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Project every new state (with the embedding of the token after it, ``next_ids``)
         and commit its keys and values to its request's context; the queries and residuals
-        of all rows are returned for the drafting pass."""
+        of all rows are returned for the drafting pass (valid until the next append)."""
+        slots = self.cache.claim_many(list(inputs.req_ids), list(inputs.num_hidden_states))
+        values = {
+            "states": inputs.hidden_states,
+            "next_ids": to_device(torch.tensor(next_ids, dtype=torch.int64), self.device),
+            "positions": inputs.positions,
+            "slots": slots,
+        }
+        return self.context_pass.run(values)
+
+    def _context_pass(self, inputs: dict[str, torch.Tensor], num_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head's keys and values of the states ``inputs["states"]`` (each with the
+        embedding of ``inputs["next_ids"]``) at ``inputs["positions"]``, written to the cache's
+        ``inputs["slots"]``; returns every row's query and residual (device values only:
+        graph-safe; padding rows write the scratch block)."""
         head = self.head
-        hidden = head.combine(inputs.hidden_states)
-        embeds = self.embed(to_device(torch.tensor(next_ids, dtype=torch.int64), inputs.hidden_states.device))
-        q, k, v, residual = head.project(hidden, embeds, inputs.positions)
-        kv = torch.stack([k, v])[None]  # [1 layer, 2, N, KVH, D]
-        first = 0
-        for req_id, count in zip(inputs.req_ids, inputs.num_hidden_states):
-            if count:
-                self.cache.append(req_id, kv[:, :, first : first + count], commit=True)
-            first += count
+        q, k, v, residual = head.project(head.combine(inputs["states"]), self.embed(inputs["next_ids"]), inputs["positions"])
+        self.cache.write_slots(inputs["slots"], [(k, v)])
         return q, residual
 
     def _draft(self, inputs: dict[str, torch.Tensor], num_slots: int) -> tuple[torch.Tensor]:

@@ -174,16 +174,24 @@ class PagedDraftCache:
     def _write(self, slots: np.ndarray, kv: torch.Tensor, positions: torch.Tensor | None) -> None:
         """``kv [layers, 2, n, kv_heads, head_dim]`` (and ``positions [n]``) into pool slots
         ``slots [n]``, copied to the device through pinned memory (no wait for the device)."""
-        on_device = to_device(slots, self.device)
-        flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
-        flat.index_copy_(2, on_device, kv.to(self.dtype))
-        if positions is not None:
-            self.positions.index_copy_(0, on_device, positions.to(self.device, torch.int64))
+        self.write_slots(to_device(slots, self.device), [(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])], positions)
 
-    def append_many(self, req_ids: list[str], counts: list[int], kv: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+    def write_slots(self, slots: torch.Tensor, layers: list[tuple[torch.Tensor, torch.Tensor]], positions: torch.Tensor | None = None) -> None:
+        """Every layer's keys and values ``[n, kv_heads, head_dim]`` (``layers[i]``) and the
+        ``positions [n]`` into pool slots ``slots [n]``, all on the device (graph-safe)."""
+        flat = self.kv.view(self.num_layers, 2, -1, self.num_kv_heads, self.head_dim)
+        for layer, (keys, values) in enumerate(layers):
+            flat[layer, 0].index_copy_(0, slots, keys.to(self.dtype))
+            flat[layer, 1].index_copy_(0, slots, values.to(self.dtype))
+        if positions is not None:
+            self.positions.index_copy_(0, slots, positions.to(self.device, torch.int64))
+
+    def claim_many(self, req_ids: list[str], counts: list[int]) -> torch.Tensor | None:
         """Commit ``counts[i]`` slots after request ``req_ids[i]``'s last, for every request at
-        once: ``kv [layers, 2, sum(counts), kv_heads, head_dim]`` (and ``positions``) hold them
-        request after request, in one write. Requests with a count of 0 are left alone."""
+        once (a count of 0 leaves its request alone), and return their pool slots ``[sum(counts)]``
+        on the device, request after request (None where there are none) for the caller to
+        write (``write_slots``). The blocks handed out, the committed lengths and the slots go
+        to the device in one copy."""
         slots: list[int] = []
         rows, lengths = [], []
         grown: list[tuple[int, int, int]] = []  # table entries of blocks handed out here
@@ -202,11 +210,26 @@ class PagedDraftCache:
             rows.append(self._row_of[req_id])
             lengths.append(end)
         if not rows:
-            return
-        self._write_table(grown)
-        self._write(np.asarray(slots, dtype=np.int64), kv, positions)
-        rows_on_device = to_device(np.asarray(rows, dtype=np.int64), self.device)
-        self.device_lengths.index_copy_(0, rows_on_device, to_device(np.asarray(lengths, dtype=np.int64), self.device))
+            return None
+        n, m, g = len(slots), len(rows), len(grown)
+        packed = np.empty(n + 2 * m + 3 * g, dtype=np.int64)
+        packed[:n], packed[n : n + m], packed[n + m : n + 2 * m] = slots, rows, lengths
+        if g:
+            packed[n + 2 * m :] = np.asarray(grown, dtype=np.int64).T.reshape(-1)
+        on_device = to_device(packed, self.device)
+        if g:
+            table = on_device[n + 2 * m :].view(3, g)
+            self.table.index_put_((table[0], table[1]), table[2])
+        self.device_lengths.index_copy_(0, on_device[n : n + m], on_device[n + m : n + 2 * m])
+        return on_device[:n]
+
+    def append_many(self, req_ids: list[str], counts: list[int], kv: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Commit ``counts[i]`` slots after request ``req_ids[i]``'s last, for every request at
+        once: ``kv [layers, 2, sum(counts), kv_heads, head_dim]`` (and ``positions``) hold them
+        request after request, in one write. Requests with a count of 0 are left alone."""
+        slots = self.claim_many(req_ids, counts)
+        if slots is not None:
+            self.write_slots(slots, [(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])], positions)
 
     def append(self, req_id: str, kv: torch.Tensor, positions: torch.Tensor | None = None, commit: bool = True) -> None:
         """Write ``kv [layers, 2, n, kv_heads, head_dim]`` after the request's last slot (its
