@@ -136,9 +136,8 @@ class DFlashProposer(Proposer):
         config = self.drafter_config
         self.cache = build_draft_cache(budget, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.dtype, self.device)
         sizes = capture_sizes(budget.max_num_seqs, self.config.max_batch_size)
-        padding = {"rows": self.cache.padding_row, "anchors": 0, "anchor_positions": 0}
-        inputs = {name: torch.full((max(sizes),), value, dtype=torch.int64, device=self.device) for name, value in padding.items()}
-        self.block_pass = DraftPass(f"{self.method} block", self._block_pass, inputs, padding)
+        inputs = {name: torch.zeros((max(sizes),), dtype=torch.int64, device=self.device) for name in ("rows", "anchors", "anchor_positions")}
+        self.block_pass = DraftPass(f"{self.method} block", self._block_pass, inputs, {"rows": self.cache.padding_row})
         context_rows = context_sizes(budget.max_num_seqs, max(HOLD_STEPS, self.config.num_speculative_tokens + 1))
         rows = max(context_rows)
         context_inputs = {
@@ -146,7 +145,7 @@ class DFlashProposer(Proposer):
             "positions": torch.zeros((rows,), dtype=torch.int64, device=self.device),
             "slots": torch.zeros((rows,), dtype=torch.int64, device=self.device),  # padding: the scratch block's first slot
         }
-        self.context_pass = DraftPass(f"{self.method} context", self._context_pass, context_inputs, {"states": 0.0, "positions": 0, "slots": 0})
+        self.context_pass = DraftPass(f"{self.method} context", self._context_pass, context_inputs, {"slots": 0})
         if budget.capturer is not None:
             max_slots = self.cache.max_blocks_per_request * self.cache.block_size
             self.block_pass.capture(budget.capturer, sizes, slot_buckets(self.cache.block_size, max_slots))

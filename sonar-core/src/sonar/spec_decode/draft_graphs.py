@@ -63,7 +63,9 @@ class DraftPass:
     eager or replayed. A pass that reads no slots is captured with the one bucket ``0``.
 
     :param inputs: static buffers ``[max_size, ...]`` per input name, on the device.
-    :param padding: the value each input's padding rows hold.
+    :param padding: the value the padding rows of these inputs hold (the inputs that say where
+        a pass reads or writes: the cache's padding row, the scratch slot); the padding rows of
+        the others keep what they last held (any value computes something that is dropped).
     """
 
     def __init__(self, name: str, fn: PassFn, inputs: Inputs, padding: dict[str, int | float], extra_slots: int = 0) -> None:
@@ -93,8 +95,8 @@ class DraftPass:
     def capture(self, capturer: GraphCapturer, sizes: list[int], buckets: list[int]) -> None:
         """Capture every (size, bucket), largest first, with padding in every row."""
         started = time.perf_counter()
-        for name, buffer in self.inputs.items():
-            buffer.fill_(self.padding[name])
+        for name, value in self.padding.items():
+            self.inputs[name].fill_(value)
         try:
             for size in sorted(sizes, reverse=True):
                 for bucket in sorted(buckets, reverse=True):
@@ -127,7 +129,7 @@ class DraftPass:
         for name, value in values.items():
             buffer = self.inputs[name]
             buffer[:num_rows].copy_(value, non_blocking=True)
-            if size > num_rows:
+            if size > num_rows and name in self.padding:
                 buffer[num_rows:size].fill_(self.padding[name])
         return tuple(out[:num_rows] for out in self.replays[(size, bucket)]())
 

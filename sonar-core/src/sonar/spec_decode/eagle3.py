@@ -119,8 +119,7 @@ class Eagle3Proposer(Proposer):
             "residual": torch.zeros((rows, config.hidden_size), dtype=self.dtype, device=self.device),
             "positions": torch.zeros((rows,), dtype=torch.int64, device=self.device),
         }
-        padding = {"rows": self.cache.padding_row, "queries": 0.0, "residual": 0.0, "positions": 0}
-        self.draft_pass = DraftPass("EAGLE-3 drafting", self._draft, inputs, padding, extra_slots=k - 1)
+        self.draft_pass = DraftPass("EAGLE-3 drafting", self._draft, inputs, {"rows": self.cache.padding_row}, extra_slots=k - 1)
         context_rows = context_sizes(budget.max_num_seqs, max(HOLD_STEPS, k + 1))
         rows = max(context_rows)
         context_inputs = {
@@ -129,8 +128,7 @@ class Eagle3Proposer(Proposer):
             "positions": torch.zeros((rows,), dtype=torch.int64, device=self.device),
             "slots": torch.zeros((rows,), dtype=torch.int64, device=self.device),  # padding: the scratch block's first slot
         }
-        context_padding = {"states": 0.0, "next_ids": 0, "positions": 0, "slots": 0}
-        self.context_pass = DraftPass("EAGLE-3 context", self._context_pass, context_inputs, context_padding)
+        self.context_pass = DraftPass("EAGLE-3 context", self._context_pass, context_inputs, {"slots": 0})
         if budget.capturer is not None:
             max_slots = self.cache.max_blocks_per_request * self.cache.block_size
             self.draft_pass.capture(budget.capturer, sizes, slot_buckets(self.cache.block_size, max_slots))
