@@ -130,6 +130,20 @@ def test_the_step_cost_is_profiled_on_the_cpu_worker_at_start_up(confident):
     assert counts == [1, 8]
 
 
+def test_a_step_budget_longer_than_the_sequences_hold_still_starts_and_profiles(target, scripted_plugin):
+    """Few short sequences and a larger token budget per step (2 x 63 tokens against 256): the
+    start-up profile times only the steps that fit the sequences, and the engine serves."""
+    spec = {"method": "scripted-confidence", "num_speculative_tokens": K, "prompt_lookup_max": 3, "verification": "confidence"}
+    llm = LLM(str(target), kv_cache_memory_bytes=KV_BYTES, max_model_len=64, max_num_seqs=2, max_num_batched_tokens=256,
+              skip_tokenizer_init=True, speculative_config=spec, enable_prefix_caching=False)  # fmt: skip
+    costs = llm.llm_engine.core.step_costs
+    assert len(costs.num_tokens) >= 2 and max(costs.num_tokens) <= 2 * 63
+    prompts = repetitive_prompts(2)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = LLM(str(target), kv_cache_memory_bytes=KV_BYTES, max_model_len=64, max_num_seqs=2, skip_tokenizer_init=True)
+    assert generate(llm, prompts, params) == generate(plain, prompts, params)
+
+
 def test_greedy_output_is_unchanged_with_every_draft_verified_on_a_flat_curve(confident, expected):
     llm, _ = confident
     use_costs(llm, StepCostModel.from_samples([1, 4096], [0.010, 0.0101]))

@@ -62,14 +62,19 @@ def profile_step_seconds(
     this before the first request), the sequences spread over its blocks (sharing them when
     there are fewer than they need). Stops early, before a count whose step would take the
     profile past ``budget_s`` (estimated from the last one), once ``PROFILE_MIN_POINTS``
-    counts are timed; the counts left out are extrapolated by the cost model. Returns the
-    counts timed, their seconds and the context length used.
+    counts are timed, and skips counts whose tokens per sequence (``max_num_seqs`` sequences)
+    would not fit ``max_model_len``; the counts left out are extrapolated by the cost model.
+    Returns the counts timed, their seconds and the context length used.
     """
     config = runner.config
     model = runner.model
     num_blocks = runner.kv_caches[0].shape[1]
     block_size = runner.block_size
     max_seqs = config.max_num_seqs
+    # a sequence holds its context and its step's tokens within max_model_len (and the cache):
+    # counts whose tokens per sequence would not fit are left to the cost model's extrapolation
+    room = min(config.max_model_len, num_blocks * block_size) - 1
+    token_counts = [n for n in token_counts if -(-n // min(n, max_seqs)) <= room] or token_counts[:1]
     longest = -(-token_counts[-1] // min(token_counts[-1], max_seqs))  # tokens per sequence at the largest count
     if context_len is None:
         context_len = min(PROFILE_CONTEXT_LEN, config.max_model_len // 2)
