@@ -130,6 +130,20 @@ def test_the_step_cost_is_profiled_on_the_cpu_worker_at_start_up(confident):
     assert counts == [1, 8]
 
 
+def test_the_profile_times_the_counts_where_the_runner_cost_jumps(confident, monkeypatch):
+    """A runner whose graphs end at 40 rows has the profile time 40 and 41 tokens besides its
+    grid (which holds neither), so the curve does not average across the jump."""
+    from sonar.worker import step_profile
+
+    llm, _ = confident
+    worker = llm.llm_engine.core.executor.worker
+    monkeypatch.setitem(step_profile.PROFILE_BUDGET_S, "cpu", 60.0)
+    monkeypatch.setattr(worker.model_runner, "step_cost_edges", lambda: [40, 41, 4096])
+    costs = worker.profile_step_costs(64)
+    assert 40 not in profile_token_counts(64) and 41 not in profile_token_counts(64)
+    assert list(costs.num_tokens) == sorted(set(profile_token_counts(64)) | {40, 41})  # past max_tokens: left out
+
+
 def test_a_step_budget_longer_than_the_sequences_hold_still_starts_and_profiles(target, scripted_plugin):
     """Few short sequences and a larger token budget per step (2 x 63 tokens against 256): the
     start-up profile times only the steps that fit the sequences, and the engine serves."""

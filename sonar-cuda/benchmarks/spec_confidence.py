@@ -28,7 +28,9 @@ What it prints and returns:
 The oracle proposer drafts the target's own greedy continuation (recorded by the plain run),
 keeping draft ``j`` right with the chance ``survival[j] / survival[j - 1]`` (a wrong token
 otherwise), and reports the request's survival profile as its confidence: acceptance then
-follows the profile (a random-weight target has no drafts of its own worth accepting).
+follows the profile (a random-weight target has no drafts of its own worth accepting). In
+bfloat16 a random-weight target's logits are so close that a verify step's rounding changes
+its greedy tokens and nearly nothing is accepted; ``--dtype float32`` keeps them.
 """
 
 from __future__ import annotations
@@ -292,7 +294,7 @@ def confidence_part(args: argparse.Namespace) -> dict[str, Any]:
             prompts = [[rng.randrange(3, config["vocab_size"]) for _ in range(args.input_len)] for _ in range(max(batches))]
             max_model_len = args.input_len + args.output_len + 2 * k + 16
             common = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=max_model_len, enable_prefix_caching=False,
-                          max_num_seqs=max(batches), dtype="float32" if tiny else "bfloat16")  # fmt: skip
+                          max_num_seqs=max(batches), dtype=args.dtype or ("float32" if tiny else "bfloat16"))  # fmt: skip
             if tiny:
                 common["kv_cache_memory_bytes"] = 2**26
             else:
@@ -322,6 +324,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per batch (the fastest counts)")
     parser.add_argument("--drafter-layers", type=int, default=5, help="layers of the DSpark drafter timed")
     parser.add_argument("--no-drafter", action="store_true", help="skip timing a DSpark drafter")
+    parser.add_argument("--dtype", default=None, help="the target's dtype (default bfloat16 on a GPU; float32 keeps a random-weight "
+                        "target's greedy tokens the same in verify and decode steps, which the oracle's acceptance needs)")
 
 
 def main() -> None:

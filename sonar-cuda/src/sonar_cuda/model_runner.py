@@ -149,6 +149,13 @@ class CudaModelRunner(ModelRunner):
             num_heads = self.model_config.hf_config.num_attention_heads
             warm_up_decode_attention(kv[0], kv[1], num_heads, self.model_config.dtype)
 
+    def step_cost_edges(self) -> list[int]:
+        """The largest decode graph's rows and one more: a step past them runs eagerly, at
+        several times the cost of a replay on a large model."""
+        if self.graphs is None or not self.graphs.graphs:
+            return []
+        return [self.graphs.max_size, self.graphs.max_size + 1]
+
     def device_benchmarks(self) -> dict[str, float]:
         """The device time of one replay of the largest decode graph (CUDA events, no host
         work; it rewrites the last step's keys and values with the same values)."""

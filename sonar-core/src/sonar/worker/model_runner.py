@@ -227,6 +227,12 @@ class ModelRunner:
         they run eagerly; platform runners that capture graphs return theirs)."""
         return None
 
+    def step_cost_edges(self) -> list[int]:
+        """Token counts at which a step's cost jumps (none here; a runner that replays graphs
+        up to some size gives that size and the next, past which steps run eagerly), for the
+        step-cost profile to time besides its grid."""
+        return []
+
     def kv_cache_layout(self) -> KVCacheLayout:
         """The allocated KV cache, as a KV connector sees it."""
         from sonar.config import dtype_name

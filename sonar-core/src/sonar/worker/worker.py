@@ -66,14 +66,14 @@ class Worker:
     def profile_step_costs(self, max_tokens: int) -> StepCostModel:
         """Time the target's forward step for token counts up to ``max_tokens`` on this
         device (``sonar.worker.step_profile``), once the KV cache is allocated and before any
-        request runs."""
+        request runs: a geometric grid plus the counts where the runner's cost jumps (its
+        largest graph and the step past it), so the curve does not average across them."""
         from sonar.worker.step_profile import profile_step_seconds
 
         spec = self.config.speculative_config
         rows = self.config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))  # decodes and drafts
-        counts, seconds, context_len = profile_step_seconds(
-            self.model_runner, self.platform, profile_token_counts(max_tokens), max_logits_rows=rows
-        )
+        grid = set(profile_token_counts(max_tokens)) | {n for n in self.model_runner.step_cost_edges() if n <= max_tokens}
+        counts, seconds, context_len = profile_step_seconds(self.model_runner, self.platform, sorted(grid), max_logits_rows=rows)
         return StepCostModel.from_samples(counts, seconds, context_len)
 
     def kv_cache_layout(self) -> Any:
