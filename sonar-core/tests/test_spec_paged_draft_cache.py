@@ -136,7 +136,8 @@ def test_context_reads_equal_the_per_request_context_cache():
 
 
 def test_shapes_the_core_chooses():
-    assert capture_sizes(256, 32) == [1, 2, 4, 8, 16]
+    assert capture_sizes(256, 32) == [1, 2, 4, 8, 16, 32]
+    assert capture_sizes(256, 1 << 30) == [1, 2, 4, 8, 16, 32, 64]
     assert capture_sizes(3, 32) == [1, 2, 3]
     assert slot_buckets(16, 100) == [16, 32, 64, 112]
     assert slot_buckets(16, 1 << 20)[-1] == 8192
@@ -170,6 +171,18 @@ def test_a_padded_pass_equals_the_pass_at_its_own_shape():
     (got,) = padded.run(values, 13)  # size 4, 16 slots: one padding row, reads past every row
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     assert padded.inputs["rows"][3].item() == cache.padding_row
+
+
+@torch.inference_mode()
+def test_large_batches_are_captured_over_fewer_slots():
+    """64 requests are captured up to a quarter of the slots 16 are (the same largest gather);
+    a pass past that runs eagerly."""
+    draft = DraftPass("test", lambda inputs, num_slots: (inputs["x"] * 2,), {"x": torch.zeros(64, 3)}, {"x": 0.0})
+    capturer = ReplayCapturer()
+    draft.capture(capturer, [16, 64], [16, 2048, 8192])
+    assert capturer.num_captured == 5  # all but (64, 8192)
+    assert draft.shape_for(40, 2000) == (64, 2048) and draft.shape_for(10, 8000) == (16, 8192)
+    assert draft.shape_for(40, 3000) is None
 
 
 class _FailingCapturer(ReplayCapturer):

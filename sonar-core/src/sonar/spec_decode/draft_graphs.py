@@ -22,13 +22,16 @@ logger = logging.getLogger(__name__)
 
 #: Batch sizes a drafter pass is captured at (up to ``max_num_seqs``): the drafter's share of
 #: a step is largest at small batches, where its eager launches dominate.
-DRAFT_GRAPH_SIZES = (1, 2, 4, 8, 16)
+DRAFT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 #: Row counts a pass over the target's new states (a drafter's context upkeep) is captured at:
 #: a step's kept positions (up to ``k + 1`` per request) or a few held steps' together.
 CONTEXT_GRAPH_ROWS = (8, 16, 32, 64, 128, 256)
 #: The most slots per request a captured pass reads (longer contexts run eagerly): a pass
 #: gathers ``size x slots`` keys and values per layer.
 DRAFT_GRAPH_MAX_SLOTS = 8192
+#: The largest gather a captured pass makes (``size x slots``): 16 requests at the most slots,
+#: 64 requests at a quarter of them; a pass past it runs eagerly.
+DRAFT_GRAPH_MAX_GATHER = 16 * DRAFT_GRAPH_MAX_SLOTS
 
 Inputs = dict[str, torch.Tensor]
 PassFn = Callable[[Inputs, int], tuple[torch.Tensor, ...]]
@@ -93,14 +96,15 @@ class DraftPass:
 
     @torch.inference_mode()
     def capture(self, capturer: GraphCapturer, sizes: list[int], buckets: list[int]) -> None:
-        """Capture every (size, bucket), largest first, with padding in every row."""
+        """Capture every (size, bucket) whose gather is within ``DRAFT_GRAPH_MAX_GATHER``,
+        largest first, with padding in every row."""
         started = time.perf_counter()
         for name, value in self.padding.items():
             self.inputs[name].fill_(value)
         try:
             for size in sorted(sizes, reverse=True):
                 for bucket in sorted(buckets, reverse=True):
-                    if not self._usable(bucket):
+                    if not self._usable(bucket) or size * bucket > DRAFT_GRAPH_MAX_GATHER:
                         continue
                     views = {name: buffer[:size] for name, buffer in self.inputs.items()}
                     self.replays[(size, bucket)] = capturer.capture(lambda views=views, bucket=bucket: self.fn(views, bucket - self.extra_slots))
