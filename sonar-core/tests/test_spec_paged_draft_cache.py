@@ -211,7 +211,7 @@ def test_a_pass_that_cannot_be_captured_runs_eagerly():
     assert torch.equal(out, x * 2) and calls == [(2, 8)]  # at its own shape, not a padded one
 
 
-def test_appending_many_requests_at_once_equals_one_append_each():
+def test_claiming_many_requests_at_once_equals_one_append_each():
     """The drafter commits every request's new states in one call: the same slots, positions,
     lengths and device rows as one append per request (a request with no new state untouched)."""
     gen = torch.Generator().manual_seed(3)
@@ -225,7 +225,8 @@ def test_appending_many_requests_at_once_equals_one_append_each():
             if count:
                 one_by_one.append(req_id, kv[:, :, start : start + count], positions[start : start + count])
             start += count
-        at_once.append_many(req_ids, counts, kv, positions)
+        slots = at_once.claim_many(req_ids, counts)
+        at_once.write_slots(slots, [(kv[layer, 0], kv[layer, 1]) for layer in range(2)], positions)
     assert at_once.lengths == one_by_one.lengths and at_once.committed == one_by_one.committed
     assert torch.equal(at_once.table, one_by_one.table)  # the blocks handed out in one table write
     wanted = [("a", at_once.lengths["a"] + 9), ("b", at_once.lengths["b"] + 3)]

@@ -34,9 +34,8 @@ import torch
 from sonar.spec_decode.dflash_checkpoint import load_dflash
 from sonar.spec_decode.dflash_config import DFlashConfig, read_dflash_config
 from sonar.spec_decode.dflash_model import DFlashDrafter
-from sonar.spec_decode.draft_graphs import DraftPass, capture_sizes, context_sizes, slot_buckets
+from sonar.spec_decode.draft_graphs import DraftPass, build_context_pass, capture_sizes, slot_buckets
 from sonar.spec_decode.eagle3 import target_embedding
-from sonar.spec_decode.hidden_states import HOLD_STEPS
 from sonar.spec_decode.interface import DraftCacheBudget, DraftTokens, Proposer, ProposerInputs, SpeculativeConfig
 from sonar.spec_decode.paged_draft_cache import STANDALONE_BUDGET, PagedDraftCache, build_draft_cache
 from sonar.tensors import to_device
@@ -138,14 +137,10 @@ class DFlashProposer(Proposer):
         sizes = capture_sizes(budget.max_num_seqs, self.config.max_batch_size)
         inputs = {name: torch.zeros((max(sizes),), dtype=torch.int64, device=self.device) for name in ("rows", "anchors", "anchor_positions")}
         self.block_pass = DraftPass(f"{self.method} block", self._block_pass, inputs, {"rows": self.cache.padding_row})
-        context_rows = context_sizes(budget.max_num_seqs, max(HOLD_STEPS, self.config.num_speculative_tokens + 1))
-        rows = max(context_rows)
-        context_inputs = {
-            "states": torch.zeros((rows, self.drafter.fc.in_features), dtype=self.dtype, device=self.device),
-            "positions": torch.zeros((rows,), dtype=torch.int64, device=self.device),
-            "slots": torch.zeros((rows,), dtype=torch.int64, device=self.device),  # padding: the scratch block's first slot
-        }
-        self.context_pass = DraftPass(f"{self.method} context", self._context_pass, context_inputs, {"slots": 0})
+        self.context_pass, context_rows = build_context_pass(
+            f"{self.method} context", self._context_pass, budget.max_num_seqs, self.config.num_speculative_tokens,
+            self.drafter.fc.in_features, self.dtype, self.device,
+        )  # fmt: skip
         if budget.capturer is not None:
             max_slots = self.cache.max_blocks_per_request * self.cache.block_size
             self.block_pass.capture(budget.capturer, sizes, slot_buckets(self.cache.block_size, max_slots))
@@ -200,8 +195,6 @@ class DFlashProposer(Proposer):
         request's context (no host wait: the counts are the host's, the rest stays on the device)."""
         if inputs.hidden_states is None or inputs.num_hidden_states is None:
             raise RuntimeError(f"the {self.method} proposer needs the target's hidden states (the runner passes them when needs_hidden_states)")
-        if not inputs.hidden_states.shape[0]:
-            return
         slots = self.cache.claim_many(list(inputs.req_ids), list(inputs.num_hidden_states))
         if slots is not None:
             self.context_pass.run({"states": inputs.hidden_states, "positions": inputs.positions, "slots": slots})

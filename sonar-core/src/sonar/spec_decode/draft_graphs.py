@@ -18,6 +18,8 @@ from typing import Protocol
 
 import torch
 
+from sonar.spec_decode.hidden_states import HOLD_STEPS
+
 logger = logging.getLogger(__name__)
 
 #: Batch sizes a drafter pass is captured at (up to ``max_num_seqs``): the drafter's share of
@@ -152,6 +154,23 @@ def context_sizes(max_num_seqs: int, rows_per_request: int) -> list[int]:
     most = max_num_seqs * rows_per_request
     sizes = [rows for rows in CONTEXT_GRAPH_ROWS if rows < most]
     return sizes + [rows for rows in CONTEXT_GRAPH_ROWS if rows >= most][:1]
+
+
+def build_context_pass(
+    name: str, fn: PassFn, max_num_seqs: int, num_speculative_tokens: int, state_width: int, dtype: torch.dtype, device: torch.device,
+    token_inputs: tuple[str, ...] = (),
+) -> tuple[DraftPass, list[int]]:
+    """A drafter's context pass and the row counts to capture it at. ``fn`` reads ``states``
+    ``[rows, state_width]``, their ``positions``, the cache ``slots`` it writes and each name
+    of ``token_inputs`` (int64 per row); padding rows write the scratch block's first slot.
+    The counts hold a step's kept positions (``k + 1`` a request) or ``HOLD_STEPS`` held
+    steps of ``max_num_seqs`` requests."""
+    sizes = context_sizes(max_num_seqs, max(HOLD_STEPS, num_speculative_tokens + 1))
+    rows = max(sizes)
+    inputs = {"states": torch.zeros((rows, state_width), dtype=dtype, device=device)}
+    for input_name in (*token_inputs, "positions", "slots"):
+        inputs[input_name] = torch.zeros((rows,), dtype=torch.int64, device=device)
+    return DraftPass(name, fn, inputs, {"slots": 0}), sizes
 
 
 class ReplayCapturer:

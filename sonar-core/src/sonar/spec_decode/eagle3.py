@@ -31,10 +31,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from sonar.spec_decode.draft_graphs import DraftPass, capture_sizes, context_sizes, slot_buckets
+from sonar.spec_decode.draft_graphs import DraftPass, build_context_pass, capture_sizes, slot_buckets
 from sonar.spec_decode.eagle3_checkpoint import load_eagle3, read_eagle3_config
 from sonar.spec_decode.eagle3_head import Eagle3Head
-from sonar.spec_decode.hidden_states import HOLD_STEPS
 from sonar.spec_decode.interface import DraftCacheBudget, DraftTokens, Proposer, ProposerInputs, SpeculativeConfig
 from sonar.spec_decode.paged_draft_cache import STANDALONE_BUDGET, PagedDraftCache, build_draft_cache
 from sonar.tensors import to_device
@@ -120,15 +119,9 @@ class Eagle3Proposer(Proposer):
             "positions": torch.zeros((rows,), dtype=torch.int64, device=self.device),
         }
         self.draft_pass = DraftPass("EAGLE-3 drafting", self._draft, inputs, {"rows": self.cache.padding_row}, extra_slots=k - 1)
-        context_rows = context_sizes(budget.max_num_seqs, max(HOLD_STEPS, k + 1))
-        rows = max(context_rows)
-        context_inputs = {
-            "states": torch.zeros((rows, self.head.fc.in_features), dtype=self.dtype, device=self.device),
-            "next_ids": torch.zeros((rows,), dtype=torch.int64, device=self.device),
-            "positions": torch.zeros((rows,), dtype=torch.int64, device=self.device),
-            "slots": torch.zeros((rows,), dtype=torch.int64, device=self.device),  # padding: the scratch block's first slot
-        }
-        self.context_pass = DraftPass("EAGLE-3 context", self._context_pass, context_inputs, {"slots": 0})
+        self.context_pass, context_rows = build_context_pass(
+            "EAGLE-3 context", self._context_pass, budget.max_num_seqs, k, self.head.fc.in_features, self.dtype, self.device, ("next_ids",)
+        )
         if budget.capturer is not None:
             max_slots = self.cache.max_blocks_per_request * self.cache.block_size
             self.draft_pass.capture(budget.capturer, sizes, slot_buckets(self.cache.block_size, max_slots))

@@ -223,14 +223,6 @@ class PagedDraftCache:
         self.device_lengths.index_copy_(0, on_device[n : n + m], on_device[n + m : n + 2 * m])
         return on_device[:n]
 
-    def append_many(self, req_ids: list[str], counts: list[int], kv: torch.Tensor, positions: torch.Tensor | None = None) -> None:
-        """Commit ``counts[i]`` slots after request ``req_ids[i]``'s last, for every request at
-        once: ``kv [layers, 2, sum(counts), kv_heads, head_dim]`` (and ``positions``) hold them
-        request after request, in one write. Requests with a count of 0 are left alone."""
-        slots = self.claim_many(req_ids, counts)
-        if slots is not None:
-            self.write_slots(slots, [(kv[layer, 0], kv[layer, 1]) for layer in range(kv.shape[0])], positions)
-
     def append(self, req_id: str, kv: torch.Tensor, positions: torch.Tensor | None = None, commit: bool = True) -> None:
         """Write ``kv [layers, 2, n, kv_heads, head_dim]`` after the request's last slot (its
         positions ``[n]`` where a reader masks by position); ``commit``: verified context."""
