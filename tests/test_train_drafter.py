@@ -127,6 +127,44 @@ def test_extra_sampled_answers_train_and_held_out_prompts_keep_one(target_dir, p
     assert "on 15 answers" in captured.err and "1 held out" in captured.err
 
 
+def test_saved_answers_train_another_drafter_on_the_same_data(target_dir, prompts_file, tmp_path, capsys):
+    """One run writes the target's answers; a second drafter (another method) trains on
+    exactly them, the same ones held out, without generating any."""
+    answers = tmp_path / "answers.json"
+    common = ["--max-tokens", "12", "--epochs", "1", "--batch-size", "2", "--device", "cpu", "--kv-cache-memory-bytes", str(2**22)]
+    code = main([
+        "train-drafter", str(target_dir), "--method", "dflash", "--prompts", str(prompts_file), "--num-prompts", "6",
+        "--draft-block-size", "3", "--num-draft-layers", "1", "--num-anchors", "8", "--samples-per-prompt", "2",
+        "--sample-temperature", "1.0", "--save-answers", str(answers), "--output", str(tmp_path / "d"), *common,
+    ])  # fmt: skip
+    first = capsys.readouterr()
+    assert code == 0, first.err
+    record = json.loads(answers.read_text())
+    assert record["format"] == "sonar-drafter-answers" and record["num_held_out"] == 1
+    assert len(record["sequences"]) == 11  # 6 first answers and 5 sampled ones
+    code = main(["train-drafter", str(target_dir), "--answers", str(answers), "--draft-vocab-size", "128", "--output", str(tmp_path / "e"), *common])
+    second = capsys.readouterr()
+    assert code == 0, second.err
+    assert "11 answers read from" in second.err and "the target answers" not in second.err
+    assert "training on 10 answers" in second.err and "1 held out" in second.err
+    assert (tmp_path / "e" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("not json", "not JSON"),
+    (json.dumps({"format": "other"}), "not a drafter answers file"),
+    (json.dumps({"format": "sonar-drafter-answers", "version": 1, "num_held_out": 1, "sequences": [[[1], [2, 3]]]}), "num_held_out"),
+    (json.dumps({"format": "sonar-drafter-answers", "version": 1, "num_held_out": 1, "sequences": [[[1], [2, 3]], [[1], [5]]]}), "sequence 1"),
+    (json.dumps({"format": "sonar-drafter-answers", "version": 1, "num_held_out": 1, "sequences": [[[1], [2, 3]], [[1], [5, 10**9]]]}), "outside the target's vocabulary"),
+])
+def test_bad_answers_files_are_refused_naming_the_problem(target_dir, tmp_path, capsys, content, message):
+    path = tmp_path / "answers.json"
+    path.write_text(content)
+    code = main(["train-drafter", str(target_dir), "--answers", str(path), "--output", str(tmp_path / "o"), "--kv-cache-memory-bytes", str(2**22)])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
 def test_extra_answers_sample_with_a_seed_each(target_dir):
     llm = LLM(str(target_dir), kv_cache_memory_bytes=2**22)
     prompts = [[(5 * i + 11) % 900 + 100 for i in range(8)], [(3 * i + 7) % 900 + 100 for i in range(9)]]

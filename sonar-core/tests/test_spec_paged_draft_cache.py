@@ -137,7 +137,8 @@ def test_context_reads_equal_the_per_request_context_cache():
 
 def test_shapes_the_core_chooses():
     assert capture_sizes(256, 32) == [1, 2, 4, 8, 16, 32]
-    assert capture_sizes(256, 1 << 30) == [1, 2, 4, 8, 16, 32, 64]
+    assert capture_sizes(256, 1 << 30) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert capture_sizes(100, 1 << 30) == [1, 2, 4, 8, 16, 32, 64, 100]
     assert capture_sizes(3, 32) == [1, 2, 3]
     assert slot_buckets(16, 100) == [16, 32, 64, 112]
     assert slot_buckets(16, 1 << 20)[-1] == 8192
@@ -175,14 +176,15 @@ def test_a_padded_pass_equals_the_pass_at_its_own_shape():
 
 @torch.inference_mode()
 def test_large_batches_are_captured_over_fewer_slots():
-    """64 requests are captured up to a quarter of the slots 16 are (the same largest gather);
-    a pass past that runs eagerly."""
-    draft = DraftPass("test", lambda inputs, num_slots: (inputs["x"] * 2,), {"x": torch.zeros(64, 3)}, {"x": 0.0})
+    """64 requests are captured up to a quarter of the slots 16 are, 256 up to a sixteenth
+    (the same largest gather); a pass past that runs eagerly."""
+    draft = DraftPass("test", lambda inputs, num_slots: (inputs["x"] * 2,), {"x": torch.zeros(256, 3)}, {"x": 0.0})
     capturer = ReplayCapturer()
-    draft.capture(capturer, [16, 64], [16, 2048, 8192])
-    assert capturer.num_captured == 5  # all but (64, 8192)
+    draft.capture(capturer, [16, 64, 256], [16, 512, 2048, 8192])
+    assert capturer.num_captured == 9  # all but (64, 8192), (256, 2048) and (256, 8192)
     assert draft.shape_for(40, 2000) == (64, 2048) and draft.shape_for(10, 8000) == (16, 8192)
-    assert draft.shape_for(40, 3000) is None
+    assert draft.shape_for(200, 400) == (256, 512)
+    assert draft.shape_for(40, 3000) is None and draft.shape_for(200, 600) is None
 
 
 class _FailingCapturer(ReplayCapturer):

@@ -63,11 +63,41 @@ def _platform():
     return InterpretedCudaPlatform
 
 
-def test_verify_steps_in_the_graph_layout_keep_greedy_output(tmp_path, scripted) -> None:
+def test_verify_graphs_reach_a_full_verify_step() -> None:
+    """With speculation the largest decode graph holds every drafting request's k + 1 rows
+    (within the step's budget and the cap); the sizes past 256 step by 64, 128, then 256."""
+    from types import SimpleNamespace
+
+    from sonar.spec_decode import SpeculativeConfig
+    from sonar_cuda.decode_graphs import default_capture_sizes
+    from sonar_cuda.model_runner import MAX_VERIFY_GRAPH_ROWS, graph_rows_bound
+
+    def config(spec, max_num_seqs=256, budget=8192):
+        return SimpleNamespace(speculative_config=spec, max_num_seqs=max_num_seqs, max_num_batched_tokens=budget)
+
+    confidence = SpeculativeConfig("dspark", 7, verification="confidence")
+    assert graph_rows_bound(config(None), 256) == 256
+    assert graph_rows_bound(config(confidence, max_num_seqs=64), 256) == 512
+    assert graph_rows_bound(config(confidence), 256) == MAX_VERIFY_GRAPH_ROWS
+    assert graph_rows_bound(config(confidence, budget=1000), 256) == 1000
+    assert graph_rows_bound(config(SpeculativeConfig("ngram", 3)), 256) == 256  # fixed: 32 requests draft (128 rows)
+    assert graph_rows_bound(config(SpeculativeConfig("ngram", 7, disable_by_batch_size=64)), 256) == 512
+    sizes = default_capture_sizes(2048)
+    assert sizes[sizes.index(256) :] == [256, 320, 384, 448, 512, 640, 768, 896, 1024, 1280, 1536, 1792, 2048]
+    large = sizes[sizes.index(64) :]
+    assert all(b / a <= 1.25 for a, b in zip(large, large[1:]))  # past 64 rows, padding at most a quarter
+    assert default_capture_sizes(1000)[-2:] == [896, 1000]
+
+
+def test_verify_steps_in_the_graph_layout_keep_greedy_output(tmp_path, scripted, monkeypatch) -> None:
     """A request with drafts (and logprobs) beside one that cannot take them (a penalty),
     greedy: the same tokens and logprobs as plain decoding on the CPU platform;
-    every verify step went through the graph layout; no block leaked."""
+    every verify step went through the graph layout (past the plain decode graphs' rows,
+    held by the verify graphs); no block leaked."""
     from sonar_cpu.platform import CpuPlatform
+    from sonar_cuda.model_runner import CudaModelRunner
+
+    monkeypatch.setattr(CudaModelRunner, "max_graph_batch_size", 2)  # decode steps of two requests; verify steps take more rows
 
     use_tokenizer_folder_if_needed()
     path = build_tiny_model("llama", tmp_path / "llama")

@@ -30,8 +30,10 @@ logger = logging.getLogger(__name__)
 
 
 def default_capture_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, 8, then every 8 to 64, every 16 to 128, every 32 beyond (padding under 25%)."""
-    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 129, 16)) + list(range(160, max_batch_size + 1, 32))
+    """1, 2, 4, 8, then every 8 to 64, every 16 to 128, every 32 to 256, every 64 to 512,
+    every 128 to 1024, every 256 beyond (past 64 rows, padding at most a quarter)."""
+    sizes = [1, 2, 4] + list(range(8, 65, 8)) + list(range(80, 129, 16)) + list(range(160, 257, 32))
+    sizes += list(range(320, 513, 64)) + list(range(640, 1025, 128)) + list(range(1280, max_batch_size + 1, 256))
     sizes = sorted({s for s in sizes if s <= max_batch_size} | {max_batch_size})
     return sizes
 

@@ -36,10 +36,29 @@ logger = logging.getLogger(__name__)
 TP_GRAPHS_ENV = "SONAR_TP_CUDA_GRAPHS"  # "1": decode graphs at tensor_parallel_size > 1 capture the all-reduces
 
 
+#: The most rows a verify step's decode graph is captured for (a step of more runs eagerly).
+MAX_VERIFY_GRAPH_ROWS = 2048
+
+
+def graph_rows_bound(config, max_graph_batch_size: int) -> int:
+    """The largest decode graph's rows: ``max_graph_batch_size``, or with speculative decoding
+    a verify step of the most requests that draft (``max_num_seqs``, or speculation's
+    ``disable_by_batch_size``) with every draft (``k + 1`` rows each), bounded
+    by the step's token budget and ``MAX_VERIFY_GRAPH_ROWS``."""
+    spec = config.speculative_config
+    if spec is None:
+        return max_graph_batch_size
+    verify_rows = min(config.max_num_seqs, spec.max_batch_size) * (spec.num_speculative_tokens + 1)
+    return max(max_graph_batch_size, min(verify_rows, config.max_num_batched_tokens, MAX_VERIFY_GRAPH_ROWS))
+
+
 class CudaModelRunner(ModelRunner):
     """The core model runner plus CUDA graphs for decode steps.
 
-    ``max_graph_batch_size`` bounds the captured sizes; ``SONAR_ENFORCE_EAGER=1`` turns graphs
+    ``max_graph_batch_size`` bounds the captured sizes of plain decode steps; with speculative
+    decoding the sizes reach a full verify step's rows (``max_num_seqs x (k + 1)``, within the
+    step's token budget and ``MAX_VERIFY_GRAPH_ROWS``), since a verify step past the largest
+    graph runs eagerly at many times a replay's cost. ``SONAR_ENFORCE_EAGER=1`` turns graphs
     off (the static-buffer decode path still runs, eagerly), and so do pipeline stages and, unless
     ``SONAR_TP_CUDA_GRAPHS=1`` (an opt-in until it has been measured on several GPUs: the graphs
     then capture the NCCL all-reduces), tensor parallelism; expert parallelism always (its
@@ -51,6 +70,7 @@ class CudaModelRunner(ModelRunner):
 
     def __init__(self, model_config, config, device: torch.device, attention_backend_cls: str) -> None:
         super().__init__(model_config, config, device, attention_backend_cls)
+        self.max_graph_rows = graph_rows_bound(config, self.max_graph_batch_size)
         self.use_graphs = device.type == "cuda" and os.environ.get("SONAR_ENFORCE_EAGER", "") not in ("1", "true")
         tp_graphs = os.environ.get(TP_GRAPHS_ENV, "") in ("1", "true")
         expert_parallel = config.tensor_parallel_size > 1 and config.enable_expert_parallel  # reads split sizes on the host
@@ -85,9 +105,9 @@ class CudaModelRunner(ModelRunner):
         platform.synchronize()
         platform.release_cached_memory()
         before = platform.allocated_memory_bytes()
-        buffers = DecodeBuffers.allocate(self.max_graph_batch_size, self.max_blocks_per_seq, self.device)
+        buffers = DecodeBuffers.allocate(self.max_graph_rows, self.max_blocks_per_seq, self.device)
         graphs = DecodeGraphs(
-            model, scratch, buffers, default_capture_sizes(self.max_graph_batch_size), self.model_config.max_model_len, True,
+            model, scratch, buffers, default_capture_sizes(self.max_graph_rows), self.model_config.max_model_len, True,
             lora=self._lora_batch(),
         )
         graphs.capture()
@@ -133,7 +153,7 @@ class CudaModelRunner(ModelRunner):
         if self.kv_connector is not None and self.kv_connector.uses_layer_hooks:  # a replay would skip them
             self.use_graphs = False
         model = self.model.model if isinstance(self.model, GraphedModel) else self.model
-        max_batch = self.max_graph_batch_size
+        max_batch = self.max_graph_rows
         buffers = DecodeBuffers.allocate(max_batch, self.max_blocks_per_seq, self.device)
         self.graphs = DecodeGraphs(
             model, self.kv_caches, buffers, default_capture_sizes(max_batch), self.model_config.max_model_len, self.use_graphs,

@@ -50,6 +50,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     block.add_argument("--markov-head-type", choices=("vanilla", "gated", "rnn"), default="vanilla", help="dspark: the Markov head (default: vanilla)")
     block.add_argument("--num-anchors", type=int, default=64, help="blocks per sequence and step (default: 64)")
     block.add_argument("--loss-decay-gamma", type=float, default=4.0, help="slot j's loss weighs exp(-j / gamma) (default: 4)")
+    group.add_argument("--save-answers", default=None, metavar="FILE", help="also write the target's answers (token ids, JSON) here, for --answers")
+    group.add_argument("--answers", default=None, metavar="FILE", help="train on the answers --save-answers wrote (the same held-out ones) instead of generating them: several drafters on the same data")
     group.add_argument("--held-out", type=float, default=0.1, help="fraction of answers kept out of training to measure agreement (default: 0.1)")
     group.add_argument("--output", required=True, metavar="DIR", help="where the EAGLE-3 checkpoint folder is written")
     group.add_argument("--device", default=None, help="torch device the head trains on (default: cuda where available, else cpu)")
@@ -78,6 +80,8 @@ def _check(args: argparse.Namespace) -> str | None:
         return "--draft-block-size must be at least 2"
     if args.method != "eagle3" and (args.num_draft_layers < 1 or args.num_anchors < 1):
         return "--num-draft-layers and --num-anchors must be >= 1"
+    if args.answers and args.save_answers:
+        return "--answers and --save-answers exclude each other (the file already holds the answers)"
     if args.target_layer_ids is not None:
         try:
             [int(i) for i in args.target_layer_ids.split(",")]
@@ -112,6 +116,17 @@ def run(args: argparse.Namespace) -> int:
     print("loading the target...", file=sys.stderr, flush=True)
     llm = LLM.from_engine_args(engine_args_from(args))
     tokenizer = llm.get_tokenizer()
+    runner = data.model_runner_of(llm)
+    if args.answers:
+        try:
+            model, sequences, num_held_out = data.load_answers(args.answers, runner.model_config.vocab_size)
+        except (OSError, ValueError) as error:
+            print(f"sonar train-drafter: {error}", file=sys.stderr)
+            return 2
+        if model and model != llm.llm_engine.config.served_name:
+            print(f"warning: {args.answers} holds the answers of {model}", file=sys.stderr, flush=True)
+        print(f"{len(sequences)} answers read from {args.answers}, the first {num_held_out} held out", file=sys.stderr, flush=True)
+        return _train(args, runner, tokenizer, sequences, num_held_out, device, seed, started)
     rng = random.Random(seed)
     if prompts is None:
         print(f"the target writes {args.num_prompts} prompts...", file=sys.stderr, flush=True)
@@ -135,8 +150,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"the target answers them {count} more time(s) (temperature {args.sample_temperature:g})...", file=sys.stderr, flush=True)
         extra = data.generate_samples(llm, training_prompts, args.max_tokens, args.sample_temperature, count, seed, tty)
         sequences += [(p, r) for p, answers in zip(training_prompts, extra) for r in answers if len(r) >= 2]
+    if args.save_answers:
+        data.save_answers(args.save_answers, llm.llm_engine.config.served_name, sequences, num_held_out)
+        print(f"wrote the {len(sequences)} answers to {args.save_answers}", file=sys.stderr, flush=True)
+    return _train(args, runner, tokenizer, sequences, num_held_out, device, seed, started)
 
-    runner = data.model_runner_of(llm)
+
+def _train(args: argparse.Namespace, runner, tokenizer, sequences, num_held_out: int, device: str, seed: int, started: float) -> int:
     if args.method == "eagle3":
         return _train_eagle3(args, runner, sequences, num_held_out, device, seed, started)
     return _train_block_drafter(args, runner, tokenizer, sequences, num_held_out, device, seed, started)

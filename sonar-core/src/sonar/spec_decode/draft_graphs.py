@@ -23,8 +23,9 @@ from sonar.spec_decode.hidden_states import HOLD_STEPS
 logger = logging.getLogger(__name__)
 
 #: Batch sizes a drafter pass is captured at (up to ``max_num_seqs``): the drafter's share of
-#: a step is largest at small batches, where its eager launches dominate.
-DRAFT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+#: a step is largest at small batches, where its eager launches dominate; the large sizes read
+#: fewer slots (``DRAFT_GRAPH_MAX_GATHER``: 256 requests up to 512 each).
+DRAFT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Row counts a pass over the target's new states (a drafter's context upkeep) is captured at:
 #: a step's kept positions (up to ``k + 1`` per request) or a few held steps' together.
 CONTEXT_GRAPH_ROWS = (8, 16, 32, 64, 128, 256)
@@ -32,7 +33,7 @@ CONTEXT_GRAPH_ROWS = (8, 16, 32, 64, 128, 256)
 #: gathers ``size x slots`` keys and values per layer.
 DRAFT_GRAPH_MAX_SLOTS = 8192
 #: The largest gather a captured pass makes (``size x slots``): 16 requests at the most slots,
-#: 64 requests at a quarter of them; a pass past it runs eagerly.
+#: 64 requests at a quarter of them, 256 at a sixteenth; a pass past it runs eagerly.
 DRAFT_GRAPH_MAX_GATHER = 16 * DRAFT_GRAPH_MAX_SLOTS
 
 Inputs = dict[str, torch.Tensor]

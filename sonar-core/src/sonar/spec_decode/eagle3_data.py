@@ -113,6 +113,46 @@ def generate_samples(
     return [tokens[i * count : (i + 1) * count] for i in range(len(prompt_ids))]
 
 
+ANSWERS_FORMAT = "sonar-drafter-answers"
+
+
+def save_answers(path: str | Path, model: str, sequences: list[tuple[list[int], list[int]]], num_held_out: int) -> None:
+    """Write the target's answers (``(prompt ids, answer ids)``, the first ``num_held_out``
+    held out) as JSON, so other drafters train on exactly the same data."""
+    record = {
+        "format": ANSWERS_FORMAT, "version": 1, "model": model, "num_held_out": num_held_out,
+        "sequences": [[list(p), list(r)] for p, r in sequences],
+    }  # fmt: skip
+    Path(path).write_text(json.dumps(record, separators=(",", ":")))
+
+
+def load_answers(path: str | Path, vocab_size: int) -> tuple[str, list[tuple[list[int], list[int]]], int]:
+    """``(model, sequences, num_held_out)`` of a file :func:`save_answers` wrote.
+
+    :raises ValueError: not such a file, or a token id outside ``[0, vocab_size)`` (the
+        answers of another model), naming what is wrong.
+    """
+    try:
+        record = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not JSON ({error.msg})") from None
+    if not isinstance(record, dict) or record.get("format") != ANSWERS_FORMAT or record.get("version") != 1:
+        raise ValueError(f"{path}: not a drafter answers file (format {ANSWERS_FORMAT!r}, version 1)")
+    sequences, held_out = record.get("sequences"), record.get("num_held_out")
+    if not isinstance(sequences, list) or not isinstance(held_out, int) or not 1 <= held_out < len(sequences):
+        raise ValueError(f"{path}: needs 'sequences' and a 'num_held_out' between 1 and one less than their count")
+    pairs = []
+    for number, pair in enumerate(sequences):
+        ok = isinstance(pair, list) and len(pair) == 2 and all(isinstance(part, list) and part for part in pair)
+        if not ok or len(pair[1]) < 2:
+            raise ValueError(f"{path}: sequence {number} must be [prompt ids, answer ids] with at least 2 answer tokens")
+        for part in pair:
+            if not all(type(t) is int and 0 <= t < vocab_size for t in part):
+                raise ValueError(f"{path}: sequence {number} has a token id outside the target's vocabulary of {vocab_size}")
+        pairs.append((pair[0], pair[1]))
+    return str(record.get("model", "")), pairs, held_out
+
+
 def model_runner_of(llm: Any) -> Any:
     """The in-process model runner of an ``LLM`` (the trainer reads the target's states there)."""
     return llm.llm_engine._local_core("the drafter trainer").executor.worker.model_runner
