@@ -132,6 +132,28 @@ def test_a_verify_step_hands_over_only_the_kept_positions_and_a_chunk_waits_for_
     assert given.states[:, 0].tolist() == [4.0, 5.0, 6.0, 7.0, 8.0, 9.0] + [100.0 + i for i in range(6)]
 
 
+def test_a_verify_step_laid_out_one_row_per_token_hands_over_each_requests_own_rows():
+    """A decode graph's verify layout gives every token an attention row of its own (the
+    metadata's row starts are 0, 1, 2, ...); the states handed over are still each request's
+    own rows, found from the tokens each request scheduled."""
+    import dataclasses
+
+    table = BlockTable(8)
+    table.add("a", [1, 2])
+    table.add("b", [3, 4])
+    collector = HiddenStateCollector()
+    a, b = _state("a", list(range(10)), 9, drafts=[70, 71, 72]), _state("b", list(range(20)), 19, drafts=[80, 81, 82])
+    batch = build_step_batch([a, b], [4, 4], table, 16, torch.device("cpu"))
+    graph_rows = list(range(9))  # what the graph's metadata says: one row per token
+    batch = dataclasses.replace(batch, attn_metadata=dataclasses.replace(batch.attn_metadata, query_start_loc_cpu=graph_rows))
+    states = torch.arange(8, dtype=torch.float32)[:, None].repeat(1, 3)
+    step = collector.record(batch, states)
+    given = collector.gather(step, ["a", "b"], [2, 4])  # "a" kept one draft, "b" all three
+    assert given.counts == [2, 4]
+    assert given.positions.tolist() == [9, 10, 19, 20, 21, 22]
+    assert given.states[:, 0].tolist() == [0.0, 1.0, 4.0, 5.0, 6.0, 7.0]
+
+
 def test_draft_cache_attention_is_causal_over_appended_slots_and_rollback_drops_guesses():
     cache = DraftKVCache(num_kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
     gen = torch.Generator().manual_seed(0)

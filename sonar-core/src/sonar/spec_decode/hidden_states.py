@@ -59,11 +59,11 @@ class HiddenStateCollector:
         The positions are copied: a runner may build the next step's inputs into the same
         buffers while this step's states are still held."""
         step = StepHiddenStates(states, batch.positions.clone())
-        qsl = batch.attn_metadata.query_start_loc_cpu
+        starts = batch.token_starts()
         drafts = batch.sample_drafts
         num_drafts = {row: len(drafts[i]) if drafts is not None else 0 for i, row in enumerate(batch.sample_rows)}
         for row, state in enumerate(batch.states):
-            start, count = int(qsl[row]), batch.num_scheduled[row]
+            start, count = starts[row], batch.num_scheduled[row]
             if row in num_drafts:
                 step.rows[state.req_id] = (start, count, num_drafts[row])
             else:  # a prefill chunk before the last: held (its rows only) for the request's next proposal

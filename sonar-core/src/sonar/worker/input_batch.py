@@ -51,6 +51,16 @@ class StepBatch:
     # drafts has k + 1 logits_indices, its drafts' positions and its bonus position
     sample_drafts: list[list[int]] | None = None
 
+    def token_starts(self) -> list[int]:
+        """Each request's first token row: every layout puts a request's tokens together, in
+        ``states`` order (the attention metadata's rows may differ: a verify step in a decode
+        graph gives each token a row of its own)."""
+        starts, total = [], 0
+        for count in self.num_scheduled:
+            starts.append(total)
+            total += count
+        return starts
+
 
 def build_step_batch(
     states: list[CachedRequestState], num_scheduled: list[int], block_table: BlockTable, block_size: int, device: torch.device

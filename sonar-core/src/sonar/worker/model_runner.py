@@ -531,14 +531,14 @@ class ModelRunner:
         if not rows:
             return
         last = self._last_sampling  # the only step whose tokens can still be placeholders
-        qsl = batch.attn_metadata.query_start_loc_cpu
+        starts = batch.token_starts()
         src, dst = [], []
         for row in rows:
             state = batch.states[row]
             if state.num_computed_tokens + batch.num_scheduled[row] != state.num_tokens:
                 raise RuntimeError(f"request {state.req_id}: a step reads a token that is not sampled yet")
             src.append(last.sample_row_of[state.req_id])
-            dst.append(qsl[row + 1] - 1)
+            dst.append(starts[row] + batch.num_scheduled[row] - 1)
         count = len(rows)
         if src == dst == list(range(count)):
             batch.input_ids[:count].copy_(last.sampled_on_device[:count])
