@@ -8,6 +8,7 @@ import weakref
 from typing import Any
 
 from sonar.config import EngineArgs, EngineConfig, ModelConfig
+from sonar.engine.process_util import freeze_startup_heap
 from sonar.engine.core_client import EngineProcesses, InprocCoreClient, MPCoreClient, client_addresses, lora_reply_result, new_ipc_dir
 from sonar.engine.engine_core import EngineCore
 from sonar.engine.input_processor import InputProcessor, PromptType
@@ -44,6 +45,9 @@ class LLMEngine:
             self.core = EngineCore.from_config(self.config, self.platform)
             self.model_config: ModelConfig = self.core.model_config
             self.client: InprocCoreClient | _ReplicaClient = InprocCoreClient(self.core)
+            # the engine core steps in this process: its startup heap (model, graphs, compiled
+            # kernels) is frozen as in the core process, or full collections walk it mid-run
+            freeze_startup_heap()
         else:
             self.model_config = model_config_of(self.config)
             self.client = _ReplicaClient(self.config, self.platform)
