@@ -131,3 +131,50 @@ def test_verify_steps_in_the_graph_layout_keep_greedy_output(tmp_path, scripted,
     assert layouts, "no verify step used the graph layout"
     assert all(n > len(prompts) for n in layouts)  # the drafting requests' rows and the plain one's
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_drafter_reading_the_targets_states_drafts_for_every_request_of_a_graph_verify_step(tmp_path) -> None:
+    """A DSpark drafter (random weights: its drafts are rejected) beside two requests whose
+    verify steps go through the graph layout, fixed-length verification: the target's states
+    of each request's own rows reach the drafter, so every step drafts for both requests (the
+    layout's attention rows are one per token; the states must be found by request), and
+    greedy output is unchanged."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    from sonar.spec_decode.dflash_checkpoint import save_dflash
+    from sonar.spec_decode.dflash_model import DFlashDrafter
+    from sonar.spec_decode.dflash_trainer import drafter_config_for, init_drafter
+    from sonar_cpu.platform import CpuPlatform
+
+    use_tokenizer_folder_if_needed()
+    path = build_tiny_model("llama", tmp_path / "llama")
+    hf = AutoConfig.from_pretrained(path)
+    drafter_config = drafter_config_for(hf, "deepspec", 4, 1, [-1, 0], hf.vocab_size - 1, markov_rank=8, markov_head_type="vanilla", confidence_head=True)
+    weights = load_file(str(path / "model.safetensors"))
+    lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    save_dflash(init_drafter(DFlashDrafter(drafter_config), std=0.1, seed=0), tmp_path / "drafter",
+                embedding=weights["model.embed_tokens.weight"], lm_head=lm_head)  # fmt: skip
+    prompts = [[(i * 13 + j * 7) % 97 + 100 for j in range(PROMPT_LEN + 3 * i)] for i in range(2)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, detokenize=False)
+    kwargs = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=1 << 20, skip_tokenizer_init=True)
+    expected, _ = generate(CpuPlatform, path, prompts, [greedy] * 2, **kwargs)
+
+    config = {"method": "dspark", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 3, "verification": "fixed"}
+    engine = LLMEngine(EngineArgs(model=str(path), speculative_config=config, **kwargs), platform=_platform())
+    runner = engine.core.executor.worker.model_runner
+    layouts: list[int] = []
+    build = runner._build_verify_batch
+    runner._build_verify_batch = lambda states, counts, n: layouts.append(n) or build(states, counts, n)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0]
+    for i, reference in enumerate(expected):
+        assert done[str(i)].token_ids == reference.outputs[0].token_ids
+    # both requests verified their drafts in every verify step (3 each until max_tokens leaves less room)
+    assert layouts[:4] == [8] * 4 and all(n >= 4 for n in layouts)
+    assert engine.get_stats().spec_num_drafts == 2 * len(layouts)
