@@ -63,6 +63,23 @@ def _platform():
     return InterpretedCudaPlatform
 
 
+def _run_recording_verify_layouts(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]):
+    """Run the requests to the end: each one's final output, and the rows of every verify
+    step the runner laid out in the graphs' buffers."""
+    runner = engine.core.executor.worker.model_runner
+    layouts: list[int] = []
+    build = runner._build_verify_batch
+    runner._build_verify_batch = lambda states, counts, n: layouts.append(n) or build(states, counts, n)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+    done = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                done[output.request_id] = output.outputs[0]
+    return done, layouts
+
+
 def test_verify_graphs_reach_a_full_verify_step() -> None:
     """With speculation the largest decode graph holds every drafting request's k + 1 rows
     (within the step's budget and the cap); the sizes past 256 step by 64, 128, then 256."""
@@ -110,17 +127,7 @@ def test_verify_steps_in_the_graph_layout_keep_greedy_output(tmp_path, scripted,
 
     config = {"method": "scripted", "num_speculative_tokens": 3}
     engine = LLMEngine(EngineArgs(model=str(path), speculative_config=config, **kwargs), platform=_platform())
-    runner = engine.core.executor.worker.model_runner
-    layouts: list[int] = []
-    build = runner._build_verify_batch
-    runner._build_verify_batch = lambda states, counts, n: layouts.append(n) or build(states, counts, n)
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
-    done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output.outputs[0]
+    done, layouts = _run_recording_verify_layouts(engine, prompts, params)
     for i, reference in enumerate(expected):
         assert done[str(i)].token_ids == reference.outputs[0].token_ids
     for a, b in zip(done["0"].logprobs, expected[0].outputs[0].logprobs, strict=True):
@@ -162,17 +169,7 @@ def test_a_drafter_reading_the_targets_states_drafts_for_every_request_of_a_grap
 
     config = {"method": "dspark", "model": str(tmp_path / "drafter"), "num_speculative_tokens": 3, "verification": "fixed"}
     engine = LLMEngine(EngineArgs(model=str(path), speculative_config=config, **kwargs), platform=_platform())
-    runner = engine.core.executor.worker.model_runner
-    layouts: list[int] = []
-    build = runner._build_verify_batch
-    runner._build_verify_batch = lambda states, counts, n: layouts.append(n) or build(states, counts, n)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy)
-    done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output.outputs[0]
+    done, layouts = _run_recording_verify_layouts(engine, prompts, [greedy] * 2)
     for i, reference in enumerate(expected):
         assert done[str(i)].token_ids == reference.outputs[0].token_ids
     # both requests verified their drafts in every verify step (3 each until max_tokens leaves less room)
