@@ -23,7 +23,6 @@ import numpy as np
 import torch
 
 from sonar.attention import AttentionMetadata
-from sonar.engine.scheduler_output import SchedulerOutput
 from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.worker.input_batch import CachedRequestState, StepBatch
 from sonar.worker.model_runner import PLACEHOLDER, ModelRunner
