@@ -36,7 +36,8 @@ the drafting time it measures is scaled up to the whole batch when weighed.
 from __future__ import annotations
 
 import itertools
-import operator
+
+import numpy as np
 
 from sonar.engine.step_cost import StepCostModel
 from sonar.spec_decode.stats import SpecDecodeStats
@@ -65,6 +66,7 @@ class ConfidenceVerification:
         self.num_speculative_tokens = num_speculative_tokens
         self.stats = stats
         self._table = costs.table(2 * max_num_batched_tokens + 1)
+        self._array = np.asarray(self._table, dtype=np.float64)
         self.typical: list[float] | None = None  # survival by position, lately (None: no drafts seen yet)
         self.draft_seconds: float | None = None  # the proposer's time per step, lately (None: not measured yet)
         self.draft_rows: float | None = None  # requests those steps drafted for, lately (None: as many as asked)
@@ -106,35 +108,39 @@ class ConfidenceVerification:
         :param base_tokens: tokens the step computes besides drafts (``T0``).
         :param max_drafts: the most drafts the step's token budget leaves room for.
         """
-        probs: list[float] = []
-        owners: list[int] = []
+        rows: list[list[float] | tuple[()]] = []
+        takes: list[int] = []
         fallback = None
-        for i, (row, room) in enumerate(zip(confidences, rooms)):
+        for row, room in zip(confidences, rooms):
             if room <= 0:
+                rows.append(())
+                takes.append(0)
                 continue
             if not row:
                 if fallback is None:
                     fallback = self.observed_survival()
                 row = fallback
             take = min(room, len(row))
-            probs.extend(row[:take])
-            owners.extend([i] * take)
-        lengths = [0] * len(rooms)
-        if not probs or max_drafts <= 0:
-            return lengths
+            rows.append(row if take == len(row) else row[:take])
+            takes.append(take)
+        num_drafts = sum(takes)
+        if not num_drafts or max_drafts <= 0:
+            return [0] * len(rooms)
         self._update_typical(confidences, fallback)
-        order = sorted(range(len(probs)), key=probs.__getitem__, reverse=True)  # stable: a row's drafts stay in order
-        del order[max_drafts:]
+        values = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.float64, count=num_drafts)
+        owners = np.repeat(np.arange(len(rooms)), takes)
+        order = np.argsort(-values, kind="stable")[:max_drafts]  # stable: a row's drafts stay in order
         # tokens per second with the first m drafts of that order, m = 0 .. len(order); the
         # first best wins (no draft that does not pay)
-        emitted = list(itertools.accumulate(map(probs.__getitem__, order), initial=float(num_sampling)))
+        emitted = np.empty(len(order) + 1)
+        emitted[0] = num_sampling
+        np.cumsum(values[order], out=emitted[1:])
+        emitted[1:] += num_sampling
         end = base_tokens + len(order) + 1
-        costs = self._table[base_tokens:end] if end <= len(self._table) else [self.cost(t) for t in range(base_tokens, end)]
-        rates = list(map(operator.truediv, emitted, costs))
-        best_m = max(range(len(rates)), key=rates.__getitem__)
-        for index in order[:best_m]:
-            lengths[owners[index]] += 1
-        return lengths
+        costs = self._array[base_tokens:end] if end <= len(self._array) else np.array([self.cost(t) for t in range(base_tokens, end)])
+        best_m = int(np.argmax(emitted / costs))
+        counts = np.bincount(owners[order[:best_m]], minlength=len(rooms))
+        return counts.tolist()
 
     def observe_drafting(self, seconds: float, rows: int = 0) -> None:
         """Fold the proposer's time for one step's drafts (the worker's measure) for ``rows``
