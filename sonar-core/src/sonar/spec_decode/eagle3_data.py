@@ -205,10 +205,10 @@ def _prefill_states(runner: Any, model: torch.nn.Module, group: list[list[int]],
             runner.backend_cls.prepare_metadata(batch.attn_metadata)
         final = model(batch.input_ids, batch.positions, ForwardContext(batch.attn_metadata, scratch))
         aux = model.aux_hidden_states.latest
-        qsl = batch.attn_metadata.query_start_loc_cpu
+        starts = batch.token_starts()
         by_id = {}
         for row, state in enumerate(batch.states):
-            rows = slice(int(qsl[row]), int(qsl[row + 1]))
+            rows = slice(starts[row], starts[row] + batch.num_scheduled[row])
             by_id[state.req_id] = (aux[rows].float().cpu(), final[rows].float().cpu())
         return [by_id[s.req_id] for s in states]
     finally:

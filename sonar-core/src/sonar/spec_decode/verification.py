@@ -65,8 +65,7 @@ class ConfidenceVerification:
         self.costs = costs
         self.num_speculative_tokens = num_speculative_tokens
         self.stats = stats
-        self._table = costs.table(2 * max_num_batched_tokens + 1)
-        self._array = np.asarray(self._table, dtype=np.float64)
+        self._table = np.asarray(costs.table(2 * max_num_batched_tokens + 1), dtype=np.float64)
         self.typical: list[float] | None = None  # survival by position, lately (None: no drafts seen yet)
         self.draft_seconds: float | None = None  # the proposer's time per step, lately (None: not measured yet)
         self.draft_rows: float | None = None  # requests those steps drafted for, lately (None: as many as asked)
@@ -78,7 +77,7 @@ class ConfidenceVerification:
     def cost(self, num_tokens: int) -> float:
         """Seconds of a step of ``num_tokens`` tokens."""
         table = self._table
-        return table[num_tokens] if num_tokens < len(table) else self.costs.cost(num_tokens)
+        return float(table[num_tokens]) if num_tokens < len(table) else self.costs.cost(num_tokens)
 
     def observed_survival(self) -> list[float]:
         """The survival estimate of drafts that came without one: by position ``j``, the share
@@ -132,12 +131,9 @@ class ConfidenceVerification:
         order = np.argsort(-values, kind="stable")[:max_drafts]  # stable: a row's drafts stay in order
         # tokens per second with the first m drafts of that order, m = 0 .. len(order); the
         # first best wins (no draft that does not pay)
-        emitted = np.empty(len(order) + 1)
-        emitted[0] = num_sampling
-        np.cumsum(values[order], out=emitted[1:])
-        emitted[1:] += num_sampling
+        emitted = num_sampling + np.concatenate(([0.0], np.cumsum(values[order])))
         end = base_tokens + len(order) + 1
-        costs = self._array[base_tokens:end] if end <= len(self._array) else np.array([self.cost(t) for t in range(base_tokens, end)])
+        costs = self._table[base_tokens:end] if end <= len(self._table) else np.array([self.cost(t) for t in range(base_tokens, end)])
         best_m = int(np.argmax(emitted / costs))
         counts = np.bincount(owners[order[:best_m]], minlength=len(rooms))
         return counts.tolist()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -55,11 +57,7 @@ class StepBatch:
         """Each request's first token row: every layout puts a request's tokens together, in
         ``states`` order (the attention metadata's rows may differ: a verify step in a decode
         graph gives each token a row of its own)."""
-        starts, total = [], 0
-        for count in self.num_scheduled:
-            starts.append(total)
-            total += count
-        return starts
+        return list(itertools.accumulate(self.num_scheduled[:-1], initial=0)) if self.num_scheduled else []
 
 
 def build_step_batch(

@@ -552,7 +552,7 @@ class ModelRunner:
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, RequestLogprobs]:
         results: dict[str, RequestLogprobs] = {}
-        qsl = batch.attn_metadata.query_start_loc_cpu
+        starts = batch.token_starts()
         for row, state in enumerate(batch.states):
             k = state.sampling.params.prompt_logprobs
             start = state.num_computed_tokens
@@ -564,7 +564,7 @@ class ModelRunner:
             if end <= start:
                 results[state.req_id] = RequestLogprobs([], [], [])
                 continue
-            first = qsl[row]
+            first = starts[row]
             parts = []
             for offset in range(0, end - start, PROMPT_LOGPROBS_ROWS):  # bounded logits memory
                 count = min(PROMPT_LOGPROBS_ROWS, end - start - offset)
