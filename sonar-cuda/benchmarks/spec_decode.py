@@ -16,7 +16,8 @@
     # 1/64/256, throughput with fixed against confidence verification, a DSpark drafter's cost
     # (spec_confidence.py; --tiny runs it on the CPU)
     python sonar-cuda/benchmarks/spec_decode.py --part confidence --output-json confidence.json
-    # a real target and a trained drafter at batch 1/64/256: none, fixed and confidence verification
+    # a real target and a trained drafter at batch 1/64/256: none, fixed and confidence verification,
+# the three engines side by side, taking turns in --rounds rounds (the median is reported)
     python sonar-cuda/benchmarks/spec_decode.py --part batched --method dspark --target model.gguf --drafter dspark/ --prompts gsm8k.jsonl --skip-prompts 1219 --num-prompts 100 -k 7
 
 verify-cost drafts random tokens (a benchmark-only proposer): a random-weight target accepts
@@ -31,6 +32,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -268,47 +270,67 @@ def batched(args: argparse.Namespace) -> dict[str, Any]:
     """A real target and a trained drafter at several batch sizes: output tok/s of the batch
     answering ``--batches`` held-out prompts at once (cycled where fewer), greedy, without
     speculation, with fixed-length verification (every draft, at every batch size) and with
-    confidence-scheduled verification; the mean acceptance length of each."""
-    common = dict(dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.5, quantization="unquantized",
-                  max_num_seqs=max(int(b) for b in args.batches.split(",")), enable_prefix_caching=False)
+    confidence-scheduled verification; the mean acceptance length of each.
+
+    The three engines live side by side (each with the same KV-cache memory) and take turns:
+    ``--rounds`` rounds at each batch size, each round running every engine once, the order
+    rotated from round to round. A tiny target's step is mostly host work, and the host's speed
+    drifts over a process's life; turns within a round see the same host, so the figures are
+    the median per engine and each round's ratio to the plain engine of the same round."""
+    batches = [int(b) for b in args.batches.split(",")]
+    common = dict(dtype="bfloat16", max_model_len=2048, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), quantization="unquantized",
+                  max_num_seqs=max(batches), enable_prefix_caching=False)  # fmt: skip
     turns = _read_prompts(args.prompts, args.num_prompts, args.skip_prompts)
     conversations = [[{"role": "user", "content": t[0]}] for t in turns]
     configs: dict[str, dict[str, Any] | None] = {"none": None}
-    for verification in ("fixed", "confidence"):
+    for verification in args.verifications.split(","):
         configs[verification] = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.k,
                                  "verification": verification, "disable_by_batch_size": NO_BATCH_LIMIT}
+    engines = {name: LLM(args.target, speculative_config=spec, **common) if spec else LLM(args.target, **common) for name, spec in configs.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     warm_up = SamplingParams(temperature=0.0, max_tokens=WARM_UP_TOKENS)
-    results: dict[str, Any] = {"method": args.method, "k": args.k, "prompts": len(conversations), "tok_s": {}, "acceptance": {}, "counters": {}}
-    for name, spec in configs.items():
-        llm = LLM(args.target, speculative_config=spec, **common) if spec else LLM(args.target, **common)
-        for batch in (int(b) for b in args.batches.split(",")):
-            batch_conversations = [conversations[i % len(conversations)] for i in range(batch)]
-            # warm-up at this batch size: the shapes it brings (eager verify steps past the
-            # largest graph, eager drafter passes) compile their kernels outside the timed run
+    results: dict[str, Any] = {"method": args.method, "k": args.k, "prompts": len(conversations), "rounds": args.rounds,
+                               "tok_s": {}, "tok_s_by_round": {}, "speedup_by_round": {}, "acceptance": {}, "steps": {}}  # fmt: skip
+    names = list(engines)
+    for batch in batches:
+        batch_conversations = [conversations[i % len(conversations)] for i in range(batch)]
+        for llm in engines.values():
+            # warm-up at this batch size: the shapes it brings compile outside the timed runs
             llm.chat(batch_conversations[::-1], warm_up, use_tqdm=False)
-            before = _acceptance(llm) if spec else None
-            with run_counters(llm.llm_engine) as counters:
-                _sync()
-                started = time.perf_counter()
-                outputs = llm.chat(batch_conversations, params, use_tqdm=False)
-                _sync()
-                seconds = time.perf_counter() - started
-            tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
-            results["tok_s"].setdefault(name, {})[batch] = round(tokens / seconds, 1)
-            results["counters"].setdefault(name, {})[batch] = per_step(counters)
-            if spec:
-                after = _acceptance(llm)
-                drafts = after["drafts"] - before["drafts"]
-                accepted = after["accepted"] - before["accepted"]
+        before = {name: _acceptance(llm) for name, llm in engines.items() if configs[name]}
+        by_round: dict[str, list[float]] = {name: [] for name in names}
+        steps: dict[str, int] = dict.fromkeys(names, 0)
+        for round_index in range(args.rounds):
+            shift = round_index % len(names)
+            for name in names[shift:] + names[:shift]:
+                llm = engines[name]
+                with run_counters(llm.llm_engine, phase_timing=False) as counters:
+                    _sync()
+                    started = time.perf_counter()
+                    outputs = llm.chat(batch_conversations, params, use_tqdm=False)
+                    _sync()
+                    seconds = time.perf_counter() - started
+                tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+                by_round[name].append(round(tokens / seconds, 1))
+                steps[name] += int(counters["steps"])
+            print(batch, {name: values[-1] for name, values in by_round.items()}, file=sys.stderr, flush=True)
+        for name in names:
+            results["tok_s"].setdefault(name, {})[batch] = statistics.median(by_round[name])
+            results["tok_s_by_round"].setdefault(name, {})[batch] = by_round[name]
+            results["steps"].setdefault(name, {})[batch] = steps[name]
+            if name != "none":
+                ratios = [round(a / b, 3) for a, b in zip(by_round[name], by_round["none"])]
+                results["speedup_by_round"].setdefault(name, {})[batch] = ratios
+            if configs[name]:
+                after = _acceptance(engines[name])
+                drafts = after["drafts"] - before[name]["drafts"]
+                accepted = after["accepted"] - before[name]["accepted"]
                 results["acceptance"].setdefault(name, {})[batch] = {
                     "mean_acceptance_length": round(1 + accepted / max(drafts, 1), 3), "drafts": drafts,
-                    "draft_tokens": after["draft_tokens"] - before["draft_tokens"], "accepted": accepted}
-            print(name, batch, results["tok_s"][name][batch], "tok/s", file=sys.stderr, flush=True)
-        del llm
-        _release()
-    plain = results["tok_s"]["none"]
-    results["speedup"] = {name: {b: round(v / plain[b], 3) for b, v in row.items()} for name, row in results["tok_s"].items() if name != "none"}
+                    "draft_tokens": after["draft_tokens"] - before[name]["draft_tokens"], "accepted": accepted}
+    del engines
+    _release()
+    results["speedup"] = {name: {b: round(statistics.median(r), 3) for b, r in row.items()} for name, row in results["speedup_by_round"].items()}
     return results
 
 
@@ -327,6 +349,9 @@ def main() -> None:
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--ngram-configs", default="5:2:4",
                         help="ngram part: comma-separated k:prompt_lookup_min:prompt_lookup_max, each measured beside the one plain run")
+    parser.add_argument("--kv-cache-gib", type=float, default=8.0, help="batched part: the KV cache of each of the engines living side by side")
+    parser.add_argument("--verifications", default="fixed,confidence", help="batched part: the speculative engines beside the plain one")
+    parser.add_argument("--rounds", type=int, default=3, help="batched part: rounds of turns at each batch size (the median is reported)")
     parser.add_argument("--output-json")
     spec_confidence.add_arguments(parser)
     args = parser.parse_args()
