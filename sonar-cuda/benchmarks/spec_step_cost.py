@@ -1,7 +1,8 @@
 """What a speculative step costs beyond the model: a tiny random target and a random DSpark
 drafter, so the forward passes are cheap and the host's and the drafter's per-step work shows.
 
-    python sonar-cuda/benchmarks/spec_step_cost.py [--batches 1,64] [--output-json F] [--torch-profile DIR]
+    python sonar-cuda/benchmarks/spec_step_cost.py [--batches 1,64] [--configs none,fixed,confidence]
+        [--output-len 64] [--step-classes] [--output-json F] [--torch-profile DIR]
 
 For each batch size: output tok/s and milliseconds per step with no speculation, and with
 DSpark at 7 drafts a step under fixed-length verification (drafting at every batch size). A
@@ -13,18 +14,24 @@ and bookkeeping cost. Each batch
 size is warmed up first (its shapes compile untimed); each timed run reports its steps, the
 host's milliseconds per step in each part of a step (``counters``: verification, the proposal and the host's
 wait for it among them), the allocator's waits and the Triton kernels compiled meanwhile.
-Runs on a GPU, or on the CPU where there is none.
+``--step-classes`` also times every step and reports them by kind (plain, drafting, probe,
+verifying). A tiny target's step is host work, whose speed drifts over a process's life: to
+compare two engines, run each in its own invocation (``--configs none``, then
+``--configs confidence``) more than once. Runs on a GPU, or on the CPU where there is none.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -56,6 +63,49 @@ def build(root: Path) -> tuple[Path, Path]:
     save_dflash(init_drafter(DFlashDrafter(drafter_config), std=0.1, seed=0), drafter,
                 embedding=weights["model.embed_tokens.weight"], lm_head=weights["lm_head.weight"])  # fmt: skip
     return target, drafter
+
+
+@contextlib.contextmanager
+def step_classes(llm: LLM) -> Iterator[dict[str, list[float]]]:
+    """Times each engine step while inside; the dict yielded holds, once the block ends, the
+    seconds of each step by kind: ``plain`` (nothing drafted or verified), ``drafting`` (the
+    proposer drafts for every request once the step's tokens are known), ``probe`` (for a
+    few: ``draft_limit``), ``verifying`` (the step verifies drafts); a step may be several,
+    joined by ``+``."""
+    core = llm.llm_engine.core
+    scheduler, step = core.scheduler, core.step
+    schedule = scheduler.schedule
+    latest: list[Any] = [None]
+    kinds: dict[str, list[float]] = {}
+
+    def schedule_and_keep():
+        latest[0] = schedule()
+        return latest[0]
+
+    def timed_step():
+        latest[0] = None
+        started = time.perf_counter()
+        outputs = step()
+        seconds = time.perf_counter() - started
+        scheduled = latest[0]
+        parts = []
+        if scheduled is not None and scheduled.propose_drafts:
+            parts.append("probe" if scheduled.draft_limit is not None else "drafting")
+        if scheduled is not None and scheduled.scheduled_spec_decode_tokens:
+            parts.append("verifying")
+        kinds.setdefault("+".join(parts) or "plain", []).append(seconds)
+        return outputs
+
+    saved = [(obj, name, vars(obj).get(name)) for obj, name in ((scheduler, "schedule"), (core, "step"))]
+    scheduler.schedule, core.step = schedule_and_keep, timed_step
+    try:
+        yield kinds
+    finally:  # as it was: another wrapper's (a phase timer's), or none
+        for obj, name, value in saved:
+            if value is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
 
 
 def sync() -> None:
@@ -130,18 +180,21 @@ def sync_sites(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 4) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,64")
+    parser.add_argument("--configs", default="none,fixed,confidence", help="which engines, each measured in turn (run one per invocation for a fresh process each)")
+    parser.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="output tokens per request in the timed runs")
+    parser.add_argument("--step-classes", action="store_true", help="also time each step and report them by kind (plain, drafting, probe, verifying)")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--torch-profile", default=None, metavar="DIR", help="also profile a few steps at each batch size (torch.profiler tables into DIR; on a GPU also where the host waits for it)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     rng = random.Random(0)
     prompts = [{"prompt_token_ids": [rng.randrange(VOCAB - 1) for _ in range(32)]} for _ in range(max(batches))]
-    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True, detokenize=False)
     warm_up = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, detokenize=False)
     results: dict[str, dict[int, dict[str, float]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         target, drafter = build(Path(tmp))
-        for name in ("none", "fixed", "confidence"):
+        for name in args.configs.split(","):
             spec = None if name == "none" else {"method": "dspark", "model": str(drafter), "num_speculative_tokens": 7,
                                                  "verification": name, "disable_by_batch_size": NO_BATCH_LIMIT}  # fmt: skip
             options = {"gpu_memory_utilization": 0.3} if torch.cuda.is_available() else {}
@@ -149,7 +202,7 @@ def main() -> int:
                       speculative_config=spec, skip_tokenizer_init=True, **options)  # fmt: skip
             for batch in batches:
                 llm.generate(prompts[:batch][::-1], warm_up, use_tqdm=False)  # this batch size's shapes, compiled untimed
-                with run_counters(llm.llm_engine) as counters:
+                with run_counters(llm.llm_engine) as counters, step_classes(llm) if args.step_classes else contextlib.nullcontext({}) as kinds:
                     sync()
                     started = time.perf_counter()
                     outputs = llm.generate(prompts[:batch], params, use_tqdm=False)
@@ -160,6 +213,10 @@ def main() -> int:
                 results.setdefault(name, {})[batch] = {
                     "tok_s": round(tokens / seconds, 1), "ms_per_step": round(1000 * seconds / steps, 3), "counters": per_step(counters),
                 }  # fmt: skip
+                if kinds:
+                    results[name][batch]["steps_by_kind"] = {
+                        kind: {"steps": len(times), "ms_mean": round(1000 * sum(times) / len(times), 3)} for kind, times in kinds.items()
+                    }  # fmt: skip
                 print(name, batch, results[name][batch], file=sys.stderr, flush=True)
                 if args.torch_profile:
                     profile_steps(llm, prompts[:batch], Path(args.torch_profile) / f"{name}-{batch}.txt")
