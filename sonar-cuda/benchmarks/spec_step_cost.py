@@ -74,6 +74,7 @@ def step_classes(llm: LLM) -> Iterator[dict[str, list[float]]]:
     joined by ``+``."""
     core = llm.llm_engine.core
     scheduler, step = core.scheduler, core.step
+    speculative = bool(scheduler.config.spec_max_batch_size)
     schedule = scheduler.schedule
     latest: list[Any] = [None]
     kinds: dict[str, list[float]] = {}
@@ -89,7 +90,7 @@ def step_classes(llm: LLM) -> Iterator[dict[str, list[float]]]:
         seconds = time.perf_counter() - started
         scheduled = latest[0]
         parts = []
-        if scheduled is not None and scheduled.propose_drafts:
+        if speculative and scheduled is not None and scheduled.propose_drafts:
             parts.append("probe" if scheduled.draft_limit is not None else "drafting")
         if scheduled is not None and scheduled.scheduled_spec_decode_tokens:
             parts.append("verifying")

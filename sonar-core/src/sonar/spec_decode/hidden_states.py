@@ -20,14 +20,25 @@ from sonar.worker.input_batch import StepBatch
 
 @dataclass(slots=True)
 class StepHiddenStates:
-    """One step's states on the device and where each sampled request's rows are.
-
-    ``rows[req_id] = (first row, rows computed, drafts among them)``.
-    """
+    """One step's states on the device and where each sampled request's rows are: request
+    ``req_id``'s first row, rows computed and drafts among them are ``starts[i]``,
+    ``counts[i]`` and ``drafts[i]`` for ``i = index[req_id]``."""
 
     states: torch.Tensor  # [num_tokens, width]
     positions: torch.Tensor  # [num_tokens]
-    rows: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    req_ids: list[str] = field(default_factory=list)  # the sampled requests, in row order
+    index: dict[str, int] = field(default_factory=dict)
+    starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def kept(self, req_ids: list[str], num_accepted: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Per request of ``req_ids``, its first row and how many of its rows stay: its rows up
+        to its last accepted draft (``num_accepted[i]``: 1 + the drafts kept)."""
+        at = slice(None) if req_ids == self.req_ids else [self.index[r] for r in req_ids]  # most often: all of them, in order
+        drafts = self.drafts[at]
+        accepted = np.asarray(num_accepted, dtype=np.int64)
+        return self.starts[at], self.counts[at] - drafts + np.where(drafts > 0, accepted - 1, 0)
 
 
 @dataclass(slots=True)
@@ -39,6 +50,17 @@ class ProposerHiddenStates:
     counts: list[int]
 
 
+@dataclass(slots=True)
+class _HeldStep:
+    """A step without drafts to follow whose kept rows wait for a hand-over (``hold``)."""
+
+    step: StepHiddenStates
+    req_ids: list[str]
+    starts: np.ndarray
+    kept: np.ndarray
+    gone: set[str] = field(default_factory=set)  # requests dropped since (their rows go nowhere)
+
+
 #: steps without drafts whose states are held, then handed to the proposer together
 HOLD_STEPS = 16
 
@@ -46,12 +68,17 @@ HOLD_STEPS = 16
 class HiddenStateCollector:
     """Keeps the states of prefill chunks that sampled nothing until their request's next
     proposal, holds those of steps without drafts (``hold``), and cuts verify steps down to
-    their kept positions."""
+    their kept positions.
+
+    The per-step work is a few array operations whatever the batch: a held step is kept
+    whole, and a hand-over finds every request's rows at once."""
 
     def __init__(self) -> None:
-        # per request, its rows not handed over yet, oldest first: (states, positions, first row, rows)
+        # per request, its rows not handed over yet that no held step holds, oldest first:
+        # (states, positions, first row, rows): prefill chunks, and a held step's rows that a
+        # hand-over for other requests left behind
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor, int, int]]] = {}
-        self._held_steps = 0
+        self._held: list[_HeldStep] = []
 
     def record(self, batch: StepBatch, states: torch.Tensor) -> StepHiddenStates:
         """The step's states (``[num_tokens, width]``, rows as ``batch`` lays out tokens).
@@ -60,70 +87,76 @@ class HiddenStateCollector:
         buffers while this step's states are still held."""
         step = StepHiddenStates(states, batch.positions.clone())
         starts = batch.token_starts()
+        sample_rows = batch.sample_rows
         drafts = batch.sample_drafts
-        num_drafts = {row: len(drafts[i]) if drafts is not None else 0 for i, row in enumerate(batch.sample_rows)}
-        for row, state in enumerate(batch.states):
-            start, count = starts[row], batch.num_scheduled[row]
-            if row in num_drafts:
-                step.rows[state.req_id] = (start, count, num_drafts[row])
-            else:  # a prefill chunk before the last: held (its rows only) for the request's next proposal
-                rows = slice(start, start + count)
-                self._pending.setdefault(state.req_id, []).append((states[rows].clone(), step.positions[rows].clone(), 0, count))
+        step.req_ids = [batch.states[row].req_id for row in sample_rows]
+        step.index = {req_id: i for i, req_id in enumerate(step.req_ids)}
+        step.starts = np.asarray([starts[row] for row in sample_rows], dtype=np.int64)
+        step.counts = np.asarray([batch.num_scheduled[row] for row in sample_rows], dtype=np.int64)
+        step.drafts = np.asarray([len(d) for d in drafts] if drafts is not None else [0] * len(sample_rows), dtype=np.int64)
+        if len(sample_rows) < len(batch.states):  # prefill chunks before the last: held (their rows only) for the request's next proposal
+            sampling = set(sample_rows)
+            for row, state in enumerate(batch.states):
+                if row not in sampling:
+                    rows = slice(starts[row], starts[row] + batch.num_scheduled[row])
+                    self._pending.setdefault(state.req_id, []).append((states[rows].clone(), step.positions[rows].clone(), 0, batch.num_scheduled[row]))
         return step
-
-    @staticmethod
-    def _kept(step: StepHiddenStates, req_id: str, accepted: int) -> tuple[int, int]:
-        """The request's first row in the step and how many rows stay (its rows up to the last
-        accepted draft)."""
-        start, count, drafts = step.rows[req_id]
-        return start, count - drafts + (accepted - 1 if drafts else 0)
 
     def hold(self, step: StepHiddenStates, req_ids: list[str], num_accepted: list[int]) -> bool:
         """Hold the step's kept rows of ``req_ids`` (a step without drafts to follow) for their
         next ``gather``, so that one hand-over takes several steps' states: True if held;
         False once ``HOLD_STEPS - 1`` steps are held (gather this one with them now). The
         step's states are referenced, not copied."""
-        if self._held_steps >= HOLD_STEPS - 1:
+        if len(self._held) >= HOLD_STEPS - 1:
             return False
-        for req_id, accepted in zip(req_ids, num_accepted):
-            start, kept = self._kept(step, req_id, accepted)
-            if kept:
-                self._pending.setdefault(req_id, []).append((step.states, step.positions, start, kept))
-        self._held_steps += 1
+        starts, kept = step.kept(req_ids, num_accepted)
+        self._held.append(_HeldStep(step, list(req_ids), starts, kept))
         return True
 
     def gather(self, step: StepHiddenStates, req_ids: list[str], num_accepted: list[int]) -> ProposerHiddenStates:
         """The states of ``req_ids`` not handed over yet: held rows first, then the step's
         kept rows (``num_accepted[i]``: 1 + the drafts kept of request ``i``), as one slice
-        of the step's states where they are contiguous there, else one gather."""
-        self._held_steps = 0
-        offset_of: dict[int, int] = {}  # id(states) -> its first row among the pooled tensors
-        pooled: list[tuple[torch.Tensor, torch.Tensor]] = []
-        total = 0
-        firsts: list[int] = []  # per piece, its first row in the pool
-        lengths: list[int] = []  # per piece, its rows
-        counts: list[int] = []
-        for req_id, accepted in zip(req_ids, num_accepted):
-            start, kept = self._kept(step, req_id, accepted)
-            count = 0
-            for states, positions, first, rows in [*self._pending.pop(req_id, ()), (step.states, step.positions, start, kept)]:
-                offset = offset_of.get(id(states))
-                if offset is None:
-                    offset = offset_of[id(states)] = total
-                    total += states.shape[0]
-                    pooled.append((states, positions))
-                firsts.append(offset + first)
-                lengths.append(rows)
-                count += rows
-            counts.append(count)
-        all_states = torch.cat([states for states, _ in pooled]) if len(pooled) > 1 else step.states
-        all_positions = torch.cat([positions for _, positions in pooled]) if len(pooled) > 1 else step.positions
-        sizes = np.asarray(lengths, dtype=np.int64)
-        ends = np.cumsum(sizes)
+        of the step's states where they are contiguous there, else one gather. Held rows of
+        other requests stay for their own next hand-over."""
+        held, self._held = self._held, []
+        where = {r: i for i, r in enumerate(req_ids)}
+        pool = _Pool()
+        owners: list[np.ndarray] = []  # per piece group: the request (its index in req_ids) of each piece
+        firsts: list[np.ndarray] = []  # the first row of each piece in the pool
+        lengths: list[np.ndarray] = []  # the rows of each piece
+        if self._pending:  # pieces waiting per request come first: they are its oldest
+            for i, req_id in enumerate(req_ids):
+                for states, positions, first, rows in self._pending.pop(req_id, ()):
+                    owners.append(np.array([i])), firsts.append(np.array([pool.offset(states, positions) + first])), lengths.append(np.array([rows]))
+        everyone = np.arange(len(req_ids), dtype=np.int64)
+        for entry in held:
+            if entry.req_ids == req_ids:  # most often: the same requests, in the same order
+                at = everyone
+            else:
+                at = np.fromiter((where.get(r, -1) for r in entry.req_ids), dtype=np.int64, count=len(entry.req_ids))
+            mine = at >= 0
+            if entry.gone:
+                mine &= np.fromiter((r not in entry.gone for r in entry.req_ids), dtype=bool, count=len(entry.req_ids))
+            if not mine.all():  # another request's rows: left for its next hand-over
+                states, positions = entry.step.states, entry.step.positions
+                for j in np.flatnonzero(~mine & (at < 0)).tolist():
+                    req_id = entry.req_ids[j]
+                    if req_id not in entry.gone and entry.kept[j]:
+                        self._pending.setdefault(req_id, []).append((states, positions, int(entry.starts[j]), int(entry.kept[j])))
+            if mine.any():
+                owners.append(at[mine]), firsts.append(pool.offset(entry.step.states, entry.step.positions) + entry.starts[mine]), lengths.append(entry.kept[mine])
+        starts, kept = step.kept(req_ids, num_accepted)
+        owners.append(everyone), firsts.append(pool.offset(step.states, step.positions) + starts), lengths.append(kept)
+        owner, first, length = (np.concatenate(parts) for parts in (owners, firsts, lengths))
+        order = np.argsort(owner, kind="stable")  # grouped by request, each request's pieces in order
+        owner, first, length = owner[order], first[order], length[order]
+        counts = np.bincount(owner, weights=length, minlength=len(req_ids)).astype(np.int64).tolist()
+        ends = np.cumsum(length)
         num_rows = int(ends[-1]) if len(ends) else 0
+        all_states, all_positions = pool.tensors(step)
         if not num_rows:
             return ProposerHiddenStates(all_states[:0], all_positions[:0], counts)
-        index = np.arange(num_rows, dtype=np.int64) + np.repeat(np.asarray(firsts, dtype=np.int64) - (ends - sizes), sizes)
+        index = np.arange(num_rows, dtype=np.int64) + np.repeat(first - (ends - length), length)
         if bool((np.diff(index) == 1).all()):
             rows = slice(int(index[0]), int(index[0]) + num_rows)  # contiguous: a view
             return ProposerHiddenStates(all_states[rows], all_positions[rows], counts)
@@ -134,3 +167,29 @@ class HiddenStateCollector:
         """Drop what is held for finished or preempted requests."""
         for req_id in req_ids:
             self._pending.pop(req_id, None)
+        for entry in self._held:
+            entry.gone |= req_ids
+
+
+class _Pool:
+    """The distinct state tensors a hand-over reads from, and each one's first row once they
+    are joined (in the order first met)."""
+
+    def __init__(self) -> None:
+        self._offset_of: dict[int, int] = {}  # id(states) -> its first row in the pool
+        self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._total = 0
+
+    def offset(self, states: torch.Tensor, positions: torch.Tensor) -> int:
+        offset = self._offset_of.get(id(states))
+        if offset is None:
+            offset = self._offset_of[id(states)] = self._total
+            self._total += states.shape[0]
+            self._parts.append((states, positions))
+        return offset
+
+    def tensors(self, step: StepHiddenStates) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool's states and positions joined (the step's own where it is the only part)."""
+        if len(self._parts) == 1:
+            return self._parts[0]
+        return torch.cat([states for states, _ in self._parts]), torch.cat([positions for _, positions in self._parts])
