@@ -183,6 +183,25 @@ def test_a_steep_curve_cuts_the_drafts_and_stops_drafting(confident, expected):
     assert proposed <= len(PARAMS) * K
 
 
+def test_the_engine_times_its_host_work_per_step_for_the_policy(target, scripted_plugin, expected):
+    """With asynchronous scheduling the engine core tells the policy how long each decode
+    iteration's host work took (its waits for results left out), by batch size and by whether
+    the step verified drafts; the output is unchanged."""
+    spec = {"method": "scripted-confidence", "num_speculative_tokens": K, "prompt_lookup_max": 3, "verification": "confidence"}
+    llm = LLM(str(target), kv_cache_memory_bytes=KV_BYTES, max_model_len=256, skip_tokenizer_init=True, speculative_config=spec,
+              enable_prefix_caching=False, async_scheduling=True)  # fmt: skip
+    use_costs(llm, StepCostModel.from_samples([1, 4096], [0.010, 0.0101]))  # drafting pays: both kinds of step come
+    started = time.perf_counter()
+    got = generate(llm, repetitive_prompts(len(PARAMS)), PARAMS)
+    elapsed = time.perf_counter() - started
+    assert got == expected
+    policy = llm.llm_engine.core.scheduler.verification
+    seen = {**policy.host_plain, **policy.host_verifying}
+    assert seen and policy.host_verifying
+    assert all(0 < seconds < elapsed for seconds in seen.values())
+    assert set(seen) <= {n.bit_length() for n in range(1, len(PARAMS) + 1)}
+
+
 def test_a_dspark_drafter_schedules_by_confidence_by_default_through_an_engine_core_process(target, expected, tmp_path):
     """The multi-process path (as ``sonar serve`` runs it): the resolved option crosses as
     JSON, the drafter's survival estimates reach the scheduler in the engine-core process,

@@ -231,6 +231,43 @@ def test_drafting_that_costs_more_than_its_drafts_give_is_stopped():
     assert chooser.draft_seconds == pytest.approx(0.020 + 0.2 * (0.010 - 0.020))  # a running average
 
 
+def test_drafts_must_pay_for_the_host_time_a_speculative_step_no_longer_overlaps():
+    """A small target: a one-token step of 0.64 ms on the device, 0.9 ms of host work a plain
+    step (the two overlap), 1.1 ms a verify step, 0.6 ms of drafting. A speculative step runs
+    host, device and drafter in turn (2.6 ms for 2.85 tokens) against 0.9 ms a token
+    without: not worth it, though the device's costs alone (1.5 ms against 0.64) say it is."""
+    curve = linear(0.6, 0.04)
+    chooser = policy(curve)
+    chooser.typical = [0.6, 0.4, 0.27, 0.2, 0.15, 0.12, 0.1]  # drafts emit 1.84 more tokens a step
+    chooser.observe_drafting(0.0006, rows=1)
+    assert chooser.worth_drafting(1, 1)
+    chooser.observe_host(1, 0.0009, verifying=False)
+    chooser.observe_host(1, 0.0011, verifying=True)
+    assert chooser.host_seconds(1) == (0.0009, 0.0011)
+    assert not chooser.worth_drafting(1, 1)
+    # the same host beside a large target's 20 ms step: what the drafts save dwarfs it
+    large = policy(linear(20.0, 0.01))
+    large.typical = chooser.typical
+    large.observe_drafting(0.0006, rows=1)
+    large.observe_host(1, 0.0009, verifying=False)
+    large.observe_host(1, 0.0011, verifying=True)
+    assert large.worth_drafting(1, 1)
+
+
+def test_host_time_is_kept_by_batch_size_and_a_stray_iteration_counts_little():
+    chooser = policy(FLAT)
+    assert chooser.host_seconds(64) == (0.0, 0.0)  # nothing seen: the device's cost alone decides
+    chooser.observe_host(64, 0.002, verifying=False)
+    assert chooser.host_seconds(64) == (0.002, 0.002)  # a verify step's unseen: as a plain one's
+    assert chooser.host_seconds(100) == (0.002, 0.002)  # 64..127 share a size class
+    assert chooser.host_seconds(128) == (0.0, 0.0)
+    chooser.observe_host(64, 10.0, verifying=False)  # a pause (a collection, a descheduled process)
+    assert chooser.host_seconds(64)[0] == pytest.approx(0.002 + 0.1 * (3 * 0.002 - 0.002))
+    chooser.observe_host(64, -1.0, verifying=True)  # nonsense is ignored
+    chooser.observe_host(0, 0.001, verifying=True)
+    assert chooser.host_verifying == {}
+
+
 def test_a_choice_at_batch_256_with_7_drafts_is_cheap():
     import time
 

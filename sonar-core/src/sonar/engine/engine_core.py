@@ -80,6 +80,11 @@ class EngineCore:
         self.pipeline_depth = config.pipeline_parallel_size
         self._batch_queue: deque[_InFlightStep] | None = deque() if self.pipeline_depth > 1 else None
         self._timer = PhaseTimer()
+        # the host's time per step for the verification policy: seconds spent waiting in the
+        # executor's fetch (all told), and the iteration being timed (started, that wait then,
+        # its requests, whether it verifies drafts)
+        self._fetch_seconds = 0.0
+        self._timed_iteration: tuple[float, float, int, bool] | None = None
         logger.info("KV cache: %d blocks of %d tokens", self.cache_config.num_blocks, config.block_size)
 
     def _init_verification(self, config: EngineConfig) -> None:
@@ -195,6 +200,9 @@ class EngineCore:
         With pipeline parallelism, see ``_step_pipelined``."""
         if self._batch_queue is not None:
             return self._step_pipelined()
+        started, fetched = time.perf_counter(), self._fetch_seconds
+        if self._timed_iteration is not None:
+            self._observe_host_time(started)
         outputs: list[EngineCoreOutput] = []
         previous, self._in_flight = self._in_flight, None  # always None without async scheduling
         if previous is not None and (previous.scheduled.reads_output_tokens or self._drafts_may_follow(previous)):
@@ -210,6 +218,8 @@ class EngineCore:
             else:
                 self.num_steps_launched += 1
                 self._in_flight = _InFlightStep(scheduled, handle)
+                if self.scheduler.verification is not None and self.async_scheduling:
+                    self._time_iteration(started, fetched, scheduled)
         elif scheduled.finished_req_ids or self._connector_busy(scheduled):  # workers drop finished state, connectors poll
             result = self.executor.execute_model(scheduled)
             self.scheduler.update_finished_transfers(result.kv_connector_output)
@@ -223,6 +233,22 @@ class EngineCore:
         if self.loras.removing:  # adapters whose last request just ended
             self.loras.finish_removals()
         return outputs
+
+    def _time_iteration(self, started: float, fetched: float, scheduled: SchedulerOutput) -> None:
+        """Time this iteration's host work for the verification policy, where its step is a
+        decode step that verifies drafts or one that neither verifies nor drafts (a prefill's
+        host work, or a step that drafts without verifying, is neither kind)."""
+        verifying = bool(scheduled.scheduled_spec_decode_tokens)
+        if scheduled.num_prompt_tokens or (scheduled.propose_drafts and not verifying):
+            return
+        self._timed_iteration = (started, fetched, len(scheduled.num_scheduled_tokens), verifying)
+
+    def _observe_host_time(self, now: float) -> None:
+        """The last iteration's host time (from its start to this one's, less its waits for
+        results) to the verification policy."""
+        started, fetched, num_requests, verifying = self._timed_iteration
+        self._timed_iteration = None
+        self.scheduler.verification.observe_host(num_requests, (now - started) - (self._fetch_seconds - fetched), verifying)
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
         """Pipeline parallelism: launch a step while fewer than ``pipeline_parallel_size`` are in
@@ -278,10 +304,13 @@ class EngineCore:
     def _collect(self, step: _InFlightStep) -> list[EngineCoreOutput]:
         """Wait for a launched step's results and advance the requests by them."""
         scheduled = step.scheduled
+        waited = time.perf_counter()
         try:
             result = self.executor.fetch(step.handle)
         except Exception as exc:
             return self._abort_failed_step(scheduled, exc)
+        finally:
+            self._fetch_seconds += time.perf_counter() - waited
         self.num_failed_steps = 0
         self.num_prompt_tokens += scheduled.num_prompt_tokens
         # looked up before the update, which forgets the requests it finishes

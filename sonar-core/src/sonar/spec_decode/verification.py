@@ -22,9 +22,15 @@ plateaus (CUDA graph sizes) included.
 Drafting is paid before the choice, whatever is verified. After each step the policy says
 whether the next should draft at all (:meth:`ConfidenceVerification.worth_drafting`):
 whether a batch of as many decodes, each with drafts of the survival seen lately, would emit
-more tokens per second with some drafts verified, the proposer's time per step (measured by
-the worker, :meth:`ConfidenceVerification.observe_drafting`) added to the step's, than
-without drafts; if not, the proposer is skipped (asynchronous scheduling then overlaps the
+more tokens per second with some drafts verified than without. A step without drafts
+overlaps the host's work with the device's (asynchronous scheduling), so it takes the longer
+of the two; a step with drafts takes the host's work, the device's and the proposer's in
+turn (its tokens are read back before the drafter runs and the next step is scheduled). The
+device's part is the cost curve; the proposer's time per step is measured by the worker
+(:meth:`ConfidenceVerification.observe_drafting`), the host's per iteration by the engine
+core (:meth:`ConfidenceVerification.observe_host`, by batch size, for steps with and without
+drafts). On a small target whose steps are mostly host work, that is what decides. If
+drafting does not pay, the proposer is skipped (asynchronous scheduling then overlaps the
 steps as without speculation), and after ``REPROBE_STEPS`` such steps one drafts anyway, to
 refresh what survival and drafting cost look like. Each probe that does not pay either
 doubles the wait before the next (up to ``MAX_REPROBE_STEPS``: a loaded server pays for few
@@ -48,6 +54,8 @@ REPROBE_STEPS = 64  # steps without drafting after which one drafts again (the f
 MAX_REPROBE_STEPS = 1024  # the interval doubles after each probe that did not pay, up to this
 DRAFT_WEIGHT = 0.2  # weight of a step's drafting time in its running average
 PROBE_ROWS = 8  # requests that draft in a probe (or the first drafting step) of a larger batch
+HOST_WEIGHT = 0.1  # weight of an iteration's host time in its running average
+HOST_CLIP = 3.0  # an iteration's host time counts at most this many times the running average
 
 
 class ConfidenceVerification:
@@ -73,6 +81,10 @@ class ConfidenceVerification:
         self._steps_without_drafting = 0
         self.reprobe_steps = REPROBE_STEPS  # the current interval between probes
         self._probing = False  # the last answer was a probe's yes
+        # the engine's host seconds per iteration lately, by batch size (its bit length), of
+        # iterations whose step verified drafts and of those that neither verified nor drafted
+        self.host_verifying: dict[int, float] = {}
+        self.host_plain: dict[int, float] = {}
 
     def cost(self, num_tokens: int) -> float:
         """Seconds of a step of ``num_tokens`` tokens."""
@@ -150,6 +162,26 @@ class ConfidenceVerification:
         if rows > 0:
             self.draft_rows = float(rows) if self.draft_rows is None else self.draft_rows + DRAFT_WEIGHT * (rows - self.draft_rows)
 
+    def observe_host(self, num_requests: int, seconds: float, verifying: bool) -> None:
+        """Fold the host's time for one engine iteration (scheduling, launching, collecting,
+        what the caller does with the outputs: everything but waiting for the device) of a
+        decode step of ``num_requests`` requests that verified drafts (``verifying``) or that
+        neither verified nor drafted into its running average for that batch size."""
+        if seconds <= 0.0 or num_requests <= 0:
+            return
+        table = self.host_verifying if verifying else self.host_plain
+        bucket = num_requests.bit_length()
+        current = table.get(bucket)
+        table[bucket] = seconds if current is None else current + HOST_WEIGHT * (min(seconds, HOST_CLIP * current) - current)
+
+    def host_seconds(self, num_requests: int) -> tuple[float, float]:
+        """The host's seconds per iteration at this batch size lately: of a step without
+        drafts, and of one that verifies drafts (as the first where not seen yet; 0 where
+        neither was)."""
+        bucket = num_requests.bit_length()
+        plain = self.host_plain.get(bucket, 0.0)
+        return plain, self.host_verifying.get(bucket, plain)
+
     def drafting_cost(self, num_rows: int) -> float:
         """Seconds of drafting for ``num_rows`` requests: the running measure, scaled up in
         proportion where it was taken on fewer requests (a probe's few), never down."""
@@ -203,15 +235,21 @@ class ConfidenceVerification:
         return PROBE_ROWS
 
     def _would_verify(self, num_sampling: int, base_tokens: int) -> bool:
+        """Whether a step with drafts would emit more tokens per second than one without: a
+        step without drafts overlaps the host's work with the device's (asynchronous
+        scheduling), so it takes the longer of the two; one with drafts waits for its
+        tokens before the drafter runs and the next step is scheduled, so it takes the
+        host's work, the device's and the drafting in turn."""
         typical, cost = self.typical, self.cost
-        drafting = self.drafting_cost(num_sampling)
-        base_cost = cost(base_tokens)
-        if (num_sampling + typical[0]) * base_cost > num_sampling * (cost(base_tokens + 1) + drafting):
+        host_plain, host_verifying = self.host_seconds(num_sampling)
+        plain = max(cost(base_tokens), host_plain)
+        overhead = self.drafting_cost(num_sampling) + host_verifying
+        if (num_sampling + typical[0]) * plain > num_sampling * (cost(base_tokens + 1) + overhead):
             return True
         emitted = float(num_sampling)
         for depth, survival in enumerate(typical, start=1):
             emitted += num_sampling * survival
-            if emitted * base_cost > num_sampling * (cost(base_tokens + num_sampling * depth) + drafting):
+            if emitted * plain > num_sampling * (cost(base_tokens + num_sampling * depth) + overhead):
                 return True
         return False
 
