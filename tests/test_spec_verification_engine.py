@@ -200,6 +200,15 @@ def test_the_engine_times_its_host_work_per_step_for_the_policy(target, scripted
     assert seen and policy.host_verifying
     assert all(0 < seconds < elapsed for seconds in seen.values())
     assert set(seen) <= {n.bit_length() for n in range(1, len(PARAMS) + 1)}
+    # a caller that lets the engine idle between two steps: the gap is not counted as host work
+    policy.host_plain.clear()
+    policy.host_verifying.clear()
+    engine = llm.llm_engine
+    engine.add_request("idle", {"prompt_token_ids": repetitive_prompts(1)[0]}, PARAMS[0])
+    while engine.has_unfinished_requests():
+        engine.step()
+        time.sleep(0.2)
+    assert all(seconds < 0.1 for seconds in [*policy.host_plain.values(), *policy.host_verifying.values()])
 
 
 def test_a_dspark_drafter_schedules_by_confidence_by_default_through_an_engine_core_process(target, expected, tmp_path):

@@ -32,6 +32,9 @@ logger = logging.getLogger(__name__)
 
 MAX_FAILED_STEPS = 3  # consecutive failed steps before the engine gives up
 KV_POLL_S = 0.005  # how long a step with nothing but KV transfers to wait for waits
+# a gap between two steps longer than both of these is the caller idling, not host work
+IDLE_GAP_S = 0.05
+IDLE_GAP_RATIO = 2.0  # times the step's own time
 
 
 @dataclass(slots=True)
@@ -85,6 +88,7 @@ class EngineCore:
         # its requests, whether it verifies drafts)
         self._fetch_seconds = 0.0
         self._timed_iteration: tuple[float, float, int, bool] | None = None
+        self._step_returned = 0.0
         logger.info("KV cache: %d blocks of %d tokens", self.cache_config.num_blocks, config.block_size)
 
     def _init_verification(self, config: EngineConfig) -> None:
@@ -232,6 +236,7 @@ class EngineCore:
             self._in_flight = None
         if self.loras.removing:  # adapters whose last request just ended
             self.loras.finish_removals()
+        self._step_returned = time.perf_counter()
         return outputs
 
     def _time_iteration(self, started: float, fetched: float, scheduled: SchedulerOutput) -> None:
@@ -248,6 +253,8 @@ class EngineCore:
         results) to the verification policy."""
         started, fetched, num_requests, verifying = self._timed_iteration
         self._timed_iteration = None
+        if now - self._step_returned > max(IDLE_GAP_S, IDLE_GAP_RATIO * (self._step_returned - started)):
+            return  # the caller let the engine idle between the two: not the step's host work
         self.scheduler.verification.observe_host(num_requests, (now - started) - (self._fetch_seconds - fetched), verifying)
 
     def _step_pipelined(self) -> list[EngineCoreOutput]:
