@@ -128,3 +128,13 @@ def test_a_hold_refuses_once_the_held_steps_are_full():
             break
         held += 1
     assert held == HOLD_STEPS - 1
+
+
+def test_a_hand_over_for_no_request_is_empty():
+    table = BlockTable(64)
+    request = Request("a", 4, table)
+    collector = HiddenStateCollector()
+    batch = build_step_batch([request.state], [4], table, BLOCK, torch.device("cpu"))
+    step = collector.record(batch, torch.ones(4, 2))
+    given = collector.gather(step, [], [])
+    assert given.counts == [] and given.states.shape == (0, 2) and given.positions.shape == (0,)

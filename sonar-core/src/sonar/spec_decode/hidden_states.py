@@ -119,49 +119,38 @@ class HiddenStateCollector:
         of the step's states where they are contiguous there, else one gather. Held rows of
         other requests stay for their own next hand-over."""
         held, self._held = self._held, []
-        where = {r: i for i, r in enumerate(req_ids)}
-        pool = _Pool()
-        owners: list[np.ndarray] = []  # per piece group: the request (its index in req_ids) of each piece
-        firsts: list[np.ndarray] = []  # the first row of each piece in the pool
-        lengths: list[np.ndarray] = []  # the rows of each piece
+        hand_over = _HandOver()
         if self._pending:  # pieces waiting per request come first: they are its oldest
             for i, req_id in enumerate(req_ids):
                 for states, positions, first, rows in self._pending.pop(req_id, ()):
-                    owners.append(np.array([i])), firsts.append(np.array([pool.offset(states, positions) + first])), lengths.append(np.array([rows]))
+                    hand_over.add(states, positions, np.array([i]), np.array([first]), np.array([rows]))
         everyone = np.arange(len(req_ids), dtype=np.int64)
+        where = None
         for entry in held:
             if entry.req_ids == req_ids:  # most often: the same requests, in the same order
                 at = everyone
             else:
+                where = where or {r: i for i, r in enumerate(req_ids)}
                 at = np.fromiter((where.get(r, -1) for r in entry.req_ids), dtype=np.int64, count=len(entry.req_ids))
             mine = at >= 0
             if entry.gone:
                 mine &= np.fromiter((r not in entry.gone for r in entry.req_ids), dtype=bool, count=len(entry.req_ids))
-            if not mine.all():  # another request's rows: left for its next hand-over
-                states, positions = entry.step.states, entry.step.positions
-                for j in np.flatnonzero(~mine & (at < 0)).tolist():
-                    req_id = entry.req_ids[j]
-                    if req_id not in entry.gone and entry.kept[j]:
-                        self._pending.setdefault(req_id, []).append((states, positions, int(entry.starts[j]), int(entry.kept[j])))
+            if not mine.all():
+                self._leave_behind(entry, np.flatnonzero(at < 0))
             if mine.any():
-                owners.append(at[mine]), firsts.append(pool.offset(entry.step.states, entry.step.positions) + entry.starts[mine]), lengths.append(entry.kept[mine])
+                hand_over.add(entry.step.states, entry.step.positions, at[mine], entry.starts[mine], entry.kept[mine])
         starts, kept = step.kept(req_ids, num_accepted)
-        owners.append(everyone), firsts.append(pool.offset(step.states, step.positions) + starts), lengths.append(kept)
-        owner, first, length = (np.concatenate(parts) for parts in (owners, firsts, lengths))
-        order = np.argsort(owner, kind="stable")  # grouped by request, each request's pieces in order
-        owner, first, length = owner[order], first[order], length[order]
-        counts = np.bincount(owner, weights=length, minlength=len(req_ids)).astype(np.int64).tolist()
-        ends = np.cumsum(length)
-        num_rows = int(ends[-1]) if len(ends) else 0
-        all_states, all_positions = pool.tensors(step)
-        if not num_rows:
-            return ProposerHiddenStates(all_states[:0], all_positions[:0], counts)
-        index = np.arange(num_rows, dtype=np.int64) + np.repeat(first - (ends - length), length)
-        if bool((np.diff(index) == 1).all()):
-            rows = slice(int(index[0]), int(index[0]) + num_rows)  # contiguous: a view
-            return ProposerHiddenStates(all_states[rows], all_positions[rows], counts)
-        on_device = to_device(index, all_states.device)
-        return ProposerHiddenStates(all_states.index_select(0, on_device), all_positions.index_select(0, on_device), counts)
+        hand_over.add(step.states, step.positions, everyone, starts, kept)
+        return hand_over.result(len(req_ids))
+
+    def _leave_behind(self, entry: _HeldStep, others: np.ndarray) -> None:
+        """A held step's rows of requests another hand-over did not take: kept per request for
+        their own next one (those of dropped requests go nowhere)."""
+        states, positions = entry.step.states, entry.step.positions
+        for j in others.tolist():
+            req_id = entry.req_ids[j]
+            if req_id not in entry.gone and entry.kept[j]:
+                self._pending.setdefault(req_id, []).append((states, positions, int(entry.starts[j]), int(entry.kept[j])))
 
     def remove_requests(self, req_ids: set[str]) -> None:
         """Drop what is held for finished or preempted requests."""
@@ -171,25 +160,48 @@ class HiddenStateCollector:
             entry.gone |= req_ids
 
 
-class _Pool:
-    """The distinct state tensors a hand-over reads from, and each one's first row once they
-    are joined (in the order first met)."""
+class _HandOver:
+    """The pieces of one hand-over: runs of rows of a few state tensors, each a request's (its
+    index in the hand-over), added oldest first; joined into request order at the end."""
 
     def __init__(self) -> None:
-        self._offset_of: dict[int, int] = {}  # id(states) -> its first row in the pool
+        self._offset_of: dict[int, int] = {}  # id(states) -> its first row once the tensors are joined
         self._parts: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._total = 0
+        self._owners: list[np.ndarray] = []  # per piece, its request
+        self._firsts: list[np.ndarray] = []  # per piece, its first row among the joined tensors
+        self._lengths: list[np.ndarray] = []  # per piece, its rows
 
-    def offset(self, states: torch.Tensor, positions: torch.Tensor) -> int:
+    def add(self, states: torch.Tensor, positions: torch.Tensor, owners: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> None:
+        """Pieces of ``states``/``positions``: request ``owners[j]``'s rows ``starts[j]`` to
+        ``starts[j] + lengths[j]``."""
         offset = self._offset_of.get(id(states))
         if offset is None:
             offset = self._offset_of[id(states)] = self._total
             self._total += states.shape[0]
             self._parts.append((states, positions))
-        return offset
+        self._owners.append(owners)
+        self._firsts.append(offset + starts)
+        self._lengths.append(lengths)
 
-    def tensors(self, step: StepHiddenStates) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool's states and positions joined (the step's own where it is the only part)."""
+    def result(self, num_requests: int) -> ProposerHiddenStates:
+        """Every request's rows together, in request order and each request's in the order
+        added: a slice where they are one run, else one gather."""
+        owner, first, length = (np.concatenate(parts) for parts in (self._owners, self._firsts, self._lengths))
+        order = np.argsort(owner, kind="stable")
+        owner, first, length = owner[order], first[order], length[order]
+        counts = np.bincount(owner, weights=length, minlength=num_requests).astype(np.int64).tolist()
         if len(self._parts) == 1:
-            return self._parts[0]
-        return torch.cat([states for states, _ in self._parts]), torch.cat([positions for _, positions in self._parts])
+            states, positions = self._parts[0]
+        else:
+            states, positions = torch.cat([s for s, _ in self._parts]), torch.cat([p for _, p in self._parts])
+        ends = np.cumsum(length)
+        num_rows = int(ends[-1]) if len(ends) else 0
+        if not num_rows:
+            return ProposerHiddenStates(states[:0], positions[:0], counts)
+        index = np.arange(num_rows, dtype=np.int64) + np.repeat(first - (ends - length), length)
+        if bool((np.diff(index) == 1).all()):
+            rows = slice(int(index[0]), int(index[0]) + num_rows)  # one run: a view
+            return ProposerHiddenStates(states[rows], positions[rows], counts)
+        on_device = to_device(index, states.device)
+        return ProposerHiddenStates(states.index_select(0, on_device), positions.index_select(0, on_device), counts)
