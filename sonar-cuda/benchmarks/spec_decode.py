@@ -29,6 +29,7 @@ is ``L * cost(0) / cost(k)``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import random
@@ -216,8 +217,15 @@ def _drafter_specs(drafters: str, k: int) -> list[dict[str, Any]]:
 def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
     """Batch-1 greedy decode of a real target with and without ``method``: code edits
     (turn 1 the model's own solution, turn 2 asks for the same code with a docstring) for
-    n-gram, the prompt set's first turns for a drafter (``drafters``: several, one plain run)."""
-    common = dict(dtype="bfloat16", max_model_len=2048, gpu_memory_utilization=0.5, quantization="unquantized")
+    n-gram, the prompt set's first turns for a drafter (``drafters``: several beside one plain
+    engine).
+
+    The engines live side by side (each with the same KV-cache memory) and take turns
+    conversation by conversation, the order rotated each time, for ``--rounds`` rounds: the
+    host's speed drifts over a process's life, and a small target's step is mostly host work.
+    Each engine's figure is its median round; each speedup the median of its rounds' ratios to
+    the plain engine's same round."""
+    common = dict(dtype="bfloat16", max_model_len=2048, kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)), quantization="unquantized")
     plain = LLM(args.target, **common)
     turns = _read_prompts(args.prompts, args.num_prompts, args.skip_prompts)
     if method == "ngram":
@@ -236,34 +244,47 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
     else:
         conversations = [[{"role": "user", "content": t[0]}] for t in turns]
         specs = [{"method": method, "model": args.drafter, "num_speculative_tokens": args.k}]
-    _chat_run(plain, conversations[:2], 32)  # warm-up
-    with run_counters(plain.llm_engine) as plain_counters:
-        plain_s, plain_tokens, plain_texts = _chat_run(plain, conversations, args.max_tokens)
-    del plain
-    _release()
+    engines = [plain] + [LLM(args.target, speculative_config=spec, **common) for spec in specs]
+    for llm in engines:
+        _chat_run(llm, conversations[:2], 32)  # warm-up
+    before = [_acceptance(llm) if i else None for i, llm in enumerate(engines)]
+    seconds = [[0.0] * args.rounds for _ in engines]
+    tokens = [[0] * args.rounds for _ in engines]
+    texts: list[list[str]] = [[] for _ in engines]
+    with contextlib.ExitStack() as stack:
+        counters = [stack.enter_context(run_counters(llm.llm_engine)) for llm in engines]
+        for round_index in range(args.rounds):
+            for c, messages in enumerate(conversations):
+                shift = (round_index + c) % len(engines)
+                for i in [*range(shift, len(engines)), *range(shift)]:
+                    s, n, text = _chat_run(engines[i], [messages], args.max_tokens)
+                    seconds[i][round_index] += s
+                    tokens[i][round_index] += n
+                    if round_index == 0:
+                        texts[i] += text
+            print(f"round {round_index}:", [round(tokens[i][round_index] / seconds[i][round_index], 1) for i in range(len(engines))],
+                  file=sys.stderr, flush=True)  # fmt: skip
+    rates = [[n / s for n, s in zip(tokens[i], seconds[i])] for i in range(len(engines))]
     runs = []
-    for spec in specs:
-        llm = LLM(args.target, speculative_config=spec, **common)
-        _chat_run(llm, conversations[:2], 32)
-        before = _acceptance(llm)
-        with run_counters(llm.llm_engine) as counters:
-            spec_s, spec_tokens, spec_texts = _chat_run(llm, conversations, args.max_tokens)
-        after = _acceptance(llm)
-        del llm
-        _release()
-        drafts = after["drafts"] - before["drafts"]
-        accepted = after["accepted"] - before["accepted"]
+    for i, spec in enumerate(specs, start=1):
+        after = _acceptance(engines[i])
+        drafts = after["drafts"] - before[i]["drafts"]
+        accepted = after["accepted"] - before[i]["accepted"]
+        spec_tokens = sum(tokens[i])
+        ratios = [round(a / b, 3) for a, b in zip(rates[i], rates[0])]
         runs.append({
-            "speculative_config": spec, "spec_tok_s": round(spec_tokens / spec_s, 1),
-            "speedup": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3),
+            "speculative_config": spec, "spec_tok_s": round(statistics.median(rates[i]), 1),
+            "speedup": round(statistics.median(ratios), 3), "speedup_by_round": ratios,
             "mean_acceptance_length": round(1 + accepted / max(drafts, 1), 3),
             "tokens_per_step": round(spec_tokens / max(spec_tokens - accepted, 1), 3),  # each step emits 1 + its accepted drafts
-            "same_text": sum(a == b for a, b in zip(plain_texts, spec_texts)),
-            "counters": per_step(counters),
-        })
+            "same_text": sum(a == b for a, b in zip(texts[0], texts[i])),
+            "counters": per_step(counters[i]),
+        })  # fmt: skip
         print(json.dumps(runs[-1]), file=sys.stderr, flush=True)
-    return {"method": method, "prompts": len(conversations), "plain_tok_s": round(plain_tokens / plain_s, 1),
-            "plain_counters": per_step(plain_counters), "runs": runs}  # fmt: skip
+    del engines, plain
+    _release()
+    return {"method": method, "prompts": len(conversations), "rounds": args.rounds, "plain_tok_s": round(statistics.median(rates[0]), 1),
+            "plain_tok_s_by_round": [round(r, 1) for r in rates[0]], "plain_counters": per_step(counters[0]), "runs": runs}  # fmt: skip
 
 
 def batched(args: argparse.Namespace) -> dict[str, Any]:
@@ -349,9 +370,9 @@ def main() -> None:
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--ngram-configs", default="5:2:4",
                         help="ngram part: comma-separated k:prompt_lookup_min:prompt_lookup_max, each measured beside the one plain run")
-    parser.add_argument("--kv-cache-gib", type=float, default=8.0, help="batched part: the KV cache of each of the engines living side by side")
+    parser.add_argument("--kv-cache-gib", type=float, default=8.0, help="batched, drafters, ngram, eagle3, dflash, dspark parts: the KV cache of each of the engines living side by side")
     parser.add_argument("--verifications", default="fixed,confidence", help="batched part: the speculative engines beside the plain one")
-    parser.add_argument("--rounds", type=int, default=3, help="batched part: rounds of turns at each batch size (the median is reported)")
+    parser.add_argument("--rounds", type=int, default=3, help="batched and batch-1 parts: rounds of turns (the median is reported)")
     parser.add_argument("--output-json")
     spec_confidence.add_arguments(parser)
     args = parser.parse_args()
