@@ -1,7 +1,8 @@
-"""Every proposer on every architecture: greedy output with n-gram, EAGLE-3, DFlash and DSpark
-speculation is token for token the output without it, on tiny random models of each
-registered architecture (a sliding-window Mistral and the mixture-of-experts ones included),
-a batch of requests of different lengths at once, in float32 on the CPU."""
+"""Every proposer on every architecture: greedy output with n-gram, draft-model, EAGLE-3, DFlash
+and DSpark speculation is token for token the output without it, on tiny random models of
+each registered architecture (a sliding-window Mistral and the mixture-of-experts ones
+included), a batch of requests of different lengths at once, in float32 on the CPU. The
+target drafting for itself has every draft accepted, so whole verify steps are kept."""
 
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def test_every_proposer_keeps_greedy_output_on_every_architecture(target, tmp_pa
     expected = generate(LLM(str(target), **common))
     specs = {
         "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3},
+        "draft_model": {"method": "draft_model", "model": str(target), "num_speculative_tokens": K},
         "eagle3": {"method": "eagle3", "model": eagle3_head(target, tmp_path / "eagle3"), "num_speculative_tokens": K},
         "dflash": {"method": "dflash", "model": block_drafter(target, tmp_path / "dflash", False), "num_speculative_tokens": K},
         "dspark": {"method": "dspark", "model": block_drafter(target, tmp_path / "dspark", True), "num_speculative_tokens": K},
@@ -86,6 +88,8 @@ def test_every_proposer_keeps_greedy_output_on_every_architecture(target, tmp_pa
         assert stats.spec_num_draft_tokens > 0, name  # drafts were verified, not just proposed
         if name == "ngram":
             assert stats.spec_num_accepted_tokens > 0  # and some kept: the verify steps' rows count
+        if name == "draft_model":
+            assert stats.spec_num_accepted_tokens == stats.spec_num_draft_tokens  # its own drafts: all kept
 
 
 def test_the_architectures_cover_the_registered_ones():
