@@ -16,14 +16,20 @@
     # 1/64/256, throughput with fixed against confidence verification, a DSpark drafter's cost
     # (spec_confidence.py; --tiny runs it on the CPU)
     python sonar-cuda/benchmarks/spec_decode.py --part confidence --output-json confidence.json
-    # a real target and a trained drafter at batch 1/64/256: none, fixed and confidence verification,
-# the three engines side by side, taking turns in --rounds rounds (the median is reported)
+    # a real target and a trained drafter at batch 1/64/256: none, fixed and confidence verification
     python sonar-cuda/benchmarks/spec_decode.py --part batched --method dspark --target model.gguf --drafter dspark/ --prompts gsm8k.jsonl --skip-prompts 1219 --num-prompts 100 -k 7
 
 verify-cost drafts random tokens (a benchmark-only proposer): a random-weight target accepts
 none of them, so every step emits one token per request while verifying k + 1 positions; its
 time per step is the verify step's cost, and the speedup an acceptance length L would give
 is ``L * cost(0) / cost(k)``.
+
+The parts with a real target (ngram, eagle3, dflash, dspark, drafters, batched) keep their
+engines side by side, each with ``--kv-cache-gib`` of KV cache, and have them take turns
+(conversation by conversation at batch 1, run by run in ``batched``), the order rotated, for
+``--rounds`` rounds: each figure is a median, each speedup the median of the rounds' ratios to
+the plain engine's same round. A small target's step is mostly host work, and the host's speed
+drifts over a process's life; engines run one after another would inherit that drift.
 """
 
 from __future__ import annotations
