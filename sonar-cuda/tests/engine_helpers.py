@@ -45,14 +45,19 @@ def generate(
     outputs in prompt order."""
     engine = LLMEngine(EngineArgs(model=str(path), **engine_kwargs), platform=platform)
     each = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (prompt, request_params) in enumerate(zip(prompts, each, strict=True)):
+    return run_to_end(engine, prompts, each), engine
+
+
+def run_to_end(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]) -> list[RequestOutput]:
+    """Every prompt (with its params) through ``engine`` until all finish; outputs in prompt order."""
+    for i, (prompt, request_params) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(str(i), {"prompt_token_ids": prompt}, request_params)
     done: dict[str, RequestOutput] = {}
     while engine.has_unfinished_requests():
         for output in engine.step():
             if output.finished:
                 done[output.request_id] = output
-    return [done[str(i)] for i in range(len(prompts))], engine
+    return [done[str(i)] for i in range(len(prompts))]
 
 
 class HFOracle:

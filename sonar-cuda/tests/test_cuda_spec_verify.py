@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from engine_helpers import InterpretedCudaPlatform, generate, use_tokenizer_folder_if_needed
+from engine_helpers import InterpretedCudaPlatform, generate, run_to_end, use_tokenizer_folder_if_needed
 
 from sonar import registry
 from sonar.config import EngineArgs
@@ -64,20 +64,13 @@ def _platform():
 
 
 def _run_recording_verify_layouts(engine: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]):
-    """Run the requests to the end: each one's final output, and the rows of every verify
-    step the runner laid out in the graphs' buffers."""
+    """Run the requests to the end: each one's final output (in prompt order), and the rows
+    of every verify step the runner laid out in the graphs' buffers."""
     runner = engine.core.executor.worker.model_runner
     layouts: list[int] = []
     build = runner._build_verify_batch
     runner._build_verify_batch = lambda states, counts, n: layouts.append(n) or build(states, counts, n)
-    for i, (prompt, p) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
-    done = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                done[output.request_id] = output.outputs[0]
-    return done, layouts
+    return [output.outputs[0] for output in run_to_end(engine, prompts, params)], layouts
 
 
 def test_verify_graphs_reach_a_full_verify_step() -> None:
@@ -129,8 +122,8 @@ def test_verify_steps_in_the_graph_layout_keep_greedy_output(tmp_path, scripted,
     engine = LLMEngine(EngineArgs(model=str(path), speculative_config=config, **kwargs), platform=_platform())
     done, layouts = _run_recording_verify_layouts(engine, prompts, params)
     for i, reference in enumerate(expected):
-        assert done[str(i)].token_ids == reference.outputs[0].token_ids
-    for a, b in zip(done["0"].logprobs, expected[0].outputs[0].logprobs, strict=True):
+        assert done[i].token_ids == reference.outputs[0].token_ids
+    for a, b in zip(done[0].logprobs, expected[0].outputs[0].logprobs, strict=True):
         assert a.keys() == b.keys()
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-3 for t in a)
     stats = engine.get_stats()
@@ -171,7 +164,7 @@ def test_a_drafter_reading_the_targets_states_drafts_for_every_request_of_a_grap
     engine = LLMEngine(EngineArgs(model=str(path), speculative_config=config, **kwargs), platform=_platform())
     done, layouts = _run_recording_verify_layouts(engine, prompts, [greedy] * 2)
     for i, reference in enumerate(expected):
-        assert done[str(i)].token_ids == reference.outputs[0].token_ids
+        assert done[i].token_ids == reference.outputs[0].token_ids
     # both requests verified their drafts in every verify step (3 each until max_tokens leaves less room)
     assert layouts[:4] == [8] * 4 and all(n >= 4 for n in layouts)
     assert engine.get_stats().spec_num_drafts == 2 * len(layouts)

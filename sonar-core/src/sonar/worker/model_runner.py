@@ -552,7 +552,7 @@ class ModelRunner:
 
     def _prompt_logprobs(self, batch: StepBatch, hidden: torch.Tensor) -> dict[str, RequestLogprobs]:
         results: dict[str, RequestLogprobs] = {}
-        starts = batch.token_starts()
+        starts = None  # each request's first token row, once a request asks
         for row, state in enumerate(batch.states):
             k = state.sampling.params.prompt_logprobs
             start = state.num_computed_tokens
@@ -564,6 +564,8 @@ class ModelRunner:
             if end <= start:
                 results[state.req_id] = RequestLogprobs([], [], [])
                 continue
+            if starts is None:
+                starts = batch.token_starts()
             first = starts[row]
             parts = []
             for offset in range(0, end - start, PROMPT_LOGPROBS_ROWS):  # bounded logits memory
