@@ -332,8 +332,8 @@ def test_the_first_drafting_step_of_a_large_batch_drafts_for_a_few(targets, tmp_
     calls = []
     after_step = decoder.after_step
 
-    def recorded(output, req_ids, states, hidden, drafting, draft_limit):
-        after_step(output, req_ids, states, hidden, drafting, draft_limit)
+    def recorded(output, req_ids, states, hidden, drafting, draft_limit, chained=None):
+        after_step(output, req_ids, states, hidden, drafting, draft_limit, chained)
         if drafting:
             calls.append((len(req_ids), draft_limit, output.draft_rows))
 

@@ -36,7 +36,15 @@ from sonar.spec_decode.dflash_config import DFlashConfig, read_dflash_config
 from sonar.spec_decode.dflash_model import DFlashDrafter
 from sonar.spec_decode.draft_graphs import DraftPass, build_context_pass, capture_sizes, slot_buckets
 from sonar.spec_decode.eagle3 import target_embedding
-from sonar.spec_decode.interface import DraftCacheBudget, DraftTokens, Proposer, ProposerInputs, SpeculativeConfig
+from sonar.spec_decode.interface import (
+    ChainedDrafts,
+    ChainedStep,
+    DraftCacheBudget,
+    DraftTokens,
+    Proposer,
+    ProposerInputs,
+    SpeculativeConfig,
+)
 from sonar.spec_decode.paged_draft_cache import STANDALONE_BUDGET, PagedDraftCache, build_draft_cache
 from sonar.tensors import to_device
 
@@ -69,6 +77,7 @@ class DFlashProposer(Proposer):
 
     needs_hidden_states = True
     keeps_context = True
+    chains = True
     method = "dflash"
 
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
@@ -81,6 +90,7 @@ class DFlashProposer(Proposer):
         self.block_pass: DraftPass | None = None
         self.context_pass: DraftPass | None = None
         self.bound = False  # a model runner sizes the cache (init_cache); else load_model does
+        self._chained_from: dict[str, int] = {}  # per request of the last chained step: its slots before it
 
     @classmethod
     def check_config(cls, config: SpeculativeConfig) -> DFlashConfig:
@@ -188,6 +198,34 @@ class DFlashProposer(Proposer):
             if rows_survival is not None:
                 confidence[i] = rows_survival[row]
         return DraftTokens(list(inputs.req_ids), drafts, confidence=confidence)
+
+    @torch.inference_mode()
+    def propose_chained(self, step: ChainedStep) -> ChainedDrafts:
+        """Steps 1 to 3 from a verify step's device results: every verified position's state is
+        written to slots claimed for it, then each request's device length is cut to its kept
+        positions (the rows after a rejected draft stay unread and are written over next);
+        the block's anchor is the token emitted after the last kept draft."""
+        cache = self.cache
+        before = [cache.lengths.get(r, 0) for r in step.req_ids]
+        slots = cache.claim_many(step.req_ids, step.num_positions)
+        num_rows = sum(step.num_positions)
+        self.context_pass.run({"states": step.hidden_states[:num_rows], "positions": step.positions[:num_rows], "slots": slots})
+        columns = [[cache.row_of(r) for r in step.req_ids], [n + 1 for n in before], step.starts, [p + 1 for p in step.first_positions]]
+        rows, kept_from, starts, anchor_from = to_device(np.asarray(columns, dtype=np.int64), self.device)  # one copy
+        accepted = step.num_accepted
+        cache.device_lengths.index_copy_(0, rows, kept_from + accepted)
+        values = {"rows": rows, "anchors": step.token_ids[starts + accepted], "anchor_positions": anchor_from + accepted}
+        tokens, *survival = self.block_pass.run(values, max(n + count for n, count in zip(before, step.num_positions)))
+        self._chained_from = dict(zip(step.req_ids, before))
+        return ChainedDrafts(tokens, survival[0] if survival else None)
+
+    def settle_chained(self, req_ids: list[str], num_accepted: list[int]) -> None:
+        """Each request's host length: its slots before the step, its last known token and
+        its kept drafts."""
+        before, self._chained_from = self._chained_from, {}
+        for req_id, accepted in zip(req_ids, num_accepted):
+            if req_id in before:
+                self.cache.settle(req_id, before[req_id] + 1 + accepted)
 
     @torch.inference_mode()
     def keep_context(self, inputs: ProposerInputs) -> None:

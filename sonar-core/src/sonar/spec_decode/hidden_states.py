@@ -80,6 +80,11 @@ class HiddenStateCollector:
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor, int, int]]] = {}
         self._held: list[_HeldStep] = []
 
+    @property
+    def has_waiting(self) -> bool:
+        """Whether any request has states waiting for a hand-over (held steps, prefill chunks)."""
+        return bool(self._pending or self._held)
+
     def record(self, batch: StepBatch, states: torch.Tensor) -> StepHiddenStates:
         """The step's states (``[num_tokens, width]``, rows as ``batch`` lays out tokens).
 

@@ -166,6 +166,40 @@ class DraftTokens:
 
 
 @dataclass(slots=True)
+class ChainedStep:
+    """A verify step whose results are still on the device, for a proposer that ``chains``:
+    it drafts the next step right behind the verification, before the host reads anything.
+
+    Request ``req_ids[i]`` verified ``num_positions[i] - 1`` drafts; its positions are rows
+    ``starts[i] .. starts[i] + num_positions[i] - 1`` of ``token_ids`` (the token emitted at
+    each, valid up to its ``num_accepted[i] + 1``-th) and of ``hidden_states`` / ``positions``
+    (the target's states of every verified position, the rows after a rejected draft
+    included: they were computed from a wrong token and must not count as context).
+    ``first_positions[i]`` is the sequence position of its first row (its last known token).
+    ``token_ids``, ``num_accepted``, ``hidden_states`` and ``positions`` are on the device;
+    the lists are the host's."""
+
+    req_ids: list[str]
+    num_positions: list[int]
+    starts: list[int]
+    first_positions: list[int]
+    token_ids: torch.Tensor  # [P] int64
+    num_accepted: torch.Tensor  # [B] int64
+    hidden_states: torch.Tensor  # [P, width]
+    positions: torch.Tensor  # [P] int64
+
+
+@dataclass(slots=True)
+class ChainedDrafts:
+    """The drafts of a ``ChainedStep``, on the device: ``token_ids[i]`` (``[B, k]``) for its
+    request ``i``, and the survival estimates ``confidence[i]`` where the proposer gives them
+    (as ``DraftTokens.confidence``)."""
+
+    token_ids: torch.Tensor
+    confidence: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
 class DraftCacheBudget:
     """What sizes a drafter's own cache: the target's block count and size and the engine's
     limits; ``capturer``: the platform's graph capturer where drafter passes are captured
@@ -191,12 +225,16 @@ class Proposer:
         target's states can build (a drafter's own KV cache over them): the runner then calls
         ``keep_context`` after every step that does not draft, so no position is missing when
         drafting resumes.
+    :cvar chains: whether the proposer can draft from a verify step's device results
+        (``propose_chained``): the runner then queues the drafter right behind the
+        verification, and the host reads the step's tokens and the next drafts at once.
     :param config: the speculative configuration.
     :param device: the worker's device.
     """
 
     needs_hidden_states: bool = False
     keeps_context: bool = False
+    chains: bool = False
 
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
         self.config = config
@@ -239,3 +277,15 @@ class Proposer:
         request not yet allowed to draft (short of its ``min_tokens``). ``inputs`` are what
         ``propose`` would get, except that ``token_ids`` are read-only sequences (not lists);
         nothing may wait for the device here (the step after this one may be running)."""
+
+    def propose_chained(self, step: ChainedStep) -> ChainedDrafts:
+        """Draft ``config.num_speculative_tokens`` tokens per request of ``step`` (only where
+        ``chains``) from device values alone: nothing here may wait for the device. Each
+        request's context takes its kept positions only (``num_accepted[i] + 1`` rows); the
+        runner calls ``settle_chained`` once the host knows how many that was."""
+        raise NotImplementedError
+
+    def settle_chained(self, req_ids: list[str], num_accepted: list[int]) -> None:
+        """The host's side of the last ``propose_chained``, once its results are read back:
+        request ``req_ids[i]`` kept ``num_accepted[i]`` drafts (a request removed meanwhile
+        is absent or ignored)."""

@@ -223,6 +223,13 @@ class PagedDraftCache:
         self.device_lengths.index_copy_(0, on_device[n : n + m], on_device[n + m : n + 2 * m])
         return on_device[:n]
 
+    def settle(self, req_id: str, length: int) -> None:
+        """The host's length of a request whose last slots were claimed provisionally (a
+        chained drafting step) and whose device length was already cut to ``length`` on the
+        device: the slots past it are free again (unknown requests are ignored)."""
+        if req_id in self.lengths:
+            self.lengths[req_id] = self.committed[req_id] = length
+
     def append(self, req_id: str, kv: torch.Tensor, positions: torch.Tensor | None = None, commit: bool = True) -> None:
         """Write ``kv [layers, 2, n, kv_heads, head_dim]`` after the request's last slot (its
         positions ``[n]`` where a reader masks by position); ``commit``: verified context."""

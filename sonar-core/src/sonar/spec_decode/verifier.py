@@ -145,7 +145,7 @@ def verify(
             greedy_at = greedy_rows[layout.row_of]
             accepted = torch.where(greedy_at, greedy_accepted, accepted)
             alternative = torch.where(greedy_at, greedy_ids, alternative)
-    num_accepted = _leading_accepted(accepted, layout)
+    num_accepted = leading_accepted(accepted, layout)
     keep_draft = layout.offset < num_accepted[layout.row_of]
     return VerifyResult(torch.where(keep_draft, draft_ids, alternative), num_accepted)
 
@@ -192,7 +192,7 @@ def _position_uniforms(count: int, generators: dict[int, torch.Generator], devic
     return draws
 
 
-def _leading_accepted(accepted: torch.Tensor, layout: VerifyLayout) -> torch.Tensor:
+def leading_accepted(accepted: torch.Tensor, layout: VerifyLayout) -> torch.Tensor:
     """``[B]`` how many drafts of each request are kept: its run of accepted positions from the first."""
     num_rows = len(layout.starts)
     width = max(layout.num_drafts) + 1

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from sonar import ops
@@ -18,8 +19,8 @@ from sonar.sampler.sampler import Sampler
 from sonar.spec_decode.draft_probs import DraftProbsStore
 from sonar.spec_decode.eligibility import may_ever_speculate, may_speculate
 from sonar.spec_decode.hidden_states import HiddenStateCollector, StepHiddenStates
-from sonar.spec_decode.interface import DraftCacheBudget, Proposer, ProposerInputs, SpeculativeConfig
-from sonar.spec_decode.verifier import VerifyLayout, VerifyResult, verify
+from sonar.spec_decode.interface import ChainedDrafts, ChainedStep, DraftCacheBudget, Proposer, ProposerInputs, SpeculativeConfig
+from sonar.spec_decode.verifier import VerifyLayout, VerifyResult, leading_accepted, verify
 from sonar.tensors import to_device
 from sonar.worker.input_batch import StepBatch
 
@@ -52,6 +53,17 @@ class TokenSequence(Sequence[int]):
 
 
 @dataclass(slots=True)
+class ChainedProposal:
+    """Drafts queued right behind a verify step (``SpeculativeDecoder.chain``): their host
+    copies (valid once the step's results are), and how long the host took to queue them."""
+
+    req_ids: list[str]  # the requests that draft, in order
+    token_ids: torch.Tensor  # [B, k]
+    confidence: torch.Tensor | None
+    seconds: float
+
+
+@dataclass(slots=True)
 class VerifiedStep:
     """A verify step's results on the device: the emitted tokens per position, the drafts
     kept per request, and the logprobs of every position (when some request asked)."""
@@ -63,6 +75,8 @@ class VerifiedStep:
 
 class SpeculativeDecoder:
     """The runner's speculative part: the configured proposer and the verifier."""
+
+    chain_drafts = True  # a proposer that chains drafts behind verification where a step allows
 
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
         self.config = config
@@ -152,6 +166,70 @@ class SpeculativeDecoder:
         result = verify(probs, greedy_ids, greedy_rows, layout, generators, draft_probs)
         return VerifiedStep(layout, result, self._logprobs(logits, result.token_ids, meta))
 
+    def chain(
+        self,
+        verified: VerifiedStep,
+        hidden: StepHiddenStates | None,
+        req_ids: list[str],
+        states: list[CachedRequestState],
+        num_requests: int,
+        draft_limit: int | None,
+    ) -> ChainedProposal | None:
+        """Queue the next step's drafts right behind a verify step (a proposer that
+        ``chains``), so that one read-back brings the step's tokens and the drafts together;
+        None where the step does not allow it and the proposal waits for the tokens as usual.
+
+        It allows it when the step (``num_requests`` scheduled, the sampled ``req_ids[i]``
+        with state ``states[i]``, launched and not yet advanced) is all decoding, and every
+        request that may ever draft verified drafts now and may draft again after this step
+        (not short of ``min_tokens``), with none left out by ``draft_limit`` and no earlier
+        states waiting for a hand-over. The others (parameters that never draft) take no part.
+        ``verified.result.num_accepted`` is then set where the host would count it."""
+        proposer, layout = self.proposer, verified.layout
+        if not (self.chain_drafts and proposer.chains and hidden is not None) or num_requests != len(req_ids):
+            return None
+        if num_requests > self.config.max_batch_size or self.hidden.has_waiting or hidden.req_ids != req_ids:
+            return None
+        if hidden.starts.tolist() != layout.starts or (hidden.counts != np.asarray(layout.num_drafts) + 1).any():
+            return None  # not a decoding step: its states' rows are not its verified positions
+        rows = []
+        for i, state in enumerate(states):
+            params = state.sampling.params
+            if not may_ever_speculate(params):
+                continue
+            if not layout.num_drafts[i] or not may_speculate(params, len(state.sampling.output_token_ids) + 1):
+                return None
+            if self._live is not None and state.req_id not in self._live:
+                return None
+            rows.append(i)
+        if not rows or (draft_limit is not None and draft_limit < len(rows)):
+            return None
+        started = time.perf_counter()
+        result = verified.result
+        if result.num_accepted is None:  # an all-greedy batch: counted here instead of on the host
+            result.num_accepted = leading_accepted((result.token_ids == layout.draft_ids) & (layout.draft_ids >= 0), layout)
+        counts = [layout.num_drafts[i] + 1 for i in rows]
+        starts = [layout.starts[i] for i in rows]
+        states_rows, positions, accepted = hidden.states, hidden.positions, result.num_accepted
+        if len(rows) < len(req_ids):  # the drafting requests' rows only
+            index = to_device(np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts)]), self.device)
+            states_rows, positions = states_rows.index_select(0, index), positions.index_select(0, index)
+            accepted = accepted[to_device(np.asarray(rows, dtype=np.int64), self.device)]
+        step = ChainedStep(
+            req_ids=[req_ids[i] for i in rows],
+            num_positions=counts,
+            starts=starts,
+            first_positions=[states[i].num_computed_tokens for i in rows],
+            token_ids=result.token_ids,
+            num_accepted=accepted,
+            hidden_states=states_rows,
+            positions=positions,
+        )
+        drafts: ChainedDrafts = proposer.propose_chained(step)
+        limit = self.config.num_speculative_tokens
+        confidence = None if drafts.confidence is None else drafts.confidence[:, :limit].to("cpu", non_blocking=True)
+        return ChainedProposal(step.req_ids, drafts.token_ids[:, :limit].to("cpu", non_blocking=True), confidence, time.perf_counter() - started)
+
     @staticmethod
     def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, meta: SamplingMetadata) -> LogprobsTensors | None:
         if meta.max_num_logprobs is None:
@@ -166,11 +244,16 @@ class SpeculativeDecoder:
         hidden: StepHiddenStates | None,
         drafting: bool,
         draft_limit: int | None,
+        chained: ChainedProposal | None = None,
     ) -> None:
         """Once a step's tokens are known (``output``; ``states[i]`` request ``req_ids[i]``'s
         state): where ``drafting``, the next step's drafts into ``output`` with how long they
         took and for how many requests; else, for a proposer that ``keeps_context``, the
-        step's states into the drafter's context."""
+        step's states into the drafter's context. A step whose drafts were ``chained`` behind
+        it hands them over instead."""
+        if chained is not None:
+            self._take_chained(output, chained)
+            return
         if not drafting and not self.proposer.keeps_context:
             return
         num_accepted = [len(output.verified_token_ids.get(r, ())) or 1 for r in req_ids]
@@ -182,6 +265,25 @@ class SpeculativeDecoder:
         output.draft_token_ids, output.draft_confidence = self.propose(req_ids, sequences, num_accepted, hidden, draft_limit)
         output.draft_seconds = time.perf_counter() - started
         output.draft_rows = self.drafted_rows
+
+    def _take_chained(self, output: ModelRunnerOutput, chained: ChainedProposal) -> None:
+        """A chained step's drafts (read back with its tokens) into ``output``, the proposer's
+        host state settled on its kept drafts."""
+        req_ids = chained.req_ids
+        self.proposer.settle_chained(req_ids, [len(output.verified_token_ids[r]) - 1 for r in req_ids])
+        drafts = chained.token_ids.tolist()
+        survival = chained.confidence.tolist() if chained.confidence is not None else None
+        proposed: dict[str, list[int]] = {}
+        confidence: dict[str, list[float]] = {}
+        for i, req_id in enumerate(req_ids):
+            proposed[req_id] = drafts[i]
+            if survival is not None:
+                row = survival_row(survival[i], len(drafts[i]))
+                if row is not None:
+                    confidence[req_id] = row
+        output.draft_token_ids, output.draft_confidence = proposed, confidence
+        output.draft_seconds = chained.seconds
+        output.draft_rows = self.drafted_rows = len(req_ids)
 
     def propose(
         self,

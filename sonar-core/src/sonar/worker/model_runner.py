@@ -29,7 +29,7 @@ from sonar.spec_decode.hidden_states import StepHiddenStates
 from sonar.spec_decode.draft_graphs import GraphCapturer
 from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.spec_decode.verifier import first_logits_rows
-from sonar.spec_decode.worker_side import SpeculativeDecoder, VerifiedStep
+from sonar.spec_decode.worker_side import ChainedProposal, SpeculativeDecoder, VerifiedStep
 from sonar.structured_output.bitmask import apply_grammar_bitmask
 from sonar.tensors import to_device
 from sonar.worker.block_table import BlockTable
@@ -65,6 +65,7 @@ class LaunchedStep:
     kv_connector_output: KVConnectorOutput | None = None  # transfers the KV connector finished by its launch
     propose: bool = True  # the proposer drafts once its tokens are known (the scheduler's say)
     draft_limit: int | None = None  # for at most this many requests (None: every one)
+    chained: ChainedProposal | None = None  # the next drafts, queued behind verification
 
 
 def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: int) -> RequestLogprobs:
@@ -402,7 +403,7 @@ class ModelRunner:
             step.sample_req_ids = sample_req_ids
             step.logprob_ks = [s.params.logprobs for s in sampling_states]
             if drafts is not None:
-                self._launch_verify(step, logits, sampling_states, drafts)
+                self._launch_verify(step, logits, sampling_states, drafts, len(batch.states))
             else:
                 meta = SamplingMetadata.build(sampling_states, logits.shape[-1], self.device)
                 result = self.sampler(logits, meta)
@@ -451,11 +452,19 @@ class ModelRunner:
         return LaunchedStep(req_ids=req_ids, output=ModelRunnerOutput(req_ids, list(none), list(none)))
 
     def _launch_verify(
-        self, step: LaunchedStep, logits: torch.Tensor, sampling_states: list[RequestSamplingState], drafts: list[list[int]]
+        self,
+        step: LaunchedStep,
+        logits: torch.Tensor,
+        sampling_states: list[RequestSamplingState],
+        drafts: list[list[int]],
+        num_requests: int,
     ) -> None:
-        """Verify the step's drafts (speculative decoding) and queue the copies of its results."""
+        """Verify the step's drafts (speculative decoding), queue the next step's drafts behind
+        it where the proposer chains and the step allows, and queue the copies of its results."""
         verified = self.spec.verify(self.sampler, logits, sampling_states, drafts, step.sample_req_ids)
         step.verified = verified
+        if step.propose and self.stage.is_single:
+            step.chained = self.spec.chain(verified, step.hidden, step.sample_req_ids, step.sample_states, num_requests, step.draft_limit)
         step.sampled = verified.result.token_ids.to("cpu", non_blocking=True)
         if verified.result.num_accepted is not None:  # else counted from the tokens once they arrive
             step.num_accepted = verified.result.num_accepted.to("cpu", non_blocking=True)
@@ -481,7 +490,7 @@ class ModelRunner:
         step.output.kv_connector_output = step.kv_connector_output
         if self.spec is not None and step.sample_states:
             drafting = step.propose and len(step.req_ids) <= self.spec.config.max_batch_size
-            self.spec.after_step(step.output, step.sample_req_ids, step.sample_states, step.hidden, drafting, step.draft_limit)
+            self.spec.after_step(step.output, step.sample_req_ids, step.sample_states, step.hidden, drafting, step.draft_limit, step.chained)
 
     def _resolve_verified(self, step: LaunchedStep) -> None:
         """A verify step's output: each request's kept drafts and the token after them, put in
