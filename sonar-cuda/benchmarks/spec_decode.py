@@ -205,19 +205,37 @@ def _acceptance(llm: LLM) -> dict[str, float]:
             "drafts": stats.spec_num_drafts, "draft_tokens": stats.spec_num_draft_tokens, "accepted": stats.spec_num_accepted_tokens}
 
 
-def _drafter_specs(drafters: str, k: int) -> list[dict[str, Any]]:
+def _drafter_specs(drafters: str, k: int, unchained: bool = False) -> list[dict[str, Any]]:
     """``method=folder,...`` as speculative configs at ``k`` drafts, each with fixed-length
     verification (so that mean acceptance lengths compare: every step verifies all ``k``), and
-    DSpark also with its default confidence-scheduled verification."""
+    DSpark also with its default confidence-scheduled verification. ``unchained``: DFlash and
+    DSpark also without their drafts chained behind verification (``UNCHAINED`` in the spec:
+    the drafter runs once the step's tokens are read back)."""
     specs = []
     for item in drafters.split(","):
         method, _, folder = item.partition("=")
         if method not in ("eagle3", "dflash", "dspark") or not folder:
             raise SystemExit(f"--drafters: {item!r} is not method=folder (eagle3, dflash or dspark)")
         specs.append({"method": method, "model": folder, "num_speculative_tokens": k, "verification": "fixed"})
+        if unchained and method != "eagle3":
+            specs.append({**specs[-1], UNCHAINED: True})
         if method == "dspark":
             specs.append({"method": method, "model": folder, "num_speculative_tokens": k, "verification": "confidence"})
     return specs
+
+
+#: a benchmark's mark on a speculative config: run it without chaining drafts behind verification
+UNCHAINED = "unchained"
+
+
+def _spec_engine(target: str, spec: dict[str, Any], **common: Any) -> LLM:
+    """An engine with ``spec`` (``UNCHAINED`` read off it: the runner then drafts once each
+    step's tokens are back, as before chaining)."""
+    config = {key: value for key, value in spec.items() if key != UNCHAINED}
+    llm = LLM(target, speculative_config=config, **common)
+    if spec.get(UNCHAINED):
+        llm.llm_engine.core.executor.worker.model_runner.spec.chain_drafts = False
+    return llm
 
 
 def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
@@ -246,11 +264,11 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
             specs.append({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_max": max_n})
     elif method == "drafters":
         conversations = [[{"role": "user", "content": t[0]}] for t in turns]
-        specs = _drafter_specs(args.drafters, args.k)
+        specs = _drafter_specs(args.drafters, args.k, args.unchained)
     else:
         conversations = [[{"role": "user", "content": t[0]}] for t in turns]
         specs = [{"method": method, "model": args.drafter, "num_speculative_tokens": args.k}]
-    engines = [plain] + [LLM(args.target, speculative_config=spec, **common) for spec in specs]
+    engines = [plain] + [_spec_engine(args.target, spec, **common) for spec in specs]
     for llm in engines:
         _chat_run(llm, conversations[:2], 32)  # warm-up
     before = [_acceptance(llm) if i else None for i, llm in enumerate(engines)]
@@ -310,10 +328,11 @@ def batched(args: argparse.Namespace) -> dict[str, Any]:
     turns = _read_prompts(args.prompts, args.num_prompts, args.skip_prompts)
     conversations = [[{"role": "user", "content": t[0]}] for t in turns]
     configs: dict[str, dict[str, Any] | None] = {"none": None}
-    for verification in args.verifications.split(","):
-        configs[verification] = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.k,
-                                 "verification": verification, "disable_by_batch_size": NO_BATCH_LIMIT}
-    engines = {name: LLM(args.target, speculative_config=spec, **common) if spec else LLM(args.target, **common) for name, spec in configs.items()}
+    for name in args.verifications.split(","):  # fixed, confidence; -unchained: without drafts chained behind verification
+        verification, _, unchained = name.partition("-")
+        configs[name] = {"method": args.method, "model": args.drafter, "num_speculative_tokens": args.k,
+                         "verification": verification, "disable_by_batch_size": NO_BATCH_LIMIT, UNCHAINED: unchained == "unchained"}
+    engines = {name: _spec_engine(args.target, spec, **common) if spec else LLM(args.target, **common) for name, spec in configs.items()}
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     warm_up = SamplingParams(temperature=0.0, max_tokens=WARM_UP_TOKENS)
     results: dict[str, Any] = {"method": args.method, "k": args.k, "prompts": len(conversations), "rounds": args.rounds,
@@ -377,7 +396,9 @@ def main() -> None:
     parser.add_argument("--ngram-configs", default="5:2:4",
                         help="ngram part: comma-separated k:prompt_lookup_min:prompt_lookup_max, each measured beside the one plain run")
     parser.add_argument("--kv-cache-gib", type=float, default=8.0, help="batched, drafters, ngram, eagle3, dflash, dspark parts: the KV cache of each of the engines living side by side")
-    parser.add_argument("--verifications", default="fixed,confidence", help="batched part: the speculative engines beside the plain one")
+    parser.add_argument("--unchained", action="store_true", help="drafters part: DFlash and DSpark also without drafts chained behind verification")
+    parser.add_argument("--verifications", default="fixed,confidence",
+                        help="batched part: the speculative engines beside the plain one (fixed, confidence, and either with -unchained)")
     parser.add_argument("--rounds", type=int, default=3, help="batched and batch-1 parts: rounds of turns (the median is reported)")
     parser.add_argument("--output-json")
     spec_confidence.add_arguments(parser)

@@ -1,7 +1,7 @@
 """What a speculative step costs beyond the model: a tiny random target and a random DSpark
 drafter, so the forward passes are cheap and the host's and the drafter's per-step work shows.
 
-    python sonar-cuda/benchmarks/spec_step_cost.py [--batches 1,64] [--configs none,fixed,confidence]
+    python sonar-cuda/benchmarks/spec_step_cost.py [--batches 1,64] [--configs none,fixed,confidence,fixed-unchained]
         [--output-len 64] [--step-classes] [--output-json F] [--torch-profile DIR]
 
 For each batch size: output tok/s and milliseconds per step with no speculation, and with
@@ -181,7 +181,9 @@ def sync_sites(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 4) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", default="1,64")
-    parser.add_argument("--configs", default="none,fixed,confidence", help="which engines, each measured in turn (run one per invocation for a fresh process each)")
+    parser.add_argument("--configs", default="none,fixed,confidence",
+                        help="which engines, each measured in turn (run one per invocation for a fresh process each); "
+                             "fixed-unchained, confidence-unchained: without drafts chained behind verification")
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="output tokens per request in the timed runs")
     parser.add_argument("--step-classes", action="store_true", help="also time each step and report them by kind (plain, drafting, probe, verifying)")
     parser.add_argument("--output-json", default=None)
@@ -196,11 +198,14 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         target, drafter = build(Path(tmp))
         for name in args.configs.split(","):
+            verification, _, unchained = name.partition("-")
             spec = None if name == "none" else {"method": "dspark", "model": str(drafter), "num_speculative_tokens": 7,
-                                                 "verification": name, "disable_by_batch_size": NO_BATCH_LIMIT}  # fmt: skip
+                                                 "verification": verification, "disable_by_batch_size": NO_BATCH_LIMIT}  # fmt: skip
             options = {"gpu_memory_utilization": 0.3} if torch.cuda.is_available() else {}
             llm = LLM(str(target), max_model_len=512, max_num_seqs=max(batches), enable_prefix_caching=False,
                       speculative_config=spec, skip_tokenizer_init=True, **options)  # fmt: skip
+            if unchained == "unchained":  # the drafter runs once each step's tokens are back, as before chaining
+                llm.llm_engine.core.executor.worker.model_runner.spec.chain_drafts = False
             for batch in batches:
                 llm.generate(prompts[:batch][::-1], warm_up, use_tqdm=False)  # this batch size's shapes, compiled untimed
                 with run_counters(llm.llm_engine) as counters, step_classes(llm) if args.step_classes else contextlib.nullcontext({}) as kinds:
