@@ -66,3 +66,21 @@ def test_a_json_request_is_valid_json_with_the_worker_holding_nothing(engine: LL
         assert isinstance(json.loads(text)["a"], int)
     else:  # cut by max_tokens: still a prefix the grammar allows
         assert text.startswith("{")
+
+
+def test_boolean_schemas_and_a_string_choice():
+    """The JSON schema ``true`` is any JSON value (``{}``), ``false`` matches nothing, and a
+    choice given as one string (not a list of them) is refused rather than split into letters."""
+    assert GuidedDecodingParams(json=True).json == {}
+    assert GuidedDecodingParams(json="true").json == {}
+    for bad in (dict(json=False), dict(json="false"), dict(choice="yes"), dict(choice=5)):
+        with pytest.raises(ValueError):
+            GuidedDecodingParams(**bad)
+
+
+def test_the_seeds_of_several_choices_wrap_around():
+    from sonar.engine.input_processor import choice_seed
+
+    assert [choice_seed(7, i) for i in range(3)] == [7, 8, 9]
+    assert [choice_seed(2**64 - 2, i) for i in range(3)] == [2**64 - 2, 2**64 - 1, 0]
+    assert choice_seed(-(2**63), 1) == -(2**63) + 1 and choice_seed(None, 3) is None

@@ -67,6 +67,8 @@ CASES = [
         ("engine field of the wrong type", {**COMPLETION, "skip_special_tokens": {"a": 1}}, 400),
         ("stop of the wrong type", {**COMPLETION, "stop_token_ids": 7}, 400),
         ("logit_bias values not numbers", {**COMPLETION, "logit_bias": {"5": []}}, 400),
+        ("guided_choice a string, not a list", {**COMPLETION, "guided_choice": "yes"}, 400),
+        ("guided_json the schema false", {**COMPLETION, "guided_json": False}, 400),
         ("10 MB body", TEN_MB, 413),
     ]),
     ("/v1/chat/completions", CHAT, openai_error, [
@@ -80,6 +82,9 @@ CASES = [
         ("engine field of the wrong type", {**CHAT, "ignore_eos": "yes"}, 400),
         ("malformed JSON", b"[[[", 400),
         ("more messages than the context holds", {**CHAT, "messages": [{"role": "user", "content": "a"}] * 20000}, 400),
+        ("tool call not an object", {**CHAT, "messages": [{"role": "assistant", "content": "", "tool_calls": [1]}, *CHAT["messages"]]}, 400),
+        ("tool call function not an object", {**CHAT, "messages": [{"role": "assistant", "content": "", "tool_calls": [{"function": [1, 2]}]}, *CHAT["messages"]]}, 400),
+        ("tool calls not a list", {**CHAT, "messages": [{"role": "assistant", "content": "", "tool_calls": "f"}, *CHAT["messages"]]}, 400),
     ]),
     ("/v1/messages", MESSAGES, anthropic_error, [
         ("missing max_tokens", {k: v for k, v in MESSAGES.items() if k != "max_tokens"}, 400),
@@ -99,6 +104,9 @@ CASES = [
         ("tool_use input not an object", {**MESSAGES, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": "x"}]}]}, 400),
         ("tool_use without a name", {**MESSAGES, "messages": [{"role": "assistant", "content": [{"type": "tool_use", "id": "t", "input": {}}]}]}, 400),
         ("tool_result content a list of strings", {**MESSAGES, "messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": ["x"]}]}]}, 400),
+        ("tool_choice any without tools", {**MESSAGES, "tool_choice": {"type": "any"}}, 400),
+        ("tool_choice naming a tool without tools", {**MESSAGES, "tool_choice": {"type": "tool", "name": "nope"}}, 400),
+        ("tool_choice without a type", {**MESSAGES, "tools": [{"name": "f", "input_schema": {"type": "object"}}], "tool_choice": {}}, 400),
         ("10 MB body", TEN_MB, 413),
     ]),
     ("/api/v1/generate", KOBOLD, kobold_error, [
@@ -111,6 +119,8 @@ CASES = [
         ("lone surrogate escape", escaped({**KOBOLD, "prompt": "\ud800"}), 400),
         ("engine field of the wrong type", {**KOBOLD, "skip_special_tokens": []}, 400),
         ("malformed JSON", b"{prompt: Hello}", 400),
+        ("logit_bias value past any float", b'{"prompt": "Hello", "max_length": 2, "logit_bias": {"5": %s}}' % (b"1" + b"0" * 400), 400),
+        ("dynatemp_range past any float", b'{"prompt": "Hello", "max_length": 2, "dynatemp_range": %s}' % (b"1" + b"0" * 400), 400),
         ("10 MB body", TEN_MB, 413),
     ]),
 ]
@@ -168,3 +178,28 @@ def test_curl_style_body_without_json_content_type_is_accepted(server):
     response = httpx.post(f"{server.url}/v1/completions", content=b'{"prompt": "Hi", "max_tokens": 2}',
                           headers={"content-type": "application/x-www-form-urlencoded"})
     assert response.status_code == 200, response.text
+
+
+def test_edge_values_that_are_valid_are_served(server):
+    """The largest seed with n > 1 (the later choices' seeds wrap around), and the JSON schema
+    ``true`` (any JSON value) are served."""
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        response = http.post("/v1/completions", json={**COMPLETION, "seed": 2**64 - 1, "n": 2, "temperature": 1.0})
+        assert response.status_code == 200, response.text
+        assert len(response.json()["choices"]) == 2
+        response = http.post("/v1/completions", json={**COMPLETION, "guided_json": True, "max_tokens": 4})
+        assert response.status_code == 200, response.text
+
+
+def test_a_client_gone_while_sending_its_body_is_not_a_server_error(server):
+    """A client that closes its connection halfway through its body is not logged as a
+    failure (nothing reads the answer), and the server goes on serving."""
+    import socket
+    from urllib.parse import urlparse
+
+    url = urlparse(server.url)
+    for _ in range(3):
+        with socket.create_connection((url.hostname, url.port)) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
+    assert httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=30).status_code == 200
+    assert "ClientDisconnect" not in server.log()

@@ -399,7 +399,21 @@ def test_events_stay_one_line_for_readers_that_split_on_unicode_line_breaks() ->
     """NEL, LINE SEPARATOR and PARAGRAPH SEPARATOR go out as escapes: httpx's ``iter_lines``
     (str.splitlines' rules) would otherwise cut the event's JSON in two."""
     payload = {"choices": [{"text": "a\u2028b\u2029c\x85d é"}]}
-    for event in (sse_data(payload), sse_data(payload, float_free=True).decode(), sse_event("message", payload)):
+    for event in (sse_data(payload).decode(), sse_data(payload, float_free=True).decode(), sse_event("message", payload).decode()):
         lines = [line for line in LineDecoder().decode(event) if line]
         data = [line for line in lines if line.startswith("data: ")]
         assert len(data) == 1 and json.loads(data[0][6:]) == payload, event
+
+
+def test_a_lone_surrogate_from_a_models_json_is_written_escaped() -> None:
+    """A model's tool-call JSON with an unpaired ``\\ud800`` escape decodes to a string with
+    no UTF-8 form: bodies and events keep it as its escape (the same JSON value) instead of
+    failing to encode."""
+    arguments = strict_json.loads('{"a": "x\\ud800y", "b": "é"}')
+    payload = {"choices": [{"delta": {"tool_calls": [{"function": {"arguments": arguments}}]}}], "logprob": float("-inf")}
+    for encoded in (strict_json.dumps_utf8(payload), StrictJSONResponse(payload).body):
+        assert json.loads(encoded) == {**payload, "logprob": -9999.0}
+        assert b"\\ud800" in encoded
+    for event in (sse_data(payload), sse_data({"text": arguments["a"]}, float_free=True), sse_event("message", payload)):
+        data = event.decode("utf-8").split("data: ", 1)[1]
+        assert json.loads(data)  # valid UTF-8, valid JSON

@@ -6,6 +6,7 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from sonar.engine.async_client import EngineClosedError, EngineDeadError, QueueFull
 from sonar.lora import LoRAInUseError
@@ -72,6 +73,8 @@ def to_api_error(exc: BaseException, retry_after_s: int = 1) -> ApiError:
         return ApiError(409, str(exc), param="model")
     if isinstance(exc, ClientDisconnected):  # nobody reads the answer: not a server error
         return ApiError(CLIENT_CLOSED_REQUEST, str(exc))
+    if isinstance(exc, ClientDisconnect):  # gone while sending its body: nobody reads the answer either
+        return ApiError(CLIENT_CLOSED_REQUEST, "the client disconnected while sending its request")
     if isinstance(exc, ValueError):
         return ApiError(400, str(exc))
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")

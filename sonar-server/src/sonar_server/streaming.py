@@ -26,13 +26,6 @@ _LINE_BREAKING = ("\u0085", "\u2028", "\u2029")
 _LINE_BREAKING_UTF8 = tuple(c.encode() for c in _LINE_BREAKING)
 
 
-def _one_line(json_text: str) -> str:
-    for char in _LINE_BREAKING:
-        if char in json_text:
-            json_text = json_text.replace(char, f"\\u{ord(char):04x}")
-    return json_text
-
-
 def _one_line_bytes(json_bytes: bytes) -> bytes:
     for char, raw in zip(_LINE_BREAKING, _LINE_BREAKING_UTF8):
         if raw in json_bytes:
@@ -40,19 +33,19 @@ def _one_line_bytes(json_bytes: bytes) -> bytes:
     return json_bytes
 
 
-def sse_data(payload: Any, float_free: bool = False) -> str | bytes:
-    """One ``data:`` event of RFC 8259 JSON (non-finite floats replaced, see ``strict_json``),
-    on one line for any line reader. ``float_free``: the caller knows the payload holds no
-    float (a content chunk without logprobs); the same event is then written faster, as bytes
-    (``strict_json.dumps_float_free``)."""
+def sse_data(payload: Any, float_free: bool = False) -> bytes:
+    """One ``data:`` event of RFC 8259 JSON in UTF-8 (non-finite floats replaced, see
+    ``strict_json``), on one line for any line reader. ``float_free``: the caller knows the
+    payload holds no float (a content chunk without logprobs); the same event is then written
+    faster (``strict_json.dumps_float_free``)."""
     if float_free:
         return b"data: " + _one_line_bytes(strict_json.dumps_float_free(payload)) + b"\n\n"
-    return f"data: {_one_line(strict_json.dumps(payload))}\n\n"
+    return b"data: " + _one_line_bytes(strict_json.dumps_utf8(payload)) + b"\n\n"
 
 
-def sse_event(event: str, payload: Any) -> str:
-    """One named event whose ``data:`` is RFC 8259 JSON, on one line for any line reader."""
-    return f"event: {event}\ndata: {_one_line(strict_json.dumps(payload))}\n\n"
+def sse_event(event: str, payload: Any) -> bytes:
+    """One named event whose ``data:`` is RFC 8259 JSON in UTF-8, on one line for any line reader."""
+    return b"event: " + event.encode() + b"\ndata: " + _one_line_bytes(strict_json.dumps_utf8(payload)) + b"\n\n"
 
 
 class EventStreamResponse(StreamingResponse):

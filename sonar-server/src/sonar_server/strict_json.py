@@ -62,6 +62,21 @@ def dumps(obj: Any) -> str:
         return _ENCODER.encode(finite(obj))
 
 
+_ASCII_ENCODER = json.JSONEncoder(ensure_ascii=True, allow_nan=False, separators=(",", ":"))
+
+
+def dumps_utf8(obj: Any) -> bytes:
+    """``dumps(obj)`` as UTF-8 bytes. A string holding a lone surrogate (a model's JSON text
+    with an unpaired ``\\ud800`` escape, decoded by ``loads``) has no UTF-8 form: the whole
+    value is then written with every non-ASCII character escaped, the same JSON value, the
+    surrogate kept as its escape."""
+    text = dumps(obj)
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _ASCII_ENCODER.encode(finite(obj)).encode("ascii")
+
+
 _FLOAT_FREE_ENCODER = msgspec.json.Encoder()
 
 
@@ -71,8 +86,11 @@ def dumps_float_free(obj: Any) -> bytes:
     ten times faster than ``dumps``, byte for byte the same. Should a float get in anyway it is
     written in its shortest form, a non-finite one as ``null``: still RFC 8259, but ``-inf``
     does not get its ``-9999.0`` stand-in, so values that can hold logprobs go through
-    ``dumps``."""
-    return _FLOAT_FREE_ENCODER.encode(obj)
+    ``dumps``. A lone surrogate in a string is written as ``dumps_utf8`` writes it."""
+    try:
+        return _FLOAT_FREE_ENCODER.encode(obj)
+    except UnicodeEncodeError:  # a string with no UTF-8 form
+        return dumps_utf8(obj)
 
 
 class StrictJSONResponse(JSONResponse):
@@ -80,7 +98,7 @@ class StrictJSONResponse(JSONResponse):
     ``finite``) instead of failing the response with a 500."""
 
     def render(self, content: Any) -> bytes:
-        return dumps(content).encode("utf-8")
+        return dumps_utf8(content)
 
 
 def _reject_constant(name: str) -> Any:

@@ -212,11 +212,17 @@ def openai_tool_plan(tools: list[dict[str, Any]] | None, tool_choice: Any, paral
 
 def anthropic_tool_plan(tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None, settings: ServerSettings) -> ToolPlan:
     """The plan for Anthropic's ``tools`` and ``tool_choice`` (``auto``, ``any``, ``tool``, ``none``)."""
+    choice = {"type": "auto"} if tool_choice is None else tool_choice
+    kind = choice.get("type")
+    if kind not in ("auto", "any", "tool", "none"):
+        raise ApiError(400, f"tool_choice.type must be auto, any, tool or none, got {kind!r}", param="tool_choice")
+    if not isinstance(choice.get("disable_parallel_tool_use", False), bool):
+        raise ApiError(400, "tool_choice.disable_parallel_tool_use must be true or false", param="tool_choice")
     if not tools:
+        if kind in ("any", "tool"):
+            raise ApiError(400, f"tool_choice {kind!r} needs tools", param="tool_choice")
         return ToolPlan()
     specs = _tool_specs(tools, anthropic=True)
-    choice = tool_choice or {"type": "auto"}
-    kind = choice.get("type")
     parallel = not choice.get("disable_parallel_tool_use", False)
     if kind == "none":
         return ToolPlan("none", specs)
@@ -224,9 +230,7 @@ def anthropic_tool_plan(tools: list[dict[str, Any]] | None, tool_choice: dict[st
         return ToolPlan("auto", specs, parser=_auto_parser(settings), parallel=parallel)
     if kind == "any":
         return ToolPlan("required", specs, parallel=parallel)
-    if kind == "tool":
-        return _named(specs, choice.get("name"))
-    raise ApiError(400, "tool_choice.type must be auto, any, tool or none")
+    return _named(specs, choice.get("name"))  # "tool"
 
 
 def _named(specs: list[ToolSpec], name: Any) -> ToolPlan:
@@ -331,12 +335,20 @@ class OutputParser:
         return events
 
 
-def template_message_tool_calls(tool_calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Assistant tool calls as chat templates expect them: arguments as a dict when they are JSON."""
+def template_message_tool_calls(tool_calls: list[Any]) -> list[dict[str, Any]]:
+    """Assistant tool calls as chat templates expect them: arguments as a dict when they are JSON.
+
+    :raises ValueError: a call, or its ``function``, that is not an object (the message names
+        which, ``tool_calls[i]...``)."""
     result = []
-    for call in tool_calls:
+    for index, call in enumerate(tool_calls):
+        if not isinstance(call, dict):
+            raise ValueError(f"tool_calls[{index}] must be an object, got {type(call).__name__}")
+        function = call.get("function")
+        if function is not None and not isinstance(function, dict):
+            raise ValueError(f"tool_calls[{index}].function must be an object, got {type(function).__name__}")
         call = dict(call)
-        function = dict(call.get("function") or {})
+        function = dict(function or {})
         arguments = function.get("arguments")
         if isinstance(arguments, str):
             try:

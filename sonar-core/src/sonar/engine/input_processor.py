@@ -59,7 +59,7 @@ class InputProcessor:
             child_ids, child_params = [request_id], [params]
         else:
             child_ids = [f"{i}_{request_id}" for i in range(params.n)]
-            child_params = [params.clone(n=1, seed=None if params.seed is None else params.seed + i) for i in range(params.n)]
+            child_params = [params.clone(n=1, seed=choice_seed(params.seed, i)) for i in range(params.n)]
         now = time.monotonic()  # one clock for every process of the host
         core_requests = [
             EngineCoreRequest(child_id, prompt_token_ids, cparams, max_tokens, now, client_index, priority, lora_request)
@@ -181,3 +181,12 @@ def _encode_all(tokenizer: Any, texts: list[str]) -> list[list[int]]:
     if callable(tokenizer) and getattr(tokenizer, "is_fast", False):
         return [list(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
     return [tokenizer.encode(text, add_special_tokens=False) for text in texts]
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request with ``seed`` and ``n`` > 1: ``seed + index``,
+    wrapped past the largest 64-bit seed (``2**64 - 1``) back to 0."""
+    if seed is None:
+        return None
+    seed += index
+    return seed - 2**64 if seed >= 2**64 else seed

@@ -59,9 +59,15 @@ class GuidedDecodingParams:
                 self.json = jsonlib.loads(self.json)
             except (ValueError, RecursionError) as exc:
                 raise ValueError(f"guided_json is not valid JSON: {exc}") from exc
+        if isinstance(self.json, bool):  # the JSON schemas true (any value) and false (none)
+            if not self.json:
+                raise ValueError("guided_json is the schema false, which no output matches")
+            self.json = {}
         if self.json_object is False:
             self.json_object = None
         if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)):
+                raise ValueError(f"guided_choice must be a list of strings, got {type(self.choice).__name__}")
             self.choice = list(self.choice)
         self.validate()
 
@@ -90,7 +96,7 @@ class GuidedDecodingParams:
         given = [name for name in KINDS if getattr(self, name) is not None]
         check(len(given) == 1, f"guided decoding takes exactly one of {list(KINDS)}, got {given or 'none'}")
         if self.json is not None:
-            check(isinstance(self.json, (dict, bool)), f"guided_json must be a JSON schema object, got {type(self.json).__name__}")
+            check(isinstance(self.json, dict), f"guided_json must be a JSON schema object, got {type(self.json).__name__}")
             depth = json_nesting_depth(self.json)
             check(depth <= MAX_JSON_NESTING, f"the JSON schema nests deeper than {MAX_JSON_NESTING} levels; flatten it")
         for name in ("regex", "grammar"):

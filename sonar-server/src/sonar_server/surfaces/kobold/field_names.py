@@ -75,12 +75,12 @@ def sampling_params_from_kobold(body: dict[str, Any]) -> dict[str, Any]:
     if isinstance(kwargs.get("logit_bias"), dict):
         try:
             kwargs["logit_bias"] = {int(k): float(v) for k, v in kwargs["logit_bias"].items()}
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an integer past any float
             raise ValueError("logit_bias must map token ids to numbers") from None
 
     dynatemp_range = body.get("dynatemp_range")
     if dynatemp_range is not None:
-        if isinstance(dynatemp_range, bool) or not isinstance(dynatemp_range, (int, float)) or not math.isfinite(dynatemp_range) or dynatemp_range < 0:
+        if isinstance(dynatemp_range, bool) or not isinstance(dynatemp_range, (int, float)) or not _finite(dynatemp_range) or dynatemp_range < 0:
             raise ValueError(f"dynatemp_range must be a finite number >= 0, got {dynatemp_range!r}")
         if dynatemp_range > 0:
             temperature = kwargs.get("temperature", 1.0)
@@ -91,9 +91,17 @@ def sampling_params_from_kobold(body: dict[str, Any]) -> dict[str, Any]:
 
     try:
         SamplingParams(**kwargs)
-    except (TypeError, ValueError) as exc:
+    except (TypeError, ValueError, OverflowError) as exc:
         raise ValueError(_rename_field(str(exc), source)) from None
     return kwargs
+
+
+def _finite(value: int | float) -> bool:
+    """Whether a number is finite as a float (an integer past any float is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def _kobold_order(order: Any) -> list[int]:

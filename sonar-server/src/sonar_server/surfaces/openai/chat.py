@@ -47,8 +47,13 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         entry = message.model_dump(exclude_none=True)
         entry["role"] = "system" if message.role == "developer" else message.role
         entry["content"] = content or ""
-        if isinstance(entry.get("tool_calls"), list):
-            entry["tool_calls"] = template_message_tool_calls(entry["tool_calls"])
+        if "tool_calls" in entry and not isinstance(entry["tool_calls"], list):
+            raise ApiError(400, f"messages[{number}].tool_calls must be a list, got {type(entry['tool_calls']).__name__}", param="messages")
+        if "tool_calls" in entry:
+            try:
+                entry["tool_calls"] = template_message_tool_calls(entry["tool_calls"])
+            except ValueError as exc:
+                raise ApiError(400, f"messages[{number}].{exc}", param="messages") from None
         result.append(entry)
     return result
 
