@@ -71,7 +71,7 @@ def keep_by_drafts(verify):
 
 
 @pytest.mark.parametrize("method, layout", [("dflash", "zlab"), ("dspark", "deepspec")])
-def test_chained_drafts_equal_drafts_after_the_tokens(targets, tmp_path, method, layout):
+def test_chained_drafts_equal_drafts_after_the_tokens(targets, tmp_path, method, layout):  # noqa: F811 (the fixture)
     target = targets("llama")
     folder = random_drafter(target, tmp_path / "drafter", layout, dspark=method == "dspark")
     plain = run(target, folder, method, "fixed", False, mixed_params())
@@ -82,7 +82,7 @@ def test_chained_drafts_equal_drafts_after_the_tokens(targets, tmp_path, method,
 
 
 @pytest.mark.parametrize("method, layout", [("dflash", "zlab"), ("dspark", "deepspec")])
-def test_chained_context_keeps_only_the_kept_drafts(targets, tmp_path, method, layout):
+def test_chained_context_keeps_only_the_kept_drafts(targets, tmp_path, method, layout):  # noqa: F811 (the fixture)
     target = targets("qwen3")
     folder = random_drafter(target, tmp_path / "drafter", layout, dspark=method == "dspark")
     params = mixed_params(max_tokens=24)
