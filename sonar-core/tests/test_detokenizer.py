@@ -137,3 +137,18 @@ def test_without_tokenizer_text_stays_empty() -> None:
     detok = IncrementalDetokenizer(None, [1, 2, 3], SamplingParams(stop=["x"]))
     assert detok.append([4, 5, 6]) is None
     assert detok.output_text == "" and detok.get_delta(flush=True) == ""
+
+
+def test_stop_strings_wait_for_min_tokens(tokenizer) -> None:
+    """A stop string in the first ``min_tokens`` tokens' text does not stop the request (as
+    EOS and stop token ids do not); the next one after them does."""
+    text = "stop here, then more words and stop again at the end."
+    ids = tokenizer.encode(text)
+    first = len(tokenizer.encode("stop here"))
+    params = SamplingParams(stop=["stop"], min_tokens=first + 1)
+    detok = IncrementalDetokenizer(tokenizer, prompt_ids(tokenizer), params)
+    matched, _ = feed(detok, ids)
+    assert matched == "stop"
+    assert detok.output_text == "stop here, then more words and "
+    plain = IncrementalDetokenizer(tokenizer, prompt_ids(tokenizer), SamplingParams(stop=["stop"]))
+    assert feed(plain, ids)[0] == "stop" and plain.output_text == ""

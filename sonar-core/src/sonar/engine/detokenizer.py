@@ -59,6 +59,7 @@ class IncrementalDetokenizer:
         self._prefix_offset = 0
         self._read_offset = len(context)
         self._streamed_offset = 0  # chars of output_text handed out by get_delta
+        self._num_output_tokens = 0  # stop strings count only past params.min_tokens of them
 
     @property
     def finished(self) -> bool:
@@ -68,17 +69,20 @@ class IncrementalDetokenizer:
         """Add newly generated tokens; return the stop string that matched, if any.
 
         On a match ``output_text`` ends right before the stop string (or right after it with
-        ``include_stop_str_in_output``). After a match, further tokens are ignored.
+        ``include_stop_str_in_output``). After a match, further tokens are ignored. While the
+        output is at most ``min_tokens`` tokens long no stop string is looked for (as EOS and
+        stop token ids are held off); one that ends in later text matches.
         """
         if self.tokenizer is None or self.finished or not token_ids:
             return None
         self._token_ids.extend(token_ids)
+        self._num_output_tokens += len(token_ids)
         new_text = self._decode_new_text()
         if not new_text:
             return None
         previous_len = len(self.output_text)
         self.output_text += new_text
-        if self.stop_strings:
+        if self.stop_strings and self._num_output_tokens > self.params.min_tokens:
             return self._check_stop(previous_len)
         return None
 

@@ -30,6 +30,7 @@ from sonar_server.surfaces.anthropic.protocol import (
 from sonar_server.tool_calling import (
     OutputParser,
     ParsedOutput,
+    ToolPlan,
     anthropic_tool_plan,
     output_parser,
 )
@@ -141,12 +142,8 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     arrival = time.monotonic()
     state: ServerState = request.app.state.sonar
     lora_request = await state.resolve_model(body.model)
-    plan = anthropic_tool_plan(body.tools, body.tool_choice, state.settings)
-    plan.adapt_to(state.require_tokenizer())
+    plan, prompt_text, prompt_ids = await _render(state, body.system, body.messages, body.tools, body.tool_choice)
     guide = plan.constraint(body_guide(body))
-    template_kwargs: dict[str, Any] = {}
-    messages = plan.render_inputs(chat_messages(body.system, body.messages), template_kwargs)
-    prompt_text, prompt_ids = await render_chat(state, messages, template_kwargs=template_kwargs)
     stop_sequences = list(body.stop_sequences or [])
     params = build_sampling_params(
         body,
@@ -285,10 +282,26 @@ class _BlockWriter:
         return [sse_event("content_block_stop", {"type": "content_block_stop", "index": self.index})]
 
 
+async def _render(
+    state: ServerState, system: Any, messages: list[Message], tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None
+) -> tuple[ToolPlan, str, list[int]]:
+    """The request's tool plan and its prompt (text and ids): the tools where the plan puts
+    them, and a final assistant message continued (Anthropic's prefill: the reply goes on from
+    its text) rather than closed."""
+    plan = anthropic_tool_plan(tools, tool_choice, state.settings)
+    plan.adapt_to(state.require_tokenizer())
+    template_kwargs: dict[str, Any] = {}
+    rendered = plan.render_inputs(chat_messages(system, messages), template_kwargs)
+    final = rendered[-1] if rendered else {}
+    prefill = final.get("role") == "assistant" and isinstance(final.get("content"), str) and bool(final["content"]) and not final.get("tool_calls")
+    prompt_text, prompt_ids = await render_chat(state, rendered, continue_final_message=prefill, template_kwargs=template_kwargs)
+    return plan, prompt_text, prompt_ids
+
+
 async def count_tokens(body: CountTokensRequest, request: Request) -> dict[str, int]:
     state: ServerState = request.app.state.sonar
     await state.resolve_model(body.model)
-    _, token_ids = await render_chat(state, chat_messages(body.system, body.messages))
+    _, _, token_ids = await _render(state, body.system, body.messages, body.tools, body.tool_choice)
     return {"input_tokens": len(token_ids)}
 
 

@@ -45,3 +45,4 @@ class CountTokensRequest(_Body):
     messages: list[Message]
     system: str | list[ContentBlock] | None = None
     tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None

@@ -14,13 +14,13 @@ from sonar_server.errors import ApiError, to_api_error
 from sonar_server.generation import Generation, closer, start_generation
 from sonar_server.parsers import StreamEvent
 from sonar_server.prompts import render_chat
-from sonar_server.sampling import build_sampling_params
+from sonar_server.sampling import build_sampling_params, extra_sampling_fields
 from sonar_server.state import ServerState
 from sonar_server.streaming import EventStreamResponse, sse_data, unless_disconnected
 from sonar_server.strict_json import StrictJSONResponse
 from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
-from sonar_server.surfaces.openai.logprobs import chat_logprobs
+from sonar_server.surfaces.openai.logprobs import chat_logprobs, prompt_logprobs_json
 from sonar_server.surfaces.openai.protocol import ChatCompletionRequest, ChatMessage
 from sonar_server.tool_calling import (
     ToolPlan,
@@ -96,11 +96,27 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     request_id = state.new_request_id("chatcmpl")
     generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text, body.priority, lora_request)
+    echoed = _echoed(body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return EventStreamResponse(_stream(state, body, generation, include_usage, plan, guide), closer([generation]))
+        return EventStreamResponse(_stream(state, body, generation, include_usage, plan, guide, echoed), closer([generation]))
     await unless_disconnected(request, generation.collect())
-    return StrictJSONResponse(_response(state, body, generation, plan, guide))
+    return StrictJSONResponse(_response(state, body, generation, plan, guide, echoed))
+
+
+def _echoed(body: ChatCompletionRequest) -> str:
+    """With ``echo``: the text each reply starts with, the last message's content where that
+    message has the reply's role (the assistant's, or the last message's own when no
+    generation prompt is added, as when it is continued), as vLLM echoes it."""
+    if not body.echo or not body.messages:
+        return ""
+    last = body.messages[-1]
+    continued = body.continue_final_message or not body.add_generation_prompt
+    if (last.role if continued else "assistant") != last.role:
+        return ""
+    if isinstance(last.content, list):
+        return "".join(part.text or "" for part in last.content)
+    return last.content or ""
 
 
 def _usage(generation: Generation) -> dict[str, int]:
@@ -126,13 +142,17 @@ def _finish_reason(finish_reason: str | None, message: dict[str, Any]) -> str | 
     return "tool_calls" if message.get("tool_calls") and finish_reason == "stop" else finish_reason
 
 
-def _response(state: ServerState, body: ChatCompletionRequest, generation: Generation, plan: ToolPlan, guide: GuidedDecodingParams | None) -> dict[str, Any]:
+def _response(
+    state: ServerState, body: ChatCompletionRequest, generation: Generation, plan: ToolPlan, guide: GuidedDecodingParams | None, echoed: str = ""
+) -> dict[str, Any]:
     choices = []
     for choice in generation.choices:
         logprobs = None
         if body.logprobs:
             logprobs = chat_logprobs(state, choice.token_ids, list(choice.logprobs or []), body.top_logprobs or 0)
         message = _message(state, choice.text, plan, guide, choice.finish_reason == "length")
+        if echoed and message["content"] is not None:
+            message["content"] = echoed + message["content"]
         choices.append(
             {
                 "index": choice.index,
@@ -142,7 +162,7 @@ def _response(state: ServerState, body: ChatCompletionRequest, generation: Gener
                 "stop_reason": choice.stop_reason,
             }
         )
-    return {
+    response = {
         "id": generation.request_id,
         "object": "chat.completion",
         "created": int(time.time()),
@@ -151,10 +171,19 @@ def _response(state: ServerState, body: ChatCompletionRequest, generation: Gener
         "usage": _usage(generation),
         "kv_transfer_params": generation.kv_transfer_params,
     }
+    if "prompt_logprobs" in extra_sampling_fields(body):
+        response["prompt_logprobs"] = prompt_logprobs_json(state, generation.prompt_logprobs)
+    return response
 
 
 async def _stream(
-    state: ServerState, body: ChatCompletionRequest, generation: Generation, include_usage: bool, plan: ToolPlan, guide: GuidedDecodingParams | None
+    state: ServerState,
+    body: ChatCompletionRequest,
+    generation: Generation,
+    include_usage: bool,
+    plan: ToolPlan,
+    guide: GuidedDecodingParams | None,
+    echoed: str = "",
 ) -> AsyncIterator[str | bytes]:
     created = int(time.time())
     model = body.model or state.model_name
@@ -173,7 +202,7 @@ async def _stream(
     num_calls = [0] * body.n
     try:
         for index in range(body.n):
-            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}])
+            yield chunk([{"index": index, "delta": {"role": "assistant", "content": echoed}, "logprobs": None, "finish_reason": None}])
         async for changed in deltas:
             for delta in changed:
                 logprobs = None

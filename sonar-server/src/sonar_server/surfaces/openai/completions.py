@@ -14,13 +14,13 @@ from sonar_server.errors import ApiError, to_api_error
 from sonar_server.generation import Generation, closer, start_generation
 from sonar_server.json_closer import closing_suffix
 from sonar_server.prompts import decode_tokens, encode_prompt
-from sonar_server.sampling import build_sampling_params
+from sonar_server.sampling import build_sampling_params, extra_sampling_fields
 from sonar_server.state import ServerState
 from sonar_server.streaming import EventStreamResponse, merge, sse_data, unless_disconnected
 from sonar_server.strict_json import StrictJSONResponse
 from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
-from sonar_server.surfaces.openai.logprobs import completion_logprobs
+from sonar_server.surfaces.openai.logprobs import completion_logprobs, prompt_logprobs_json
 from sonar_server.surfaces.openai.protocol import CompletionRequest
 
 API = "openai.completions"
@@ -49,6 +49,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     lora_request = await state.resolve_model(body.model)
     if body.suffix:
         raise ApiError(400, "suffix is not supported", param="suffix")
+    if body.best_of is not None and body.best_of != body.n:  # as vLLM's V1 engine: n candidates are the n choices
+        raise ApiError(400, f"best_of={body.best_of} is not supported (only best_of equal to n={body.n}); ask for n choices instead", param="best_of")
     prompts = await _prompts(state, body.prompt)
     echo_logprobs = body.echo and body.logprobs is not None
     params = build_sampling_params(
@@ -118,22 +120,21 @@ def _response(
         for choice in generation.choices:
             logprobs = None
             if body.logprobs is not None:
-                token_ids, entries = list(choice.token_ids), list(choice.logprobs or [])
+                # the generated tokens' offsets count from the echoed text's end (a prompt token's
+                # own string may be a piece of a character, shorter or longer than its text)
+                logprobs = completion_logprobs(state, list(choice.token_ids), list(choice.logprobs or []), body.logprobs, len(echo))
                 if body.echo:
-                    prompt_entries = list(generation.prompt_logprobs or [])
-                    prompt_entries += [None] * (len(generation.prompt_token_ids) - len(prompt_entries))
-                    token_ids = generation.prompt_token_ids + token_ids
-                    entries = prompt_entries + entries
-                logprobs = completion_logprobs(state, token_ids, entries, body.logprobs, 0)
-            choices.append(
-                {
-                    "index": position * body.n + choice.index,
-                    "text": echo + choice.text + _json_closing(body, choice.text, choice.finish_reason),
-                    "logprobs": logprobs,
-                    "finish_reason": choice.finish_reason,
-                    "stop_reason": choice.stop_reason,
-                }
-            )
+                    logprobs = _joined(_prompt_logprobs(state, body, generation), logprobs)
+            entry = {
+                "index": position * body.n + choice.index,
+                "text": echo + choice.text + _json_closing(body, choice.text, choice.finish_reason),
+                "logprobs": logprobs,
+                "finish_reason": choice.finish_reason,
+                "stop_reason": choice.stop_reason,
+            }
+            if "prompt_logprobs" in extra_sampling_fields(body):  # asked for (echo's own go into logprobs)
+                entry["prompt_logprobs"] = prompt_logprobs_json(state, generation.prompt_logprobs)
+            choices.append(entry)
     return {
         "id": request_id,
         "object": "text_completion",
@@ -143,6 +144,17 @@ def _response(
         "usage": _usage(generations),
         "kv_transfer_params": generations[0].kv_transfer_params if len(generations) == 1 else None,
     }
+
+
+def _prompt_logprobs(state: ServerState, body: CompletionRequest, generation: Generation) -> dict[str, Any]:
+    """An echoed prompt's tokens in the legacy logprobs format (the first token's logprob None)."""
+    entries = list(generation.prompt_logprobs or [])
+    entries += [None] * (len(generation.prompt_token_ids) - len(entries))
+    return completion_logprobs(state, generation.prompt_token_ids, entries, body.logprobs, 0)
+
+
+def _joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    return {key: first[key] + second[key] for key in first}
 
 
 async def _stream(
@@ -169,12 +181,15 @@ async def _stream(
         return sse_data(payload, float_free=logprobs is None and "kv_transfer_params" not in payload)
 
     merged = merge([g.deltas() for g in generations])
+    echo_waits = body.logprobs is not None  # the echo goes with the first delta: the prompt's logprobs come with it
     try:
         for position, echo in enumerate(echo_texts):
             for j in range(body.n):
                 if echo:
                     text_offsets[position * body.n + j] = len(echo)
-                    yield chunk(position * body.n + j, echo)
+                    if not echo_waits:
+                        yield chunk(position * body.n + j, echo)
+        echoed: set[int] = set()
         async for position, deltas in merged:
             for delta in deltas:
                 index = position * body.n + delta.index
@@ -186,6 +201,11 @@ async def _stream(
                 if closes_json:
                     texts[index] = texts.get(index, "") + text
                     text += _json_closing(body, texts[index], delta.finish_reason)
+                if echo_waits and body.echo and index not in echoed:
+                    echoed.add(index)
+                    prompt = _prompt_logprobs(state, body, generations[position])
+                    logprobs = prompt if logprobs is None else _joined(prompt, logprobs)
+                    text = echo_texts[position] + text
                 yield chunk(index, text, logprobs, delta.finish_reason, delta.stop_reason)
         if include_usage:
             yield sse_data({"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": _usage(generations)})

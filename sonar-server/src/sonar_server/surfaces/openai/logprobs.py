@@ -25,7 +25,9 @@ def completion_logprobs(
     text_offset: int,
 ) -> dict[str, Any]:
     """The legacy completions format: parallel lists of tokens, logprobs, top alternatives
-    and text offsets."""
+    and text offsets. Each position's alternatives are its ``num_top`` most likely tokens
+    and the chosen one where it is not among them (up to ``num_top + 1``, as OpenAI and vLLM
+    give them)."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float | None] | None] = []
@@ -39,8 +41,14 @@ def completion_logprobs(
         if entry is None:
             top_logprobs.append(None)
             continue
-        ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[: max(num_top, 1)]
-        top_logprobs.append({decoded_token(state, t, lp): finite_logprob(lp.logprob) for t, lp in ranked} if num_top > 0 else {text: value})
+        if num_top <= 0:
+            top_logprobs.append({text: value})
+            continue
+        ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top]
+        top = {decoded_token(state, t, lp): finite_logprob(lp.logprob) for t, lp in ranked}
+        if all(t != token_id for t, _ in ranked):
+            top[text] = value
+        top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
@@ -56,3 +64,17 @@ def chat_logprobs(state: ServerState, token_ids: list[int], entries: list[dict[i
             top.append({"token": alt_text, "logprob": finite_logprob(alt.logprob), "bytes": list(alt_text.encode("utf-8"))})
         content.append({"token": text, "logprob": value, "bytes": list(text.encode("utf-8")), "top_logprobs": top})
     return {"content": content}
+
+
+def prompt_logprobs_json(state: ServerState, entries: list[dict[int, Logprob] | None] | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """A request's ``prompt_logprobs`` as vLLM writes them: per prompt token None (the first)
+    or ``{token id: {"logprob", "rank", "decoded_token"}}``."""
+    if entries is None:
+        return None
+    return [
+        None if entry is None else {
+            str(token_id): {"logprob": finite_logprob(lp.logprob), "rank": lp.rank, "decoded_token": decoded_token(state, token_id, lp)}
+            for token_id, lp in entry.items()
+        }
+        for entry in entries
+    ]

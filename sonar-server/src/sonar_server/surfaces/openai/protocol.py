@@ -65,6 +65,7 @@ class CompletionRequest(_GenerationBody):
     user: str | None = None
     suffix: str | None = None
     response_format: dict[str, Any] | None = None
+    best_of: int | None = None
 
 
 class ContentPart(_Body):
@@ -104,6 +105,7 @@ class ChatCompletionRequest(_GenerationBody):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    echo: bool = False  # the reply starts with the last message's content where that message is the reply's role (vLLM)
     chat_template: str | None = None  # with --trust-request-chat-template only
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -116,6 +118,10 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Body):

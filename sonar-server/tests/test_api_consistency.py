@@ -1,0 +1,82 @@
+"""Results that must agree with each other and with the APIs' contracts: the sampled token
+among its position's top logprobs, echoed prompts' logprobs the same streamed or not,
+``prompt_logprobs`` returned, ``best_of`` refused, chat ``echo``, an Anthropic prefill
+continued, and token counts that match what generation counts."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+
+TOOL = {"type": "function", "function": {"name": "f", "description": "a tool", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}
+
+
+def streamed(http: httpx.Client, path: str, body: dict) -> list[dict]:
+    events = []
+    with http.stream("POST", path, json={**body, "stream": True}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    return events
+
+
+def test_completion_logprobs_hold_the_sampled_token_and_echo_streams_alike(server):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 12, "temperature": 1.5, "seed": 3, "logprobs": 2}
+        logprobs = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+        for token, top in zip(logprobs["tokens"], logprobs["top_logprobs"]):
+            assert token in top and len(top) <= 3
+
+        body = {"model": "tiny", "prompt": "café naïve 日本語 🙂", "max_tokens": 5, "temperature": 0, "logprobs": 1, "echo": True}
+        whole = http.post("/v1/completions", json=body).json()["choices"][0]
+        parts = [e["choices"][0] for e in streamed(http, "/v1/completions", body) if e["choices"]]
+        assert "".join(p["text"] for p in parts) == whole["text"]
+        joined = {key: [v for p in parts if p["logprobs"] for v in p["logprobs"][key]] for key in ("tokens", "token_logprobs", "text_offset")}
+        assert joined == {key: whole["logprobs"][key] for key in joined}
+        prompt_tokens = len(whole["logprobs"]["tokens"]) - 5
+        assert whole["logprobs"]["text_offset"][prompt_tokens] == len(body["prompt"])  # the generated text starts after the echo
+        assert whole["logprobs"]["token_logprobs"][0] is None
+
+
+def test_prompt_logprobs_are_returned_and_best_of_is_refused(server):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        choice = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hello world", "max_tokens": 2, "prompt_logprobs": 1}).json()["choices"][0]
+        entries = choice["prompt_logprobs"]
+        assert entries[0] is None and len(entries) >= 2
+        assert all(set(v) == {"logprob", "rank", "decoded_token"} for entry in entries[1:] for v in entry.values())
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0})
+        assert chat.json()["prompt_logprobs"][0] is None
+        for extra in ({"best_of": 3}, {"n": 2, "best_of": 1}):
+            response = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, **extra})
+            assert response.status_code == 400 and response.json()["error"]["param"] == "best_of"
+        assert http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, "n": 2, "best_of": 2}).status_code == 200
+
+
+def test_continued_messages_echo_and_count_as_generated(server):
+    """A prefilled assistant message is continued (Anthropic, and chat with
+    continue_final_message), chat ``echo`` starts the reply with it, and /tokenize and
+    count_tokens count what generation counts (tools included)."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is"}]
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        chat = {"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0, "continue_final_message": True, "add_generation_prompt": False}
+        continued = http.post("/v1/chat/completions", json=chat).json()
+        anthropic = http.post("/v1/messages", json={"model": "tiny", "messages": messages, "max_tokens": 5, "temperature": 0}).json()
+        assert anthropic["content"][0]["text"] == continued["choices"][0]["message"]["content"]
+        assert anthropic["usage"]["input_tokens"] == continued["usage"]["prompt_tokens"]
+
+        echoed = http.post("/v1/chat/completions", json={**chat, "echo": True}).json()["choices"][0]["message"]["content"]
+        assert echoed == "The answer is" + continued["choices"][0]["message"]["content"]
+        first = streamed(http, "/v1/chat/completions", {**chat, "echo": True})[0]["choices"][0]["delta"]
+        assert first["content"] == "The answer is"
+
+        tokenized = http.post("/tokenize", json={"model": "tiny", "messages": messages, "continue_final_message": True, "add_generation_prompt": False})
+        assert tokenized.json()["count"] == continued["usage"]["prompt_tokens"]
+        with_tools = {"model": "tiny", "messages": messages[:1], "max_tokens": 2, "tools": [TOOL]}
+        usage = http.post("/v1/chat/completions", json=with_tools).json()["usage"]
+        assert http.post("/tokenize", json={"model": "tiny", "messages": messages[:1], "tools": [TOOL]}).json()["count"] == usage["prompt_tokens"]
+
+        tools = [{"name": "f", "description": "a tool", "input_schema": {"type": "object", "properties": {"a": {"type": "string"}}}}]
+        body = {"model": "tiny", "messages": messages[:1], "tools": tools}
+        message = http.post("/v1/messages", json={**body, "max_tokens": 2}).json()
+        assert http.post("/v1/messages/count_tokens", json=body).json()["input_tokens"] == message["usage"]["input_tokens"]
