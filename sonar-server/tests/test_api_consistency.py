@@ -45,6 +45,8 @@ def test_prompt_logprobs_are_returned_and_best_of_is_refused(server):
         entries = choice["prompt_logprobs"]
         assert entries[0] is None and len(entries) >= 2
         assert all(set(v) == {"logprob", "rank", "decoded_token"} for entry in entries[1:] for v in entry.values())
+        first = streamed(http, "/v1/completions", {"model": "tiny", "prompt": "Hello world", "max_tokens": 2, "prompt_logprobs": 1})[0]["choices"][0]
+        assert first["prompt_logprobs"] == entries
         chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0})
         assert chat.json()["prompt_logprobs"][0] is None
         for extra in ({"best_of": 3}, {"n": 2, "best_of": 1}):

@@ -171,8 +171,12 @@ async def _stream(
     texts: dict[int, str] = {}  # the generated text so far, for closing a json_object cut short
     closes_json = _closes_json(body)
 
-    def chunk(index: int, text: str, logprobs: Any = None, finish_reason: str | None = None, stop_reason: Any = None) -> str | bytes:
+    def chunk(
+        index: int, text: str, logprobs: Any = None, finish_reason: str | None = None, stop_reason: Any = None, prompt_logprobs: Any = None
+    ) -> str | bytes:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, "stop_reason": stop_reason}
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         payload: dict[str, Any] = {"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [choice]}
         if include_usage:
             payload["usage"] = None
@@ -190,6 +194,8 @@ async def _stream(
                     if not echo_waits:
                         yield chunk(position * body.n + j, echo)
         echoed: set[int] = set()
+        wants_prompt_logprobs = "prompt_logprobs" in extra_sampling_fields(body)
+        prompt_logprobs_sent: set[int] = set()  # asked-for prompt_logprobs go with each choice's first chunk, as vLLM
         async for position, deltas in merged:
             for delta in deltas:
                 index = position * body.n + delta.index
@@ -206,7 +212,11 @@ async def _stream(
                     prompt = _prompt_logprobs(state, body, generations[position])
                     logprobs = prompt if logprobs is None else _joined(prompt, logprobs)
                     text = echo_texts[position] + text
-                yield chunk(index, text, logprobs, delta.finish_reason, delta.stop_reason)
+                prompt_logprobs = None
+                if wants_prompt_logprobs and index not in prompt_logprobs_sent:
+                    prompt_logprobs_sent.add(index)
+                    prompt_logprobs = prompt_logprobs_json(state, generations[position].prompt_logprobs)
+                yield chunk(index, text, logprobs, delta.finish_reason, delta.stop_reason, prompt_logprobs)
         if include_usage:
             yield sse_data({"id": request_id, "object": "text_completion", "created": created, "model": model, "choices": [], "usage": _usage(generations)})
     except Exception as exc:
