@@ -391,3 +391,23 @@ def test_a_platform_shrink_started_before_the_base_product_keeps_the_output(llam
     assert run(llm, prompts, [requests["all"]] * len(prompts)) == expected["all"]
     assert order.count("begin") == order.count("join") > 0
     assert order[:3] == ["layer", "begin", "join"]  # started in the layer, joined before the next one
+
+
+def test_chat_runs_its_lora_request_and_takes_vllm_arguments(llama) -> None:
+    """``LLM.chat`` as vLLM takes it: ``lora_request`` runs the adapter (as ``generate``),
+    ``chat_template_kwargs`` reach the template, content given as text parts is joined."""
+    _, _, _, requests, _, llm = llama
+    lora = next(iter(requests.values()))
+    params = SamplingParams(temperature=0, max_tokens=6)
+    messages = [{"role": "user", "content": "hi"}]
+    base = llm.chat(messages, params)[0]
+    prompt = base.prompt_token_ids
+    assert llm.chat(messages, params, lora_request=lora)[0].outputs[0].token_ids != base.outputs[0].token_ids  # the adapter shows
+    assert llm.chat(messages, params, lora_request=lora)[0].outputs[0].token_ids == run(llm, [prompt], [lora])[0][:6]  # greedy: a prefix of the longer run
+    parts = [{"role": "user", "content": [{"type": "text", "text": "h"}, {"type": "text", "text": "i"}]}]
+    assert llm.chat(parts, params)[0].prompt_token_ids == prompt
+    template = "{% if flag is defined %}FLAG {% endif %}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    rendered = llm.chat(messages, params, chat_template=template, chat_template_kwargs={"flag": True})[0].prompt_token_ids
+    assert llm.get_tokenizer().decode(rendered) == "FLAG hi"
+    with pytest.raises(ValueError, match="content parts of type 'image_url'"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)

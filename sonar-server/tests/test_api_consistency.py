@@ -82,3 +82,21 @@ def test_continued_messages_echo_and_count_as_generated(server):
         body = {"model": "tiny", "messages": messages[:1], "tools": tools}
         message = http.post("/v1/messages", json={**body, "max_tokens": 2}).json()
         assert http.post("/v1/messages/count_tokens", json=body).json()["input_tokens"] == message["usage"]["input_tokens"]
+
+
+def test_a_command_line_chat_template_and_no_docs(tiny_model, tmp_path):
+    """``--chat-template FILE`` renders every chat prompt; ``--disable-fastapi-docs`` takes
+    /docs and /openapi.json away."""
+    from conftest import KV_CACHE_BYTES, ServerProcess
+
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}[assistant] {% endif %}")
+    process = ServerProcess([tiny_model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512",
+                             "--chat-template", str(template), "--disable-fastapi-docs"])  # fmt: skip
+    try:
+        with httpx.Client(base_url=process.url, timeout=60) as http:
+            ids = http.post("/tokenize", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}).json()["tokens"]
+            assert http.post("/detokenize", json={"model": "tiny", "tokens": ids}).json()["prompt"] == "[user] hi\n[assistant] "
+            assert http.get("/docs").status_code == 404 and http.get("/openapi.json").status_code == 404
+    finally:
+        process.stop()

@@ -117,3 +117,23 @@ def test_model_defaults_fill_only_what_the_request_leaves_out() -> None:
 def test_python_m_sonar_server_still_serves_the_same_parser() -> None:
     done = subprocess.run([sys.executable, "-m", "sonar_server", "-dcp", "2"], capture_output=True, text=True, timeout=120)
     assert "--decode-context-parallel-size is not supported yet" in done.stderr
+
+
+def test_vllm_flags_that_change_nothing_here_are_accepted(tmp_path) -> None:
+    """vLLM command lines with --swap-space, --enable-chunked-prefill, --max-seq-len-to-capture
+    or an -O level parse; --enforce-eager reaches the engine (no CUDA graphs); a
+    --chat-template file or inline template is read; --disable-fastapi-docs is kept."""
+    from sonar.cli.engine_args import engine_args_from
+    from sonar_server.args import read_chat_template
+
+    args = parse("serve", "--swap-space", "16", "--enable-chunked-prefill", "--max-seq-len-to-capture", "8192", "-O", "3", "--enforce-eager",
+                 "--disable-fastapi-docs", "--chat-template", "{{ messages[0]['content'] }}")  # fmt: skip
+    assert engine_args_from(args).enforce_eager and args.disable_fastapi_docs
+    assert read_chat_template(args.chat_template) == "{{ messages[0]['content'] }}"
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert read_chat_template(str(template)) == template.read_text()
+    with pytest.raises(ValueError, match="neither a file nor a Jinja template"):
+        read_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(SystemExit):
+        parse("serve", "-O", "debug")  # an -O value other than a level still names its feature

@@ -72,6 +72,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" / "fp8_e4m3" (scaled FP8 E4M3)
     max_logprobs: int = 20
     async_scheduling: bool | None = None  # schedule and launch step N+1 while step N runs; None: the platform's default
+    enforce_eager: bool = False  # no CUDA graphs: decode steps and drafter passes run eagerly
     data_parallel_size: int = 1  # engine-core replicas, each in its own process with its own device
     scheduling_policy: str = "fcfs"  # a registered policy: "fcfs", "priority", or a plugin's
     kv_cache_manager: str = "paged"  # a registered KV-cache manager
@@ -228,6 +229,7 @@ class EngineConfig:
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
     master_port: int = DEFAULT_MASTER_PORT
+    enforce_eager: bool = False  # no CUDA graphs
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -203,7 +203,8 @@ class SamplingParams:
         check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
-            check(value is None or (is_int(value) and 0 <= value <= 20), f"{name} must be an integer in [0, 20], got {value!r}")
+            # the engine's max_logprobs (20 unless raised) bounds it from above
+            check(value is None or (is_int(value) and value >= 0), f"{name} must be an integer >= 0, got {value!r}")
         check(
             self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool) and -(2**63) <= self.seed < 2**64),
             f"seed must be a 64-bit integer, got {self.seed!r}",

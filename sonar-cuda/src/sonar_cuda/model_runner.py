@@ -57,7 +57,7 @@ class CudaModelRunner(ModelRunner):
     ``max_graph_batch_size`` bounds the captured sizes of plain decode steps; with speculative
     decoding the sizes reach a full verify step's rows (``max_num_seqs x (k + 1)``, within the
     step's token budget and ``MAX_VERIFY_GRAPH_ROWS``), since a verify step past the largest
-    graph runs eagerly at many times a replay's cost. ``SONAR_ENFORCE_EAGER=1`` turns graphs
+    graph runs eagerly at many times a replay's cost. ``enforce_eager`` (or ``SONAR_ENFORCE_EAGER=1``) turns graphs
     off (the static-buffer decode path still runs, eagerly), and so do pipeline stages and, unless
     ``SONAR_TP_CUDA_GRAPHS=1`` (an opt-in until it has been measured on several GPUs: the graphs
     then capture the NCCL all-reduces), tensor parallelism; expert parallelism always (its
@@ -70,7 +70,8 @@ class CudaModelRunner(ModelRunner):
     def __init__(self, model_config, config, device: torch.device, attention_backend_cls: str) -> None:
         super().__init__(model_config, config, device, attention_backend_cls)
         self.max_graph_rows = graph_rows_bound(config, self.max_graph_batch_size)
-        self.use_graphs = device.type == "cuda" and os.environ.get("SONAR_ENFORCE_EAGER", "") not in ("1", "true")
+        eager = config.enforce_eager or os.environ.get("SONAR_ENFORCE_EAGER", "") in ("1", "true")
+        self.use_graphs = device.type == "cuda" and not eager
         tp_graphs = os.environ.get(TP_GRAPHS_ENV, "") in ("1", "true")
         expert_parallel = config.tensor_parallel_size > 1 and config.enable_expert_parallel  # reads split sizes on the host
         if config.pipeline_parallel_size > 1 or expert_parallel or (config.tensor_parallel_size > 1 and not tp_graphs):

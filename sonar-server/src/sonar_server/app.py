@@ -37,8 +37,10 @@ def api_surfaces() -> dict[str, Callable[[Any, Any], None]]:
 def build_app(state: ServerState) -> FastAPI:
     """A FastAPI app serving the surfaces ``state.settings.apis`` selects (all by default),
     ``/docs`` from local assets, and 404/405 in the format of the API a path belongs to."""
-    app = FastAPI(title="Sonar", version=__version__, description=DESCRIPTION, docs_url=None, redoc_url=None)
-    install_docs(app)
+    docs = not state.settings.disable_fastapi_docs
+    app = FastAPI(title="Sonar", version=__version__, description=DESCRIPTION, docs_url=None, redoc_url=None, openapi_url="/openapi.json" if docs else None)
+    if docs:
+        install_docs(app)
     install_route_errors(app)
     app.state.sonar = state
     surfaces = api_surfaces()

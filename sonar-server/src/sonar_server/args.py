@@ -66,6 +66,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--trust-request-chat-template", action="store_true",
         help="let chat requests bring their own chat template (chat_template, or chat_template_kwargs.chat_template); off by default: a template is a program the server runs, and a hostile one can burn its CPU and memory",
     )
+    group.add_argument(
+        "--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+        help="the chat template to use instead of the tokenizer's: a Jinja file, or the template itself",
+    )
+    group.add_argument("--disable-fastapi-docs", action="store_true", help="serve no API documentation (/docs and /openapi.json)")
     group.add_argument("--kobold-max-length", type=int, default=100, help="KoboldAI max_length when a request leaves it out")
     group.add_argument(
         "--tool-call-parser", default=None, metavar="NAME",
@@ -138,7 +143,24 @@ def settings_from(args: argparse.Namespace, default_model_name: str, default_sam
         lora_root=os.path.realpath(args.lora_root) if args.lora_root else None,
         api_server_count=args.api_server_count,
         trust_request_chat_template=args.trust_request_chat_template,
+        chat_template=read_chat_template(args.chat_template),
+        disable_fastapi_docs=args.disable_fastapi_docs,
     )
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file's text, or the value itself where it reads as a Jinja
+    template (vLLM takes both).
+
+    :raises ValueError: neither a readable file nor a template."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as handle:
+            return handle.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither a file nor a Jinja template")
 
 
 def _check_parsers(args: argparse.Namespace) -> None:

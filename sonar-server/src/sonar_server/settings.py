@@ -32,6 +32,8 @@ class ServerSettings:
     lora_root: str | None = None  # --lora-root, as a real path
     api_server_count: int = 1  # API servers sharing the engine cores (runtime adapter ids are spread over them)
     trust_request_chat_template: bool = False  # --trust-request-chat-template: requests may bring their own chat template
+    chat_template: str | None = None  # --chat-template: used instead of the tokenizer's
+    disable_fastapi_docs: bool = False  # --disable-fastapi-docs: no /docs, no /openapi.json
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

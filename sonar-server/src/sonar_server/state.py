@@ -26,6 +26,8 @@ class ServerState:
         self.client = client
         self.settings = settings
         self.tokenizer = client.tokenizer
+        if settings.chat_template is not None and self.tokenizer is not None:
+            self.tokenizer.chat_template = settings.chat_template
         self.max_model_len: int = client.model_config.max_model_len
         self.model_path: str = client.model_config.model
         self.started_at = int(time.time())

@@ -110,7 +110,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     group.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank, help="with --enable-lora: the largest adapter rank accepted (every slot is padded to it)")
     group.add_argument("--max-cpu-loras", type=int, default=None, help="with --enable-lora: adapters kept read in host memory, least recently used dropped (default: --max-loras)")
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs, help="largest logprobs / prompt_logprobs a request may ask for")
-    group.add_argument("--enforce-eager", action="store_true", help="accepted for vLLM command lines: Sonar captures no CUDA graphs yet, so it always runs eagerly")
+    group.add_argument("--enforce-eager", action="store_true", help="capture no CUDA graphs: decode steps and drafter passes run eagerly (slower; less memory, no capture at start-up)")
     add_unsupported_flags(parser, server=server)
 
 
@@ -181,6 +181,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         seed=args.seed,
         max_logprobs=args.max_logprobs,
         async_scheduling=args.async_scheduling,
+        enforce_eager=getattr(args, "enforce_eager", False),
         tensor_parallel_size=args.tensor_parallel_size,
         enable_expert_parallel=args.enable_expert_parallel,
         pipeline_parallel_size=args.pipeline_parallel_size,

@@ -46,7 +46,7 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     # KV transfer
     _flag("--kv-events-config", "KV-cache events", KV_TRANSFER),
     _flag("--cpu-offload-gb", "offloading weights to CPU memory", KV_TRANSFER, accepted=("0",)),
-    _flag("--swap-space", "swapping preempted KV blocks to CPU memory", KV_TRANSFER),
+
     # LoRA
     _flag("--fully-sharded-loras", "LoRA adapters", LORA, takes_value=False),
     _flag("--lora-dtype", "LoRA adapters", LORA),
@@ -61,7 +61,8 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--data-parallel-backend", "multi-node data parallelism", PARALLELISM, short="-dpb"),
     _flag("--disable-custom-all-reduce", "tensor parallelism", PARALLELISM, takes_value=False),
     # not planned in an open issue yet
-    _flag("--compilation-config", "torch.compile and CUDA-graph settings", short="-O"),
+    _flag("--compilation-config", "torch.compile and CUDA-graph settings (Sonar compiles nothing with torch.compile: levels 0-3 are accepted; --enforce-eager turns CUDA graphs off)",
+          short="-O", accepted=("0", "1", "2", "3")),
     _flag("--hf-overrides", "overriding the model's config"),
     _flag("--rope-scaling", "overriding the model's RoPE scaling"),
     _flag("--tokenizer-mode", "tokenizer modes (Sonar uses the fast tokenizer)", accepted=("auto",)),
@@ -70,7 +71,6 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--enable-prompt-embeds", "prompt embeddings", takes_value=False),
     _flag("--enable-sleep-mode", "sleep mode", takes_value=False),
     _flag("--override-generation-config", "overriding the model's generation config"),
-    _flag("--chat-template", "a chat template given on the command line", server_only=True),
     _flag("--response-role", "renaming the assistant role", server_only=True),
     _flag("--ssl-keyfile", "HTTPS (put a TLS proxy in front)", server_only=True),
     _flag("--ssl-certfile", "HTTPS (put a TLS proxy in front)", server_only=True),
@@ -81,6 +81,32 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--tool-parser-plugin", "tool parsers from a file (Sonar's come from plugins' entry points)", server_only=True),
     _flag("--return-tokens-as-token-ids", "tokens as token ids in logprobs", takes_value=False, server_only=True),
 )
+
+
+@dataclass(frozen=True, slots=True)
+class IgnoredFlag:
+    """A vLLM flag accepted with any value that changes nothing here, and why."""
+
+    flag: str
+    reason: str
+    takes_value: bool = True
+
+
+#: vLLM flags whose effect Sonar has anyway, or that vLLM's own V1 engine ignores: accepted,
+#: so a vLLM command line runs unchanged
+IGNORED_FLAGS: tuple[IgnoredFlag, ...] = (
+    IgnoredFlag("--swap-space", "preempted requests are recomputed, as in vLLM's V1 engine, which ignores it too"),
+    IgnoredFlag("--enable-chunked-prefill", "prefills are always chunked to fit --max-num-batched-tokens", takes_value=False),
+    IgnoredFlag("--max-seq-len-to-capture", "decode graphs are captured by batch size and serve every context length"),
+)
+
+
+class _IgnoreFlag(argparse.Action):
+    def __init__(self, option_strings: list[str], dest: str, entry: IgnoredFlag, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=None if entry.takes_value else 0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: str | Sequence[str] | None, option_string: str | None = None) -> None:
+        """Nothing to set: the flag's effect is Sonar's behaviour already."""
 
 
 class _RefuseFlag(argparse.Action):
@@ -104,3 +130,6 @@ def add_unsupported_flags(parser: argparse.ArgumentParser, server: bool = False)
         names = [entry.flag] + ([entry.short] if entry.short else [])
         help_text = f"not supported yet: {entry.feature} ({entry.planned})"
         group.add_argument(*names, action=_RefuseFlag, entry=entry, metavar="VALUE", help=help_text)
+    ignored = parser.add_argument_group("vLLM flags accepted with no effect (Sonar behaves so anyway)")
+    for item in IGNORED_FLAGS:
+        ignored.add_argument(item.flag, action=_IgnoreFlag, entry=item, metavar="VALUE", help=f"accepted, no effect: {item.reason}")

@@ -127,8 +127,8 @@ class InputProcessor:
             )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
-            if value is not None and value > self.config.max_logprobs:
-                raise ValueError(f"{name}={value} exceeds max_logprobs={self.config.max_logprobs}")
+            if value is not None and value > min(self.config.max_logprobs, vocab):
+                raise ValueError(f"{name}={value} exceeds max_logprobs={min(self.config.max_logprobs, vocab)}")
         check_token_ids(params, vocab)
         if params.logits_processors:
             from sonar.registry import logits_processors

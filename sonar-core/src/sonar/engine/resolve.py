@@ -190,6 +190,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         node_rank=args.node_rank,
         master_addr=args.master_addr,
         master_port=args.master_port,
+        enforce_eager=args.enforce_eager,
     )
     return config, tokenizer
 

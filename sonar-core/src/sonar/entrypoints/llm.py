@@ -27,7 +27,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **kwargs))
+        self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **_without_no_op_vllm_args(kwargs)))
         self._ids = itertools.count()
 
     @classmethod
@@ -114,16 +114,35 @@ class LLM:
         messages: list[Message] | list[list[Message]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
-        **chat_template_kwargs: Any,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        **template_variables: Any,
     ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them (vLLM's arguments): each is
+        rendered with the chat template (``chat_template`` instead of the tokenizer's;
+        ``tools`` and ``chat_template_kwargs``, or further keyword arguments, reach it as
+        template variables; ``continue_final_message``: the last message is continued, not
+        closed), then generated as ``generate`` does (``lora_request`` as there). Content
+        given as a list of parts is joined from its text parts; other parts are refused."""
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise ValueError(f"chat_template_content_format must be 'auto', 'string' or 'openai', got {chat_template_content_format!r}")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        variables = {**(chat_template_kwargs or {}), **template_variables}
+        if tools is not None:
+            variables["tools"] = tools
+        if continue_final_message:
+            add_generation_prompt = False
+            variables["continue_final_message"] = True
         prompts = [
-            {"prompt_token_ids": self.apply_chat_template(c, chat_template, add_generation_prompt, **chat_template_kwargs)}
+            {"prompt_token_ids": self.apply_chat_template(_text_messages(c), chat_template, add_generation_prompt, **variables)}
             for c in conversations
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def apply_chat_template(
         self, messages: list[Message], chat_template: str | None = None, add_generation_prompt: bool = True, **kwargs: Any
@@ -135,3 +154,50 @@ class LLM:
             messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
         )
         return tokenizer.encode(text, add_special_tokens=False)
+
+
+#: vLLM's ``LLM(...)`` arguments that change nothing here, with the values that mean what
+#: Sonar does anyway (None: any value), as ``sonar serve`` accepts the same flags
+NO_OP_VLLM_ARGS: dict[str, tuple[Any, ...] | None] = {
+    "swap_space": None,  # preempted requests are recomputed (vLLM's V1 engine ignores it too)
+    "max_seq_len_to_capture": None,  # decode graphs are captured by batch size, for every context length
+    "disable_log_stats": None,  # the offline engine logs no periodic stats
+    "disable_custom_all_reduce": None,  # tensor parallelism all-reduces through NCCL only
+    "enable_chunked_prefill": (None, True),  # prefills are always chunked
+    "tokenizer_mode": ("auto",),  # the fast tokenizer
+    "cpu_offload_gb": (0,),  # no weight offload
+    "compilation_config": (None, 0, 1, 2, 3),  # nothing is compiled with torch.compile
+}
+
+
+def _without_no_op_vllm_args(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` less the vLLM arguments that change nothing here (``NO_OP_VLLM_ARGS``).
+
+    :raises ValueError: one of them with a value Sonar would have to act on."""
+    rest = {}
+    for name, value in kwargs.items():
+        if name not in NO_OP_VLLM_ARGS:
+            rest[name] = value
+            continue
+        allowed = NO_OP_VLLM_ARGS[name]
+        if allowed is not None and not any(value is option or (value == option and type(value) is type(option)) for option in allowed):
+            raise ValueError(f"{name}={value!r} is not supported (accepted: {', '.join(repr(v) for v in allowed)}, which change nothing)")
+    return rest
+
+
+def _text_messages(messages: list[Message]) -> list[Message]:
+    """Messages whose ``content`` is a list of parts (OpenAI's form) with the parts' texts
+    joined; a part that is not text is refused (ValueError)."""
+    result = []
+    for number, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise ValueError(f"messages[{number}]: content parts of type {kind!r} are not supported; send text")
+                texts.append(part["text"])
+            message = {**message, "content": "".join(texts)}
+        result.append(message)
+    return result
