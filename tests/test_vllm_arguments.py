@@ -27,3 +27,17 @@ def test_max_logprobs_above_20_allows_that_many(tiny_model_dir) -> None:
     assert all(len(entry) >= 25 for entry in output.logprobs)
     with pytest.raises(ValueError, match="exceeds max_logprobs=30"):
         llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2, logprobs=31))
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir("llama")), max_model_len=64, kv_cache_memory_bytes=KV_BYTES)
+    prompt = list(range(5, 105))  # longer than the context
+    params = SamplingParams(max_tokens=4, temperature=0)
+    cut = llm.generate({"prompt_token_ids": prompt}, params.clone(truncate_prompt_tokens=20))[0]
+    assert cut.prompt_token_ids == prompt[-20:]
+    assert cut.outputs[0].token_ids == llm.generate({"prompt_token_ids": prompt[-20:]}, params)[0].outputs[0].token_ids
+    short = llm.generate({"prompt_token_ids": prompt[:30]}, params.clone(truncate_prompt_tokens=-1))[0]  # -1: the context's length
+    assert short.prompt_token_ids == prompt[:30]
+    for bad in (0, -2, "5"):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens"):
+            SamplingParams(truncate_prompt_tokens=bad)

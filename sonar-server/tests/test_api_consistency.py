@@ -100,3 +100,11 @@ def test_a_command_line_chat_template_and_no_docs(tiny_model, tmp_path):
             assert http.get("/docs").status_code == 404 and http.get("/openapi.json").status_code == 404
     finally:
         process.stop()
+
+
+def test_truncate_prompt_tokens_counts_the_kept_tokens(server):
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        body = {"model": "tiny", "prompt": "word " * 600, "max_tokens": 2, "truncate_prompt_tokens": 50}
+        response = http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["prompt_tokens"] == 50

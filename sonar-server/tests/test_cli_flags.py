@@ -137,3 +137,8 @@ def test_vllm_flags_that_change_nothing_here_are_accepted(tmp_path) -> None:
         read_chat_template(str(tmp_path / "missing.jinja"))
     with pytest.raises(SystemExit):
         parse("serve", "-O", "debug")  # an -O value other than a level still names its feature
+
+
+def test_python_m_sonar_is_the_sonar_command() -> None:
+    done = subprocess.run([sys.executable, "-m", "sonar", "serve", "-dcp", "2"], capture_output=True, text=True, timeout=120)
+    assert "--decode-context-parallel-size is not supported yet" in done.stderr

@@ -57,6 +57,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logprobs: int | None = None  # top-k alternatives per sampled token (0: only the sampled one)
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last k tokens (-1: as many as the context holds)
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
@@ -201,6 +202,9 @@ class SamplingParams:
         check(-2.0 <= self.presence_penalty <= 2.0, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}")
         check(-2.0 <= self.frequency_penalty <= 2.0, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}")
         check(self.repetition_penalty > 0.0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        truncate = self.truncate_prompt_tokens
+        check(truncate is None or (is_int(truncate) and (truncate >= 1 or truncate == -1)),
+              f"truncate_prompt_tokens must be an integer >= 1 (or -1: the model's context), got {truncate!r}")
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             # the engine's max_logprobs (20 unless raised) bounds it from above
@@ -351,3 +355,12 @@ def _stage_table() -> Any:
     from sonar.registry import sampler_stages
 
     return sampler_stages()
+
+
+def truncated_prompt(prompt_token_ids: list[int], truncate_prompt_tokens: int | None, max_model_len: int) -> list[int]:
+    """The prompt a request with ``truncate_prompt_tokens`` runs: its last that many tokens
+    (-1: the last ``max_model_len``), or the whole prompt without it."""
+    if truncate_prompt_tokens is None:
+        return prompt_token_ids
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return prompt_token_ids[-keep:] if len(prompt_token_ids) > keep else prompt_token_ids

@@ -11,7 +11,7 @@ from typing import Any
 from sonar.engine.async_client import RequestStream
 from sonar.lora import LoRARequest
 from sonar.outputs import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
-from sonar.sampling_params import SamplingParams
+from sonar.sampling_params import SamplingParams, truncated_prompt
 from sonar_server.state import ServerState
 
 logger = logging.getLogger("sonar_server.requests")
@@ -206,6 +206,9 @@ async def start_generation(
     """Admit a request into the engine (with ``lora_request``: through that adapter); raises
     ValueError (bad input), QueueFull or EngineDeadError before anything is streamed."""
     state.check_n(params.n)
+    if params.truncate_prompt_tokens is not None:  # the engine runs the same cut: the usage and the outputs count it
+        kept = truncated_prompt(prompt_token_ids, params.truncate_prompt_tokens, state.max_model_len)
+        prompt_text, prompt_token_ids = (prompt_text if kept is prompt_token_ids else None), kept
     prompt: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
     if prompt_text is not None:
         prompt["prompt"] = prompt_text

@@ -63,6 +63,7 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     # not planned in an open issue yet
     _flag("--compilation-config", "torch.compile and CUDA-graph settings (Sonar compiles nothing with torch.compile: levels 0-3 are accepted; --enforce-eager turns CUDA graphs off)",
           short="-O", accepted=("0", "1", "2", "3")),
+    _flag("--guided-decoding-backend", "structured-output backends other than xgrammar", accepted=("xgrammar", "auto")),
     _flag("--hf-overrides", "overriding the model's config"),
     _flag("--rope-scaling", "overriding the model's RoPE scaling"),
     _flag("--tokenizer-mode", "tokenizer modes (Sonar uses the fast tokenizer)", accepted=("auto",)),

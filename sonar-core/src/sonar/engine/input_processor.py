@@ -13,7 +13,7 @@ from sonar.engine.wire import EngineCoreRequest
 from sonar.lora.errors import LoRAError
 from sonar.lora.request import LoRARequest
 from sonar.sampler.metadata import check_token_ids
-from sonar.sampling_params import SamplingParams
+from sonar.sampling_params import SamplingParams, truncated_prompt
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -52,6 +52,9 @@ class InputProcessor:
         self.check_priority(priority)
         self.check_lora(lora_request)
         text, prompt_token_ids = self.tokenize_prompt(prompt)
+        if params.truncate_prompt_tokens is not None:
+            kept = truncated_prompt(prompt_token_ids, params.truncate_prompt_tokens, self.config.max_model_len)
+            text, prompt_token_ids = (text if kept is prompt_token_ids else None), kept
         params = self.resolve_word_lists(params)
         max_tokens = self.validate(prompt_token_ids, params)
         self.compile_grammar(params)
