@@ -41,3 +41,13 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(tiny_model_dir) ->
     for bad in (0, -2, "5"):
         with pytest.raises(ValueError, match="truncate_prompt_tokens"):
             SamplingParams(truncate_prompt_tokens=bad)
+
+
+def test_reset_prefix_cache_computes_prompts_again(tiny_model_dir) -> None:
+    llm = LLM(str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory_bytes=KV_BYTES)
+    prompt = {"prompt_token_ids": list(range(5, 70))}
+    params = SamplingParams(max_tokens=2, temperature=0)
+    llm.generate(prompt, params)
+    assert llm.generate(prompt, params)[0].num_cached_tokens > 0
+    assert llm.reset_prefix_cache()
+    assert llm.generate(prompt, params)[0].num_cached_tokens == 0

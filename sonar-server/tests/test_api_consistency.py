@@ -108,3 +108,13 @@ def test_truncate_prompt_tokens_counts_the_kept_tokens(server):
         response = http.post("/v1/completions", json=body)
         assert response.status_code == 200, response.text
         assert response.json()["usage"]["prompt_tokens"] == 50
+
+
+def test_browsers_get_cors_headers_as_from_vllm(server):
+    """Any origin may call the API from a browser by default (vLLM's default), preflight included."""
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        preflight = http.options("/v1/chat/completions", headers={"Origin": "https://app.example", "Access-Control-Request-Method": "POST",
+                                                                 "Access-Control-Request-Headers": "content-type,authorization"})  # fmt: skip
+        assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in ("*", "https://app.example")
+        response = http.get("/v1/models", headers={"Origin": "https://app.example"})
+        assert response.headers["access-control-allow-origin"] == "*"

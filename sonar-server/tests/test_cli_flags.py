@@ -142,3 +142,21 @@ def test_vllm_flags_that_change_nothing_here_are_accepted(tmp_path) -> None:
 def test_python_m_sonar_is_the_sonar_command() -> None:
     done = subprocess.run([sys.executable, "-m", "sonar", "serve", "-dcp", "2"], capture_output=True, text=True, timeout=120)
     assert "--decode-context-parallel-size is not supported yet" in done.stderr
+
+
+def test_context_lengths_in_vllm_forms() -> None:
+    for text, expected in (("4096", 4096), ("1k", 1000), ("1K", 1024), ("32K", 32768), ("1.5k", 1500), ("auto", None), ("-1", None)):
+        assert parse("serve", "--max-model-len", text).max_model_len == expected, text
+    with pytest.raises(SystemExit):
+        parse("serve", "--max-model-len", "lots")
+
+
+def test_cors_and_root_path_reach_the_settings() -> None:
+    from sonar_server.args import settings_from
+
+    args = parse("serve", "--allowed-origins", '["https://a.example"]', "--allow-credentials", "--root-path", "/llm")
+    settings = settings_from(args, "tiny")
+    assert settings.cors.allowed_origins == ["https://a.example"] and settings.cors.allow_credentials and settings.root_path == "/llm"
+    assert settings_from(parse("serve"), "tiny").cors.allowed_origins == ["*"]  # vLLM's default
+    with pytest.raises(SystemExit):
+        parse("serve", "--allowed-origins", "*")  # a JSON list, as vLLM takes it

@@ -60,6 +60,7 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
             access_log=launch.access_log,
             timeout_graceful_shutdown=5,
             timeout_keep_alive=5,
+            root_path=launch.settings.root_path,
         )
         def report_serving() -> None:
             host, port = listener.getsockname()[:2]

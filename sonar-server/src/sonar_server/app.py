@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from sonar_server import __version__
 from sonar_server.docs_ui import install_docs
@@ -41,6 +42,11 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Sonar", version=__version__, description=DESCRIPTION, docs_url=None, redoc_url=None, openapi_url="/openapi.json" if docs else None)
     if docs:
         install_docs(app)
+    cors = state.settings.cors
+    app.add_middleware(
+        CORSMiddleware, allow_origins=cors.allowed_origins, allow_credentials=cors.allow_credentials,
+        allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
+    )  # fmt: skip
     install_route_errors(app)
     app.state.sonar = state
     surfaces = api_surfaces()

@@ -4,11 +4,12 @@ the server's. ``docs/server-arguments.md`` is generated from this parser."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 
 from sonar.cli.engine_args import add_engine_arguments
 from sonar_server.lora import LoRAModule, LoRAPathError, check_adapter_folder, parse_lora_module
-from sonar_server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, ServerSettings
+from sonar_server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, CorsSettings, ServerSettings
 
 
 def _byte_size(text: str) -> int:
@@ -71,6 +72,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="the chat template to use instead of the tokenizer's: a Jinja file, or the template itself",
     )
     group.add_argument("--disable-fastapi-docs", action="store_true", help="serve no API documentation (/docs and /openapi.json)")
+    group.add_argument("--root-path", default="", help="the path prefix a proxy serves this server under (links in /docs follow it)")
+    group.add_argument("--allowed-origins", type=_json_list, default=["*"], metavar="JSON", help='CORS: origins browsers may call from (default ["*"], as vLLM)')
+    group.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    group.add_argument("--allowed-methods", type=_json_list, default=["*"], metavar="JSON", help='CORS: allowed methods (default ["*"])')
+    group.add_argument("--allowed-headers", type=_json_list, default=["*"], metavar="JSON", help='CORS: allowed headers (default ["*"])')
     group.add_argument("--kobold-max-length", type=int, default=100, help="KoboldAI max_length when a request leaves it out")
     group.add_argument(
         "--tool-call-parser", default=None, metavar="NAME",
@@ -145,7 +151,19 @@ def settings_from(args: argparse.Namespace, default_model_name: str, default_sam
         trust_request_chat_template=args.trust_request_chat_template,
         chat_template=read_chat_template(args.chat_template),
         disable_fastapi_docs=args.disable_fastapi_docs,
+        cors=CorsSettings(args.allowed_origins, args.allow_credentials, args.allowed_methods, args.allowed_headers),
+        root_path=args.root_path,
     )
+
+
+def _json_list(text: str) -> list[str]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings, like ["*"], got {text!r}')
+    return value
 
 
 def read_chat_template(value: str | None) -> str | None:

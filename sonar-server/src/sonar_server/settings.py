@@ -11,6 +11,17 @@ DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
 @dataclass(slots=True)
+class CorsSettings:
+    """Cross-origin requests from browsers, as vLLM allows them by default (any origin,
+    method and header; no credentials)."""
+
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+
+
+@dataclass(slots=True)
 class ServerSettings:
     """What ``sonar serve`` was told about HTTP, limits and the API surfaces."""
 
@@ -34,6 +45,8 @@ class ServerSettings:
     trust_request_chat_template: bool = False  # --trust-request-chat-template: requests may bring their own chat template
     chat_template: str | None = None  # --chat-template: used instead of the tokenizer's
     disable_fastapi_docs: bool = False  # --disable-fastapi-docs: no /docs, no /openapi.json
+    cors: CorsSettings = field(default_factory=lambda: CorsSettings())  # --allowed-origins and its siblings
+    root_path: str = ""  # --root-path: the prefix a proxy serves the server under
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

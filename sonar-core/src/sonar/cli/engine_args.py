@@ -29,7 +29,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     group.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id, when not the model's own")
     group.add_argument("--dtype", default=defaults.dtype, help="auto, float32, bfloat16 or float16")
-    group.add_argument("--max-model-len", type=int, default=None, help="context length (default: the model's)")
+    group.add_argument("--max-model-len", type=_max_model_len, default=None, help="context length (default, 'auto' or -1: the model's; 1k = 1000, 1K = 1024, likewise m/M)")
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="most sequences in one step")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
     group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV-cache block")
@@ -112,6 +112,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs, help="largest logprobs / prompt_logprobs a request may ask for")
     group.add_argument("--enforce-eager", action="store_true", help="capture no CUDA graphs: decode steps and drafter passes run eagerly (slower; less memory, no capture at start-up)")
     add_unsupported_flags(parser, server=server)
+
+
+def _max_model_len(text: str) -> int | None:
+    """vLLM's forms: an integer, ``auto`` or -1 (the model's), or ``1k``/``1K`` (10^3 / 2^10) and
+    ``m``/``M`` likewise."""
+    value = text.strip()
+    if value.lower() == "auto" or value == "-1":
+        return None
+    units = {"k": 1000, "K": 1024, "m": 1000**2, "M": 1024**2}
+    scale = units.get(value[-1:], 1)
+    number = value[:-1] if scale != 1 else value
+    try:
+        parsed = float(number) if scale != 1 else int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a context length: {text!r} (an integer, auto, or like 8k / 32K)") from None
+    return int(parsed * scale)
 
 
 def _json_object(text: str) -> dict:

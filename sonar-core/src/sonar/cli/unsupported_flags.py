@@ -76,8 +76,6 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--ssl-keyfile", "HTTPS (put a TLS proxy in front)", server_only=True),
     _flag("--ssl-certfile", "HTTPS (put a TLS proxy in front)", server_only=True),
     _flag("--uds", "serving on a Unix socket", server_only=True),
-    _flag("--root-path", "serving under a path prefix", server_only=True),
-    _flag("--allowed-origins", "CORS", server_only=True),
     _flag("--middleware", "extra ASGI middleware", server_only=True),
     _flag("--tool-parser-plugin", "tool parsers from a file (Sonar's come from plugins' entry points)", server_only=True),
     _flag("--return-tokens-as-token-ids", "tokens as token ids in logprobs", takes_value=False, server_only=True),

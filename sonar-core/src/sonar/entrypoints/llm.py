@@ -40,6 +40,13 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (as vLLM's ``LLM.reset_prefix_cache``), so the next
+        prompts are computed in full: True once done; False while a request holds blocks, or
+        where the engine core runs in other processes (data-parallel replicas)."""
+        core = self.llm_engine.core
+        return core is not None and core.kv_cache.reset_prefix_cache()
+
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams`` with the model's recommended fields (its ``generation_config.json``,
         or for the embedded model its authors' recommendation) over Sonar's defaults."""
