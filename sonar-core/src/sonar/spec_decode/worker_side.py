@@ -271,17 +271,8 @@ class SpeculativeDecoder:
         host state settled on its kept drafts."""
         req_ids = chained.req_ids
         self.proposer.settle_chained(req_ids, [len(output.verified_token_ids[r]) - 1 for r in req_ids])
-        drafts = chained.token_ids.tolist()
         survival = chained.confidence.tolist() if chained.confidence is not None else None
-        proposed: dict[str, list[int]] = {}
-        confidence: dict[str, list[float]] = {}
-        for i, req_id in enumerate(req_ids):
-            proposed[req_id] = drafts[i]
-            if survival is not None:
-                row = survival_row(survival[i], len(drafts[i]))
-                if row is not None:
-                    confidence[req_id] = row
-        output.draft_token_ids, output.draft_confidence = proposed, confidence
+        output.draft_token_ids, output.draft_confidence = proposals(req_ids, chained.token_ids.tolist(), survival)
         output.draft_seconds = chained.seconds
         output.draft_rows = self.drafted_rows = len(req_ids)
 
@@ -316,16 +307,7 @@ class SpeculativeDecoder:
         if drafts.probs is not None:
             for req_id, tokens, probs in zip(drafts.req_ids, drafts.token_ids, drafts.probs):
                 self.draft_probs.store(req_id, tokens[:limit], None if probs is None else probs[:limit])
-        proposed = {req_id: tokens[:limit] for req_id, tokens in zip(drafts.req_ids, drafts.token_ids) if tokens}
-        confidence: dict[str, list[float]] = {}
-        if drafts.confidence is not None:
-            for req_id, row in zip(drafts.req_ids, drafts.confidence):
-                tokens = proposed.get(req_id)
-                if tokens and row is not None:
-                    survival = survival_row(row, len(tokens))
-                    if survival is not None:
-                        confidence[req_id] = survival
-        return proposed, confidence
+        return proposals(drafts.req_ids, [tokens[:limit] for tokens in drafts.token_ids], drafts.confidence)
 
     def keep_context(
         self,
@@ -387,6 +369,23 @@ class SpeculativeDecoder:
             given = self.hidden.gather(hidden, inputs.req_ids, inputs.num_accepted)
             inputs.hidden_states, inputs.positions, inputs.num_hidden_states = given.states, given.positions, given.counts
         return inputs
+
+
+def proposals(
+    req_ids: list[str], token_rows: list[list[int]], confidence_rows: list[Any] | None
+) -> tuple[dict[str, list[int]], dict[str, list[float]]]:
+    """The drafts of each request that has some, and their survival estimates where the
+    proposer gave a usable row (``survival_row``), as a step's output carries them."""
+    proposed = {req_id: tokens for req_id, tokens in zip(req_ids, token_rows) if tokens}
+    confidence: dict[str, list[float]] = {}
+    if confidence_rows is not None:
+        for req_id, row in zip(req_ids, confidence_rows):
+            tokens = proposed.get(req_id)
+            if tokens and row is not None:
+                survival = survival_row(row, len(tokens))
+                if survival is not None:
+                    confidence[req_id] = survival
+    return proposed, confidence
 
 
 def survival_row(row: Any, num_drafts: int) -> list[float] | None:

@@ -115,6 +115,7 @@ def _response(
     state: ServerState, body: CompletionRequest, request_id: str, generations: list[Generation], echo_texts: list[str]
 ) -> dict[str, Any]:
     choices = []
+    wants_prompt_logprobs = "prompt_logprobs" in extra_sampling_fields(body)  # asked for (echo's own go into logprobs)
     for position, generation in enumerate(generations):
         echo = echo_texts[position]
         for choice in generation.choices:
@@ -132,7 +133,7 @@ def _response(
                 "finish_reason": choice.finish_reason,
                 "stop_reason": choice.stop_reason,
             }
-            if "prompt_logprobs" in extra_sampling_fields(body):  # asked for (echo's own go into logprobs)
+            if wants_prompt_logprobs:
                 entry["prompt_logprobs"] = prompt_logprobs_json(state, generation.prompt_logprobs)
             choices.append(entry)
     return {
