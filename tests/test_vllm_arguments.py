@@ -51,3 +51,24 @@ def test_reset_prefix_cache_computes_prompts_again(tiny_model_dir) -> None:
     assert llm.generate(prompt, params)[0].num_cached_tokens > 0
     assert llm.reset_prefix_cache()
     assert llm.generate(prompt, params)[0].num_cached_tokens == 0
+
+
+def test_override_generation_config_lays_fields_over_the_models(tiny_model_dir, tmp_path) -> None:
+    import json
+    import shutil
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "top_p": 0.8, "max_new_tokens": 9}))
+    llm = LLM(str(folder), max_model_len=128, kv_cache_memory_bytes=KV_BYTES, override_generation_config={"temperature": 0.0, "top_k": 4})
+    defaults = llm.get_default_sampling_params()
+    assert (defaults.temperature, defaults.top_p, defaults.top_k, defaults.max_tokens) == (0.0, 0.8, 4, 9)
+    output = llm.generate({"prompt_token_ids": [5, 6, 7]}, use_tqdm=False)[0].outputs[0]
+    assert len(output.token_ids) == 9 or output.finish_reason == "stop"
+    assert output.token_ids == llm.generate({"prompt_token_ids": [5, 6, 7]}, defaults)[0].outputs[0].token_ids  # greedy: the same tokens
+    # over "vllm" (no model defaults) too, as in vLLM
+    plain = LLM(str(folder), max_model_len=128, kv_cache_memory_bytes=KV_BYTES, generation_config="vllm", override_generation_config={"max_new_tokens": 3})
+    assert (plain.get_default_sampling_params().temperature, plain.get_default_sampling_params().max_tokens) == (1.0, 3)
+    for bad, message in (({"do_sample": True}, "'do_sample' is not a sampling field"), ({"top_p": "high"}, "top_p must be a number")):
+        with pytest.raises(ValueError, match=message):
+            LLM(str(folder), override_generation_config=bad)

@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -33,11 +34,13 @@ def sonar_command() -> list[str]:
 
 
 class ServerProcess:
-    """``sonar serve <args>`` in a subprocess; ``url`` once it answers /health."""
+    """``sonar serve <args>`` in a subprocess; ``url`` once it answers /health (over HTTPS
+    with ``verify``: the CA file its certificate is checked against)."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, verify: str | None = None) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=verify) if verify else True
+        self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
         self.log_path = Path(tempfile.mkstemp(prefix="sonar-serve-", suffix=".log")[1])
         self._log = self.log_path.open("w")
         command = [*sonar_command(), "serve", *args, "--port", str(self.port)]
@@ -50,7 +53,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"sonar serve exited with {self.process.returncode}:\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=1.0, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass

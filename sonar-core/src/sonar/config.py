@@ -53,6 +53,7 @@ class EngineArgs:
     download_dir: str | None = None  # where Hub models are cached (default: the Hugging Face cache)
     trust_remote_code: bool = False  # allow a model that ships its own code
     generation_config: str = "auto"  # default sampling: "auto" (the model's), "vllm" (none), or a folder
+    override_generation_config: dict[str, Any] | None = None  # generation_config.json fields laid over generation_config's
     served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -109,6 +110,10 @@ class EngineArgs:
             for name, value in refused.items():
                 if value:
                     raise ValueError(f"{setting} does not combine with {name} yet; use {single} for it")
+        if self.override_generation_config is not None:
+            from sonar.engine.generation_defaults import check_override_generation_config
+
+            check_override_generation_config(self.override_generation_config)
         if not isinstance(self.enable_expert_parallel, bool):
             raise ValueError(f"enable_expert_parallel must be True or False, got {self.enable_expert_parallel!r}")
         if self.data_parallel_size < 1:

@@ -54,6 +54,7 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
     try:
         state = ServerState(client, launch.settings, launch.client_index, launch.ipc_dir)
         app = build_app(state)
+        tls = launch.settings.tls
         config = uvicorn.Config(
             app,
             log_level=launch.uvicorn_log_level,
@@ -61,13 +62,14 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
             timeout_graceful_shutdown=5,
             timeout_keep_alive=5,
             root_path=launch.settings.root_path,
+            **({} if tls is None else {"ssl_certfile": tls.certfile, "ssl_keyfile": tls.keyfile, "ssl_ca_certs": tls.ca_certs, "ssl_cert_reqs": tls.cert_reqs}),
         )
         def report_serving() -> None:
             host, port = listener.getsockname()[:2]
             adapters = state.settings.lora_modules
             logger.info(
-                "serving %s (context %d tokens) on http://%s:%d with APIs: %s%s%s",
-                state.model_name, state.max_model_len, host, port, ", ".join(state.enabled_apis),
+                "serving %s (context %d tokens) on %s://%s:%d with APIs: %s%s%s",
+                state.model_name, state.max_model_len, "http" if tls is None else "https", host, port, ", ".join(state.enabled_apis),
                 f"; LoRA adapters: {', '.join(m.name for m in adapters)}" if adapters else "",
                 "; API keys required" if state.settings.api_keys else "",
             )

@@ -9,7 +9,7 @@ import os
 
 from sonar.cli.engine_args import add_engine_arguments
 from sonar_server.lora import LoRAModule, LoRAPathError, check_adapter_folder, parse_lora_module
-from sonar_server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, CorsSettings, ServerSettings
+from sonar_server.settings import DEFAULT_MAX_BODY_BYTES, DEFAULT_PORT, CorsSettings, ServerSettings, TlsSettings
 
 
 def _byte_size(text: str) -> int:
@@ -107,7 +107,19 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--uvicorn-log-level", default="warning", help="uvicorn's own log level")
     group.add_argument("--access-log", action="store_true", help="also log uvicorn's line per HTTP request")
     group.add_argument("--disable-uvicorn-access-log", dest="access_log", action="store_false", help="no line per HTTP request (the default; vLLM's name)")
-    group.add_argument("--disable-log-requests", action="store_true", help="accepted for vLLM command lines: Sonar does not log requests")
+    group.add_argument("--enable-log-requests", action="store_true", help="log each request as it arrives: its prompt, token ids and sampling parameters")
+    group.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", help="log no requests (the default; vLLM's older name)")
+    group.add_argument("--max-log-len", type=int, default=None, help="with --enable-log-requests: most prompt characters and token ids a line shows (default: all)")
+    group.add_argument("--response-role", default="assistant", help="the role of chat replies when the request adds a generation prompt")
+    group.add_argument(
+        "--return-tokens-as-token-ids", action="store_true",
+        help='logprobs name tokens "token_id:N" (tokens that are not whole characters stay identifiable); a request may ask with return_tokens_as_token_ids',
+    )
+    tls = parser.add_argument_group("HTTPS")
+    tls.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate (PEM; the chain may follow it)")
+    tls.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM), where not in --ssl-certfile")
+    tls.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM) that client certificates must chain to")
+    tls.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2), help="client certificates: 0 not asked for, 1 optional, 2 required")
     group.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM command lines: Sonar does not log periodic stats")
 
 
@@ -118,9 +130,24 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--api-server-count must be >= 1, got {args.api_server_count}")
     if not 0 < args.port < 65536:
         raise ValueError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
+    if not args.response_role.strip():
+        raise ValueError("--response-role must not be empty")
+    tls = _tls(args)
+    if tls is not None:
+        tls.context()  # the certificate loads, before the model does
     _check_parsers(args)
     _check_lora(args)
     _check_nodes(args)
+
+
+def _tls(args: argparse.Namespace) -> TlsSettings | None:
+    if args.ssl_certfile is None:
+        if args.ssl_keyfile or args.ssl_ca_certs or args.ssl_cert_reqs:
+            raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
+        return None
+    return TlsSettings(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
 
 
 def settings_from(args: argparse.Namespace, default_model_name: str, default_sampling: dict[str, float | int] | None = None) -> ServerSettings:
@@ -153,6 +180,11 @@ def settings_from(args: argparse.Namespace, default_model_name: str, default_sam
         disable_fastapi_docs=args.disable_fastapi_docs,
         cors=CorsSettings(args.allowed_origins, args.allow_credentials, args.allowed_methods, args.allowed_headers),
         root_path=args.root_path,
+        tls=_tls(args),
+        response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        enable_log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
     )
 
 

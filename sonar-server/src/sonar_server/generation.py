@@ -212,9 +212,24 @@ async def start_generation(
     prompt: dict[str, Any] = {"prompt_token_ids": prompt_token_ids}
     if prompt_text is not None:
         prompt["prompt"] = prompt_text
+    if state.settings.enable_log_requests:
+        _log_request(state, request_id, prompt_token_ids, params, prompt_text, lora_request)
     stream = await state.client.add_request(request_id, prompt, params, priority, lora_request)
     state.metrics.update_in_flight()
     return Generation(state, api, stream, params, prompt_token_ids, arrival)
+
+
+def _log_request(
+    state: ServerState, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt_text: str | None, lora_request: LoRARequest | None
+) -> None:
+    """``--enable-log-requests``: one line per admitted request, prompt and ids cut to ``--max-log-len``."""
+    limit = state.settings.max_log_len
+    text = prompt_text if prompt_text is None or limit is None else prompt_text[:limit]
+    ids = prompt_token_ids if limit is None else prompt_token_ids[:limit]
+    logger.info(
+        "received request %s: prompt %r, prompt_token_ids %s (%d tokens), params %s, lora %s",
+        request_id, text, ids, len(prompt_token_ids), params, lora_request.lora_name if lora_request else None,
+    )
 
 
 def closer(generations: list[Generation]) -> Callable[[], Awaitable[None]]:

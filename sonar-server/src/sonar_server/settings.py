@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from dataclasses import dataclass, field
 
 from sonar_server.lora import LoRAModule
@@ -19,6 +20,40 @@ class CorsSettings:
     allow_credentials: bool = False
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
     allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+
+
+@dataclass(slots=True)
+class TlsSettings:
+    """HTTPS: the server's certificate and key, and optionally the CAs that client
+    certificates must chain to (``cert_reqs``: ``ssl.CERT_NONE`` 0, ``CERT_OPTIONAL`` 1,
+    ``CERT_REQUIRED`` 2)."""
+
+    certfile: str
+    keyfile: str | None = None
+    ca_certs: str | None = None
+    cert_reqs: int = 0
+
+    def __post_init__(self) -> None:
+        if self.cert_reqs not in (0, 1, 2):
+            raise ValueError(f"ssl cert_reqs must be 0 (none), 1 (optional) or 2 (required), got {self.cert_reqs}")
+        if self.cert_reqs and not self.ca_certs:
+            raise ValueError("client certificates (--ssl-cert-reqs 1 or 2) need --ssl-ca-certs: the CAs they must chain to")
+
+    def context(self) -> ssl.SSLContext:
+        """A server context with the certificate loaded (raises ValueError naming the file
+        that does not load)."""
+        context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        try:
+            context.load_cert_chain(self.certfile, self.keyfile)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"--ssl-certfile {self.certfile!r} / --ssl-keyfile {self.keyfile!r} do not load as a certificate and its key: {exc}") from None
+        if self.ca_certs:
+            try:
+                context.load_verify_locations(self.ca_certs)
+            except (OSError, ssl.SSLError) as exc:
+                raise ValueError(f"--ssl-ca-certs {self.ca_certs!r} does not load: {exc}") from None
+        context.verify_mode = ssl.VerifyMode(self.cert_reqs)
+        return context
 
 
 @dataclass(slots=True)
@@ -47,6 +82,11 @@ class ServerSettings:
     disable_fastapi_docs: bool = False  # --disable-fastapi-docs: no /docs, no /openapi.json
     cors: CorsSettings = field(default_factory=lambda: CorsSettings())  # --allowed-origins and its siblings
     root_path: str = ""  # --root-path: the prefix a proxy serves the server under
+    tls: TlsSettings | None = None  # --ssl-certfile and its siblings: serve HTTPS
+    response_role: str = "assistant"  # --response-role: the role of chat replies to a generation prompt
+    return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprobs name tokens "token_id:N"
+    enable_log_requests: bool = False  # --enable-log-requests: log each request as it arrives
+    max_log_len: int | None = None  # --max-log-len: most prompt characters and token ids a log line shows
 
     def __post_init__(self) -> None:
         if not self.served_model_names:

@@ -14,6 +14,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     Sonar has not built yet, each refusing itself (with its frontend flags too when ``server``)."""
     defaults = EngineArgs()
     group = parser.add_argument_group("engine")
+    parser.add_argument("--config", default=None, metavar="YAML", help="a YAML file of flags (max-num-seqs: 64); flags on the command line win over it")
     if with_model:
         parser.add_argument(
             "model", nargs="?", default=None,
@@ -26,6 +27,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     group.add_argument(
         "--generation-config", default=defaults.generation_config,
         help="default sampling: auto (the model's generation_config.json; for the embedded model its authors' recommendation), vllm (none), or a folder holding a generation_config.json",
+    )
+    group.add_argument(
+        "--override-generation-config", type=_json_object, default=None, metavar="JSON",
+        help='generation_config.json sampling fields laid over --generation-config\'s, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\'',
     )
     group.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id, when not the model's own")
     group.add_argument("--dtype", default=defaults.dtype, help="auto, float32, bfloat16 or float16")
@@ -181,6 +186,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         download_dir=args.download_dir,
         trust_remote_code=args.trust_remote_code,
         generation_config=args.generation_config,
+        override_generation_config=args.override_generation_config,
         served_model_name=getattr(args, "served_model_name", None),
         dtype=args.dtype,
         max_model_len=args.max_model_len,

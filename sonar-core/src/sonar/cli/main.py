@@ -86,6 +86,13 @@ def unrecognized_message(parser: argparse.ArgumentParser, extras: list[str]) -> 
 
 
 def parse_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    from sonar.cli.config_file import expand_config_file
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        argv = expand_config_file(parser, argv)
+    except ValueError as exc:
+        parser.error(str(exc))
     args, extras = parser.parse_known_args(argv)
     if extras and not getattr(args, "_unavailable", False):
         command_parser: Any = getattr(args, "_command_parser", None) or parser

@@ -71,14 +71,9 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--mm-processor-kwargs", "multimodal inputs"),
     _flag("--enable-prompt-embeds", "prompt embeddings", takes_value=False),
     _flag("--enable-sleep-mode", "sleep mode", takes_value=False),
-    _flag("--override-generation-config", "overriding the model's generation config"),
-    _flag("--response-role", "renaming the assistant role", server_only=True),
-    _flag("--ssl-keyfile", "HTTPS (put a TLS proxy in front)", server_only=True),
-    _flag("--ssl-certfile", "HTTPS (put a TLS proxy in front)", server_only=True),
     _flag("--uds", "serving on a Unix socket", server_only=True),
     _flag("--middleware", "extra ASGI middleware", server_only=True),
     _flag("--tool-parser-plugin", "tool parsers from a file (Sonar's come from plugins' entry points)", server_only=True),
-    _flag("--return-tokens-as-token-ids", "tokens as token ids in logprobs", takes_value=False, server_only=True),
 )
 
 

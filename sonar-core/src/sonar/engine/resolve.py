@@ -177,7 +177,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         enable_expert_parallel=args.enable_expert_parallel,
         pipeline_parallel_size=args.pipeline_parallel_size,
         executor=_registered("distributed_executor_backend", _executor_name(args), executors()),
-        default_sampling=default_sampling_of(model_path, args.generation_config),
+        default_sampling=default_sampling_of(model_path, args.generation_config, args.override_generation_config),
         quantization=quantization,
         kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, platform),
         speculative_config=speculative_config,

@@ -20,7 +20,7 @@ from sonar_server.streaming import EventStreamResponse, sse_data, unless_disconn
 from sonar_server.strict_json import StrictJSONResponse
 from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
-from sonar_server.surfaces.openai.logprobs import chat_logprobs, prompt_logprobs_json
+from sonar_server.surfaces.openai.logprobs import chat_logprobs, prompt_logprobs_json, tokens_as_ids
 from sonar_server.surfaces.openai.protocol import ChatCompletionRequest, ChatMessage
 from sonar_server.tool_calling import (
     ToolPlan,
@@ -96,7 +96,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     request_id = state.new_request_id("chatcmpl")
     generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text, body.priority, lora_request)
-    echoed = _echoed(body)
+    echoed = _echoed(state, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(_stream(state, body, generation, include_usage, plan, guide, echoed), closer([generation]))
@@ -104,15 +104,20 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return StrictJSONResponse(_response(state, body, generation, plan, guide, echoed))
 
 
-def _echoed(body: ChatCompletionRequest) -> str:
+def _reply_role(state: ServerState, body: ChatCompletionRequest) -> str:
+    """The reply's role: ``--response-role`` after a generation prompt, else the last
+    message's own (the reply continues it), as vLLM names it."""
+    continued = body.continue_final_message or not body.add_generation_prompt
+    return body.messages[-1].role if continued and body.messages else state.settings.response_role
+
+
+def _echoed(state: ServerState, body: ChatCompletionRequest) -> str:
     """With ``echo``: the text each reply starts with, the last message's content where that
-    message has the reply's role (the assistant's, or the last message's own when no
-    generation prompt is added, as when it is continued), as vLLM echoes it."""
+    message has the reply's role, as vLLM echoes it."""
     if not body.echo or not body.messages:
         return ""
     last = body.messages[-1]
-    continued = body.continue_final_message or not body.add_generation_prompt
-    if (last.role if continued else "assistant") != last.role:
+    if _reply_role(state, body) != last.role:
         return ""
     if isinstance(last.content, list):
         return "".join(part.text or "" for part in last.content)
@@ -125,9 +130,9 @@ def _usage(generation: Generation) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
-def _message(state: ServerState, text: str, plan: ToolPlan, guide: GuidedDecodingParams | None, truncated: bool) -> dict[str, Any]:
+def _message(state: ServerState, text: str, plan: ToolPlan, guide: GuidedDecodingParams | None, truncated: bool, role: str) -> dict[str, Any]:
     parsed = output_parser(plan, state.settings, guide).parse(text, truncated)
-    message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+    message: dict[str, Any] = {"role": role, "content": parsed.content}
     if parsed.reasoning is not None:
         message["reasoning_content"] = parsed.reasoning
     if parsed.tool_calls:
@@ -149,8 +154,8 @@ def _response(
     for choice in generation.choices:
         logprobs = None
         if body.logprobs:
-            logprobs = chat_logprobs(state, choice.token_ids, list(choice.logprobs or []), body.top_logprobs or 0)
-        message = _message(state, choice.text, plan, guide, choice.finish_reason == "length")
+            logprobs = chat_logprobs(state, choice.token_ids, list(choice.logprobs or []), body.top_logprobs or 0, tokens_as_ids(state, body))
+        message = _message(state, choice.text, plan, guide, choice.finish_reason == "length", _reply_role(state, body))
         if echoed and message["content"] is not None:
             message["content"] = echoed + message["content"]
         choices.append(
@@ -199,15 +204,16 @@ async def _stream(
 
     deltas = generation.deltas()
     parsers = [output_parser(plan, state.settings, guide) for _ in range(body.n)]
+    as_ids = tokens_as_ids(state, body)
     num_calls = [0] * body.n
     try:
         for index in range(body.n):
-            yield chunk([{"index": index, "delta": {"role": "assistant", "content": echoed}, "logprobs": None, "finish_reason": None}])
+            yield chunk([{"index": index, "delta": {"role": _reply_role(state, body), "content": echoed}, "logprobs": None, "finish_reason": None}])
         async for changed in deltas:
             for delta in changed:
                 logprobs = None
                 if body.logprobs and delta.logprobs is not None:
-                    logprobs = chat_logprobs(state, delta.token_ids, list(delta.logprobs), body.top_logprobs or 0)
+                    logprobs = chat_logprobs(state, delta.token_ids, list(delta.logprobs), body.top_logprobs or 0, as_ids)
                 events = parsers[delta.index].feed(delta.text)
                 if delta.finish_reason is not None:
                     events += parsers[delta.index].finish(delta.finish_reason == "length")

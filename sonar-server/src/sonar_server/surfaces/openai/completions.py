@@ -20,7 +20,7 @@ from sonar_server.streaming import EventStreamResponse, merge, sse_data, unless_
 from sonar_server.strict_json import StrictJSONResponse
 from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
-from sonar_server.surfaces.openai.logprobs import completion_logprobs, prompt_logprobs_json
+from sonar_server.surfaces.openai.logprobs import completion_logprobs, prompt_logprobs_json, tokens_as_ids
 from sonar_server.surfaces.openai.protocol import CompletionRequest
 
 API = "openai.completions"
@@ -123,7 +123,7 @@ def _response(
             if body.logprobs is not None:
                 # the generated tokens' offsets count from the echoed text's end (a prompt token's
                 # own string may be a piece of a character, shorter or longer than its text)
-                logprobs = completion_logprobs(state, list(choice.token_ids), list(choice.logprobs or []), body.logprobs, len(echo))
+                logprobs = completion_logprobs(state, list(choice.token_ids), list(choice.logprobs or []), body.logprobs, len(echo), tokens_as_ids(state, body))
                 if body.echo:
                     logprobs = _joined(_prompt_logprobs(state, body, generation), logprobs)
             entry = {
@@ -151,7 +151,7 @@ def _prompt_logprobs(state: ServerState, body: CompletionRequest, generation: Ge
     """An echoed prompt's tokens in the legacy logprobs format (the first token's logprob None)."""
     entries = list(generation.prompt_logprobs or [])
     entries += [None] * (len(generation.prompt_token_ids) - len(entries))
-    return completion_logprobs(state, generation.prompt_token_ids, entries, body.logprobs, 0)
+    return completion_logprobs(state, generation.prompt_token_ids, entries, body.logprobs, 0, tokens_as_ids(state, body))
 
 
 def _joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
@@ -196,13 +196,14 @@ async def _stream(
                         yield chunk(position * body.n + j, echo)
         echoed: set[int] = set()
         wants_prompt_logprobs = "prompt_logprobs" in extra_sampling_fields(body)
+        as_ids = tokens_as_ids(state, body)
         prompt_logprobs_sent: set[int] = set()  # asked-for prompt_logprobs go with each choice's first chunk, as vLLM
         async for position, deltas in merged:
             for delta in deltas:
                 index = position * body.n + delta.index
                 logprobs = None
                 if body.logprobs is not None and delta.logprobs is not None:
-                    logprobs = completion_logprobs(state, delta.token_ids, list(delta.logprobs), body.logprobs, text_offsets.get(index, 0))
+                    logprobs = completion_logprobs(state, delta.token_ids, list(delta.logprobs), body.logprobs, text_offsets.get(index, 0), as_ids)
                 text_offsets[index] = text_offsets.get(index, 0) + len(delta.text)
                 text = delta.text
                 if closes_json:

@@ -12,9 +12,20 @@ from sonar_server.state import ServerState
 from sonar_server.strict_json import finite_logprob
 
 
-def _chosen(state: ServerState, token_id: int, entry: dict[int, Logprob] | None) -> tuple[str, float | None]:
+def tokens_as_ids(state: ServerState, body: Any) -> bool:
+    """Whether logprobs name tokens as ``token_id:N``: the request's
+    ``return_tokens_as_token_ids``, else ``--return-tokens-as-token-ids``."""
+    asked = getattr(body, "return_tokens_as_token_ids", None)
+    return state.settings.return_tokens_as_token_ids if asked is None else bool(asked)
+
+
+def _name(state: ServerState, token_id: int, logprob: Logprob | None, as_ids: bool) -> str:
+    return f"token_id:{token_id}" if as_ids else decoded_token(state, token_id, logprob)
+
+
+def _chosen(state: ServerState, token_id: int, entry: dict[int, Logprob] | None, as_ids: bool) -> tuple[str, float | None]:
     logprob = entry.get(token_id) if entry else None
-    return decoded_token(state, token_id, logprob), (finite_logprob(logprob.logprob) if logprob is not None else None)
+    return _name(state, token_id, logprob, as_ids), (finite_logprob(logprob.logprob) if logprob is not None else None)
 
 
 def completion_logprobs(
@@ -23,17 +34,18 @@ def completion_logprobs(
     entries: list[dict[int, Logprob] | None],
     num_top: int,
     text_offset: int,
+    as_ids: bool = False,
 ) -> dict[str, Any]:
     """The legacy completions format: parallel lists of tokens, logprobs, top alternatives
     and text offsets. Each position's alternatives are its ``num_top`` most likely tokens
     and the chosen one where it is not among them (up to ``num_top + 1``, as OpenAI and vLLM
-    give them)."""
+    give them). ``as_ids``: tokens named ``token_id:N``."""
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top_logprobs: list[dict[str, float | None] | None] = []
     offsets: list[int] = []
     for token_id, entry in zip(token_ids, entries):
-        text, value = _chosen(state, token_id, entry)
+        text, value = _chosen(state, token_id, entry, as_ids)
         tokens.append(text)
         token_logprobs.append(value)
         offsets.append(text_offset)
@@ -45,22 +57,23 @@ def completion_logprobs(
             top_logprobs.append({text: value})
             continue
         ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top]
-        top = {decoded_token(state, t, lp): finite_logprob(lp.logprob) for t, lp in ranked}
+        top = {_name(state, t, lp, as_ids): finite_logprob(lp.logprob) for t, lp in ranked}
         if all(t != token_id for t, _ in ranked):
             top[text] = value
         top_logprobs.append(top)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
 
-def chat_logprobs(state: ServerState, token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int) -> dict[str, Any]:
-    """The chat format: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``."""
+def chat_logprobs(state: ServerState, token_ids: list[int], entries: list[dict[int, Logprob]], num_top: int, as_ids: bool = False) -> dict[str, Any]:
+    """The chat format: ``{"content": [{"token", "logprob", "bytes", "top_logprobs"}]}``
+    (``as_ids``: tokens named ``token_id:N``)."""
     content = []
     for token_id, entry in zip(token_ids, entries):
-        text, value = _chosen(state, token_id, entry)
+        text, value = _chosen(state, token_id, entry, as_ids)
         ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)[:num_top] if num_top else []
         top = []
         for alt_id, alt in ranked:
-            alt_text = decoded_token(state, alt_id, alt)
+            alt_text = _name(state, alt_id, alt, as_ids)
             top.append({"token": alt_text, "logprob": finite_logprob(alt.logprob), "bytes": list(alt_text.encode("utf-8"))})
         content.append({"token": text, "logprob": value, "bytes": list(text.encode("utf-8")), "top_logprobs": top})
     return {"content": content}

@@ -37,6 +37,8 @@ class _GenerationBody(_Body):
     # with --kv-transfer-config (vLLM's extension): {"do_remote_decode": true} on a prefill
     # server, or the parameters a prefill server returned, on a decode server
     kv_transfer_params: dict[str, Any] | None = None
+    # logprobs name tokens as "token_id:N" (None: as --return-tokens-as-token-ids says)
+    return_tokens_as_token_ids: bool | None = None
 
 
 class StreamOptions(BaseModel):

@@ -1,0 +1,180 @@
+"""vLLM's frontend flags on a real ``sonar serve``: HTTPS (``--ssl-*``), ``--response-role``,
+``--return-tokens-as-token-ids`` (and the request field of the same name),
+``--enable-log-requests`` with ``--max-log-len``, ``--override-generation-config``, and
+``--config`` YAML files."""
+
+from __future__ import annotations
+
+import shutil
+import ssl
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from conftest import KV_CACHE_BYTES, ServerProcess
+from sonar.cli.main import build_parser, parse_args
+from test_cli_flags import EARLY_FAILURE_S, run_sonar
+
+pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key (PEM files)."""
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )
+    return str(cert), str(key)
+
+
+@pytest.fixture(scope="module")
+def https_server(tiny_model: str, certificate: tuple[str, str]) -> Iterator[ServerProcess]:
+    cert, key = certificate
+    process = ServerProcess(
+        [tiny_model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512",
+         "--ssl-certfile", cert, "--ssl-keyfile", key, "--response-role", "narrator", "--return-tokens-as-token-ids",
+         "--enable-log-requests", "--max-log-len", "7", "--override-generation-config", '{"max_new_tokens": 3}'],
+        verify=cert,
+    )
+    yield process
+    process.stop()
+
+
+def client_of(server: ServerProcess, certificate: tuple[str, str]) -> openai.OpenAI:
+    http = httpx.Client(verify=ssl.create_default_context(cafile=certificate[0]))
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", http_client=http, max_retries=0)
+
+
+def test_https_serves_the_official_client_and_refuses_plain_http(https_server: ServerProcess, certificate: tuple[str, str]) -> None:
+    assert https_server.url.startswith("https://")
+    reply = client_of(https_server, certificate).completions.create(model="tiny", prompt="hello there", max_tokens=4, temperature=0)
+    assert reply.usage.completion_tokens == 4
+    with pytest.raises(httpx.HTTPError):  # a plain-HTTP request to the TLS port gets no HTTP answer
+        httpx.get(https_server.url.replace("https://", "http://") + "/health", timeout=5)
+    with pytest.raises(httpx.ConnectError):  # nor does a client that does not trust the certificate
+        httpx.get(f"{https_server.url}/health", timeout=5)
+    assert "on https://127.0.0.1" in https_server.log()
+
+
+def test_response_role_names_replies_to_a_generation_prompt(https_server: ServerProcess, certificate: tuple[str, str]) -> None:
+    client = client_of(https_server, certificate)
+    messages = [{"role": "user", "content": "hi"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=3)
+    assert reply.choices[0].message.role == "narrator"
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=3, stream=True))
+    assert chunks[0].choices[0].delta.role == "narrator"
+    # continuing the last message: the reply has that message's role, as in vLLM
+    continued = client.chat.completions.create(
+        model="tiny", messages=[*messages, {"role": "assistant", "content": "well"}], max_tokens=3,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert continued.choices[0].message.role == "assistant"
+
+
+def test_tokens_as_token_ids(https_server: ServerProcess, certificate: tuple[str, str], tiny_model: str) -> None:
+    from transformers import AutoTokenizer
+
+    client = client_of(https_server, certificate)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    reply = client.completions.create(model="tiny", prompt="one two three", max_tokens=6, temperature=0, logprobs=2)
+    tokens = reply.choices[0].logprobs.tokens
+    assert all(token.startswith("token_id:") for token in tokens)
+    ids = [int(token.split(":", 1)[1]) for token in tokens]
+    assert tokenizer.decode(ids) == reply.choices[0].text
+    for chosen, top in zip(tokens, reply.choices[0].logprobs.top_logprobs):
+        assert all(name.startswith("token_id:") for name in top) and len(top) >= 2
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=4, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert [entry.token for entry in content][0].startswith("token_id:")
+    assert all(alt.token.startswith("token_id:") for entry in content for alt in entry.top_logprobs)
+    assert tokenizer.decode([int(entry.token.split(":")[1]) for entry in content]) == chat.choices[0].message.content
+    # a request may ask for decoded tokens instead
+    plain = client.completions.create(model="tiny", prompt="one two three", max_tokens=6, temperature=0, logprobs=1,
+                                      extra_body={"return_tokens_as_token_ids": False})
+    assert "".join(plain.choices[0].logprobs.tokens) == plain.choices[0].text
+    assert not any(token.startswith("token_id:") for token in plain.choices[0].logprobs.tokens)
+
+
+def test_requests_are_logged_cut_to_max_log_len(https_server: ServerProcess, certificate: tuple[str, str]) -> None:
+    client_of(https_server, certificate).completions.create(model="tiny", prompt="abcdefghijklmnop", max_tokens=2)
+    lines = [line for line in https_server.log().splitlines() if "received request cmpl-" in line and "'abcdefg'" in line]
+    assert lines, https_server.log()[-2000:]
+    assert "abcdefgh" not in lines[-1]
+    assert "max_tokens=2" in lines[-1]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--ssl-certfile", "/nonexistent/cert.pem"], "do not load as a certificate"),
+        (["--ssl-keyfile", "/tmp/key.pem"], "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
+        (["--max-log-len", "-1"], "--max-log-len must be >= 0"),
+    ],
+)
+def test_bad_tls_and_log_flags_fail_before_loading(flags: list[str], message: str) -> None:
+    done, elapsed = run_sonar("serve", *flags)
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+    assert elapsed < EARLY_FAILURE_S
+
+
+def test_a_client_certificate_is_required_when_asked(tiny_model: str, certificate: tuple[str, str], tmp_path: Path) -> None:
+    cert, key = certificate
+    done, _ = run_sonar("serve", "--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-cert-reqs", "2")
+    assert done.returncode != 0 and "need --ssl-ca-certs" in done.stderr
+
+
+def test_override_generation_config_sets_the_default_length(https_server: ServerProcess, certificate: tuple[str, str]) -> None:
+    client = client_of(https_server, certificate)
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], extra_body={"ignore_eos": True})
+    assert reply.usage.completion_tokens == 3
+    longer = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5, extra_body={"ignore_eos": True})
+    assert longer.usage.completion_tokens == 5
+
+
+# --config
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_config_file_flags_and_the_command_line_winning(tmp_path: Path) -> None:
+    config = write(tmp_path, "model: /models/from-file\nmax-num-seqs: 7\nmax_model_len: 4k\nenable-prefix-caching: false\n"
+                             "port: 9999\nserved-model-name: [a, b]\nreturn-tokens-as-token-ids: true\nallowed-origins: '[\"x\"]'\n")
+    args = parse_args(build_parser(), ["serve", "--config", config])
+    assert (args.model_option, args.max_num_seqs, args.max_model_len, args.enable_prefix_caching) == ("/models/from-file", 7, 4000, False)
+    assert (args.port, args.served_model_name, args.return_tokens_as_token_ids, args.allowed_origins) == (9999, ["a", "b"], True, ["x"])
+    # the command line wins, wherever it puts its flags and its model
+    for argv in (["serve", "m", "--config", config, "--max-num-seqs", "3"], ["serve", "--max-num-seqs=3", f"--config={config}", "--port", "1", "m"]):
+        args = parse_args(build_parser(), argv)
+        assert (args.model, args.model_option, args.max_num_seqs, args.served_model_name) == ("m", None, 3, ["a", "b"])
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("- a list\n", "must hold a mapping of flag names to values"),
+        ("max-num-seqs: [1\n", "is not valid YAML"),
+        ("max-num-sqs: 4\n", "the --config file names 'max-num-sqs', which is not a flag of this command (did you mean max-num-seqs?)"),
+        ("max-model-len: 100000\n", "--max-model-len 100000 exceeds the model's context of 8192 tokens"),
+    ],
+)
+def test_bad_config_files_fail_at_once_naming_the_problem(tmp_path: Path, text: str, message: str) -> None:
+    done, elapsed = run_sonar("serve", "--config", write(tmp_path, text))
+    assert done.returncode != 0 and message in done.stderr, done.stderr
+    assert elapsed < EARLY_FAILURE_S
+
+
+def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
+    done, _ = run_sonar("serve", "--config", str(tmp_path / "absent.yaml"))
+    assert done.returncode != 0 and "absent.yaml' cannot be read" in done.stderr
