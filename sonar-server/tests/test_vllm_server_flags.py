@@ -178,3 +178,13 @@ def test_bad_config_files_fail_at_once_naming_the_problem(tmp_path: Path, text: 
 def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
     done, _ = run_sonar("serve", "--config", str(tmp_path / "absent.yaml"))
     assert done.returncode != 0 and "absent.yaml' cannot be read" in done.stderr
+
+
+def test_a_request_cannot_change_how_the_server_reads_outputs(https_server: ServerProcess, certificate: tuple[str, str]) -> None:
+    client = client_of(https_server, certificate)
+    whole = client.completions.create(model="tiny", prompt="one two", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    for kind in ("delta", "final_only"):
+        chunks = client.completions.create(model="tiny", prompt="one two", max_tokens=8, temperature=0, stream=True,
+                                           extra_body={"ignore_eos": True, "output_kind": kind})
+        pieces = [chunk.choices[0].text for chunk in chunks if chunk.choices]
+        assert "".join(pieces) == whole.choices[0].text and len(pieces) > 2

@@ -14,6 +14,9 @@ __version__ = "0.1.0"
 _PUBLIC = {
     "LLM": "sonar.entrypoints.llm",
     "SamplingParams": "sonar.sampling_params",
+    "RequestOutputKind": "sonar.sampling_params",
+    "TextPrompt": "sonar.inputs",
+    "TokensPrompt": "sonar.inputs",
     "RequestOutput": "sonar.outputs",
     "CompletionOutput": "sonar.outputs",
     "Logprob": "sonar.outputs",

@@ -42,3 +42,25 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: dict[str, float] = field(default_factory=dict)
     kv_transfer_params: dict | None = None  # what the engine's KV connector hands back (a prefill's: where its KV is)
+
+    def add(self, later: RequestOutput) -> None:
+        """Fold a later output of the same request (output_kind "delta") into this one: texts,
+        tokens and logprobs appended per completion, finish and counts taken from ``later``."""
+        by_index = {completion.index: completion for completion in self.outputs}
+        for new in later.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                by_index[new.index] = new
+                continue
+            old.text += new.text
+            old.token_ids = old.token_ids + new.token_ids
+            if new.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + new.logprobs
+            old.cumulative_logprob, old.finish_reason, old.stop_reason = new.cumulative_logprob, new.finish_reason, new.stop_reason
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = (self.prompt_logprobs or []) + later.prompt_logprobs
+        self.outputs.sort(key=lambda completion: completion.index)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.kv_transfer_params = later.kv_transfer_params

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,6 +23,18 @@ _FLOAT_FIELDS = (
 )  # fmt: skip
 _BOOL_FIELDS = ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "detokenize", "temperature_last")
 DEFAULT_DRY_SEQUENCE_BREAKERS = ["\n", ":", '"', "*"]
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a streamed request holds (vLLM's names and values):
+    everything so far, only what is new since the last one, or one output when finished."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
 
 
 @dataclass(slots=True)
@@ -62,7 +75,7 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     detokenize: bool = True
     logits_processors: list[str] = field(default_factory=list)  # registered processor names, each run once
-    output_kind: str = "cumulative"  # "cumulative": an output every step; "final_only": only when finished
+    output_kind: str = "cumulative"  # or a RequestOutputKind: "cumulative" everything so far, "delta" only the new, "final_only" once
     guided_decoding: GuidedDecodingParams | None = None  # structured output: json, regex, grammar, choice
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
@@ -107,6 +120,8 @@ class SamplingParams:
     kv_transfer_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.output_kind, RequestOutputKind):
+            self.output_kind = OUTPUT_KINDS[self.output_kind]
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         for name in ("stop", "stop_token_ids"):
@@ -153,6 +168,12 @@ class SamplingParams:
             table = _stage_table()
             self.sampler_priority = [table.priority_key(table.lookup(v)) for v in self.sampler_priority] or None
 
+    @classmethod
+    def from_optional(cls, **kwargs: Any) -> SamplingParams:
+        """``SamplingParams`` of the given fields, those given as None left at their defaults
+        (vLLM's constructor for optional request fields)."""
+        return cls(**{name: value for name, value in kwargs.items() if value is not None})
+
     def validate(self) -> None:
         """Raise ValueError naming the first invalid field."""
 
@@ -183,8 +204,8 @@ class SamplingParams:
         # vLLM's fields
         check(self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         check(
-            self.output_kind in ("cumulative", "final_only"),
-            f"output_kind must be 'cumulative' or 'final_only', got {self.output_kind!r}",
+            self.output_kind in OUTPUT_KINDS,
+            f"output_kind must be 'cumulative', 'delta' or 'final_only' (or a RequestOutputKind), got {self.output_kind!r}",
         )
         check(
             self.max_tokens is None or (is_int(self.max_tokens) and self.max_tokens >= 1),

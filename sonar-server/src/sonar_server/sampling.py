@@ -17,9 +17,14 @@ from sonar_server.errors import ApiError
 _MAX_TOKENS_FIELDS = {"max_tokens", "max_completion_tokens", "max_length"}
 
 
+# fields the server sets itself: its streaming reads cumulative outputs
+SERVER_OWNED_FIELDS = frozenset({"output_kind"})
+
+
 def engine_sampling_fields() -> set[str]:
-    """Every field ``SamplingParams`` takes (it grows as samplers are added)."""
-    return {f.name for f in dataclasses.fields(SamplingParams)}
+    """Every field ``SamplingParams`` takes (it grows as samplers are added) that a request
+    may set."""
+    return {f.name for f in dataclasses.fields(SamplingParams)} - SERVER_OWNED_FIELDS
 
 
 def extra_sampling_fields(body: BaseModel) -> dict[str, Any]:

@@ -65,12 +65,14 @@ class RequestStream:
     Closing it (``await stream.aclose()``) before the request finished aborts the request.
     """
 
-    def __init__(self, request_id: str, client: AsyncLLM) -> None:
+    def __init__(self, request_id: str, client: AsyncLLM, delta: bool = False) -> None:
         self.request_id = request_id
         self.finished = False
         self._client = client
-        # outputs are cumulative: only the newest not yet taken is kept; a finished output or
-        # an error is the last, and nothing put after it replaces it
+        # cumulative outputs: only the newest not yet taken is kept; deltas (``delta``) not yet
+        # taken are folded into one. A finished output or an error is the last, and nothing
+        # put after it replaces it
+        self._delta = delta
         self._pending: RequestOutput | BaseException | None = None
         self._waiter: asyncio.Future[None] | None = None
 
@@ -78,7 +80,10 @@ class RequestStream:
         pending = self._pending
         if pending is not None and (isinstance(pending, BaseException) or pending.finished):
             return
-        self._pending = item
+        if self._delta and pending is not None and not isinstance(item, BaseException):
+            pending.add(item)
+        else:
+            self._pending = item
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -170,7 +175,7 @@ class AsyncLLM:
         compile_grammar = getattr(self.engine, "compile_grammar", None)
         if params.guided_decoding is not None and compile_grammar is not None:  # structured output, off the step loop
             await loop.run_in_executor(None, compile_grammar, params)
-        stream = RequestStream(request_id, self)
+        stream = RequestStream(request_id, self, delta=params.output_kind == "delta")
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         with self._wakeup:
             self._check_accepting()
@@ -192,8 +197,9 @@ class AsyncLLM:
     async def generate(
         self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0, lora_request: LoRARequest | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Stream a request's cumulative outputs; stopping early (or being cancelled, as when an
-        HTTP client disconnects) aborts it. ``lora_request``: as ``add_request``."""
+        """Stream a request's outputs (cumulative, or as ``params.output_kind`` says); stopping
+        early (or being cancelled, as when an HTTP client disconnects) aborts it.
+        ``lora_request``: as ``add_request``."""
         stream = await self.add_request(request_id, prompt, params, priority, lora_request)
         try:
             async for output in stream:
@@ -244,6 +250,10 @@ class AsyncLLM:
         with self._wakeup:
             self._aborts.extend(self._streams)
             self._wakeup.notify()
+
+    async def get_tokenizer(self) -> Any:
+        """The tokenizer requests are encoded and decoded with (vLLM's ``AsyncLLM`` method)."""
+        return self.tokenizer
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt, exactly as the engine would tokenize it."""

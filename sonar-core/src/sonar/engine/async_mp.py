@@ -92,7 +92,7 @@ class AsyncMPLLM:
         if self.max_in_flight is not None and len(self._streams) >= self.max_in_flight:
             raise QueueFull(f"{len(self._streams)} requests are in flight, the limit is {self.max_in_flight}; retry later")
         engine = self.client.choose_engine(avoid=set(self.client.stuck_engines(self.engine_step_timeout)))
-        stream = RequestStream(request_id, self)  # type: ignore[arg-type]
+        stream = RequestStream(request_id, self, delta=processed.params.output_kind == "delta")  # type: ignore[arg-type]
         self.output_processor.add(
             request_id, processed.prompt, processed.prompt_token_ids, processed.params, processed.child_ids, processed.child_params
         )
@@ -159,6 +159,10 @@ class AsyncMPLLM:
         if loop is None:
             return
         _call_soon(loop, lambda: [self._abort(r) for r in list(self._streams)])
+
+    async def get_tokenizer(self) -> Any:
+        """The tokenizer requests are encoded and decoded with (vLLM's ``AsyncLLM`` method)."""
+        return self.tokenizer
 
     def encode(self, text: str) -> list[int]:
         """Token ids of a prompt, exactly as the engine would tokenize it."""

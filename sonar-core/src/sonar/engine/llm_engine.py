@@ -56,6 +56,10 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
         return cls(args)
 
+    def get_tokenizer(self) -> Any:
+        """The tokenizer requests are encoded and decoded with (None with ``skip_tokenizer_init``)."""
+        return self.tokenizer
+
     # -- input ---------------------------------------------------------------------------
 
     def add_request(

@@ -23,6 +23,10 @@ class ChildState:
     cumulative_logprob: float | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # output_kind "delta": how much of the above earlier outputs carried
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    finish_sent: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -35,6 +39,7 @@ class ParentState:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
+    num_sent_prompt_logprobs: int = 0  # output_kind "delta": prompt positions earlier outputs carried
 
     @property
     def finished(self) -> bool:
@@ -157,6 +162,8 @@ class OutputProcessor:
         return text
 
     def _request_output(self, parent: ParentState, finished: bool | None = None) -> RequestOutput:
+        if parent.params.output_kind == "delta":
+            return self._delta_output(parent, parent.finished if finished is None else finished)
         completions = [
             CompletionOutput(
                 index=child.index,
@@ -176,6 +183,43 @@ class OutputProcessor:
             prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
             outputs=completions,
             finished=parent.finished if finished is None else finished,
+            num_cached_tokens=parent.num_cached_tokens,
+            kv_transfer_params=parent.kv_transfer_params,
+        )
+
+    def _delta_output(self, parent: ParentState, finished: bool) -> RequestOutput:
+        """Only what is new since the request's last output: each child with new tokens, text
+        or a finish, holding just those, and prompt logprobs not carried before."""
+        completions = []
+        for child in parent.children.values():
+            text = self._visible_text(child)
+            has_finish = child.finish_reason is not None and not child.finish_sent
+            if len(child.token_ids) == child.num_sent_tokens and len(text) == child.num_sent_chars and not has_finish:
+                continue
+            start = child.num_sent_tokens
+            completions.append(
+                CompletionOutput(
+                    index=child.index,
+                    text=text[child.num_sent_chars :],
+                    token_ids=child.token_ids[start:],
+                    cumulative_logprob=child.cumulative_logprob,
+                    logprobs=child.logprobs[start:] if child.logprobs is not None else None,
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                )
+            )
+            child.num_sent_tokens, child.num_sent_chars, child.finish_sent = len(child.token_ids), len(text), child.finish_reason is not None
+        prompt_logprobs = None
+        if parent.prompt_logprobs is not None and len(parent.prompt_logprobs) > parent.num_sent_prompt_logprobs:
+            prompt_logprobs = parent.prompt_logprobs[parent.num_sent_prompt_logprobs :]
+            parent.num_sent_prompt_logprobs = len(parent.prompt_logprobs)
+        return RequestOutput(
+            request_id=parent.request_id,
+            prompt=parent.prompt,
+            prompt_token_ids=parent.prompt_token_ids,
+            prompt_logprobs=prompt_logprobs,
+            outputs=completions,
+            finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
             kv_transfer_params=parent.kv_transfer_params,
         )
