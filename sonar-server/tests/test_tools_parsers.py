@@ -18,6 +18,8 @@ HERMES = (
 LLAMA3 = '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"zone": "CET"}}'
 LLAMA3_TAG = '<|python_tag|>{"name": "search", "parameters": {"query": "sonar \\"pings\\""}}'
 MISTRAL_V3 = '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+PYTHONIC = '[get_weather(city="Paris", unit="celsius", days=3), get_time(), search(query=\'sonar "pings"\', filters={"lang": ["en", None]}, exact=True)]'
+PYTHONIC_TAGS = '<|python_start|>[module.lookup(key=-1.5e3)]<|python_end|>'
 MISTRAL_V11 = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}'
 
 RECORDED = [
@@ -30,6 +32,15 @@ RECORDED = [
     ("hermes", "No tools needed: 2 + 2 = 4.", "No tools needed: 2 + 2 = 4.", []),
     ("llama3_json", "The answer is {not json}.", "The answer is {not json}.", []),
     ("mistral", "Plain answer.", "Plain answer.", []),
+    ("pythonic", PYTHONIC, "", [("get_weather", {"city": "Paris", "unit": "celsius", "days": 3}), ("get_time", {}),
+                                ("search", {"query": 'sonar "pings"', "filters": {"lang": ["en", None]}, "exact": True})]),
+    ("pythonic", PYTHONIC_TAGS, "", [("module.lookup", {"key": -1500.0})]),
+    ("pythonic", "Paris is sunny.", "Paris is sunny.", []),
+    ("pythonic", "[1] is a citation, not a call.", "[1] is a citation, not a call.", []),
+    ("pythonic", '[f("positional")]', '[f("positional")]', []),
+    ("pythonic", "[f(x=open('/etc/passwd'))]", "[f(x=open('/etc/passwd'))]", []),  # not a literal: never evaluated
+    ("pythonic", "[f(x=1e999)]", "[f(x=1e999)]", []),  # infinite: JSON cannot hold it
+    ("pythonic", "[f(**{'a': 1})]", "[f(**{'a': 1})]", []),
 ]
 
 
@@ -75,10 +86,13 @@ ADVERSARIAL = {
     "mistral markers": "[TOOL_CALLS]x[ARGS]" * 25_000,
     "llama prefix": "<|python_tag|>" + "{" * 500_000,
     "semicolons": '{"name": "f", "parameters": {}};' * 5_000 + "{",
+    "long sums": "[f(x=" + "1+" * 200_000 + "1)]",
+    "deep call lists": "[f(x=" + "[" * 100_000 + "]" * 100_000 + ")]",
+    "python start": "<|python_start|>" + "(" * 500_000,
 }
 
 
-@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral"])
+@pytest.mark.parametrize("parser_name", ["hermes", "llama3_json", "mistral", "pythonic"])
 @pytest.mark.parametrize("case", sorted(ADVERSARIAL))
 def test_adversarial_outputs_finish_fast_as_content(parser_name: str, case: str) -> None:
     text = ADVERSARIAL[case]

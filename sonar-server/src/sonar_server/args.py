@@ -80,7 +80,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--kobold-max-length", type=int, default=100, help="KoboldAI max_length when a request leaves it out")
     group.add_argument(
         "--tool-call-parser", default=None, metavar="NAME",
-        help="how to find tool calls in the model's text for tool_choice 'auto': hermes (the default; alias qwen), llama3_json, mistral, or a plugin's",
+        help="how to find tool calls in the model's text for tool_choice 'auto': hermes (the default; alias qwen), llama3_json, mistral, pythonic, or a plugin's",
     )
     group.add_argument("--enable-auto-tool-choice", action="store_true", help="accepted for vLLM command lines: tool_choice 'auto' (the default with tools) works without it; needs --tool-call-parser")
     group.add_argument(

@@ -48,6 +48,7 @@ def sonar_register_tool_parsers(register: Callable[..., None]) -> None:
     register("qwen", "sonar_server.parsers.tools:HermesToolParser")
     register("llama3_json", "sonar_server.parsers.tools:Llama3JsonToolParser")
     register("mistral", "sonar_server.parsers.tools:MistralToolParser")
+    register("pythonic", "sonar_server.parsers.tools:PythonicToolParser")
 
 
 @hookimpl

@@ -1,6 +1,9 @@
-"""Built-in tool-call parsers: Hermes/Qwen ``<tool_call>`` JSON, Llama-3 JSON, Mistral ``[TOOL_CALLS]``."""
+"""Built-in tool-call parsers: Hermes/Qwen ``<tool_call>`` JSON, Llama-3 JSON, Mistral
+``[TOOL_CALLS]``, and Python-call lists (``pythonic``)."""
 
 from __future__ import annotations
+
+import ast
 
 from sonar_server.parsers.base import (
     ToolCall,
@@ -148,3 +151,65 @@ class MistralToolParser(ToolParser):
         return held_prefix(text, self.marker)
 
 
+
+
+class PythonicToolParser(ToolParser):
+    """Python-call tool calls (Llama 3.2 and 4, ToolACE): the whole output is a list of calls
+    with keyword arguments, ``[get_weather(city="Paris", days=3), get_time()]``, optionally
+    inside ``<|python_start|>`` / ``<|python_end|>``. Argument values must be Python literals
+    (strings, numbers, booleans, None, lists, dicts); anything else makes the output plain text."""
+
+    name = "pythonic"
+    start_tag = "<|python_start|>"
+    end_tag = "<|python_end|>"
+
+    def extract(self, text: str) -> ToolCallResult:
+        start = self.find_start(text, 0)
+        if start < 0:
+            return ToolCallResult(text)
+        body = text[start:].strip()
+        if body.startswith(self.start_tag):
+            body = body[len(self.start_tag):]
+            body = body[: -len(self.end_tag)] if body.endswith(self.end_tag) else body
+        calls = self._calls(body.strip())
+        return ToolCallResult(text) if calls is None else ToolCallResult(text[:start], calls)
+
+    @staticmethod
+    def _calls(body: str) -> list[ToolCall] | None:
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return None
+        if not isinstance(tree, ast.List):
+            return None
+        calls: list[ToolCall] = []
+        for node in tree.elts:
+            if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, (ast.Name, ast.Attribute)):
+                return None
+            arguments: dict[str, object] = {}
+            for keyword in node.keywords:
+                if keyword.arg is None:  # **kwargs
+                    return None
+                try:
+                    arguments[keyword.arg] = ast.literal_eval(keyword.value)
+                except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+                    return None
+            call = call_from_object({"name": ast.unparse(node.func), "arguments": arguments})
+            if call is None:  # a value JSON cannot hold (a set, bytes, an infinite float)
+                return None
+            calls.append(call)
+        return calls
+
+    def find_start(self, text: str, start: int) -> int:
+        if start > 0:
+            return -1  # text was already streamed as content: the output is not a call
+        stripped = text.lstrip()
+        if stripped.startswith((self.start_tag, "[")):
+            return len(text) - len(stripped)
+        return -1
+
+    def held_back(self, text: str, emitted: int) -> int:
+        if emitted:
+            return 0  # content already began: this output holds no call
+        stripped = text.lstrip()
+        return len(text) if self.start_tag.startswith(stripped) else 0
