@@ -87,3 +87,15 @@ def test_prompt_forms_tokenizer_and_lora_request_fields(tiny_model_dir) -> None:
     lora = LoRARequest("adapter", 1, "/adapters/a", base_model_name="base")
     assert msgspec.msgpack.decode(msgspec.msgpack.encode(lora), type=LoRARequest) == lora
     assert LoRARequest("adapter", 1, "/adapters/a").base_model_name is None
+
+
+def test_request_outputs_carry_their_timings(tiny_model_dir) -> None:
+    import time
+
+    llm = LLM(str(tiny_model_dir("llama")), max_model_len=128, kv_cache_memory_bytes=KV_BYTES)
+    before = time.time()
+    output = llm.generate(TokensPrompt(prompt_token_ids=PROMPT), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
+    after = time.time()
+    metrics = output.metrics
+    assert before <= metrics["arrival_time"] <= metrics["first_token_time"] <= metrics["last_token_time"] <= after
+    assert metrics["first_token_latency"] == pytest.approx(metrics["first_token_time"] - metrics["arrival_time"])

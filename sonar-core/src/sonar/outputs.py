@@ -40,6 +40,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    # on the finished output: arrival_time, first_token_time, last_token_time (time.time()), first_token_latency
     metrics: dict[str, float] = field(default_factory=dict)
     kv_transfer_params: dict | None = None  # what the engine's KV connector hands back (a prefill's: where its KV is)
 
@@ -63,4 +64,5 @@ class RequestOutput:
         self.outputs.sort(key=lambda completion: completion.index)
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens
+        self.metrics = later.metrics
         self.kv_transfer_params = later.kv_transfer_params

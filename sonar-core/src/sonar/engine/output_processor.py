@@ -3,6 +3,7 @@ logprobs with decoded tokens, and n > 1 fan-in."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +41,18 @@ class ParentState:
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
     num_sent_prompt_logprobs: int = 0  # output_kind "delta": prompt positions earlier outputs carried
+    arrival_time: float = 0.0  # wall-clock times (time.time()) for RequestOutput.metrics
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """vLLM's request timings: arrival, first and last token, and the first token's latency."""
+        metrics = {"arrival_time": self.arrival_time}
+        if self.first_token_time is not None and self.last_token_time is not None:
+            metrics["first_token_time"] = self.first_token_time
+            metrics["last_token_time"] = self.last_token_time
+            metrics["first_token_latency"] = self.first_token_time - self.arrival_time
+        return metrics
 
     @property
     def finished(self) -> bool:
@@ -64,7 +77,7 @@ class OutputProcessor:
                 child.logprobs, child.cumulative_logprob = [], 0.0
             children[child_id] = child
             self.child_to_parent[child_id] = request_id
-        parent = ParentState(request_id, prompt, prompt_token_ids, params, children)
+        parent = ParentState(request_id, prompt, prompt_token_ids, params, children, arrival_time=time.time())
         if params.prompt_logprobs is not None:
             parent.prompt_logprobs = [None]
         self.parents[request_id] = parent
@@ -96,6 +109,7 @@ class OutputProcessor:
         """Returns the updated RequestOutputs and (child_id, stop_string) pairs the core must stop."""
         touched: dict[str, ParentState] = {}
         to_stop: list[tuple[str, str]] = []
+        now = time.time()
         for out in outputs:
             parent_id = self.child_to_parent.get(out.req_id)
             if parent_id is None:
@@ -110,6 +124,9 @@ class OutputProcessor:
             if out.prompt_logprobs is not None and parent.prompt_logprobs is not None and child.index == 0:
                 parent.prompt_logprobs.extend(self._logprob_dicts(out.prompt_logprobs))
             if out.new_token_ids:
+                if parent.first_token_time is None:
+                    parent.first_token_time = now
+                parent.last_token_time = now
                 new_token_ids, new_logprobs = out.new_token_ids, out.new_logprobs
                 if len(new_token_ids) > 1 and child.detokenizer.stop_strings:  # a verify step's tokens
                     new_token_ids, new_logprobs, stop = append_until_stop(child.detokenizer, new_token_ids, new_logprobs)
@@ -184,6 +201,7 @@ class OutputProcessor:
             outputs=completions,
             finished=parent.finished if finished is None else finished,
             num_cached_tokens=parent.num_cached_tokens,
+            metrics=parent.metrics() if parent.finished else {},  # timings on the finished output (no dict per step)
             kv_transfer_params=parent.kv_transfer_params,
         )
 
@@ -221,5 +239,6 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
+            metrics=parent.metrics() if finished else {},
             kv_transfer_params=parent.kv_transfer_params,
         )

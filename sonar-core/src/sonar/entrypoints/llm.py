@@ -174,6 +174,9 @@ NO_OP_VLLM_ARGS: dict[str, tuple[Any, ...] | None] = {
     "tokenizer_mode": ("auto",),  # the fast tokenizer
     "cpu_offload_gb": (0,),  # no weight offload
     "compilation_config": (None, 0, 1, 2, 3),  # nothing is compiled with torch.compile
+    "task": (None, "auto", "generate"),  # a generating model (pooling models are not served)
+    "runner": (None, "auto", "generate"),
+    "convert": (None, "auto", "none"),
 }
 
 
