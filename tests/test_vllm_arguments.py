@@ -5,6 +5,7 @@ accepted (others of the same name refused with the values that would be accepted
 from __future__ import annotations
 
 import pytest
+import torch
 
 from sonar import LLM, SamplingParams
 
@@ -72,3 +73,28 @@ def test_override_generation_config_lays_fields_over_the_models(tiny_model_dir, 
     for bad, message in (({"do_sample": True}, "'do_sample' is not a sampling field"), ({"top_p": "high"}, "top_p must be a number")):
         with pytest.raises(ValueError, match=message):
             LLM(str(folder), override_generation_config=bad)
+
+
+def test_hf_overrides_reach_the_model_as_transformers_reads_them(tiny_model_dir) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import HFOracle
+
+    path = str(tiny_model_dir("llama"))
+    overrides = {"rope_parameters": {"rope_theta": 50.0}, "max_position_embeddings": 96}
+    llm = LLM(path, hf_overrides=overrides, kv_cache_memory_bytes=KV_BYTES, dtype="float32")
+    assert llm.llm_engine.config.max_model_len == 96  # derived from the overridden config
+    oracle = HFOracle(path)
+    config = AutoConfig.from_pretrained(path)
+    config.rope_parameters = {**config.rope_parameters, "rope_theta": 50.0}
+    oracle.model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    prompt = list(range(40, 80))
+    want, rows = oracle.greedy(prompt, 8)
+    output = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0))[0].outputs[0]
+    assert output.token_ids == want
+    got = torch.tensor([entry[token].logprob for entry, token in zip(output.logprobs, want)])
+    assert torch.allclose(got, torch.stack([row[t] for row, t in zip(rows, want)]), atol=1e-3)
+    plain = HFOracle(path).greedy(prompt, 8)[1]  # the override changed the model's numbers
+    assert max(float((a - b).abs().max()) for a, b in zip(rows, plain)) > 1e-2
+    with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
+        LLM(path, hf_overrides=["rope_theta"])

@@ -54,6 +54,7 @@ class EngineArgs:
     trust_remote_code: bool = False  # allow a model that ships its own code
     generation_config: str = "auto"  # default sampling: "auto" (the model's), "vllm" (none), or a folder
     override_generation_config: dict[str, Any] | None = None  # generation_config.json fields laid over generation_config's
+    hf_overrides: dict[str, Any] | None = None  # config.json fields laid over the model's (nested configs merged)
     served_model_name: str | None = None
     dtype: str = "auto"
     max_model_len: int | None = None
@@ -110,6 +111,8 @@ class EngineArgs:
             for name, value in refused.items():
                 if value:
                     raise ValueError(f"{setting} does not combine with {name} yet; use {single} for it")
+        if self.hf_overrides is not None and not (isinstance(self.hf_overrides, dict) and all(isinstance(k, str) and k for k in self.hf_overrides)):
+            raise ValueError(f"hf_overrides must be a JSON object of config.json fields, got {self.hf_overrides!r}")
         if self.override_generation_config is not None:
             from sonar.engine.generation_defaults import check_override_generation_config
 
@@ -222,6 +225,7 @@ class EngineConfig:
     kv_cache_manager: str = "paged"
     executor: str = "uni"
     default_sampling: dict[str, float | int] = field(default_factory=dict)  # the model's recommended SamplingParams fields
+    hf_overrides: dict[str, Any] | None = None  # config.json fields laid over the model's, wherever it is read
     quantization: str | None = None  # the registered quantization method the linear layers run (None: unquantized)
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8_e4m3"
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding

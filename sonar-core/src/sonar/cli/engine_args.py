@@ -32,6 +32,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         "--override-generation-config", type=_json_object, default=None, metavar="JSON",
         help='generation_config.json sampling fields laid over --generation-config\'s, e.g. \'{"temperature": 0.5, "max_new_tokens": 256}\'',
     )
+    group.add_argument(
+        "--hf-overrides", type=_json_object, default=None, metavar="JSON",
+        help='config.json fields laid over the model\'s, e.g. \'{"max_position_embeddings": 65536, "rope_scaling": {...}}\'',
+    )
     group.add_argument("--tokenizer", default=None, help="tokenizer folder or Hub id, when not the model's own")
     group.add_argument("--dtype", default=defaults.dtype, help="auto, float32, bfloat16 or float16")
     group.add_argument("--max-model-len", type=_max_model_len, default=None, help="context length (default, 'auto' or -1: the model's; 1k = 1000, 1K = 1024, likewise m/M)")
@@ -187,6 +191,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         trust_remote_code=args.trust_remote_code,
         generation_config=args.generation_config,
         override_generation_config=args.override_generation_config,
+        hf_overrides=args.hf_overrides,
         served_model_name=getattr(args, "served_model_name", None),
         dtype=args.dtype,
         max_model_len=args.max_model_len,

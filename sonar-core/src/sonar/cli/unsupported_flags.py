@@ -67,7 +67,6 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--task", "pooling models (embeddings, classification, scores); Sonar generates", accepted=("auto", "generate")),
     _flag("--runner", "pooling models (embeddings, classification, scores); Sonar generates", accepted=("auto", "generate")),
     _flag("--convert", "converting a model for pooling", accepted=("auto", "none")),
-    _flag("--hf-overrides", "overriding the model's config"),
     _flag("--rope-scaling", "overriding the model's RoPE scaling"),
     _flag("--tokenizer-mode", "tokenizer modes (Sonar uses the fast tokenizer)", accepted=("auto",)),
     _flag("--limit-mm-per-prompt", "multimodal inputs"),

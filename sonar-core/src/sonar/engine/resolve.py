@@ -120,7 +120,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
     model_path = resolve_model_path(args.model or default_model_path(), args.revision, args.download_dir)
     check_remote_code(model_path, args.trust_remote_code)
     format_name, fmt = select_weight_format(model_path, args.load_format)
-    hf_config = fmt.load_hf_config(model_path)
+    hf_config = apply_hf_overrides(fmt.load_hf_config(model_path), args.hf_overrides)
     architecture_of(hf_config)  # an unsupported model fails here, before anything loads
     if args.tensor_parallel_size > 1 and not getattr(resolve_model_class(hf_config), "supports_tensor_parallel", False):
         raise ValueError(
@@ -178,6 +178,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         pipeline_parallel_size=args.pipeline_parallel_size,
         executor=_registered("distributed_executor_backend", _executor_name(args), executors()),
         default_sampling=default_sampling_of(model_path, args.generation_config, args.override_generation_config),
+        hf_overrides=args.hf_overrides,
         quantization=quantization,
         kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, platform),
         speculative_config=speculative_config,
@@ -224,10 +225,24 @@ def _check_pipeline(pp: int, hf_config: Any) -> None:
     partition_layers(hf_config.num_hidden_layers, pp)
 
 
+def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> Any:
+    """``hf_config`` with ``overrides`` (vLLM's ``hf_overrides``) laid over it: a field holding
+    a nested config (``text_config``) takes a mapping field by field; any other is replaced."""
+    for name, value in (overrides or {}).items():
+        current = getattr(hf_config, name, None)
+        if isinstance(value, dict) and hasattr(current, "to_dict"):  # a nested PretrainedConfig
+            apply_hf_overrides(current, value)
+        elif isinstance(value, dict) and isinstance(current, dict):
+            setattr(hf_config, name, {**current, **value})
+        else:
+            setattr(hf_config, name, value)
+    return hf_config
+
+
 def model_config_of(config: EngineConfig) -> ModelConfig:
     """The model config the workers load from (reads the model's config file again)."""
     _, fmt = select_weight_format(Path(config.model), config.load_format)
-    hf_config = fmt.load_hf_config(Path(config.model))
+    hf_config = apply_hf_overrides(fmt.load_hf_config(Path(config.model)), config.hf_overrides)
     if config.quantization in (None, "unquantized"):
         hf_config.quantization_config = None  # forced unquantized: the weights must come as floats
     return ModelConfig(
