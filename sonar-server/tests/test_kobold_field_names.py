@@ -46,3 +46,9 @@ def test_kobold_errors_name_the_kobold_field(body: dict, kobold_field: str) -> N
     with pytest.raises(ValueError) as info:
         sampling_params_from_kobold(body)
     assert str(info.value).startswith(kobold_field)
+
+
+def test_dry_penalty_last_n_minus_one_is_the_whole_context() -> None:
+    assert sampling_params_from_kobold({"dry_multiplier": 0.8, "dry_penalty_last_n": -1})["dry_range"] == 0
+    with pytest.raises(ValueError, match="dry_penalty_last_n"):
+        SamplingParams(**sampling_params_from_kobold({"dry_multiplier": 0.8, "dry_penalty_last_n": -2}))

@@ -52,7 +52,7 @@ def sampling_params_from_kobold(body: dict[str, Any]) -> dict[str, Any]:
     ``logit_bias``, ``sampler_seed``, ``max_length``, ``stop_sequence``, …); other keys (prompt,
     memory, genkey, …) are left to the caller. ``None`` values are dropped. ``dynatemp_range``
     r > 0 becomes ``dynatemp_min = max(temperature - r, 0)``, ``dynatemp_max = temperature + r``;
-    ``sampler_seed`` -1 means unseeded; ``sampler_order`` ids are translated to ``SamplerID``\\ s.
+    ``sampler_seed`` -1 means unseeded; ``dry_penalty_last_n`` -1 the whole context; ``sampler_order`` ids are translated to ``SamplerID``\\ s.
 
     :raises ValueError: an invalid value, with a message that starts with the Kobold field's
         name (the server answers it with a 400).
@@ -68,6 +68,8 @@ def sampling_params_from_kobold(body: dict[str, Any]) -> dict[str, Any]:
 
     if kwargs.get("seed") is not None and isinstance(kwargs["seed"], int) and kwargs["seed"] < 0:
         del kwargs["seed"]
+    if kwargs.get("dry_range") == -1 and not isinstance(kwargs["dry_range"], bool):  # llama.cpp's "the whole context"
+        kwargs["dry_range"] = 0
     if "stop" in kwargs and isinstance(kwargs["stop"], list):
         kwargs["stop"] = [s for s in kwargs["stop"] if s]
     if "sampler_priority" in kwargs:
