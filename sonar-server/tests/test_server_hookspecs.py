@@ -31,7 +31,7 @@ def test_the_servers_specs_come_from_its_own_module_in_a_fresh_process() -> None
     )
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0] == "['sonar_server.hookspecs']"
-    assert out[1] == "['hermes', 'llama3_json', 'mistral', 'qwen'] ['deepseek_r1', 'qwen3']"
+    assert out[1] == "['hermes', 'llama3_json', 'mistral', 'pythonic', 'qwen'] ['deepseek_r1', 'qwen3']"
 
 
 def test_server_hooks_answer_even_when_sonar_plugins_leaves_the_server_out() -> None:
