@@ -17,7 +17,7 @@ def test_vllm_arguments_that_change_nothing_are_accepted(tiny_model_dir) -> None
     llm = LLM(path, max_model_len=128, kv_cache_memory_bytes=KV_BYTES, enforce_eager=True, swap_space=4, disable_log_stats=True,
               enable_chunked_prefill=True, tokenizer_mode="auto", cpu_offload_gb=0, compilation_config=3, max_seq_len_to_capture=8192)  # fmt: skip
     assert llm.llm_engine.config.enforce_eager
-    for name, value in (("tokenizer_mode", "slow"), ("cpu_offload_gb", 4), ("enable_chunked_prefill", False)):
+    for name, value in (("tokenizer_mode", "slow"), ("cpu_offload_gb", 4)):
         with pytest.raises(ValueError, match=f"{name}="):
             LLM(path, **{name: value})
 
@@ -98,3 +98,15 @@ def test_hf_overrides_reach_the_model_as_transformers_reads_them(tiny_model_dir)
     assert max(float((a - b).abs().max()) for a, b in zip(rows, plain)) > 1e-2
     with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
         LLM(path, hf_overrides=["rope_theta"])
+
+
+def test_without_chunked_prefill_prompts_prefill_whole_with_the_same_tokens(tiny_model_dir) -> None:
+    path = str(tiny_model_dir("llama"))
+    prompts = [{"prompt_token_ids": list(range(10 + i, 10 + i + n))} for i, n in enumerate((100, 7, 60, 3))]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    chunked = LLM(path, max_model_len=128, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=32)
+    whole = LLM(path, max_model_len=128, kv_cache_memory_bytes=KV_BYTES, enable_chunked_prefill=False)
+    assert whole.llm_engine.config.max_num_batched_tokens >= 128 and not whole.llm_engine.config.enable_chunked_prefill
+    assert [o.outputs[0].token_ids for o in whole.generate(prompts, params)] == [o.outputs[0].token_ids for o in chunked.generate(prompts, params)]
+    with pytest.raises(ValueError, match="with chunked prefill off, max_num_batched_tokens=32 must be at least max_model_len=128"):
+        LLM(path, max_model_len=128, max_num_batched_tokens=32, enable_chunked_prefill=False)

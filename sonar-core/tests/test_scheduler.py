@@ -80,3 +80,17 @@ def test_abort_frees_at_once() -> None:
     assert request.status is RequestStatus.FINISHED_ABORTED
     assert scheduler.kv_cache.num_free_blocks == 64
     assert "a" in scheduler.schedule().finished_req_ids
+
+
+def test_without_chunked_prefill_a_prompt_waits_until_it_fits_whole() -> None:
+    scheduler = Scheduler(SchedulerConfig(8, 40, 256, enable_chunked_prefill=False), KVCacheManager(64, 4))
+    _add(scheduler, "a", 30)
+    _add(scheduler, "b", 20)  # 30 + 20 > 40: b waits, and so does c behind it (no starving b)
+    _add(scheduler, "c", 5)
+    assert _step(scheduler) == {"a": 30}
+    assert _step(scheduler) == {"a": 1, "b": 20, "c": 5}
+    long = _add(scheduler, "long", 40)  # the whole budget: only once the others are done
+    steps = [_step(scheduler) for _ in range(8)]
+    first = next(i for i, step in enumerate(steps) if "long" in step)
+    assert steps[first]["long"] == 40 and len(steps[first]) == 1
+    assert long.num_computed_tokens >= 40

@@ -120,7 +120,7 @@ def test_python_m_sonar_server_still_serves_the_same_parser() -> None:
 
 
 def test_vllm_flags_that_change_nothing_here_are_accepted(tmp_path) -> None:
-    """vLLM command lines with --swap-space, --enable-chunked-prefill, --max-seq-len-to-capture
+    """vLLM command lines with --swap-space, --[no-]enable-chunked-prefill, --max-seq-len-to-capture
     or an -O level parse; --enforce-eager reaches the engine (no CUDA graphs); a
     --chat-template file or inline template is read; --disable-fastapi-docs is kept."""
     from sonar.cli.engine_args import engine_args_from
@@ -128,7 +128,8 @@ def test_vllm_flags_that_change_nothing_here_are_accepted(tmp_path) -> None:
 
     args = parse("serve", "--swap-space", "16", "--enable-chunked-prefill", "--max-seq-len-to-capture", "8192", "-O", "3", "--enforce-eager",
                  "--disable-fastapi-docs", "--chat-template", "{{ messages[0]['content'] }}")  # fmt: skip
-    assert engine_args_from(args).enforce_eager and args.disable_fastapi_docs
+    assert engine_args_from(args).enforce_eager and args.disable_fastapi_docs and engine_args_from(args).enable_chunked_prefill
+    assert not engine_args_from(parse("serve", "--no-enable-chunked-prefill")).enable_chunked_prefill
     assert read_chat_template(args.chat_template) == "{{ messages[0]['content'] }}"
     template = tmp_path / "t.jinja"
     template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")

@@ -60,6 +60,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True  # False: a prompt is prefilled in one step (the budget must hold max_model_len)
     block_size: int = 16
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
@@ -224,6 +225,7 @@ class EngineConfig:
     scheduling_policy: str = "fcfs"
     kv_cache_manager: str = "paged"
     executor: str = "uni"
+    enable_chunked_prefill: bool = True  # False: a waiting prompt is admitted only where it fits the step whole
     default_sampling: dict[str, float | int] = field(default_factory=dict)  # the model's recommended SamplingParams fields
     hf_overrides: dict[str, Any] | None = None  # config.json fields laid over the model's, wherever it is read
     quantization: str | None = None  # the registered quantization method the linear layers run (None: unquantized)
@@ -256,6 +258,7 @@ class EngineConfig:
         spec = self.speculative_config
         return SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.scheduling_policy,
+            enable_chunked_prefill=self.enable_chunked_prefill,
             spec_max_batch_size=0 if spec is None else spec.max_batch_size,
             max_loras=self.max_loras if self.enable_lora else 0,
             pipeline_parallel_size=self.pipeline_parallel_size,
@@ -300,6 +303,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     policy: str = "fcfs"
+    enable_chunked_prefill: bool = True
     spec_max_batch_size: int = 0  # drafts are verified while at most this many requests run (0: no speculation)
     max_loras: int = 0  # distinct adapters the running requests may use (0: LoRA off)
     pipeline_parallel_size: int = 1  # steps that may be in flight at once (a request in one at most)

@@ -41,6 +41,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     group.add_argument("--max-model-len", type=_max_model_len, default=None, help="context length (default, 'auto' or -1: the model's; 1k = 1000, 1K = 1024, likewise m/M)")
     group.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs, help="most sequences in one step")
     group.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    group.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+        help="split long prompts over steps to fit the token budget (the default); --no-enable-chunked-prefill prefills each prompt in one step",
+    )
     group.add_argument("--block-size", type=int, default=defaults.block_size, help="tokens per KV-cache block")
     group.add_argument("--kv-cache-memory-bytes", type=_byte_count, default=None, metavar="BYTES", help="exact KV-cache budget in bytes (1073741824, 1GiB, 512MiB)")
     group.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization, help="fraction of device memory for weights and KV cache")
@@ -197,6 +201,7 @@ def engine_args_from(args: argparse.Namespace) -> EngineArgs:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         block_size=args.block_size,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,
         gpu_memory_utilization=args.gpu_memory_utilization,

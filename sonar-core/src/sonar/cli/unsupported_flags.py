@@ -92,7 +92,6 @@ class IgnoredFlag:
 #: so a vLLM command line runs unchanged
 IGNORED_FLAGS: tuple[IgnoredFlag, ...] = (
     IgnoredFlag("--swap-space", "preempted requests are recomputed, as in vLLM's V1 engine, which ignores it too"),
-    IgnoredFlag("--enable-chunked-prefill", "prefills are always chunked to fit --max-num-batched-tokens", takes_value=False),
     IgnoredFlag("--max-seq-len-to-capture", "decode graphs are captured by batch size and serve every context length"),
 )
 

@@ -147,6 +147,14 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
     max_model_len = args.max_model_len or derived_len
     if max_model_len > derived_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {derived_len} tokens")
+    max_num_batched_tokens = args.max_num_batched_tokens or max(2048, min(max_model_len, 8192))
+    if not args.enable_chunked_prefill:  # every prompt is prefilled in one step: the budget holds the longest
+        if args.max_num_batched_tokens is not None and args.max_num_batched_tokens < max_model_len:
+            raise ValueError(
+                f"with chunked prefill off, max_num_batched_tokens={args.max_num_batched_tokens} must be at least "
+                f"max_model_len={max_model_len} (a prompt is prefilled in one step); raise it, lower max_model_len, or keep chunked prefill on"
+            )
+        max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
     speculative_config = resolve_speculative_config(args.speculative_config)
     # with speculation, the engine core still overlaps steps too large to carry drafts
     async_scheduling = platform.async_scheduling if args.async_scheduling is None else args.async_scheduling
@@ -161,7 +169,8 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
         vocab_size=hf_config.vocab_size,
         eos_token_ids=tuple(_eos_token_ids(model_path, hf_config, tokenizer)),
         max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or max(2048, min(max_model_len, 8192)),
+        max_num_batched_tokens=max_num_batched_tokens,
+        enable_chunked_prefill=args.enable_chunked_prefill,
         block_size=args.block_size,
         enable_prefix_caching=args.enable_prefix_caching,
         kv_cache_memory_bytes=args.kv_cache_memory_bytes,

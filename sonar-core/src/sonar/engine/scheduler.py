@@ -198,7 +198,8 @@ class Scheduler:
         """Choose this step's work: every running request's next tokens (a decode, or the next
         chunk of its prefill) in admission order, preempting the policy's victim when blocks
         run out; then waiting requests in the policy's order while the token budget, the
-        sequence cap and the free blocks allow (their prompts chunked to fit the budget)."""
+        sequence cap and the free blocks allow (their prompts chunked to fit the budget, or, with
+        chunked prefill off, admitted only where they fit it whole)."""
         out = SchedulerOutput(finished_req_ids=self.finished_req_ids)
         self.finished_req_ids = set()
         if self.connector is not None:  # what this step hashes is not computed yet: never offloaded
@@ -259,6 +260,8 @@ class Scheduler:
         while self._loaded and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._loaded[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
+                break  # its rest does not fit this step whole
             if not self._lora_fits(request) or not self.kv_cache.allocate_slots(request, num_new):
                 break
             self._loaded.pop(0)
@@ -286,6 +289,8 @@ class Scheduler:
                     num_external = max(0, min(num_external, request.num_tokens - 1 - num_cached))  # one token computes logits
                     load_async = load_async and num_external > 0
             num_new = 0 if load_async else min(request.num_tokens - num_cached - num_external, budget)
+            if not self.config.enable_chunked_prefill and not load_async and num_new < request.num_tokens - num_cached - num_external:
+                break  # its prompt does not fit this step whole: it waits for the next
             if not self.kv_cache.allocate_slots(request, num_new + num_external, computed_blocks):
                 break
             self.waiting.pop()

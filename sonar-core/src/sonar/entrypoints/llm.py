@@ -170,7 +170,6 @@ NO_OP_VLLM_ARGS: dict[str, tuple[Any, ...] | None] = {
     "max_seq_len_to_capture": None,  # decode graphs are captured by batch size, for every context length
     "disable_log_stats": None,  # the offline engine logs no periodic stats
     "disable_custom_all_reduce": None,  # tensor parallelism all-reduces through NCCL only
-    "enable_chunked_prefill": (None, True),  # prefills are always chunked
     "tokenizer_mode": ("auto",),  # the fast tokenizer
     "cpu_offload_gb": (0,),  # no weight offload
     "compilation_config": (None, 0, 1, 2, 3),  # nothing is compiled with torch.compile
