@@ -417,3 +417,28 @@ def test_a_lone_surrogate_from_a_models_json_is_written_escaped() -> None:
     for event in (sse_data(payload), sse_data({"text": arguments["a"]}, float_free=True), sse_event("message", payload)):
         data = event.decode("utf-8").split("data: ", 1)[1]
         assert json.loads(data)  # valid UTF-8, valid JSON
+
+
+def test_large_responses_are_built_off_the_event_loop_with_the_same_bytes() -> None:
+    import asyncio
+    import threading
+
+    content = {"logprobs": [float("-inf"), 0.5, float("nan")], "text": "caf\u00e9"}
+    threads: list[str] = []
+
+    def build() -> dict:
+        threads.append(threading.current_thread().name)
+        return content
+
+    small = asyncio.run(strict_json.built_response(build, 10))
+    large = asyncio.run(strict_json.built_response(build, strict_json.LARGE_RESPONSE_ENTRIES + 1))
+    assert small.body == large.body == StrictJSONResponse(content).body
+    assert large.headers["content-type"] == small.headers["content-type"]
+    assert threads[0] == "MainThread" and threads[1] != "MainThread"
+
+
+def test_a_large_logprobs_response_through_the_server(masked_server: ServerProcess) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "n": 8, "max_tokens": 130, "logprobs": True, "top_logprobs": 20, "ignore_eos": True}
+    reply = httpx.post(f"{masked_server.url}/v1/chat/completions", json=body, timeout=300).json()  # 8 x 130 x 21 entries: the worker-thread path
+    assert sum(len(entry["top_logprobs"]) + 1 for choice in reply["choices"] for entry in choice["logprobs"]["content"]) > strict_json.LARGE_RESPONSE_ENTRIES
+    assert all(len(choice["logprobs"]["content"]) == 130 for choice in reply["choices"]) and reply["usage"]["completion_tokens"] == 1040

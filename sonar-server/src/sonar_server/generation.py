@@ -232,6 +232,19 @@ def _log_request(
     )
 
 
+def logprob_entries(generations: list[Generation]) -> int:
+    """How many logprob entries finished ``generations`` hold (each position's chosen and top
+    tokens, the prompt's too): what the size of a response that lists them grows with."""
+    entries = 0
+    for generation in generations:
+        for choice in generation.choices:
+            if choice.logprobs is not None:
+                entries += sum(map(len, choice.logprobs))
+        if generation.prompt_logprobs is not None:
+            entries += sum(len(entry) for entry in generation.prompt_logprobs if entry is not None)
+    return entries
+
+
 def closer(generations: list[Generation]) -> Callable[[], Awaitable[None]]:
     """An ``on_close`` callback closing every generation of a response."""
 

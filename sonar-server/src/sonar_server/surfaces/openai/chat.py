@@ -11,13 +11,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar_server.errors import ApiError, to_api_error
-from sonar_server.generation import Generation, closer, start_generation
+from sonar_server.generation import Generation, closer, logprob_entries, start_generation
 from sonar_server.parsers import StreamEvent
 from sonar_server.prompts import render_chat
 from sonar_server.sampling import build_sampling_params, extra_sampling_fields
 from sonar_server.state import ServerState
 from sonar_server.streaming import EventStreamResponse, sse_data, unless_disconnected
-from sonar_server.strict_json import StrictJSONResponse
+from sonar_server.strict_json import built_response
 from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
 from sonar_server.surfaces.openai.logprobs import chat_logprobs, prompt_logprobs_json, tokens_as_ids
@@ -101,7 +101,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(_stream(state, body, generation, include_usage, plan, guide, echoed), closer([generation]))
     await unless_disconnected(request, generation.collect())
-    return StrictJSONResponse(_response(state, body, generation, plan, guide, echoed))
+    return await built_response(lambda: _response(state, body, generation, plan, guide, echoed), logprob_entries([generation]))
 
 
 def _reply_role(state: ServerState, body: ChatCompletionRequest) -> str:

@@ -11,13 +11,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar_server.errors import ApiError, to_api_error
-from sonar_server.generation import Generation, closer, start_generation
+from sonar_server.generation import Generation, closer, logprob_entries, start_generation
 from sonar_server.json_closer import closing_suffix
 from sonar_server.prompts import decode_tokens, encode_prompt
 from sonar_server.sampling import build_sampling_params, extra_sampling_fields
 from sonar_server.state import ServerState
 from sonar_server.streaming import EventStreamResponse, merge, sse_data, unless_disconnected
-from sonar_server.strict_json import StrictJSONResponse
+from sonar_server.strict_json import built_response
 from sonar_server.structured import body_guide
 from sonar_server.surfaces.openai.errors import error_body
 from sonar_server.surfaces.openai.logprobs import completion_logprobs, prompt_logprobs_json, tokens_as_ids
@@ -87,7 +87,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(_stream(state, body, request_id, generations, echo_texts, include_usage), closer(generations))
     await unless_disconnected(request, asyncio.gather(*(g.collect() for g in generations)))
-    return StrictJSONResponse(_response(state, body, request_id, generations, echo_texts))
+    return await built_response(lambda: _response(state, body, request_id, generations, echo_texts), logprob_entries(generations))
 
 
 def _closes_json(body: CompletionRequest) -> bool:
