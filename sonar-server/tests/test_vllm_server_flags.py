@@ -188,3 +188,53 @@ def test_a_request_cannot_change_how_the_server_reads_outputs(https_server: Serv
                                            extra_body={"ignore_eos": True, "output_kind": kind})
         pieces = [chunk.choices[0].text for chunk in chunks if chunk.choices]
         assert "".join(pieces) == whole.choices[0].text and len(pieces) > 2
+
+
+# --uds
+
+
+def test_serving_on_a_unix_socket(tiny_model: str, tmp_path: Path) -> None:
+    import os
+    import signal
+    import socket as socketlib
+    import time
+
+    from conftest import sonar_command
+
+    path = str(tmp_path / "sonar.sock")
+    with socketlib.socket(socketlib.AF_UNIX) as stale:  # a file left by a server that is gone
+        stale.bind(path)
+    command = [*sonar_command(), "serve", tiny_model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES,
+               "--max-model-len", "512", "--uds", path, "--api-server-count", "2"]
+    log = tmp_path / "serve.log"
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=path), base_url="http://sonar")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, log.read_text()
+            try:
+                if http.get("/health").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+        client = openai.OpenAI(base_url="http://sonar/v1", api_key="none", http_client=http, max_retries=0)
+        for _ in range(4):  # both API servers answer on the one socket
+            assert client.completions.create(model="tiny", prompt="hi", max_tokens=3, extra_body={"ignore_eos": True}).usage.completion_tokens == 3
+        done, _ = run_sonar("serve", "--uds", path)  # taken: refused at once
+        assert done.returncode != 0 and "another server answers there" in done.stderr
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(60)
+    assert not os.path.exists(path)  # removed on the way out
+    assert "over the Unix socket" in log.read_text()
+
+
+def test_a_uds_path_that_is_not_a_socket_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "file"
+    path.write_text("not a socket")
+    done, elapsed = run_sonar("serve", "--uds", str(path))
+    assert done.returncode != 0 and "exists and is not a socket" in done.stderr and elapsed < EARLY_FAILURE_S

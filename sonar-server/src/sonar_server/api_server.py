@@ -65,11 +65,16 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
             **({} if tls is None else {"ssl_certfile": tls.certfile, "ssl_keyfile": tls.keyfile, "ssl_ca_certs": tls.ca_certs, "ssl_cert_reqs": tls.cert_reqs}),
         )
         def report_serving() -> None:
-            host, port = listener.getsockname()[:2]
+            scheme = "http" if tls is None else "https"
+            if listener.family == socket.AF_UNIX:
+                where = f"{scheme} over the Unix socket {listener.getsockname()}"
+            else:
+                host, port = listener.getsockname()[:2]
+                where = f"{scheme}://{host}:{port}"
             adapters = state.settings.lora_modules
             logger.info(
-                "serving %s (context %d tokens) on %s://%s:%d with APIs: %s%s%s",
-                state.model_name, state.max_model_len, "http" if tls is None else "https", host, port, ", ".join(state.enabled_apis),
+                "serving %s (context %d tokens) on %s with APIs: %s%s%s",
+                state.model_name, state.max_model_len, where, ", ".join(state.enabled_apis),
                 f"; LoRA adapters: {', '.join(m.name for m in adapters)}" if adapters else "",
                 "; API keys required" if state.settings.api_keys else "",
             )

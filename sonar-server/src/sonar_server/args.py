@@ -33,6 +33,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     group.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to listen on")
+    group.add_argument("--uds", default=None, metavar="PATH", help="listen on this Unix-domain socket instead of --host/--port")
     group.add_argument(
         "--served-model-name", nargs="+", default=None, metavar="NAME",
         help="model name(s) clients send in 'model'; the first is reported (default: the model path)",

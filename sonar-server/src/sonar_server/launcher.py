@@ -15,6 +15,7 @@ import os
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -60,6 +61,31 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return listener
 
 
+def bind_unix_listener(path: str) -> socket.socket:
+    """``--uds``: the listening socket at a Unix-domain socket path. A socket file left behind
+    by a server that is gone is replaced; one a server still answers on, or any other file,
+    is refused."""
+    if os.path.lexists(path):
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise ValueError(f"--uds {path!r} exists and is not a socket; remove it or pick another path")
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+            try:
+                probe.connect(path)
+            except OSError:  # nothing listens: a stale file
+                os.unlink(path)
+            else:
+                raise ValueError(f"cannot listen on {path}: another server answers there (pick another --uds path)")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(path)
+    except OSError as exc:
+        listener.close()
+        raise ValueError(f"cannot listen on {path}: {exc.strerror or exc}") from None
+    listener.listen(2048)
+    listener.set_inheritable(True)
+    return listener
+
+
 def serve(args: argparse.Namespace) -> int:
     """Run the server until it is stopped; returns the process exit code."""
     _configure_logging()
@@ -70,11 +96,13 @@ def serve(args: argparse.Namespace) -> int:
     check_before_loading(engine_args)
     if args.headless:
         return _serve_headless(engine_args)
-    listener = bind_listener(args.host, args.port)
+    listener = bind_unix_listener(args.uds) if args.uds else bind_listener(args.host, args.port)
     try:
         return _serve_on(args, engine_args, listener)
     finally:
         listener.close()
+        if args.uds and os.path.exists(args.uds):
+            os.unlink(args.uds)
 
 
 def _serve_headless(engine_args: EngineArgs) -> int:
