@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import ssl
 import subprocess
@@ -238,3 +239,43 @@ def test_a_uds_path_that_is_not_a_socket_is_refused(tmp_path: Path) -> None:
     path.write_text("not a socket")
     done, elapsed = run_sonar("serve", "--uds", str(path))
     assert done.returncode != 0 and "exists and is not a socket" in done.stderr and elapsed < EARLY_FAILURE_S
+
+
+# --middleware
+
+MIDDLEWARE = """
+class Tag:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        async def tagged(message):
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", []).append((b"x-acme", b"class"))
+            await send(message)
+
+        await self.app(scope, receive, tagged)
+
+
+async def stamp(request, call_next):
+    response = await call_next(request)
+    response.headers["x-acme-function"] = request.url.path
+    return response
+"""
+
+
+def test_middleware_classes_and_functions_wrap_the_app(tiny_model: str, tmp_path: Path) -> None:
+    (tmp_path / "acme_middleware.py").write_text(MIDDLEWARE)
+    env = {"PYTHONPATH": f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}"}
+    server = ServerProcess([tiny_model, "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "256",
+                            "--middleware", "acme_middleware.Tag", "--middleware", "acme_middleware:stamp"], env=env)
+    try:
+        models = httpx.get(f"{server.url}/v1/models")
+        assert models.status_code == 200 and models.headers["x-acme"] == "class" and models.headers["x-acme-function"] == "/v1/models"
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True}) as stream:
+            assert stream.headers["x-acme"] == "class" and stream.headers["x-acme-function"] == "/v1/completions"
+            assert b"[DONE]" in b"".join(stream.iter_bytes())
+    finally:
+        server.stop()
+    done, elapsed = run_sonar("serve", "--middleware", "acme_missing.Tag")
+    assert done.returncode != 0 and "--middleware 'acme_missing.Tag' cannot be imported" in done.stderr and elapsed < EARLY_FAILURE_S

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +37,30 @@ def api_surfaces() -> dict[str, Callable[[Any, Any], None]]:
     return surfaces
 
 
+def import_middleware(path: str) -> Any:
+    """``--middleware``'s ``module.name`` (or ``module:name``): an ASGI middleware class, or a
+    function ``async (request, call_next) -> response``. Raises ValueError naming what failed."""
+    module_name, _, name = path.rpartition(":") if ":" in path else path.rpartition(".")
+    if not module_name or not name:
+        raise ValueError(f"--middleware {path!r} is not an import path (module.Name)")
+    try:
+        target = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"--middleware {path!r} cannot be imported: {exc}") from None
+    if not callable(target):
+        raise ValueError(f"--middleware {path!r} is neither a middleware class nor a function")
+    return target
+
+
+def add_middleware(app: FastAPI, path: str) -> None:
+    """Add ``--middleware``'s class (``app.add_middleware``) or function (HTTP middleware), as vLLM does."""
+    target = import_middleware(path)
+    if inspect.isclass(target):
+        app.add_middleware(target)
+    else:
+        app.middleware("http")(target)
+
+
 def build_app(state: ServerState) -> FastAPI:
     """A FastAPI app serving the surfaces ``state.settings.apis`` selects (all by default),
     ``/docs`` from local assets, and 404/405 in the format of the API a path belongs to."""
@@ -47,6 +73,8 @@ def build_app(state: ServerState) -> FastAPI:
         CORSMiddleware, allow_origins=cors.allowed_origins, allow_credentials=cors.allow_credentials,
         allow_methods=cors.allowed_methods, allow_headers=cors.allowed_headers,
     )  # fmt: skip
+    for path in state.settings.middleware:
+        add_middleware(app, path)
     install_route_errors(app)
     app.state.sonar = state
     surfaces = api_surfaces()

@@ -111,6 +111,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--enable-log-requests", action="store_true", help="log each request as it arrives: its prompt, token ids and sampling parameters")
     group.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false", help="log no requests (the default; vLLM's older name)")
     group.add_argument("--max-log-len", type=int, default=None, help="with --enable-log-requests: most prompt characters and token ids a line shows (default: all)")
+    group.add_argument(
+        "--middleware", action="append", default=[], metavar="IMPORT_PATH",
+        help="an ASGI middleware class or an HTTP middleware function (async (request, call_next)) to wrap the app in, by import path (module.Name); repeatable",
+    )
     group.add_argument("--response-role", default="assistant", help="the role of chat replies when the request adds a generation prompt")
     group.add_argument(
         "--return-tokens-as-token-ids", action="store_true",
@@ -135,6 +139,10 @@ def check_server_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if not args.response_role.strip():
         raise ValueError("--response-role must not be empty")
+    from sonar_server.app import import_middleware
+
+    for path in args.middleware:
+        import_middleware(path)  # importable, before the model loads
     tls = _tls(args)
     if tls is not None:
         tls.context()  # the certificate loads, before the model does
@@ -186,6 +194,7 @@ def settings_from(args: argparse.Namespace, default_model_name: str, default_sam
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         enable_log_requests=args.enable_log_requests,
         max_log_len=args.max_log_len,
+        middleware=list(args.middleware),
     )
 
 

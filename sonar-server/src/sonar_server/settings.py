@@ -87,6 +87,7 @@ class ServerSettings:
     return_tokens_as_token_ids: bool = False  # --return-tokens-as-token-ids: logprobs name tokens "token_id:N"
     enable_log_requests: bool = False  # --enable-log-requests: log each request as it arrives
     max_log_len: int | None = None  # --max-log-len: most prompt characters and token ids a log line shows
+    middleware: list[str] = field(default_factory=list)  # --middleware: import paths of ASGI middleware, outermost last
 
     def __post_init__(self) -> None:
         if not self.served_model_names:
