@@ -51,11 +51,16 @@ def bind_listener(host: str, port: int) -> socket.socket:
     listener = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return _listening(listener, (host, port), f"{host}:{port}", " (is another server running there? pick another --port)")
+
+
+def _listening(listener: socket.socket, address: Any, where: str, hint: str = "") -> socket.socket:
+    """``listener`` bound to ``address`` and listening, inheritable by the API server children."""
     try:
-        listener.bind((host, port))
+        listener.bind(address)
     except OSError as exc:
         listener.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc} (is another server running there? pick another --port)") from None
+        raise ValueError(f"cannot listen on {where}: {exc.strerror or exc}{hint}") from None
     listener.listen(2048)
     listener.set_inheritable(True)
     return listener
@@ -75,15 +80,7 @@ def bind_unix_listener(path: str) -> socket.socket:
                 os.unlink(path)
             else:
                 raise ValueError(f"cannot listen on {path}: another server answers there (pick another --uds path)")
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(path)
-    except OSError as exc:
-        listener.close()
-        raise ValueError(f"cannot listen on {path}: {exc.strerror or exc}") from None
-    listener.listen(2048)
-    listener.set_inheritable(True)
-    return listener
+    return _listening(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), path, path)
 
 
 def serve(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import ast
+from typing import ClassVar
 
 from sonar_server.parsers.base import (
     ToolCall,
@@ -60,13 +61,36 @@ class HermesToolParser(ToolParser):
         return held_prefix(text, self.open_tag)
 
 
-class Llama3JsonToolParser(ToolParser):
+class WholeOutputToolParser(ToolParser):
+    """A format whose calls are the whole output: it begins with ``lead_tag`` or with
+    ``opening`` (after whitespace), or it holds no call."""
+
+    lead_tag: ClassVar[str] = ""
+    opening: ClassVar[str] = ""
+
+    def find_start(self, text: str, start: int) -> int:
+        if start > 0:
+            return -1  # text was already streamed as content: the output is not a call
+        stripped = text.lstrip()
+        if stripped.startswith((self.lead_tag, self.opening)):
+            return len(text) - len(stripped)
+        return -1
+
+    def held_back(self, text: str, emitted: int) -> int:
+        if emitted:
+            return 0  # content already began: this output holds no call
+        stripped = text.lstrip()
+        return len(text) if self.lead_tag.startswith(stripped) else 0
+
+
+class Llama3JsonToolParser(WholeOutputToolParser):
     """Llama 3.1+ JSON tool calls: the whole output is ``{"name": ..., "parameters": {...}}``
     (optionally after ``<|python_tag|>``), several separated by ``;``."""
 
     name = "llama3_json"
     needs_special_tokens = True
-    python_tag = "<|python_tag|>"
+    python_tag = lead_tag = "<|python_tag|>"
+    opening = "{"
 
     def extract(self, text: str) -> ToolCallResult:
         start = self.find_start(text, 0)
@@ -91,19 +115,6 @@ class Llama3JsonToolParser(ToolParser):
                 return ToolCallResult(text)
             position += 1
 
-    def find_start(self, text: str, start: int) -> int:
-        if start > 0:
-            return -1  # text was already streamed as content: the output is not a call
-        stripped = text.lstrip()
-        if stripped.startswith((self.python_tag, "{")):
-            return len(text) - len(stripped)
-        return -1
-
-    def held_back(self, text: str, emitted: int) -> int:
-        if emitted:
-            return 0  # content already began: this output holds no call
-        stripped = text.lstrip()
-        return len(text) if self.python_tag.startswith(stripped) else 0
 
 
 class MistralToolParser(ToolParser):
@@ -153,15 +164,16 @@ class MistralToolParser(ToolParser):
 
 
 
-class PythonicToolParser(ToolParser):
+class PythonicToolParser(WholeOutputToolParser):
     """Python-call tool calls (Llama 3.2 and 4, ToolACE): the whole output is a list of calls
     with keyword arguments, ``[get_weather(city="Paris", days=3), get_time()]``, optionally
     inside ``<|python_start|>`` / ``<|python_end|>``. Argument values must be Python literals
     (strings, numbers, booleans, None, lists, dicts); anything else makes the output plain text."""
 
     name = "pythonic"
-    start_tag = "<|python_start|>"
+    start_tag = lead_tag = "<|python_start|>"
     end_tag = "<|python_end|>"
+    opening = "["
 
     def extract(self, text: str) -> ToolCallResult:
         start = self.find_start(text, 0)
@@ -200,16 +212,3 @@ class PythonicToolParser(ToolParser):
             calls.append(call)
         return calls
 
-    def find_start(self, text: str, start: int) -> int:
-        if start > 0:
-            return -1  # text was already streamed as content: the output is not a call
-        stripped = text.lstrip()
-        if stripped.startswith((self.start_tag, "[")):
-            return len(text) - len(stripped)
-        return -1
-
-    def held_back(self, text: str, emitted: int) -> int:
-        if emitted:
-            return 0  # content already began: this output holds no call
-        stripped = text.lstrip()
-        return len(text) if self.start_tag.startswith(stripped) else 0
