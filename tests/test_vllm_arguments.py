@@ -75,18 +75,25 @@ def test_override_generation_config_lays_fields_over_the_models(tiny_model_dir, 
             LLM(str(folder), override_generation_config=bad)
 
 
-def test_hf_overrides_reach_the_model_as_transformers_reads_them(tiny_model_dir) -> None:
+@pytest.mark.parametrize(
+    "rope_override, rope_parameters",
+    [
+        ({"rope_parameters": {"rope_theta": 50.0}}, {"rope_theta": 50.0}),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, {"rope_type": "linear", "factor": 4.0}),  # the older field name
+    ],
+)
+def test_hf_overrides_reach_the_model_as_transformers_reads_them(tiny_model_dir, rope_override: dict, rope_parameters: dict) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from conftest import HFOracle
 
     path = str(tiny_model_dir("llama"))
-    overrides = {"rope_parameters": {"rope_theta": 50.0}, "max_position_embeddings": 96}
+    overrides = {**rope_override, "max_position_embeddings": 96}
     llm = LLM(path, hf_overrides=overrides, kv_cache_memory_bytes=KV_BYTES, dtype="float32")
     assert llm.llm_engine.config.max_model_len == 96  # derived from the overridden config
     oracle = HFOracle(path)
     config = AutoConfig.from_pretrained(path)
-    config.rope_parameters = {**config.rope_parameters, "rope_theta": 50.0}
+    config.rope_parameters = {**config.rope_parameters, **rope_parameters}
     oracle.model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
     prompt = list(range(40, 80))
     want, rows = oracle.greedy(prompt, 8)

@@ -32,7 +32,7 @@ class RopeSpec:
 def rope_spec_from_config(config: Any, head_dim: int) -> RopeSpec:
     """Read the rotary settings of a Hugging Face config (either generation of field names)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
+    theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
     rope_type = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0)
     return RopeSpec(head_dim, int(head_dim * partial), float(theta), rope_type, params)

@@ -67,7 +67,7 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--task", "pooling models (embeddings, classification, scores); Sonar generates", accepted=("auto", "generate")),
     _flag("--runner", "pooling models (embeddings, classification, scores); Sonar generates", accepted=("auto", "generate")),
     _flag("--convert", "converting a model for pooling", accepted=("auto", "none")),
-    _flag("--rope-scaling", "overriding the model's RoPE scaling"),
+    _flag("--rope-scaling", "a flag of its own for RoPE scaling; give it as --hf-overrides '{\"rope_scaling\": {...}}', as vLLM now does"),
     _flag("--tokenizer-mode", "tokenizer modes (Sonar uses the fast tokenizer)", accepted=("auto",)),
     _flag("--limit-mm-per-prompt", "multimodal inputs"),
     _flag("--mm-processor-kwargs", "multimodal inputs"),
