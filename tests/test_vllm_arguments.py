@@ -117,3 +117,14 @@ def test_without_chunked_prefill_prompts_prefill_whole_with_the_same_tokens(tiny
     assert [o.outputs[0].token_ids for o in whole.generate(prompts, params)] == [o.outputs[0].token_ids for o in chunked.generate(prompts, params)]
     with pytest.raises(ValueError, match="with chunked prefill off, max_num_batched_tokens=32 must be at least max_model_len=128"):
         LLM(path, max_model_len=128, max_num_batched_tokens=32, enable_chunked_prefill=False)
+
+
+def test_hf_overrides_that_do_not_fit_the_weights_or_the_config_are_refused(tiny_model_dir) -> None:
+    path = str(tiny_model_dir("llama"))
+    for overrides, message in (
+        ({"num_hidden_layers": 3}, "the checkpoint did not provide"),
+        ({"hidden_size": 96}, "does config.json match the weights"),
+        ({"max_position_embeddings": "long"}, "hf_overrides max_position_embeddings='long' does not fit the model's config"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            LLM(path, hf_overrides=overrides, max_model_len=64, kv_cache_memory_bytes=KV_BYTES)

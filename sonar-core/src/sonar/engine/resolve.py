@@ -244,7 +244,10 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> Any:
         elif isinstance(value, dict) and isinstance(current, dict):
             setattr(hf_config, name, {**current, **value})
         else:
-            setattr(hf_config, name, value)
+            try:
+                setattr(hf_config, name, value)
+            except Exception as exc:  # transformers validates some fields on assignment (its own error types)
+                raise ValueError(f"hf_overrides {name}={value!r} does not fit the model's config: {exc}") from None
     return hf_config
 
 
