@@ -76,6 +76,42 @@ def test_chat_prompts_close_to_the_requested_length(server, tmp_path):
     assert "Mean TPOT (ms):" in stdout and "E2EL" not in stdout  # default metrics: ttft,tpot,itl
 
 
+SHAREGPT = [
+    {"id": "a", "conversations": [{"from": "human", "value": "Name three rivers of Europe, please."}, {"from": "gpt", "value": "The Danube, the Rhine and the Loire flow through Europe."}]},
+    {"id": "b", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Hello there, how can I help you today?"}]},  # prompt under 4 tokens: skipped
+    {"id": "c", "conversations": [{"from": "human", "value": "Write a haiku about the sea at night."}, {"from": "gpt", "value": "Dark waves fold silver, the moon walks on salt water, a gull sleeps offshore."}]},
+    {"id": "d", "conversations": [{"from": "human", "value": "only one turn"}]},  # no reply: skipped
+]
+
+
+def test_sharegpt_prompts_with_their_replies_lengths(server, tmp_path):
+    path = tmp_path / "sharegpt.json"
+    path.write_text(json.dumps(SHAREGPT))
+    result, _ = bench(tmp_path, "--base-url", server.url, "--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts", "6",
+                      "--disable-tqdm", "--save-detailed")
+    tokens = {item["id"]: [httpx.post(f"{server.url}/tokenize", json={"prompt": turn["value"], "add_special_tokens": False}).json()["count"]
+                           for turn in item["conversations"]] for item in SHAREGPT}
+    assert (result["completed"], result["failed"]) == (6, 0)
+    assert sorted(set(result["output_lens"])) == sorted({tokens["a"][1], tokens["c"][1]})  # ignore_eos: each reply's length
+    assert sorted(set(result["input_lens"])) == sorted({tokens["a"][0], tokens["c"][0]})
+    chat, _ = bench(tmp_path, "--base-url", server.url, "--dataset-name", "sharegpt", "--dataset-path", str(path), "--num-prompts", "2",
+                    "--sharegpt-output-len", "5", "--endpoint", "/v1/chat/completions", "--disable-tqdm")
+    assert (chat["completed"], chat["total_output_tokens"]) == (2, 10)
+
+
+def test_custom_prompts_from_json_lines(server, tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "Tell me about tides."}\n\n{"turns": ["What is 2 + 2?", "And 3 + 3?"]}\n')
+    result, _ = bench(tmp_path, "--base-url", server.url, "--dataset-name", "custom", "--dataset-path", str(path), "--num-prompts", "5",
+                      "--custom-output-len", "4", "--disable-tqdm")
+    assert (result["completed"], result["total_output_tokens"]) == (5, 20)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "no prompt field"}\n')
+    command = [*sonar_command(), "bench", "serve", "--base-url", server.url, "--dataset-name", "custom", "--dataset-path", str(bad)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "line 1 has no \"prompt\" string" in done.stderr
+
+
 def test_request_rate_spaces_arrivals(server, tmp_path):
     result, _ = bench(tmp_path, "--base-url", server.url, *SMALL, "--request-rate", "20", "--seed", "5")
     assert (result["completed"], result["failed"], result["total_output_tokens"]) == (8, 0, 64)
@@ -109,7 +145,7 @@ def test_bad_flags_say_what_to_do(capsys):
     from sonar.cli.main import main
 
     assert main(["bench", "serve", "--dataset-name", "sharegpt"]) == 1
-    assert "use --dataset-name random" in capsys.readouterr().err
+    assert "--dataset-name sharegpt needs --dataset-path FILE" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["bench", "serve", "--percentile-metrics", "ttft,foo"])
     assert "choose from e2el,itl,tpot,ttft" in capsys.readouterr().err

@@ -28,6 +28,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from sonar_server.bench_datasets import DATASETS, dataset_requests
 from sonar_server.bench_launch import LaunchedServer, free_port, healthy, wait_for
 from sonar_server.settings import DEFAULT_PORT
 from sonar_server.stream_client import StreamClient
@@ -324,8 +325,11 @@ async def benchmark(args: argparse.Namespace, base_url: str, headers: dict[str, 
     # model and prompts
     async with httpx.AsyncClient(headers=headers, timeout=httpx.Timeout(REQUEST_TIMEOUT_S, connect=30.0)) as client:
         model = args.served_model_name or args.model or await _first_model(client, base_url)
-        token_pool, tokens_per_word = await _server_tokens(client, base_url, model)
-    requests = random_requests(args, token_pool, tokens_per_word, chat)
+        if args.dataset_name == "random":
+            token_pool, tokens_per_word = await _server_tokens(client, base_url, model)
+            requests = random_requests(args, token_pool, tokens_per_word, chat)
+        else:
+            requests = [BenchRequest(*row) for row in await dataset_requests(args, client, base_url, model)]
     bodies = [encode_body(request_body(r, model, chat, args.ignore_eos)) for r in requests]
 
     async with StreamClient(base_url, headers, timeout=REQUEST_TIMEOUT_S) as client:
@@ -483,7 +487,10 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--ready-check-timeout-sec", type=float, default=600.0, help="how long to wait for the server's /health")
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset-name", default="random", help="only 'random' for now")
+    data.add_argument("--dataset-name", default="random", choices=DATASETS, help="random (token ids, or words for chat), sharegpt or custom (files of real text, --dataset-path)")
+    data.add_argument("--dataset-path", default=None, help="the sharegpt JSON file, or the custom JSON-lines file ({\"prompt\": ...} a line)")
+    data.add_argument("--sharegpt-output-len", type=_positive, default=None, help="output tokens of every sharegpt request (default: its reply's length)")
+    data.add_argument("--custom-output-len", type=_positive, default=256, help="output tokens of every custom request")
     data.add_argument("--num-prompts", type=_positive, default=1000)
     data.add_argument("--random-input-len", type=_positive, default=1024)
     data.add_argument("--random-output-len", type=_positive, default=128)
@@ -508,8 +515,8 @@ def add_bench_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _check(args: argparse.Namespace) -> None:
-    if args.dataset_name != "random":
-        raise ValueError(f"--dataset-name {args.dataset_name!r} is not supported yet; use --dataset-name random")
+    if args.dataset_name != "random" and not args.dataset_path:
+        raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path FILE")
     chat = "/v1/chat/completions"
     if args.backend == "openai-chat" and args.endpoint not in (None, chat):
         raise ValueError(f"--backend openai-chat speaks {chat}; leave out --endpoint {args.endpoint}")
