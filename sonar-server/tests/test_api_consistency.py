@@ -49,6 +49,9 @@ def test_prompt_logprobs_are_returned_and_best_of_is_refused(server):
         assert first["prompt_logprobs"] == entries
         chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "prompt_logprobs": 0})
         assert chat.json()["prompt_logprobs"][0] is None
+        chat_stream = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                               "prompt_logprobs": 0, "stream": True})  # as vLLM: refused, not dropped
+        assert chat_stream.status_code == 400 and chat_stream.json()["error"]["param"] == "prompt_logprobs"
         for extra in ({"best_of": 3}, {"n": 2, "best_of": 1}):
             response = http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 2, **extra})
             assert response.status_code == 400 and response.json()["error"]["param"] == "best_of"

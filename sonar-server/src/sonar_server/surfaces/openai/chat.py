@@ -64,6 +64,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     lora_request = await state.resolve_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    if body.stream and extra_sampling_fields(body).get("prompt_logprobs") is not None:  # as vLLM: a chat stream has no place for them
+        raise ApiError(400, "prompt_logprobs are not available with stream=true; ask for them without streaming", param="prompt_logprobs")
     plan = openai_tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings)
     plan.adapt_to(state.require_tokenizer())
     guide = plan.constraint(body_guide(body, body.response_format))
