@@ -37,6 +37,37 @@ def test_bench_throughput_compares_with_transformers(tiny_model_dir, tmp_path) -
     assert "sonar / transformers throughput" in result.stdout
 
 
+def test_bench_throughput_on_sharegpt_and_custom_files(tiny_model_dir, tmp_path) -> None:
+    import json
+
+    from transformers import AutoTokenizer
+
+    path = tiny_model_dir("llama")
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    sharegpt = tmp_path / "sharegpt.json"
+    conversations = [
+        {"conversations": [{"from": "human", "value": "Name three rivers of Europe, please."}, {"from": "gpt", "value": "The Danube, the Rhine and the Loire."}]},
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "Hello there, how can I help?"}]},  # prompt too short: skipped
+    ]
+    sharegpt.write_text(json.dumps(conversations))
+    report = tmp_path / "bench.json"
+    common = ["--dtype", "float32", "--max-model-len", "128", "--num-prompts", "3", "--output-json", str(report)]
+    result = _run(["bench", "throughput", str(path), "--dataset-name", "sharegpt", "--dataset-path", str(sharegpt), *common])
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(report.read_text())
+    prompt = tokenizer.encode(conversations[0]["conversations"][0]["value"])
+    reply = tokenizer.encode(conversations[0]["conversations"][1]["value"], add_special_tokens=False)
+    assert (figures["prompt_tokens"], figures["output_tokens"]) == (3 * len(prompt), 3 * len(reply))  # the one usable pair, cycled
+    custom = tmp_path / "prompts.jsonl"
+    custom.write_text('{"turns": ["What is 2 + 2?", "And 3 + 3?"]}\n')
+    result = _run(["bench", "throughput", str(path), "--dataset-name", "custom", "--dataset-path", str(custom), "--custom-output-len", "5", *common])
+    assert result.returncode == 0, result.stderr
+    figures = json.loads(report.read_text())
+    assert (figures["prompt_tokens"], figures["output_tokens"]) == (3 * len(tokenizer.encode("What is 2 + 2?")), 15)
+    missing = _run(["bench", "throughput", str(path), "--dataset-name", "custom"])
+    assert missing.returncode != 0 and "--dataset-name custom needs --dataset-path FILE" in missing.stderr
+
+
 def test_bench_latency_separates_decode_from_prefill(tiny_model_dir, tmp_path) -> None:
     import json
 

@@ -17,60 +17,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
-from pathlib import Path
 from typing import Any
 
-MIN_TOKENS, MAX_PROMPT_TOKENS, MAX_TOTAL_TOKENS = 4, 1024, 2048  # vLLM's ShareGPT filter
-DATASETS = ("random", "sharegpt", "custom")
+from sonar.cli.bench_datasets import DATASETS, read_custom, read_sharegpt, usable_pair
+
+__all__ = ["DATASETS", "dataset_requests"]
+
 TOKENIZE_AT_ONCE = 32
-
-
-def read_sharegpt(path: str) -> list[tuple[str, str]]:
-    """The (first human turn, first reply) of each conversation with at least two turns."""
-    try:
-        data = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--dataset-path {path!r} is not a readable ShareGPT JSON file: {exc}") from None
-    if not isinstance(data, list):
-        raise ValueError(f"--dataset-path {path!r}: a ShareGPT file holds a JSON list of conversations")
-    pairs = []
-    for item in data:
-        turns = item.get("conversations") if isinstance(item, dict) else None
-        if not isinstance(turns, list) or len(turns) < 2:
-            continue
-        first, second = turns[0], turns[1]
-        if isinstance(first, dict) and isinstance(second, dict) and isinstance(first.get("value"), str) and isinstance(second.get("value"), str):
-            pairs.append((first["value"], second["value"]))
-    if not pairs:
-        raise ValueError(f"--dataset-path {path!r} holds no conversation with a prompt and a reply")
-    return pairs
-
-
-def read_custom(path: str) -> list[str]:
-    """Each line's ``prompt`` (or first of its ``turns``)."""
-    prompts = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as exc:
-        raise ValueError(f"--dataset-path {path!r} cannot be read: {exc.strerror or exc}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--dataset-path {path!r} line {number} is not JSON: {exc}") from None
-        prompt = row.get("prompt") if isinstance(row, dict) else None
-        if prompt is None and isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
-            prompt = row["turns"][0]
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"--dataset-path {path!r} line {number} has no \"prompt\" string (nor \"turns\")")
-        prompts.append(prompt)
-    if not prompts:
-        raise ValueError(f"--dataset-path {path!r} holds no prompt")
-    return prompts
 
 
 async def count_tokens(client: Any, base_url: str, model: str, texts: list[str]) -> list[int]:
@@ -108,9 +62,8 @@ async def dataset_requests(args: argparse.Namespace, client: Any, base_url: str,
         reply_lens = await count_tokens(client, base_url, model, [reply for _, reply in batch])
         for (prompt, _), prompt_len, reply_len in zip(batch, prompt_lens, reply_lens):
             output_len = args.sharegpt_output_len or reply_len
-            if prompt_len < MIN_TOKENS or output_len < MIN_TOKENS or prompt_len > MAX_PROMPT_TOKENS or prompt_len + output_len > MAX_TOTAL_TOKENS:
-                continue
-            usable.append((prompt, prompt_len, output_len))
+            if usable_pair(prompt_len, output_len):
+                usable.append((prompt, prompt_len, output_len))
         if len(usable) >= args.num_prompts:
             break
     if not usable:

@@ -10,7 +10,9 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
+from sonar.cli.bench_datasets import DATASETS
 from sonar.cli.engine_args import add_engine_arguments, engine_args_from
 
 
@@ -37,6 +39,35 @@ def random_workload(num_prompts: int, input_range: tuple[int, int], output_range
     return Workload(prompts, output_lens)
 
 
+def dataset_workload(args: argparse.Namespace, tokenizer: Any) -> Workload:
+    """``--num-prompts`` prompts of the ``--dataset-name`` file, tokenized by the engine's
+    tokenizer (shuffled with ``--workload-seed``; cycled where the file has fewer)."""
+    from sonar.cli.bench_datasets import read_custom, read_sharegpt, usable_pair
+
+    if tokenizer is None:
+        raise ValueError(f"--dataset-name {args.dataset_name} needs the model's tokenizer (it is text)")
+    rng = random.Random(args.workload_seed)
+    rows: list[tuple[list[int], int]] = []
+    if args.dataset_name == "custom":
+        prompts = read_custom(args.dataset_path)
+        rng.shuffle(prompts)
+        rows = [(tokenizer.encode(prompt), args.custom_output_len) for prompt in prompts[: args.num_prompts]]
+    else:
+        pairs = read_sharegpt(args.dataset_path)
+        rng.shuffle(pairs)
+        for prompt, reply in pairs:
+            ids = tokenizer.encode(prompt)
+            output_len = args.sharegpt_output_len or len(tokenizer.encode(reply, add_special_tokens=False))
+            if usable_pair(len(ids), output_len):
+                rows.append((ids, output_len))
+            if len(rows) == args.num_prompts:
+                break
+        if not rows:
+            raise ValueError(f"--dataset-path {args.dataset_path!r}: no conversation passes the length filter")
+    chosen = [rows[i % len(rows)] for i in range(args.num_prompts)]
+    return Workload([ids for ids, _ in chosen], [n for _, n in chosen])
+
+
 def _range(text: str) -> tuple[int, int]:
     low, _, high = text.partition(":")
     low_value = int(low)
@@ -56,6 +87,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     throughput.add_argument("--input-len", type=_range, default=(32, 512), help="N or MIN:MAX, uniform")
     throughput.add_argument("--output-len", type=_range, default=(32, 256), help="N or MIN:MAX, uniform")
     throughput.add_argument("--workload-seed", type=int, default=0)
+    throughput.add_argument("--dataset-name", default="random", choices=DATASETS, help="random (--input-len, --output-len), or files of real text: sharegpt, custom (--dataset-path)")
+    throughput.add_argument("--dataset-path", default=None, help="the sharegpt JSON file, or the custom JSON-lines file ({\"prompt\": ...} a line)")
+    throughput.add_argument("--sharegpt-output-len", type=int, default=None, help="output tokens of every sharegpt prompt (default: its reply's length)")
+    throughput.add_argument("--custom-output-len", type=int, default=256, help="output tokens of every custom prompt")
     throughput.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
     throughput.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True, help="run a few of the prompts briefly first, untimed (kernel compiles, allocator)")
     throughput.add_argument("--compare-hf", action="store_true", help="also run transformers' batched generate() on the same prompts")
@@ -126,9 +161,14 @@ def run_throughput(args: argparse.Namespace) -> int:
     from sonar.engine.process_util import freeze_startup_heap
     from sonar.entrypoints.llm import LLM
 
+    if args.dataset_name != "random" and not args.dataset_path:
+        raise ValueError(f"--dataset-name {args.dataset_name} needs --dataset-path FILE")
     print("loading model...", file=sys.stderr, flush=True)
     llm = LLM.from_engine_args(engine_args_from(args))
-    workload = random_workload(args.num_prompts, args.input_len, args.output_len, _vocab_size(llm), args.workload_seed)
+    if args.dataset_name == "random":
+        workload = random_workload(args.num_prompts, args.input_len, args.output_len, _vocab_size(llm), args.workload_seed)
+    else:
+        workload = dataset_workload(args, llm.get_tokenizer())
     if args.warmup:
         few = min(16, args.num_prompts)
         run_engine(llm, Workload(workload.prompts[:few], [min(8, n) for n in workload.output_lens[:few]]), True)
