@@ -179,8 +179,10 @@ class OutputProcessor:
         return text
 
     def _request_output(self, parent: ParentState, finished: bool | None = None) -> RequestOutput:
+        if finished is None:
+            finished = parent.finished
         if parent.params.output_kind == "delta":
-            return self._delta_output(parent, parent.finished if finished is None else finished)
+            return self._delta_output(parent, finished)
         completions = [
             CompletionOutput(
                 index=child.index,
@@ -193,17 +195,19 @@ class OutputProcessor:
             )
             for child in parent.children.values()
         ]
-        return RequestOutput(
+        output = RequestOutput(
             request_id=parent.request_id,
             prompt=parent.prompt,
             prompt_token_ids=parent.prompt_token_ids,
             prompt_logprobs=list(parent.prompt_logprobs) if parent.prompt_logprobs is not None else None,
             outputs=completions,
-            finished=parent.finished if finished is None else finished,
+            finished=finished,
             num_cached_tokens=parent.num_cached_tokens,
-            metrics=parent.metrics() if parent.finished else {},  # timings on the finished output (no dict per step)
             kv_transfer_params=parent.kv_transfer_params,
         )
+        if finished:  # timings on the finished output only: nothing more per step
+            output.metrics = parent.metrics()
+        return output
 
     def _delta_output(self, parent: ParentState, finished: bool) -> RequestOutput:
         """Only what is new since the request's last output: each child with new tokens, text
