@@ -109,7 +109,7 @@ def test_custom_prompts_from_json_lines(server, tmp_path):
     bad.write_text('{"text": "no prompt field"}\n')
     command = [*sonar_command(), "bench", "serve", "--base-url", server.url, "--dataset-name", "custom", "--dataset-path", str(bad)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 1 and "line 1 has no \"prompt\" string" in done.stderr
+    assert done.returncode == 1 and "bad.jsonl:1: needs a text field (turns, prompt, text, question, instruction)" in done.stderr
 
 
 def test_request_rate_spaces_arrivals(server, tmp_path):

@@ -1,12 +1,15 @@
 """Prompt sets of real text for benchmarks, under vLLM's dataset names: ``sharegpt`` (a
 ShareGPT JSON file: each conversation's first turn as the prompt, its reply's length as the
-output length) and ``custom`` (JSON lines of ``{"prompt": ...}`` or ``{"turns": [...]}``).
+output length) and ``custom`` (a prompt file, ``sonar.prompt_files``: JSON lines of
+``{"prompt": ...}``, ``{"turns": [...]}``, ...).
 ``sonar bench throughput`` and ``sonar bench serve`` read them the same way."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+from sonar.prompt_files import read_prompts
 
 DATASETS = ("random", "sharegpt", "custom")
 MIN_TOKENS, MAX_PROMPT_TOKENS, MAX_TOTAL_TOKENS = 4, 1024, 2048  # vLLM's ShareGPT filter
@@ -39,25 +42,12 @@ def read_sharegpt(path: str) -> list[tuple[str, str]]:
 
 
 def read_custom(path: str) -> list[str]:
-    """Each line's ``prompt`` (or first of its ``turns``)."""
-    prompts = []
+    """The prompts of a JSON-lines file (``sonar.prompt_files``: ``prompt``, the first of
+    ``turns``, ...)."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        prompts = read_prompts(path)
     except OSError as exc:
         raise ValueError(f"--dataset-path {path!r} cannot be read: {exc.strerror or exc}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"--dataset-path {path!r} line {number} is not JSON: {exc}") from None
-        prompt = row.get("prompt") if isinstance(row, dict) else None
-        if prompt is None and isinstance(row, dict) and isinstance(row.get("turns"), list) and row["turns"]:
-            prompt = row["turns"][0]
-        if not isinstance(prompt, str) or not prompt:
-            raise ValueError(f"--dataset-path {path!r} line {number} has no \"prompt\" string (nor \"turns\")")
-        prompts.append(prompt)
     if not prompts:
         raise ValueError(f"--dataset-path {path!r} holds no prompt")
     return prompts

@@ -14,11 +14,11 @@ from typing import Any, Iterable
 import torch
 
 from sonar.attention import ForwardContext
+from sonar.prompt_files import PROMPT_FIELDS, prompt_text, read_prompts  # noqa: F401 (this module's readers use them)
 from sonar.sampler.metadata import RequestSamplingState
 from sonar.sampling_params import SamplingParams
 from sonar.worker.input_batch import CachedRequestState
 
-PROMPT_FIELDS = ("turns", "prompt", "text", "question", "instruction")
 MAX_TOKENS_PER_FORWARD = 4096
 
 SELF_PROMPT_TOPICS = (
@@ -37,36 +37,6 @@ class Sample:
     num_prompt_tokens: int
     aux_states: torch.Tensor  # [T, num_aux * target_hidden]
     final_states: torch.Tensor  # [T, target_hidden] the target's last hidden state (after its norm)
-
-
-def read_prompts(path: str | Path) -> list[str]:
-    """The prompts of a JSON-lines file: each line's ``turns`` (its first turn), ``prompt``,
-    ``text``, ``question`` or ``instruction`` field.
-
-    :raises ValueError: a line that is not JSON or has none of those fields (its number named).
-    """
-    prompts = []
-    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}:{number}: not JSON ({error.msg})") from None
-        value = prompt_text(record)
-        if value is None:
-            raise ValueError(f"{path}:{number}: needs a text field ({', '.join(PROMPT_FIELDS)})")
-        prompts.append(value)
-    return prompts
-
-
-def prompt_text(record: Any) -> str | None:
-    """A prompt record's text: its ``turns`` (the first), ``prompt``, ``text``, ``question`` or
-    ``instruction`` field; None where it has none of them."""
-    value = next((record[f] for f in PROMPT_FIELDS if isinstance(record, dict) and f in record), None)
-    if isinstance(value, list):
-        value = value[0] if value else None
-    return value if isinstance(value, str) and value.strip() else None
 
 
 def chat_prompt_ids(tokenizer: Any, text: str) -> list[int]:
