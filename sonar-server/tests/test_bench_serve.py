@@ -106,7 +106,7 @@ def test_custom_prompts_from_json_lines(server, tmp_path):
                       "--custom-output-len", "4", "--disable-tqdm")
     assert (result["completed"], result["total_output_tokens"]) == (5, 20)
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "no prompt field"}\n')
+    bad.write_text('{"body": "no prompt field"}\n')
     command = [*sonar_command(), "bench", "serve", "--base-url", server.url, "--dataset-name", "custom", "--dataset-path", str(bad)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1 and "bad.jsonl:1: needs a text field (turns, prompt, text, question, instruction)" in done.stderr
