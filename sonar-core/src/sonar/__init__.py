@@ -22,6 +22,7 @@ _PUBLIC = {
     "Logprob": "sonar.outputs",
     "EngineArgs": "sonar.config",
     "LoRARequest": "sonar.lora.request",
+    "BeamSearchParams": "sonar.beam_search",
 }
 
 __all__ = [*_PUBLIC, "__version__"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any, Sequence
 
+from sonar.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from sonar.config import EngineArgs
 from sonar.engine.llm_engine import LLMEngine, PromptType
 from sonar.lora.request import LoRARequest
@@ -97,6 +98,25 @@ class LLM:
         except BaseException:
             engine.abort_request(request_ids)
             raise
+
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (vLLM's ``LLM.beam_search``): each prompt's ``params.beam_width`` best
+        continuations, best first (``sonar.beam_search``). Needs ``2 * beam_width`` logprobs
+        a step, so ``beam_width`` up to ``max_logprobs / 2``."""
+        if 2 * params.beam_width > self.llm_engine.config.max_logprobs:
+            raise ValueError(
+                f"beam_width={params.beam_width} ranks {2 * params.beam_width} tokens a step, more than max_logprobs="
+                f"{self.llm_engine.config.max_logprobs}; raise max_logprobs or narrow the beam"
+            )
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        token_prompts = [self.llm_engine.input_processor.tokenize_prompt(prompt)[1] for prompt in prompts]
+        tokenizer = self.get_tokenizer()
+        return beam_search(
+            lambda batch, step: self.generate(batch, step, use_tqdm=False),
+            token_prompts, params, set(self.llm_engine.config.eos_token_ids), self.llm_engine.config.max_model_len,
+            decode=tokenizer.decode if tokenizer is not None else None,
+        )
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine
