@@ -61,6 +61,65 @@ def beam_score(beam: BeamSearchSequence, eos_token_ids: set[int], length_penalty
     return beam.cum_logprob / (max(length, 1) ** length_penalty)
 
 
+class BeamSearch:
+    """The beams of a batch of prompts, advanced one engine step at a time: ``prompts()`` are
+    the live beams to step (token ids; send them with ``step_params``), ``advance(outputs)``
+    takes their finished one-token outputs in that order; ``results()`` once ``done``."""
+
+    def __init__(self, prompts: Sequence[list[int]], params: BeamSearchParams, eos_token_ids: set[int], max_model_len: int) -> None:
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False)
+        self.live = [[BeamSearchSequence(list(prompt))] for prompt in prompts]
+        self.completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        self.num_steps = 0
+
+    @property
+    def done(self) -> bool:
+        return self.num_steps >= self.params.max_tokens or not any(self.live)
+
+    def prompts(self) -> list[list[int]]:
+        return [beam.tokens for group in self.live for beam in group]
+
+    def advance(self, outputs: Sequence[RequestOutput]) -> None:
+        position = 0
+        for index, group in enumerate(self.live):
+            extensions = []
+            for beam, output in zip(group, outputs[position : position + len(group)]):
+                top = (output.outputs[0].logprobs or [{}])[0]
+                for token_id, logprob in top.items():
+                    extended = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [top], beam.cum_logprob + logprob.logprob)
+                    if token_id in self.eos_token_ids and not self.params.ignore_eos:
+                        extended.finish_reason, extended.stop_reason = "stop", token_id
+                        self.completed[index].append(extended)
+                    else:
+                        extensions.append(extended)
+            position += len(group)
+            extensions.sort(key=lambda b: b.cum_logprob, reverse=True)  # one length in a step: the score's order
+            self.live[index] = extensions[: self.params.beam_width]
+            if self.live[index] and len(self.live[index][0].tokens) >= self.max_model_len:  # the context is full: no further step
+                for beam in self.live[index]:
+                    beam.finish_reason = "length"
+                self.completed[index].extend(self.live[index])
+                self.live[index] = []
+        self.num_steps += 1
+
+    def results(self, decode: Callable[[list[int]], str] | None = None) -> list[BeamSearchOutput]:
+        """Each prompt's best ``beam_width`` beams, completed and live, best first."""
+        results = []
+        for completed, live in zip(self.completed, self.live):
+            for beam in live:
+                beam.finish_reason = "length"
+            ranked = sorted(completed + live, key=lambda b: beam_score(b, self.eos_token_ids, self.params.length_penalty), reverse=True)
+            best = ranked[: self.params.beam_width]
+            if decode is not None:
+                for beam in best:
+                    beam.text = decode(beam.tokens)
+            results.append(BeamSearchOutput(best))
+        return results
+
+
 def beam_search(
     generate: Callable[[list[dict[str, Any]], SamplingParams], list[RequestOutput]],
     prompts: Sequence[list[int]],
@@ -72,42 +131,7 @@ def beam_search(
     """Beam search for each of ``prompts`` (token ids), one engine step of every live beam at
     a time through ``generate`` (prompts and sampling parameters in, finished outputs out). A
     beam that fills the context stops there, as if at ``max_tokens``."""
-    step_params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False)
-    live = [[BeamSearchSequence(list(prompt))] for prompt in prompts]
-    completed: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-    for _ in range(params.max_tokens):
-        beams = [beam for group in live for beam in group]
-        if not beams:
-            break
-        outputs = generate([{"prompt_token_ids": beam.tokens} for beam in beams], step_params)
-        position = 0
-        for index, group in enumerate(live):
-            extensions = []
-            for beam, output in zip(group, outputs[position : position + len(group)]):
-                top = (output.outputs[0].logprobs or [{}])[0]
-                for token_id, logprob in top.items():
-                    extended = BeamSearchSequence(beam.tokens + [token_id], beam.logprobs + [top], beam.cum_logprob + logprob.logprob)
-                    if token_id in eos_token_ids and not params.ignore_eos:
-                        extended.finish_reason, extended.stop_reason = "stop", token_id
-                        completed[index].append(extended)
-                    else:
-                        extensions.append(extended)
-            position += len(group)
-            extensions.sort(key=lambda b: b.cum_logprob, reverse=True)  # one length in a step: the score's order
-            live[index] = extensions[: params.beam_width]
-            if live[index] and len(live[index][0].tokens) >= max_model_len:  # the context is full: no further step
-                completed[index].extend(live[index])
-                for beam in live[index]:
-                    beam.finish_reason = "length"
-                live[index] = []
-    results = []
-    for index, group in enumerate(live):
-        for beam in group:
-            beam.finish_reason = "length"
-        ranked = sorted(completed[index] + group, key=lambda b: beam_score(b, eos_token_ids, params.length_penalty), reverse=True)
-        best = ranked[: params.beam_width]
-        if decode is not None:
-            for beam in best:
-                beam.text = decode(beam.tokens)
-        results.append(BeamSearchOutput(best))
-    return results
+    search = BeamSearch(prompts, params, eos_token_ids, max_model_len)
+    while not search.done:
+        search.advance(generate([{"prompt_token_ids": tokens} for tokens in search.prompts()], search.step_params))
+    return search.results(decode)
