@@ -121,3 +121,25 @@ def test_browsers_get_cors_headers_as_from_vllm(server):
         assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in ("*", "https://app.example")
         response = http.get("/v1/models", headers={"Origin": "https://app.example"})
         assert response.headers["access-control-allow-origin"] == "*"
+
+
+def test_beam_search_through_the_api_equals_the_offline_beams(server, oracle):
+    """vLLM's ``use_beam_search``: ``n`` beams, best first, the same as ``LLM.beam_search``."""
+    from sonar import BeamSearchParams
+
+    tokenizer = oracle.get_tokenizer()
+    prompt = "The river flows"
+    ids = tokenizer.encode(prompt)
+    offline = oracle.beam_search([{"prompt_token_ids": ids}], BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True))[0].sequences
+    want = [tokenizer.decode(beam.tokens[len(ids):], skip_special_tokens=True) for beam in offline]
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 5, "n": 3, "use_beam_search": True, "ignore_eos": True}
+        reply = http.post("/v1/completions", json=body).json()
+        assert [choice["text"] for choice in reply["choices"]] == want
+        assert reply["usage"]["completion_tokens"] == 15 and all(c["finish_reason"] == "length" for c in reply["choices"])
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+                                                        "use_beam_search": True, "ignore_eos": True}).json()
+        assert len(chat["choices"]) == 2 and chat["usage"]["completion_tokens"] == 8
+        for extra, param in (({"stream": True}, "stream"), ({"n": 11}, "n")):
+            response = http.post("/v1/completions", json={**body, **extra})
+            assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text

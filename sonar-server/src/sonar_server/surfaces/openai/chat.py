@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar_server.errors import ApiError, to_api_error
+from sonar_server.beam import beam_params, run_beam_search
 from sonar_server.generation import Generation, closer, logprob_entries, start_generation
 from sonar_server.parsers import StreamEvent
 from sonar_server.prompts import render_chat
@@ -97,6 +98,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         },
     )
     request_id = state.new_request_id("chatcmpl")
+    if body.use_beam_search:
+        found = await unless_disconnected(request, run_beam_search(state, request_id, prompt_ids, beam_params(body, max_tokens), body.priority, lora_request))
+        echoed = _echoed(state, body)
+        return await built_response(lambda: _response(state, body, found, plan, guide, echoed), logprob_entries([found]))
     generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text, body.priority, lora_request)
     echoed = _echoed(state, body)
     if body.stream:

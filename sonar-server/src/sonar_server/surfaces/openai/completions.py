@@ -11,6 +11,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from sonar_server.errors import ApiError, to_api_error
+from sonar_server.beam import beam_params, run_beam_search
 from sonar_server.generation import Generation, closer, logprob_entries, start_generation
 from sonar_server.json_closer import closing_suffix
 from sonar_server.prompts import decode_tokens, encode_prompt
@@ -74,6 +75,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     )
     state.check_n(params.n * len(prompts))
     request_id = state.new_request_id("cmpl")
+    if body.use_beam_search:
+        beams = beam_params(body, params.max_tokens or 16)
+        searches = [run_beam_search(state, f"{request_id}-{i}", ids, beams, body.priority, lora_request) for i, (_, ids) in enumerate(prompts)]
+        found = await unless_disconnected(request, asyncio.gather(*searches))
+        echoes = [await _echo_text(state, text, ids) if body.echo else "" for text, ids in prompts]
+        return await built_response(lambda: _response(state, body, request_id, found, echoes), logprob_entries(found))
     generations: list[Generation] = []
     try:
         for i, (text, token_ids) in enumerate(prompts):

@@ -39,6 +39,9 @@ class _GenerationBody(_Body):
     kv_transfer_params: dict[str, Any] | None = None
     # logprobs name tokens as "token_id:N" (None: as --return-tokens-as-token-ids says)
     return_tokens_as_token_ids: bool | None = None
+    # vLLM's beam search: n beams, ranked by cumulative logprob / length ** length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 class StreamOptions(BaseModel):

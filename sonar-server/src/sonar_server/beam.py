@@ -1,0 +1,89 @@
+"""``use_beam_search`` on the OpenAI surfaces (vLLM's extension): ``n`` is the beam width and
+the ``n`` choices are the best beams, best first (``sonar.beam_search``). Each step sends every
+live beam to the engine as a one-token request; a client that goes away aborts the step in
+flight. Not streamed: a beam's text is known only at the end."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from typing import Any
+
+from sonar.beam_search import BeamSearch, BeamSearchParams
+from sonar.lora.request import LoRARequest
+from sonar.outputs import RequestOutput
+
+from sonar_server.errors import ApiError
+from sonar_server.generation import ChoiceState
+from sonar_server.state import ServerState
+
+
+class BeamGeneration:
+    """A finished beam search, shaped as the responses read a ``Generation``."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], choices: list[ChoiceState]) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.choices = choices
+        self.prompt_logprobs = None
+        self.kv_transfer_params = None
+        self.num_cached_tokens = 0
+
+    @property
+    def num_generated_tokens(self) -> int:
+        return sum(len(choice.token_ids) for choice in self.choices)
+
+    async def close(self) -> None:
+        """Nothing is left running once the search has returned."""
+
+
+def beam_params(body: Any, max_tokens: int) -> BeamSearchParams:
+    """The request's beam search: ``n`` beams, ``length_penalty``, ``ignore_eos``; a 400 where
+    it cannot run (streamed, or a sampled choice asked for)."""
+    if body.stream:
+        raise ApiError(400, "use_beam_search does not stream (a beam's text is known only at the end); send stream=false", param="stream")
+    extra = body.model_extra or {}
+    try:
+        return BeamSearchParams(
+            beam_width=body.n, max_tokens=max_tokens, ignore_eos=bool(extra.get("ignore_eos", False)),
+            length_penalty=float(body.length_penalty),
+        )
+    except (TypeError, ValueError) as exc:
+        raise ApiError(400, f"beam search: {exc}", param="n") from None
+
+
+async def run_beam_search(
+    state: ServerState, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams, priority: int, lora_request: LoRARequest | None
+) -> BeamGeneration:
+    """The ``params.beam_width`` best beams after ``prompt_token_ids``, as ``n`` choices."""
+    max_logprobs = getattr(getattr(state.client, "config", None), "max_logprobs", 20)
+    if 2 * params.beam_width > max_logprobs:
+        raise ApiError(400, f"beam search with n={params.beam_width} ranks {2 * params.beam_width} tokens a step, more than this server's --max-logprobs {max_logprobs}", param="n")
+    if len(prompt_token_ids) >= state.max_model_len:
+        raise ApiError(400, f"the prompt is {len(prompt_token_ids)} tokens, the model's context is {state.max_model_len} tokens: no room to generate")
+    eos = set(getattr(state.client.model_config, "eos_token_ids", None) or ())
+    search = BeamSearch([prompt_token_ids], params, eos, state.max_model_len)
+    ids = itertools.count()
+
+    async def step(tokens: list[int]) -> RequestOutput:
+        stream = await state.client.add_request(f"{request_id}-beam{next(ids)}", {"prompt_token_ids": tokens}, search.step_params, priority, lora_request)
+        final = None
+        try:
+            async for output in stream:
+                final = output
+        finally:
+            await stream.aclose()  # aborts it where the client went away first
+        assert final is not None
+        return final
+
+    while not search.done:
+        search.advance(await asyncio.gather(*(step(tokens) for tokens in search.prompts())))
+    best = search.results()[0].sequences
+    num_prompt = len(prompt_token_ids)
+    tokenizer = state.tokenizer
+    choices = []
+    for index, beam in enumerate(best):
+        generated = beam.tokens[num_prompt:]
+        text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
+        choices.append(ChoiceState(index, text, generated, beam.logprobs, beam.cum_logprob, beam.finish_reason, beam.stop_reason))
+    return BeamGeneration(request_id, prompt_token_ids, choices)
