@@ -65,7 +65,7 @@ def test_deltas_add_up_to_the_cumulative_output(tiny_model_dir, lag_s: float) ->
     assert [None if e is None else list(e) for e in total.prompt_logprobs] == [None if e is None else list(e) for e in final.prompt_logprobs]
 
 
-def test_final_only_gives_one_output_and_bad_kinds_are_refused() -> None:
+def test_output_kinds_by_enum_or_name_and_from_optional() -> None:
     assert SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY).output_kind == "final_only"
     assert SamplingParams(output_kind="delta").output_kind == "delta"
     with pytest.raises(ValueError, match="output_kind must be 'cumulative', 'delta' or 'final_only'"):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -22,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+from sonar_server.bench_launch import LaunchedServer
 
 SERVE_ARGS = ["--max-model-len", "2048", "--max-num-seqs", "512", "--max-num-batched-tokens", "65536", "--no-enable-prefix-caching"]
 
@@ -30,20 +31,6 @@ SERVE_ARGS = ["--max-model-len", "2048", "--max-num-seqs", "512", "--max-num-bat
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 300.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"sonar serve exited with {process.returncode}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise RuntimeError("sonar serve did not become healthy")
 
 
 def burst(url: str, args: argparse.Namespace, num_prompts: int, result_dir: str) -> dict:
@@ -76,25 +63,24 @@ def main() -> int:
 
         folder = tempfile.mkdtemp(prefix="sonar-api-cpu-")
         model = str(build_tiny_model("llama", Path(folder) / "llama"))
-    url = f"http://127.0.0.1:{args.port}"
-    env = {**os.environ, "SONAR_PLATFORM": os.environ.get("SONAR_PLATFORM", "cpu")}
-    command = [sys.executable, "-m", "sonar.cli.main", "serve", model, "--port", str(args.port), *SERVE_ARGS, *args.serve_args.split()]
-    server = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    os.environ.setdefault("SONAR_PLATFORM", "cpu")
+    server = LaunchedServer(model, args.port, shlex.join([*SERVE_ARGS, *args.serve_args.split()]))
+    url = server.url
     result_dir = tempfile.mkdtemp(prefix="sonar-api-cpu-results-")
     try:
-        wait_healthy(url, server)
+        server.wait_ready(300.0)
         burst(url, args, 64, result_dir)  # warm-up
         for number in range(args.bursts):
-            before = cpu_seconds(server.pid)
+            before = cpu_seconds(server.process.pid)
             result = burst(url, args, args.num_prompts, result_dir)
-            spent = cpu_seconds(server.pid) - before
+            spent = cpu_seconds(server.process.pid) - before
             tokens = result.get("total_output_tokens") or args.num_prompts * args.output_len
             print(f"burst {number + 1}: API server CPU {spent:.2f} s for {tokens} tokens ({spent / tokens * 1e6:.1f} us a token); "
                   f"output {result.get('output_throughput', 0.0):,.0f} tok/s", flush=True)
         if args.profile:
             spy_format = ["--format", "raw"] if args.profile.endswith(".txt") else []
             py_spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
-            spy = subprocess.Popen([py_spy, "record", "-o", args.profile, "--pid", str(server.pid), "--rate", "200", "--gil", *spy_format],
+            spy = subprocess.Popen([py_spy, "record", "-o", args.profile, "--pid", str(server.process.pid), "--rate", "200", "--gil", *spy_format],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
             burst(url, args, args.num_prompts, result_dir)
@@ -102,11 +88,7 @@ def main() -> int:
             spy.wait(60)
             print(f"profile: {args.profile}")
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        server.stop()
         shutil.rmtree(result_dir, ignore_errors=True)
         if folder:
             shutil.rmtree(folder, ignore_errors=True)

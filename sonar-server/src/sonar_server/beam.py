@@ -12,6 +12,7 @@ from typing import Any
 from sonar.beam_search import BeamSearch, BeamSearchParams
 from sonar.lora.request import LoRARequest
 from sonar.outputs import RequestOutput
+from sonar.sampling_params import SamplingParams
 
 from sonar_server.errors import ApiError
 from sonar_server.generation import ChoiceState
@@ -37,19 +38,13 @@ class BeamGeneration:
         """Nothing is left running once the search has returned."""
 
 
-def beam_params(body: Any, max_tokens: int) -> BeamSearchParams:
-    """The request's beam search: ``n`` beams, ``length_penalty``, ``ignore_eos``; a 400 where
-    it cannot run (streamed, or a sampled choice asked for)."""
+def beam_params(body: Any, params: SamplingParams, state: ServerState) -> BeamSearchParams:
+    """The request's beam search, from its validated sampling parameters: ``n`` beams,
+    ``max_tokens`` (None: up to the context), ``ignore_eos``, and the body's
+    ``length_penalty``; a 400 for a streamed request (a beam's text is known only at the end)."""
     if body.stream:
         raise ApiError(400, "use_beam_search does not stream (a beam's text is known only at the end); send stream=false", param="stream")
-    extra = body.model_extra or {}
-    try:
-        return BeamSearchParams(
-            beam_width=body.n, max_tokens=max_tokens, ignore_eos=bool(extra.get("ignore_eos", False)),
-            length_penalty=float(body.length_penalty),
-        )
-    except (TypeError, ValueError) as exc:
-        raise ApiError(400, f"beam search: {exc}", param="n") from None
+    return BeamSearchParams(params.n, params.max_tokens or state.max_model_len, params.ignore_eos, length_penalty=body.length_penalty)
 
 
 async def run_beam_search(

@@ -50,8 +50,8 @@ async def dataset_requests(args: argparse.Namespace, client: Any, base_url: str,
         prompts = read_custom(args.dataset_path)
         rng.shuffle(prompts)
         chosen = [prompts[i % len(prompts)] for i in range(args.num_prompts)]
-        lengths = await count_tokens(client, base_url, model, list(dict.fromkeys(chosen)))
-        length_of = dict(zip(dict.fromkeys(chosen), lengths))
+        distinct = list(dict.fromkeys(chosen))
+        length_of = dict(zip(distinct, await count_tokens(client, base_url, model, distinct)))
         return [(prompt, length_of[prompt], args.custom_output_len) for prompt in chosen]
     pairs = read_sharegpt(args.dataset_path)
     rng.shuffle(pairs)

@@ -46,7 +46,6 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     # KV transfer
     _flag("--kv-events-config", "KV-cache events", KV_TRANSFER),
     _flag("--cpu-offload-gb", "offloading weights to CPU memory", KV_TRANSFER, accepted=("0",)),
-
     # LoRA
     _flag("--fully-sharded-loras", "LoRA adapters", LORA, takes_value=False),
     _flag("--lora-dtype", "LoRA adapters", LORA),

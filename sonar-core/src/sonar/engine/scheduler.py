@@ -259,8 +259,9 @@ class Scheduler:
         # loaded: requests whose external KV arrived, holding their blocks already
         while self._loaded and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self._loaded[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.config.enable_chunked_prefill and num_new < request.num_tokens - request.num_computed_tokens:
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget)
+            if not self.config.enable_chunked_prefill and num_new < remaining:
                 break  # its rest does not fit this step whole
             if not self._lora_fits(request) or not self.kv_cache.allocate_slots(request, num_new):
                 break
@@ -288,8 +289,9 @@ class Scheduler:
                     num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_cached)
                     num_external = max(0, min(num_external, request.num_tokens - 1 - num_cached))  # one token computes logits
                     load_async = load_async and num_external > 0
-            num_new = 0 if load_async else min(request.num_tokens - num_cached - num_external, budget)
-            if not self.config.enable_chunked_prefill and not load_async and num_new < request.num_tokens - num_cached - num_external:
+            remaining = request.num_tokens - num_cached - num_external
+            num_new = 0 if load_async else min(remaining, budget)
+            if not self.config.enable_chunked_prefill and not load_async and num_new < remaining:
                 break  # its prompt does not fit this step whole: it waits for the next
             if not self.kv_cache.allocate_slots(request, num_new + num_external, computed_blocks):
                 break

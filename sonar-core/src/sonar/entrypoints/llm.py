@@ -69,9 +69,7 @@ class LLM:
 
         :raises LoRAError: an adapter cannot be served (nothing was generated).
         """
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -102,15 +100,14 @@ class LLM:
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search (vLLM's ``LLM.beam_search``): each prompt's ``params.beam_width`` best
         continuations, best first (``sonar.beam_search``). Needs ``2 * beam_width`` logprobs
-        a step, so ``beam_width`` up to ``max_logprobs / 2``."""
+        a step, so ``beam_width`` up to ``max_logprobs / 2``. ``use_tqdm`` is taken for vLLM's
+        signature; the steps show no progress bar."""
         if 2 * params.beam_width > self.llm_engine.config.max_logprobs:
             raise ValueError(
                 f"beam_width={params.beam_width} ranks {2 * params.beam_width} tokens a step, more than max_logprobs="
                 f"{self.llm_engine.config.max_logprobs}; raise max_logprobs or narrow the beam"
             )
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        token_prompts = [self.llm_engine.input_processor.tokenize_prompt(prompt)[1] for prompt in prompts]
+        token_prompts = [self.llm_engine.input_processor.tokenize_prompt(prompt)[1] for prompt in _prompt_list(prompts)]
         tokenizer = self.get_tokenizer()
         return beam_search(
             lambda batch, step: self.generate(batch, step, use_tqdm=False),
@@ -197,6 +194,13 @@ NO_OP_VLLM_ARGS: dict[str, tuple[Any, ...] | None] = {
     "runner": (None, "auto", "generate"),
     "convert": (None, "auto", "none"),
 }
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a string, a dict, a list of token ids) as a list of one; a list of prompts as it is."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 def _without_no_op_vllm_args(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -9,14 +9,13 @@ from fastapi import FastAPI
 from starlette.requests import Request
 
 from sonar_server.errors import ApiError
-from sonar_server.prompts import decode_tokens, encode_prompt, render_chat
+from sonar_server.prompts import decode_tokens, encode_prompt
 from sonar_server.routing import surface_router
 from sonar_server.state import ServerState
-from sonar_server.surfaces.openai.chat import create_chat_completion, message_dicts
+from sonar_server.surfaces.openai.chat import create_chat_completion, render_chat_request
 from sonar_server.surfaces.openai.completions import create_completion
 from sonar_server.surfaces.openai.errors import render_error
 from sonar_server.surfaces.openai.protocol import DetokenizeRequest, TokenizeRequest
-from sonar_server.tool_calling import openai_tool_plan
 
 
 async def list_models(request: Request) -> dict[str, Any]:
@@ -46,13 +45,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     if (body.prompt is None) == (body.messages is None):
         raise ApiError(400, "send exactly one of prompt or messages")
     if body.messages is not None:  # the prompt a chat completion with these fields renders
-        plan = openai_tool_plan(body.tools, None, None, state.settings)
-        plan.adapt_to(state.require_tokenizer())
-        template_kwargs = dict(body.chat_template_kwargs or {})
-        if body.chat_template is not None:
-            template_kwargs["chat_template"] = body.chat_template
-        messages = plan.render_inputs(message_dicts(body.messages), template_kwargs)
-        _, token_ids = await render_chat(state, messages, body.add_generation_prompt, body.continue_final_message, template_kwargs)
+        _, _, token_ids = await render_chat_request(state, body, None, None)
     elif body.add_special_tokens:
         token_ids = await encode_prompt(state, body.prompt or "")
     else:

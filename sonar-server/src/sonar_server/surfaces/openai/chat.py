@@ -67,14 +67,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if body.stream and extra_sampling_fields(body).get("prompt_logprobs") is not None:  # as vLLM: a chat stream has no place for them
         raise ApiError(400, "prompt_logprobs are not available with stream=true; ask for them without streaming", param="prompt_logprobs")
-    plan = openai_tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls, state.settings)
-    plan.adapt_to(state.require_tokenizer())
+    plan, prompt_text, prompt_ids = await render_chat_request(state, body, body.tool_choice, body.parallel_tool_calls)
     guide = plan.constraint(body_guide(body, body.response_format))
-    template_kwargs = dict(body.chat_template_kwargs or {})
-    if body.chat_template is not None:
-        template_kwargs["chat_template"] = body.chat_template
-    messages = plan.render_inputs(message_dicts(body.messages), template_kwargs)
-    prompt_text, prompt_ids = await render_chat(state, messages, body.add_generation_prompt, body.continue_final_message, template_kwargs)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
         max_tokens = max(state.max_model_len - len(prompt_ids), 1)
@@ -98,17 +92,29 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         },
     )
     request_id = state.new_request_id("chatcmpl")
+    echoed = _echoed(state, body)
     if body.use_beam_search:
-        found = await unless_disconnected(request, run_beam_search(state, request_id, prompt_ids, beam_params(body, max_tokens), body.priority, lora_request))
-        echoed = _echoed(state, body)
+        found = await unless_disconnected(request, run_beam_search(state, request_id, prompt_ids, beam_params(body, params, state), body.priority, lora_request))
         return await built_response(lambda: _response(state, body, found, plan, guide, echoed), logprob_entries([found]))
     generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text, body.priority, lora_request)
-    echoed = _echoed(state, body)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         return EventStreamResponse(_stream(state, body, generation, include_usage, plan, guide, echoed), closer([generation]))
     await unless_disconnected(request, generation.collect())
     return await built_response(lambda: _response(state, body, generation, plan, guide, echoed), logprob_entries([generation]))
+
+
+async def render_chat_request(state: ServerState, body: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> tuple[ToolPlan, str, list[int]]:
+    """A chat body's tool plan and prompt (text and ids): its messages, tools, chat template
+    and template variables, as a chat completion renders them (``/tokenize`` counts the same)."""
+    plan = openai_tool_plan(body.tools, tool_choice, parallel_tool_calls, state.settings)
+    plan.adapt_to(state.require_tokenizer())
+    template_kwargs = dict(body.chat_template_kwargs or {})
+    if body.chat_template is not None:
+        template_kwargs["chat_template"] = body.chat_template
+    messages = plan.render_inputs(message_dicts(body.messages), template_kwargs)
+    prompt_text, prompt_ids = await render_chat(state, messages, body.add_generation_prompt, body.continue_final_message, template_kwargs)
+    return plan, prompt_text, prompt_ids
 
 
 def _reply_role(state: ServerState, body: ChatCompletionRequest) -> str:
@@ -158,11 +164,12 @@ def _response(
     state: ServerState, body: ChatCompletionRequest, generation: Generation, plan: ToolPlan, guide: GuidedDecodingParams | None, echoed: str = ""
 ) -> dict[str, Any]:
     choices = []
+    as_ids, role = tokens_as_ids(state, body), _reply_role(state, body)
     for choice in generation.choices:
         logprobs = None
         if body.logprobs:
-            logprobs = chat_logprobs(state, choice.token_ids, list(choice.logprobs or []), body.top_logprobs or 0, tokens_as_ids(state, body))
-        message = _message(state, choice.text, plan, guide, choice.finish_reason == "length", _reply_role(state, body))
+            logprobs = chat_logprobs(state, choice.token_ids, list(choice.logprobs or []), body.top_logprobs or 0, as_ids)
+        message = _message(state, choice.text, plan, guide, choice.finish_reason == "length", role)
         if echoed and message["content"] is not None:
             message["content"] = echoed + message["content"]
         choices.append(
@@ -211,11 +218,11 @@ async def _stream(
 
     deltas = generation.deltas()
     parsers = [output_parser(plan, state.settings, guide) for _ in range(body.n)]
-    as_ids = tokens_as_ids(state, body)
+    as_ids, role = tokens_as_ids(state, body), _reply_role(state, body)
     num_calls = [0] * body.n
     try:
         for index in range(body.n):
-            yield chunk([{"index": index, "delta": {"role": _reply_role(state, body), "content": echoed}, "logprobs": None, "finish_reason": None}])
+            yield chunk([{"index": index, "delta": {"role": role, "content": echoed}, "logprobs": None, "finish_reason": None}])
         async for changed in deltas:
             for delta in changed:
                 logprobs = None

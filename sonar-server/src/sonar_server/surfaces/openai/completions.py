@@ -76,7 +76,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state.check_n(params.n * len(prompts))
     request_id = state.new_request_id("cmpl")
     if body.use_beam_search:
-        beams = beam_params(body, params.max_tokens or 16)
+        beams = beam_params(body, params, state)
         searches = [run_beam_search(state, f"{request_id}-{i}", ids, beams, body.priority, lora_request) for i, (_, ids) in enumerate(prompts)]
         found = await unless_disconnected(request, asyncio.gather(*searches))
         echoes = [await _echo_text(state, text, ids) if body.echo else "" for text, ids in prompts]
@@ -123,6 +123,7 @@ def _response(
 ) -> dict[str, Any]:
     choices = []
     wants_prompt_logprobs = "prompt_logprobs" in extra_sampling_fields(body)  # asked for (echo's own go into logprobs)
+    as_ids = tokens_as_ids(state, body)
     for position, generation in enumerate(generations):
         echo = echo_texts[position]
         for choice in generation.choices:
@@ -130,9 +131,9 @@ def _response(
             if body.logprobs is not None:
                 # the generated tokens' offsets count from the echoed text's end (a prompt token's
                 # own string may be a piece of a character, shorter or longer than its text)
-                logprobs = completion_logprobs(state, list(choice.token_ids), list(choice.logprobs or []), body.logprobs, len(echo), tokens_as_ids(state, body))
+                logprobs = completion_logprobs(state, list(choice.token_ids), list(choice.logprobs or []), body.logprobs, len(echo), as_ids)
                 if body.echo:
-                    logprobs = _joined(_prompt_logprobs(state, body, generation), logprobs)
+                    logprobs = _joined(_prompt_logprobs(state, body, generation, as_ids), logprobs)
             entry = {
                 "index": position * body.n + choice.index,
                 "text": echo + choice.text + _json_closing(body, choice.text, choice.finish_reason),
@@ -154,11 +155,11 @@ def _response(
     }
 
 
-def _prompt_logprobs(state: ServerState, body: CompletionRequest, generation: Generation) -> dict[str, Any]:
+def _prompt_logprobs(state: ServerState, body: CompletionRequest, generation: Generation, as_ids: bool) -> dict[str, Any]:
     """An echoed prompt's tokens in the legacy logprobs format (the first token's logprob None)."""
     entries = list(generation.prompt_logprobs or [])
     entries += [None] * (len(generation.prompt_token_ids) - len(entries))
-    return completion_logprobs(state, generation.prompt_token_ids, entries, body.logprobs, 0, tokens_as_ids(state, body))
+    return completion_logprobs(state, generation.prompt_token_ids, entries, body.logprobs, 0, as_ids)
 
 
 def _joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
@@ -218,7 +219,7 @@ async def _stream(
                     text += _json_closing(body, texts[index], delta.finish_reason)
                 if echo_waits and body.echo and index not in echoed:
                     echoed.add(index)
-                    prompt = _prompt_logprobs(state, body, generations[position])
+                    prompt = _prompt_logprobs(state, body, generations[position], as_ids)
                     logprobs = prompt if logprobs is None else _joined(prompt, logprobs)
                     text = echo_texts[position] + text
                 prompt_logprobs = None
