@@ -9,9 +9,11 @@ layout (random 4-bit values, scales and zero points). Decode time per token is t
 - batch 16: decode tok/s (acceptance: int4 no slower than bf16).
 
 ``--sweep`` also times the GEMV and GEMM launches per Llama-3.1-8B shape and block choice.
+``--choices F`` (written by ``int4_sweep.py --choices``) also measures an int4 engine whose
+products of 1 to 16 rows run the kernels F names per shape, beside the one with the defaults.
 Prints one JSON summary line at the end.
 
-    python sonar-cuda/benchmarks/int4_decode.py [--sweep] [--output-json F]
+    python sonar-cuda/benchmarks/int4_decode.py [--sweep] [--choices F] [--output-json F]
 """
 
 from __future__ import annotations
@@ -127,10 +129,21 @@ def sweep() -> dict[str, dict[str, float]]:
     return results
 
 
+def use_choices(chosen: list[dict]) -> None:
+    """Route each (rows bucket, N, K) of ``chosen`` to its kernel and launch."""
+    from sonar_cuda.kernels import int4_gemm
+    from sonar_cuda.kernels.int4_splitk import Int4Launch
+
+    for row in chosen:
+        launch = Int4Launch(**row["launch"]) if row["launch"] else None
+        int4_gemm.CHOICES[(row["bucket"], row["n"], row["k"])] = int4_gemm.Int4Choice(row["kernel"], launch)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--sweep", action="store_true", help="also time each kernel launch per shape and block choice")
     parser.add_argument("--skip-engines", action="store_true")
+    parser.add_argument("--choices", type=Path, default=None, help="int4_sweep.py's fastest kernel per shape, measured as int4_chosen")
     parser.add_argument("--output-json", default=None)
     args = parser.parse_args()
     summary: dict[str, object] = {"model": "Llama-3.1-8B (dummy weights)", "gptq": GPTQ_CONFIG}
@@ -138,15 +151,21 @@ def main() -> int:
         summary["kernels_us"] = sweep()
     if not args.skip_engines:
         root = Path(tempfile.mkdtemp(prefix="sonar-int4-"))
-        for label, quantized in (("int4", True), ("bf16", False)):
+        engines = [("int4", True), ("bf16", False)] + ([("int4_chosen", True)] if args.choices else [])
+        for label, quantized in engines:
+            if label == "int4_chosen":
+                use_choices(json.loads(args.choices.read_text()))
             summary[label] = measure_engine(write_config(root, quantized))
             print(f"  {label}: {summary[label]}", file=sys.stderr, flush=True)
             if args.output_json:
                 Path(args.output_json).write_text(json.dumps(summary, indent=1))
-        int4, bf16 = summary["int4"], summary["bf16"]
+        bf16 = summary["bf16"]
         summary["acceptance"] = {
-            "tpot_le_1.6ms": int4["tpot_ms"] <= 1.6,
-            "batch16_not_slower_than_bf16": int4["batch16_tok_s"] >= bf16["batch16_tok_s"],
+            label: {
+                "tpot_le_1.6ms": summary[label]["tpot_ms"] <= 1.6,
+                "batch16_not_slower_than_bf16": summary[label]["batch16_tok_s"] >= bf16["batch16_tok_s"],
+            }
+            for label, quantized in engines if quantized
         }
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(summary, indent=1))

@@ -13,18 +13,21 @@ activations' dtype, ``W[n, k] = (q[n, k] - zero[g, n]) * scale[g, n]`` with ``g 
   weight tile is unpacked and dequantized to the activations' dtype, then one ``tl.dot``.
 
 Both are plain launches on preallocated outputs (no host sync), so decode graphs capture them.
-:func:`int4_linear` prefers the split-K kernels of ``sonar_cuda.kernels.int4_splitk`` (no
-reshape of the nibbles) for one to 16 rows; ``LAUNCHES`` holds the launch per shape, where
-``None`` keeps the kernels here.
+:func:`int4_linear` runs one to 16 rows through the kernels that do not reshape the nibbles
+(``sonar_cuda.kernels.int4_unit``, ``sonar_cuda.kernels.int4_splitk``): ``DEFAULT_CHOICES``
+names the kernel and launch per rows bucket, ``CHOICES`` per shape where the sweep found better.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
 from sonar_cuda.kernels.int4_splitk import Int4Launch, int4_gemv_splitk, int4_skinny_gemm, run_inputs, skinny_takes
+from sonar_cuda.kernels.int4_unit import dot_takes, int4_dot_rows, int4_gemv_unit
 
 PACK = 8  # int4 values per int32 word
 # the GEMV's launch: output rows per program, inputs per unrolled chunk, warps (the best of
@@ -32,22 +35,35 @@ PACK = 8  # int4 values per int32 word
 # the bf16 GEMV; the unpacking, not the memory, bounds it)
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 2, 1024, 4
 SKINNY_MAX_ROWS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Choice:
+    """Which kernel runs a product of 1 to 16 rows, and its launch: ``"unit"``
+    (``sonar_cuda.kernels.int4_unit``: the unit-float GEMV at one row, the transposed
+    tensor-core product for more), ``"splitk"`` (``sonar_cuda.kernels.int4_splitk``) or
+    ``"tiled"`` (the GEMV and tiled GEMM here; no launch)."""
+
+    kernel: str
+    launch: Int4Launch | None = None
+
+
 # the split-K kernels' launches, from quant_gemv_sweep.py on an H200 (Llama-3.1-8B, group 128,
 # bf16, us: split-K / old kernels / bf16): one row, 8 rows per program over chunks of 512
 # inputs: qkv 13.9 / 41.1 / 12.9, o 9.7 / 27.8 / 9.4, gate_up 51.1 / 169.8 / 56.1; 2-4 rows, 64
 # outputs per program: o 13.8 / 20.5 / 12.4, gate_up 65.2 / 91.7 / 59.7; 5-16 rows, 128 outputs:
 # o 16.5 / 20.9 / 12.5, but gate_up 101.9 against the old tiled GEMM's 88.6
-DEFAULT_LAUNCHES = {
-    1: Int4Launch(block_n=8, runs_per_chunk=4),
-    4: Int4Launch(block_n=64, num_stages=3),
-    16: Int4Launch(block_n=128, num_warps=8, num_stages=3),
+DEFAULT_CHOICES = {
+    1: Int4Choice("splitk", Int4Launch(block_n=8, runs_per_chunk=4)),
+    4: Int4Choice("splitk", Int4Launch(block_n=64, num_stages=3)),
+    16: Int4Choice("splitk", Int4Launch(block_n=128, num_warps=8, num_stages=3)),
 }
-# (rows bucket, N, K) -> the launch where it differs from DEFAULT_LAUNCHES (None: the kernels here)
-LAUNCHES: dict[tuple[int, int, int], Int4Launch | None] = {(16, 28672, 4096): None}
+# (rows bucket, N, K) -> the choice where it differs from DEFAULT_CHOICES
+CHOICES: dict[tuple[int, int, int], Int4Choice] = {(16, 28672, 4096): Int4Choice("tiled")}
 
 
 def rows_bucket(m: int) -> int:
-    """The ``LAUNCHES`` key for ``m`` rows: 1, 4 (2 to 4) or 16 (5 to 16)."""
+    """The ``CHOICES`` key for ``m`` rows: 1, 4 (2 to 4) or 16 (5 to 16)."""
     return 1 if m == 1 else 4 if m <= 4 else 16
 
 
@@ -240,16 +256,40 @@ def int4_linear(
     m, n, k = flat.shape[0], qweight.shape[0], flat.shape[1]
     if 1 <= m <= SKINNY_MAX_ROWS:
         bucket = rows_bucket(m)
-        launch = LAUNCHES.get((bucket, n, k), DEFAULT_LAUNCHES[bucket])
-        if launch is not None and m == 1 and run_inputs(k, group_size) and flat.is_contiguous():
-            return int4_gemv_splitk(flat, qweight, scales, qzeros, group_size, bias, launch).view(*x.shape[:-1], n)
-        if launch is not None and m > 1 and skinny_takes(k, group_size):
-            return int4_skinny_gemm(flat, qweight, scales, qzeros, group_size, bias, launch).view(*x.shape[:-1], n)
+        out = run_choice(CHOICES.get((bucket, n, k), DEFAULT_CHOICES[bucket]), flat, qweight, scales, qzeros, group_size, bias)
+        if out is not None:
+            return out.view(*x.shape[:-1], n)
     if m == 1 and flat.is_contiguous():
         out = int4_gemv(flat, qweight, scales, qzeros, group_size, bias)
     else:
         out = int4_gemm(flat, qweight, scales, qzeros, group_size, bias)
     return out.view(*x.shape[:-1], qweight.shape[0])
+
+
+def run_choice(
+    choice: Int4Choice,
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """``x @ W.T (+ bias)`` for ``x`` ``[M, K]`` (1 to 16 rows) by ``choice``'s kernel; None
+    where that kernel does not take the shape (the caller falls back to the kernels here)."""
+    m, k = x.shape
+    one_row = m == 1 and x.is_contiguous()
+    if choice.kernel == "unit":
+        if one_row and run_inputs(k, group_size):
+            return int4_gemv_unit(x, qweight, scales, qzeros, group_size, bias, choice.launch)
+        if dot_takes(k, group_size):
+            return int4_dot_rows(x, qweight, scales, qzeros, group_size, bias, choice.launch)
+    elif choice.kernel == "splitk":
+        if one_row and run_inputs(k, group_size):
+            return int4_gemv_splitk(x, qweight, scales, qzeros, group_size, bias, choice.launch)
+        if m > 1 and skinny_takes(k, group_size):
+            return int4_skinny_gemm(x, qweight, scales, qzeros, group_size, bias, choice.launch)
+    return None
 
 
 def reference_int4_linear(

@@ -36,14 +36,17 @@ SKINNY_RUN = 128  # inputs per run of the dot kernel: 16 words, the smallest tl.
 
 @dataclass(frozen=True, slots=True)
 class Int4Launch:
-    """How one of these kernels covers a product: output rows per program, runs of inputs
-    per unrolled chunk (GEMV), split-K factor (0: chosen from the shape), warps, stages."""
+    """How an int4 kernel covers a product: output rows per program, runs of inputs per
+    unrolled chunk (GEMVs), split-K factor (0: chosen from the shape), warps, stages, and for
+    ``sonar_cuda.kernels.int4_unit``'s tensor-core kernel whether one product spans all
+    nibble planes of a run."""
 
     block_n: int
     runs_per_chunk: int = 1
     split_k: int = 0
     num_warps: int = 4
     num_stages: int = 1
+    merged: bool = False
 
 
 @triton.jit

@@ -1,0 +1,233 @@
+"""int4 products for one to 16 rows of activations with the nibbles read as unit floats.
+
+The weight layout is ``sonar_cuda.kernels.int4_gemm``'s: ``qweight`` int32 ``[N, K / 8]``,
+nibble ``j`` of word ``w`` is input ``8 w + j``; ``scales`` and ``qzeros`` ``[K / group, N]``.
+
+A nibble ``q`` becomes a float in two integer operations and no conversion: shifted to bits
+19-22 and or-ed under the exponent of 1.0, the word is the float32 ``1 + q / 16`` (exact, and
+exact in bfloat16 and float16 too). Over a run of inputs inside one group,
+
+    sum (q - z) x = 16 sum (1 + q / 16) x - (16 + z) sum x,
+
+so a weight costs a shift, a mask-and-or and one multiply-add (or a tensor-core product), and
+the zero point and the scale are applied once per run and output. Inputs are split into runs
+(128, 64 or 32 inputs, inside one group) and the runs among ``SPLIT_K`` programs per output
+tile (``sonar_cuda.kernels.splitk``) where the tiles alone are too few for the GPU.
+
+- :func:`int4_gemv_unit` (one row): ``[BLOCK_N, RUNS, RUN_W]`` word tiles, all loads of a
+  slice in flight before any is summed; a program's threads share its activations across
+  the ``BLOCK_N`` output rows each holds.
+- :func:`int4_dot_rows` (2 to 16 rows): the transposed product ``W x^T`` per tile, so the
+  dequantized weight tile is the tensor-core product's left operand as it was loaded, with
+  no transposition; per nibble plane one product of depth ``RUN_W`` words.
+
+Plain launches on preallocated tensors: decode graphs capture them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sonar_cuda.kernels.int4_splitk import Int4Launch, _split_of, run_inputs
+from sonar_cuda.kernels.splitk import sum_splits
+
+PACK = 8
+DOT_RUN = 128  # inputs per run of the tensor-core kernel: 16 words, the smallest product depth
+DOT_ROWS = 16  # activation rows one tensor-core program covers
+
+
+@triton.jit
+def _unit(packed, j: tl.constexpr):
+    """Nibble ``j`` of every word of ``packed`` as the float32 ``1 + q / 16`` (exact)."""
+    if 4 * j <= 19:
+        bits = packed << (19 - 4 * j)
+    else:
+        bits = packed >> (4 * j - 19)
+    return ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_gemv_unit_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr,
+    N,
+    KW: tl.constexpr,
+    GROUP: tl.constexpr,
+    RUN_W: tl.constexpr,
+    RUNS_PER_SPLIT: tl.constexpr,
+    NUM_SUB: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    subs = tl.arange(0, NUM_SUB)
+    words = subs[None, :, None] * RUN_W + tl.arange(0, RUN_W)[None, None, :]  # [1, NUM_SUB, RUN_W]
+    w_rows = w_ptr + rows.to(tl.int64)[:, None, None] * KW
+    run_begin = pid_k * RUNS_PER_SPLIT
+    run_end = tl.minimum(run_begin + RUNS_PER_SPLIT, KW // RUN_W)
+    acc = tl.zeros([BLOCK_N, NUM_SUB, RUN_W], tl.float32)
+    zero_acc = tl.zeros([BLOCK_N, NUM_SUB], tl.float32)
+    for c in tl.static_range(0, RUNS_PER_SPLIT, NUM_SUB):
+        runs = run_begin + c + subs  # [NUM_SUB]
+        run_mask = runs < run_end
+        kw = (run_begin + c) * RUN_W + words
+        word_mask = kw < run_end * RUN_W
+        packed = tl.load(w_rows + kw, mask=row_mask[:, None, None] & word_mask, other=0, eviction_policy="evict_first")
+        sz_offsets = ((runs * RUN_W * 8) // GROUP)[None, :] * N + rows[:, None]
+        sz_mask = row_mask[:, None] & run_mask[None, :]
+        scale = tl.load(s_ptr + sz_offsets, mask=sz_mask, other=0.0).to(tl.float32)  # [BLOCK_N, NUM_SUB]
+        zero = tl.load(z_ptr + sz_offsets, mask=sz_mask, other=0.0).to(tl.float32)
+        x_words = x_ptr + kw * 8
+        x = tl.load(x_words, mask=word_mask, other=0.0).to(tl.float32)  # [1, NUM_SUB, RUN_W]
+        unit_x = _unit(packed, 0) * x
+        x_sum = x
+        for j in tl.static_range(1, 8):
+            x = tl.load(x_words + j, mask=word_mask, other=0.0).to(tl.float32)
+            unit_x += _unit(packed, j) * x
+            x_sum += x
+        acc += unit_x * scale[:, :, None]
+        zero_acc += scale * (16.0 + zero) * tl.sum(x_sum, axis=2)
+    y = 16.0 * tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(zero_acc, axis=1)
+    if SPLIT:
+        tl.store(part_ptr + pid_k * N + rows, y, mask=row_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
+def _int4_dot_rows_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr,
+    M, N, stride_xm,
+    KW: tl.constexpr,
+    GROUP: tl.constexpr,
+    RUNS_PER_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    IEEE: tl.constexpr,
+    MERGED: tl.constexpr,
+):  # fmt: skip
+    RUN_W: tl.constexpr = 16
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    words = tl.arange(0, RUN_W)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * KW + words[None, :]  # [BLOCK_N, RUN_W]
+    x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + words[:, None] * 8  # [RUN_W, BLOCK_M]
+    order = tl.arange(0, 8 * RUN_W)
+    x_planes = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + ((order % RUN_W) * 8 + order // RUN_W)[:, None]
+    run_begin = pid_k * RUNS_PER_SPLIT
+    run_end = tl.minimum(run_begin + RUNS_PER_SPLIT, KW // RUN_W)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for run in range(run_begin, run_end):
+        packed = tl.load(w_rows + run * RUN_W, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+        group = (run * RUN_W * 8) // GROUP
+        scale = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        if MERGED:
+            # the eight nibble planes side by side, [BLOCK_N, 8 * RUN_W] (column j RUN_W + w is
+            # input 8 w + j), against the activations gathered in that order: one product
+            planes = tl.arange(0, 8)[None, :, None]
+            bits = (((packed[:, None, :] >> (4 * planes)) & 0xF) << 19) | 0x3F800000
+            unit = tl.reshape(bits.to(tl.float32, bitcast=True), (BLOCK_N, 8 * RUN_W)).to(x_ptr.dtype.element_ty)
+            x = tl.load(x_planes + run * RUN_W * 8, mask=m_mask[None, :], other=0.0)  # [8 RUN_W, BLOCK_M]
+            if IEEE:
+                unit_x = tl.dot(unit, x, input_precision="ieee")
+            else:
+                unit_x = tl.dot(unit, x)
+            x_total = tl.sum(x.to(tl.float32), axis=0)
+        else:
+            unit_x = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            x_sum = tl.zeros([RUN_W, BLOCK_M], tl.float32)
+            for j in tl.static_range(8):
+                x = tl.load(x_cols + run * RUN_W * 8 + j, mask=m_mask[None, :], other=0.0)  # [RUN_W, BLOCK_M]
+                unit = _unit(packed, j).to(x.dtype)  # [BLOCK_N, RUN_W], exact
+                if IEEE:
+                    unit_x = tl.dot(unit, x, unit_x, input_precision="ieee")
+                else:
+                    unit_x = tl.dot(unit, x, unit_x)
+                x_sum += x.to(tl.float32)
+            x_total = tl.sum(x_sum, axis=0)
+        acc += scale[:, None] * (16.0 * unit_x - (16.0 + zero)[:, None] * x_total[None, :])
+    out = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M] of y [M, N]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k * M * N + out, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def dot_takes(in_features: int, group_size: int) -> bool:
+    """Whether :func:`int4_dot_rows` takes this shape (runs of 128 inputs)."""
+    return in_features % DOT_RUN == 0 and group_size % DOT_RUN == 0
+
+
+def int4_gemv_unit(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    launch: Int4Launch = Int4Launch(block_n=16, runs_per_chunk=4),
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for one contiguous row ``x`` ``[1, K]`` (``K`` in whole runs,
+    :func:`run_inputs`), accumulated in float32, returned ``[1, N]`` in ``x``'s dtype."""
+    n, kw = qweight.shape
+    run = run_inputs(kw * PACK, group_size)
+    assert run is not None, f"int4_gemv_unit takes inputs in whole runs of 32 within a group (K={kw * PACK}, group {group_size})"
+    run_w = run // PACK
+    num_runs = kw // run_w
+    num_tiles = triton.cdiv(n, launch.block_n)
+    split, runs_per_split = _split_of(launch, num_tiles, num_runs, x.device)
+    num_sub = min(triton.next_power_of_2(runs_per_split), launch.runs_per_chunk * (128 // run))
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    partials = torch.empty(split, 1, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    _int4_gemv_unit_kernel[(num_tiles, split)](
+        x, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, n,
+        KW=kw, GROUP=group_size, RUN_W=run_w, RUNS_PER_SPLIT=runs_per_split, NUM_SUB=num_sub,
+        BLOCK_N=launch.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+    return sum_splits(partials, bias, y) if split > 1 else y
+
+
+def int4_dot_rows(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    launch: Int4Launch = Int4Launch(block_n=64, num_stages=3),
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for ``x`` ``[M, K]``, ``M <= 16`` (rows of stride ``x.stride(0)``,
+    inputs contiguous; :func:`dot_takes` the shape), accumulated in float32, returned
+    ``[M, N]`` in ``x``'s dtype."""
+    m, k = x.shape
+    n, kw = qweight.shape
+    assert m <= DOT_ROWS and dot_takes(k, group_size), "int4_dot_rows takes up to 16 rows and groups of 128 inputs"
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    num_runs = kw // (DOT_RUN // PACK)
+    num_tiles = triton.cdiv(n, launch.block_n)
+    split, runs_per_split = _split_of(launch, num_tiles, num_runs, x.device)
+    partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    _int4_dot_rows_kernel[(num_tiles, split)](
+        x, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, m, n, x.stride(0),
+        KW=kw, GROUP=group_size, RUNS_PER_SPLIT=runs_per_split, BLOCK_M=DOT_ROWS, BLOCK_N=launch.block_n,
+        SPLIT=split > 1, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, MERGED=launch.merged,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+    return sum_splits(partials, bias, y) if split > 1 else y

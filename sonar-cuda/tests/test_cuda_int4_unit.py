@@ -1,0 +1,59 @@
+"""The unit-float int4 kernels (one row: nibble-strided GEMV; 2 to 16 rows: the transposed
+tensor-core product) against the dequantized product: split and unsplit, groups of 32/64/128
+inputs and whole rows, output counts that no tile divides, zero points 0..16, bias; the tensor-core kernel's
+per-plane and merged forms."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_batch import dtypes_for
+from test_cuda_int4 import random_int4
+
+from sonar_cuda.kernels.int4_gemm import reference_int4_linear
+from sonar_cuda.kernels.int4_splitk import Int4Launch
+from sonar_cuda.kernels.int4_unit import int4_dot_rows, int4_gemv_unit
+
+TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+GEMV_CASES = [  # (N, K, group, bias, launch)
+    (40, 512, 128, False, Int4Launch(block_n=4, runs_per_chunk=2, split_k=1)),
+    (33, 1024, 128, True, Int4Launch(block_n=16, runs_per_chunk=1, split_k=4)),
+    (24, 256, 64, True, Int4Launch(block_n=8, runs_per_chunk=2, split_k=2)),
+    (8, 384, 32, False, Int4Launch(block_n=2, runs_per_chunk=2, split_k=3)),  # 12 runs in 3 slices
+    (16, 256, -1, True, Int4Launch(block_n=32, runs_per_chunk=4)),  # split chosen from the shape
+]
+DOT_CASES = [  # (M, N, K, group, bias, launch)
+    (2, 40, 512, 128, True, Int4Launch(block_n=16, split_k=2)),
+    (16, 24, 256, -1, False, Int4Launch(block_n=16, split_k=1)),
+    (5, 70, 384, 128, False, Int4Launch(block_n=32)),
+    (1, 64, 256, 128, True, Int4Launch(block_n=64)),
+    (3, 40, 512, 128, True, Int4Launch(block_n=16, split_k=2, merged=True)),
+    (16, 24, 256, -1, False, Int4Launch(block_n=16, merged=True)),
+]
+
+
+def assert_close_to_reference(out: torch.Tensor, x: torch.Tensor, operands: tuple, bias: torch.Tensor | None) -> None:
+    expected = reference_int4_linear(x, *operands, bias)
+    tol = TOLERANCE[x.dtype]
+    assert out.shape == expected.shape and out.dtype == x.dtype
+    torch.testing.assert_close(out.float(), expected, atol=tol * expected.abs().max().item(), rtol=tol)
+
+
+@pytest.mark.parametrize("n, k, group, with_bias, launch", GEMV_CASES)
+def test_unit_gemv_matches_the_dequantized_product(n: int, k: int, group: int, with_bias: bool, launch: Int4Launch, device: torch.device) -> None:
+    for dtype in dtypes_for(device):
+        operands = random_int4(n, k, group, dtype, device)
+        gen = torch.Generator().manual_seed(n)
+        x = torch.randn(1, k, generator=gen).to(dtype).to(device)
+        bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
+        assert_close_to_reference(int4_gemv_unit(x, *operands, bias, launch), x, operands, bias)
+
+
+@pytest.mark.parametrize("m, n, k, group, with_bias, launch", DOT_CASES)
+def test_transposed_dot_matches_the_dequantized_product(m: int, n: int, k: int, group: int, with_bias: bool, launch: Int4Launch, device: torch.device) -> None:
+    for dtype in dtypes_for(device):
+        operands = random_int4(n, k, group, dtype, device)
+        gen = torch.Generator().manual_seed(m)
+        x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+        bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
+        assert_close_to_reference(int4_dot_rows(x, *operands, bias, launch), x, operands, bias)
