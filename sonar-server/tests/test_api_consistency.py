@@ -9,6 +9,8 @@ import json
 
 import httpx
 
+from conftest import metrics
+
 TOOL = {"type": "function", "function": {"name": "f", "description": "a tool", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}
 
 
@@ -143,3 +145,27 @@ def test_beam_search_through_the_api_equals_the_offline_beams(server, oracle):
         for extra, param in (({"stream": True}, "stream"), ({"n": 11}, "n")):
             response = http.post("/v1/completions", json={**body, **extra})
             assert response.status_code == 400 and response.json()["error"]["param"] == param, response.text
+
+
+def test_a_beam_search_counts_as_one_request_in_the_metrics(server):
+    """However many engine requests its steps make, a beam search is one finished request of
+    its API in /metrics, with its prompt and generated tokens and one end-to-end latency."""
+    before = metrics(server.url)
+    with httpx.Client(base_url=server.url, timeout=120) as http:
+        completion = http.post("/v1/completions", json={"model": "tiny", "prompt": "The river flows", "max_tokens": 5, "n": 3,
+                                                         "use_beam_search": True, "ignore_eos": True}).json()  # fmt: skip
+        chat = http.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 2,
+                                                        "use_beam_search": True, "ignore_eos": True}).json()  # fmt: skip
+    after = metrics(server.url)
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    labels = 'api="{api}",finished_reason="length",model_name="tiny"'
+    assert delta(f"sonar:request_success_total{{{labels.format(api='openai.completions')}}}") == 1
+    assert delta(f"sonar:request_success_total{{{labels.format(api='openai.chat')}}}") == 1
+    assert delta("sonar:request_success_total") == 2
+    assert delta("sonar:e2e_request_latency_seconds_count") == 2
+    usage = [completion["usage"], chat["usage"]]
+    assert delta("sonar:prompt_tokens_total") == sum(u["prompt_tokens"] for u in usage)
+    assert delta("sonar:generation_tokens_total") == sum(u["completion_tokens"] for u in usage) == 15 + 8

@@ -15,7 +15,7 @@ from sonar.outputs import RequestOutput
 from sonar.sampling_params import SamplingParams
 
 from sonar_server.errors import ApiError
-from sonar_server.generation import ChoiceState
+from sonar_server.generation import ChoiceState, record_finished
 from sonar_server.state import ServerState
 
 
@@ -48,9 +48,18 @@ def beam_params(body: Any, params: SamplingParams, state: ServerState) -> BeamSe
 
 
 async def run_beam_search(
-    state: ServerState, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams, priority: int, lora_request: LoRARequest | None
+    state: ServerState,
+    api: str,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: BeamSearchParams,
+    arrival: float,
+    priority: int = 0,
+    lora_request: LoRARequest | None = None,
 ) -> BeamGeneration:
-    """The ``params.beam_width`` best beams after ``prompt_token_ids``, as ``n`` choices."""
+    """The ``params.beam_width`` best beams after ``prompt_token_ids``, as ``n`` choices. The
+    search counts as one request of ``api`` in the metrics (its steps' engine requests do not),
+    an abort where it fails or its client goes away."""
     max_logprobs = getattr(getattr(state.client, "config", None), "max_logprobs", 20)
     if 2 * params.beam_width > max_logprobs:
         raise ApiError(400, f"beam search with n={params.beam_width} ranks {2 * params.beam_width} tokens a step, more than this server's --max-logprobs {max_logprobs}", param="n")
@@ -59,9 +68,13 @@ async def run_beam_search(
     eos = set(getattr(state.client.model_config, "eos_token_ids", None) or ())
     search = BeamSearch([prompt_token_ids], params, eos, state.max_model_len)
     ids = itertools.count()
+    admitted = False  # a search refused at its first step is not counted, as a refused request is not
 
     async def step(tokens: list[int]) -> RequestOutput:
+        nonlocal admitted
         stream = await state.client.add_request(f"{request_id}-beam{next(ids)}", {"prompt_token_ids": tokens}, search.step_params, priority, lora_request)
+        admitted = True
+        state.metrics.update_in_flight()
         final = None
         try:
             async for output in stream:
@@ -71,14 +84,17 @@ async def run_beam_search(
         assert final is not None
         return final
 
-    while not search.done:
-        search.advance(await asyncio.gather(*(step(tokens) for tokens in search.prompts())))
-    best = search.results()[0].sequences
-    num_prompt = len(prompt_token_ids)
-    tokenizer = state.tokenizer
-    choices = []
-    for index, beam in enumerate(best):
-        generated = beam.tokens[num_prompt:]
-        text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
-        choices.append(ChoiceState(index, text, generated, beam.logprobs, beam.cum_logprob, beam.finish_reason, beam.stop_reason))
+    choices: list[ChoiceState] = []
+    try:
+        while not search.done:
+            search.advance(await asyncio.gather(*(step(tokens) for tokens in search.prompts())))
+        num_prompt = len(prompt_token_ids)
+        tokenizer = state.tokenizer
+        for index, beam in enumerate(search.results()[0].sequences):
+            generated = beam.tokens[num_prompt:]
+            text = tokenizer.decode(generated, skip_special_tokens=True) if tokenizer is not None else ""
+            choices.append(ChoiceState(index, text, generated, beam.logprobs, beam.cum_logprob, beam.finish_reason, beam.stop_reason))
+    finally:
+        if admitted:
+            record_finished(state, api, request_id, choices, len(prompt_token_ids), 0, arrival)
     return BeamGeneration(request_id, prompt_token_ids, choices)

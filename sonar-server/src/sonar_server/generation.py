@@ -174,22 +174,31 @@ class Generation:
         for choice in self.choices:
             if choice.finish_reason is None:  # the consumer went away (client disconnect)
                 choice.finish_reason = "abort"
-        finish_reason = self.choices[0].finish_reason or "abort"
-        e2e = time.monotonic() - self._arrival
         ttft = (self._first_token_at - self._arrival) if self._first_token_at is not None else None
-        self.state.metrics.observe_finished(self.api, finish_reason, len(self.prompt_token_ids), self.num_generated_tokens, e2e)
-        self.state.metrics.update_in_flight()
-        logger.info(
-            "%s %s finish=%s prompt_tokens=%d cached_tokens=%d generated_tokens=%d ttft=%s e2e=%.3fs",
-            self.api,
-            self.request_id,
-            ",".join(sorted({c.finish_reason or "abort" for c in self.choices})),
-            len(self.prompt_token_ids),
-            self.num_cached_tokens,
-            self.num_generated_tokens,
-            f"{ttft:.3f}s" if ttft is not None else "-",
-            e2e,
-        )
+        record_finished(self.state, self.api, self.request_id, self.choices, len(self.prompt_token_ids), self.num_cached_tokens, self._arrival, ttft)
+
+
+def record_finished(
+    state: ServerState, api: str, request_id: str, choices: list[ChoiceState], num_prompt_tokens: int, num_cached_tokens: int, arrival: float, ttft: float | None = None
+) -> None:
+    """Count one finished request in the metrics (by its first choice's finish reason) and
+    write its log line."""
+    e2e = time.monotonic() - arrival
+    num_generated = sum(len(c.token_ids) for c in choices)
+    finish_reason = (choices[0].finish_reason if choices else None) or "abort"
+    state.metrics.observe_finished(api, finish_reason, num_prompt_tokens, num_generated, e2e)
+    state.metrics.update_in_flight()
+    logger.info(
+        "%s %s finish=%s prompt_tokens=%d cached_tokens=%d generated_tokens=%d ttft=%s e2e=%.3fs",
+        api,
+        request_id,
+        ",".join(sorted({c.finish_reason or "abort" for c in choices})) or "abort",
+        num_prompt_tokens,
+        num_cached_tokens,
+        num_generated,
+        f"{ttft:.3f}s" if ttft is not None else "-",
+        e2e,
+    )
 
 
 async def start_generation(

@@ -94,7 +94,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     request_id = state.new_request_id("chatcmpl")
     echoed = _echoed(state, body)
     if body.use_beam_search:
-        found = await unless_disconnected(request, run_beam_search(state, request_id, prompt_ids, beam_params(body, params, state), body.priority, lora_request))
+        found = await unless_disconnected(request, run_beam_search(state, API, request_id, prompt_ids, beam_params(body, params, state), arrival, body.priority, lora_request))
         return await built_response(lambda: _response(state, body, found, plan, guide, echoed), logprob_entries([found]))
     generation = await start_generation(state, API, request_id, prompt_ids, params, arrival, prompt_text, body.priority, lora_request)
     if body.stream:

@@ -77,7 +77,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     request_id = state.new_request_id("cmpl")
     if body.use_beam_search:
         beams = beam_params(body, params, state)
-        searches = [run_beam_search(state, f"{request_id}-{i}", ids, beams, body.priority, lora_request) for i, (_, ids) in enumerate(prompts)]
+        searches = [run_beam_search(state, API, f"{request_id}-{i}", ids, beams, arrival, body.priority, lora_request) for i, (_, ids) in enumerate(prompts)]
         found = await unless_disconnected(request, asyncio.gather(*searches))
         echoes = [await _echo_text(state, text, ids) if body.echo else "" for text, ids in prompts]
         return await built_response(lambda: _response(state, body, request_id, found, echoes), logprob_entries(found))
