@@ -13,9 +13,12 @@ from sonar.engine.core_client import EngineProcesses, InprocCoreClient, MPCoreCl
 from sonar.engine.engine_core import EngineCore
 from sonar.engine.input_processor import InputProcessor, PromptType
 from sonar.engine.output_processor import OutputProcessor
+from sonar.engine.request_stats import RequestStats
 from sonar.engine.resolve import model_config_of, resolve_engine_config
+from sonar.engine.scheduler_metrics import scheduler_metrics
 from sonar.engine.wire import EngineCoreOutput, EngineCoreOutputs, SchedulerStats
 from sonar.lora.request import LoRARequest
+from sonar.metrics import Metric
 from sonar.outputs import RequestOutput
 from sonar.platform import Platform, current_platform
 from sonar.sampling_params import SamplingParams
@@ -36,7 +39,8 @@ class LLMEngine:
         self.platform = platform or current_platform()
         self.config, self.tokenizer = resolve_engine_config(args, self.platform)
         self.input_processor = InputProcessor(self.config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer)
+        self.request_stats = RequestStats()
+        self.output_processor = OutputProcessor(self.tokenizer, self.request_stats)
         self.scheduler_config = self.config.scheduler_config
         self._timer = PhaseTimer()
         self._served_loras: dict[int, LoRARequest] = {}  # adapters added through this engine (skips re-adding per request)
@@ -150,6 +154,14 @@ class LLMEngine:
 
     def get_stats(self) -> SchedulerStats:
         return self.client.get_stats()
+
+    def get_metrics(self) -> list[Metric]:
+        """Snapshots of the metrics ``/metrics`` would show for this engine (``sonar.metrics``):
+        this frontend's requests (finishes, tokens, latencies) and the engine cores' stats
+        (summed over data-parallel replicas, as of each one's latest report)."""
+        labels = {"model_name": self.config.served_name}
+        spec_decode = self.config.speculative_config is not None
+        return self.request_stats.metrics(labels) + scheduler_metrics(self.get_stats(), labels, spec_decode)
 
     # -- benchmarks ----------------------------------------------------------------------
 

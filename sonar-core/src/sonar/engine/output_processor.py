@@ -9,6 +9,7 @@ from typing import Any
 
 from sonar.engine.detokenizer import IncrementalDetokenizer
 from sonar.engine.engine_core import EngineCoreOutput
+from sonar.engine.request_stats import RequestStats
 from sonar.engine.scheduler_output import RequestLogprobs
 from sonar.outputs import CompletionOutput, Logprob, RequestOutput
 from sonar.sampling_params import SamplingParams
@@ -44,6 +45,7 @@ class ParentState:
     arrival_time: float = 0.0  # wall-clock times (time.time()) for RequestOutput.metrics
     first_token_time: float | None = None
     last_token_time: float | None = None
+    num_new_tokens: int = 0  # tokens the outputs being processed added, over every child
 
     def metrics(self) -> dict[str, float]:
         """vLLM's request timings: arrival, first and last token, and the first token's latency."""
@@ -63,8 +65,12 @@ class ParentState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any) -> None:
+    """Follows every request from ``add`` to its finish; with ``stats``, counts their tokens,
+    latencies and finishes there."""
+
+    def __init__(self, tokenizer: Any, stats: RequestStats | None = None) -> None:
         self.tokenizer = tokenizer
+        self.stats = stats
         self.parents: dict[str, ParentState] = {}
         self.child_to_parent: dict[str, str] = {}
 
@@ -124,15 +130,13 @@ class OutputProcessor:
             if out.prompt_logprobs is not None and parent.prompt_logprobs is not None and child.index == 0:
                 parent.prompt_logprobs.extend(self._logprob_dicts(out.prompt_logprobs))
             if out.new_token_ids:
-                if parent.first_token_time is None:
-                    parent.first_token_time = now
-                parent.last_token_time = now
                 new_token_ids, new_logprobs = out.new_token_ids, out.new_logprobs
                 if len(new_token_ids) > 1 and child.detokenizer.stop_strings:  # a verify step's tokens
                     new_token_ids, new_logprobs, stop = append_until_stop(child.detokenizer, new_token_ids, new_logprobs)
                 else:
                     stop = child.detokenizer.append(new_token_ids)
                 child.token_ids.extend(new_token_ids)
+                parent.num_new_tokens += len(new_token_ids)
                 if child.logprobs is not None and new_logprobs is not None:
                     entries = self._logprob_dicts(new_logprobs)
                     child.logprobs.extend(entries)
@@ -144,12 +148,20 @@ class OutputProcessor:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             touched[parent_id] = parent
         results = []
+        stats = self.stats
         for parent in touched.values():
+            if parent.num_new_tokens:
+                if stats is not None:
+                    stats.observe_tokens(parent.arrival_time, parent.last_token_time, now, parent.num_new_tokens)
+                if parent.first_token_time is None:
+                    parent.first_token_time = now
+                parent.last_token_time = now
+                parent.num_new_tokens = 0
             finished = parent.finished
             if finished or parent.params.output_kind != "final_only":
                 results.append(self._request_output(parent, finished))
             if finished:
-                self._forget(parent)
+                self._forget(parent, now)
         return results, to_stop
 
     def abort(self, request_id: str) -> RequestOutput | None:
@@ -160,10 +172,15 @@ class OutputProcessor:
             if child.finish_reason is None:
                 child.finish_reason = "abort"
         output = self._request_output(parent)
-        self._forget(parent)
+        self._forget(parent, time.time())
         return output
 
-    def _forget(self, parent: ParentState) -> None:
+    def _forget(self, parent: ParentState, now: float) -> None:
+        """Drop a finished request (counted in ``stats`` first)."""
+        if self.stats is not None:
+            first = next(iter(parent.children.values()))
+            num_generated = sum(len(child.token_ids) for child in parent.children.values())
+            self.stats.observe_finished(first.finish_reason or "abort", len(parent.prompt_token_ids), num_generated, now - parent.arrival_time)
         self.parents.pop(parent.request_id, None)
         for child_id in parent.children:
             self.child_to_parent.pop(child_id, None)

@@ -9,6 +9,7 @@ from sonar.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from sonar.config import EngineArgs
 from sonar.engine.llm_engine import LLMEngine, PromptType
 from sonar.lora.request import LoRARequest
+from sonar.metrics import Metric
 from sonar.outputs import RequestOutput
 from sonar.sampling_params import SamplingParams
 
@@ -47,6 +48,16 @@ class LLM:
         where the engine core runs in other processes (data-parallel replicas)."""
         core = self.llm_engine.core
         return core is not None and core.kv_cache.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """A snapshot of the engine's metrics (as vLLM's ``LLM.get_metrics``): ``Counter``,
+        ``Gauge``, ``Histogram`` and ``Vector`` objects of ``sonar.metrics``, under the names
+        ``sonar serve`` exposes on ``/metrics`` (``sonar:prompt_tokens``,
+        ``sonar:request_success`` by ``finished_reason``, ``sonar:num_requests_running``,
+        ``sonar:kv_cache_usage_perc``, ``sonar:time_to_first_token_seconds``, ...). Counters
+        and histograms count since the engine started; stats are always kept, whatever
+        ``disable_log_stats`` says."""
+        return self.llm_engine.get_metrics()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """``SamplingParams`` with the model's recommended fields (its ``generation_config.json``,
@@ -185,7 +196,7 @@ class LLM:
 NO_OP_VLLM_ARGS: dict[str, tuple[Any, ...] | None] = {
     "swap_space": None,  # preempted requests are recomputed (vLLM's V1 engine ignores it too)
     "max_seq_len_to_capture": None,  # decode graphs are captured by batch size, for every context length
-    "disable_log_stats": None,  # the offline engine logs no periodic stats
+    "disable_log_stats": None,  # the offline engine logs no periodic stats; get_metrics() works either way
     "disable_custom_all_reduce": None,  # tensor parallelism all-reduces through NCCL only
     "tokenizer_mode": ("auto",),  # the fast tokenizer
     "cpu_offload_gb": (0,),  # no weight offload
