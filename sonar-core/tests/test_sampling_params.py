@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from types import SimpleNamespace
 
 import pytest
 
 from sonar.engine import wire
-from sonar.engine.input_processor import _encode_all
-from sonar.sampling_params import SamplingParams
+from sonar.engine.input_processor import InputProcessor, _encode_all
+from sonar.sampling_params import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, MAX_WORD_CHARS, MAX_WORDS, SamplingParams
 from sonar_models.testing import smollm2_tokenizer
 
 HOSTILE = [None, True, False, 0, 1, 2, -1, 2**63, 2**64, 10**30, 0.5, -0.5, float("nan"), float("inf"), "", "x", "true",
@@ -54,6 +55,31 @@ def test_stop_strings_are_bounded() -> None:
         SamplingParams(stop=["ab"] * 257)
     with pytest.raises(ValueError, match="at most 1024 characters"):
         SamplingParams(stop=["x" * 1025])
+
+
+def test_word_lists_are_bounded_before_anything_walks_them() -> None:
+    words = ["w" * MAX_WORD_CHARS] * MAX_WORDS
+    assert len(SamplingParams(bad_words=words, dry_sequence_breakers=words).bad_words) == MAX_WORDS
+    for field in ("bad_words", "dry_sequence_breakers"):
+        with pytest.raises(ValueError, match=f"{field} takes at most 1024 strings, got 200000"):
+            SamplingParams(**{field: ["w"] * 200_000})
+        with pytest.raises(ValueError, match=f"each of {field} may be at most 256 characters"):
+            SamplingParams(**{field: ["w" * (MAX_WORD_CHARS + 1)]})
+    sequences = [[1] * MAX_BAD_WORD_TOKENS] * MAX_BAD_WORD_SEQUENCES
+    assert len(SamplingParams(bad_words_token_ids=sequences).bad_words_token_ids) == 2048
+    with pytest.raises(ValueError, match="bad_words_token_ids takes at most 2048 token sequences, got 2049"):
+        SamplingParams(bad_words_token_ids=sequences + [[1]])
+    with pytest.raises(ValueError, match="bad_words_token_ids sequence may be at most 64 tokens"):
+        SamplingParams(bad_words_token_ids=[[1] * 65])
+
+
+def test_a_bad_word_longer_than_the_token_limit_is_refused_naming_it() -> None:
+    processor = InputProcessor(SimpleNamespace(), smollm2_tokenizer())
+    resolved = processor.resolve_word_lists(SamplingParams(bad_words=["hello", "world"] * (MAX_WORDS // 2)))
+    assert len(resolved.bad_words_token_ids) == 4  # each word with and without a leading space, repeats once
+    long_word = "zq" * 100  # well within the characters, far past 64 tokens
+    with pytest.raises(ValueError, match=r"bad_words entry 'zqzq.*' is \d+ tokens long; a bad word may be at most 64 tokens"):
+        processor.resolve_word_lists(SamplingParams(bad_words=["fine", long_word]))
 
 
 def test_a_logits_processor_named_many_times_runs_once() -> None:

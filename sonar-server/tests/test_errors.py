@@ -203,3 +203,40 @@ def test_a_client_gone_while_sending_its_body_is_not_a_server_error(server):
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
     assert httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=30).status_code == 200
     assert "ClientDisconnect" not in server.log()
+
+
+def test_a_huge_bad_words_list_is_refused_at_once_while_other_streams_go_on(server):
+    """200,000 bad words (which took the server 11 s to tokenize, with pauses of 0.7 s in every
+    other stream) are a 400 naming the limit within a second or two, in each API's format; a
+    bad word past the token limit is a 400 naming it; a stream running meanwhile gets every
+    token, and the next request is served."""
+    import threading
+    import time
+
+    words = [f"w{i}" for i in range(200_000)]
+    streamed: list[dict] = []
+
+    def stream() -> None:
+        body = {**COMPLETION, "max_tokens": 64, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            streamed.extend(json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {"))
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for path, body, parse_error, field in (
+            ("/v1/completions", {**COMPLETION, "bad_words": words}, openai_error, "bad_words"),
+            ("/v1/chat/completions", {**CHAT, "bad_words": words}, openai_error, "bad_words"),
+            ("/api/v1/generate", {**KOBOLD, "banned_tokens": words}, kobold_error, "banned_tokens (bad_words)"),
+        ):
+            started = time.monotonic()
+            response = http.post(path, json=body)
+            assert response.status_code == 400, (path, response.text[:300])
+            assert f"{field} takes at most 1024 strings, got 200000" in parse_error(response)
+            assert time.monotonic() - started < 2.0
+        response = http.post("/v1/completions", json={**COMPLETION, "bad_words": ["fine", "xq" * 100]})
+        assert response.status_code == 400 and "a bad word may be at most 64 tokens" in openai_error(response)
+        assert http.post("/v1/completions", json={**COMPLETION, "bad_words": ["fine"] * 1024}).status_code == 200
+    streaming.join(60)
+    assert streamed[-1]["usage"]["completion_tokens"] == 64
+    assert [c["finish_reason"] for event in streamed for c in event["choices"] if c["finish_reason"]] == ["length"]

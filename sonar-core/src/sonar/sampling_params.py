@@ -14,6 +14,12 @@ from sonar.structured_output.params import GuidedDecodingParams
 _GREEDY_EPS = 1e-5
 MAX_STOP_STRINGS = 256
 MAX_STOP_STRING_CHARS = 1024
+# word lists (bad_words, dry_sequence_breakers) are tokenized when a request is admitted and bad
+# words are looked up every step: bounded, so no request can make either the server's main cost
+MAX_WORDS = 1024  # strings a word list may hold
+MAX_WORD_CHARS = 256  # characters each of them may hold
+MAX_BAD_WORD_SEQUENCES = 2 * MAX_WORDS  # bad_words_token_ids entries: each bad word becomes up to two (with and without a leading space)
+MAX_BAD_WORD_TOKENS = 64  # tokens each of those entries may hold
 _FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "repetition_penalty_slope", "dry_multiplier", "dry_base", "xtc_threshold", "xtc_probability",
@@ -47,7 +53,9 @@ class SamplingParams:
     plugins' stages included); stages not listed run after the listed ones, in the default
     order. ``bad_words`` are strings the engine tokenizes into ``bad_words_token_ids``;
     ``dry_sequence_breakers`` likewise into ``dry_sequence_breaker_ids`` (either id field may
-    also be given directly). ``extra_args`` (vLLM's field) carries the parameters of plugins'
+    also be given directly); each list holds at most ``MAX_WORDS`` strings of ``MAX_WORD_CHARS``
+    characters, and ``bad_words_token_ids`` at most ``MAX_BAD_WORD_SEQUENCES`` sequences of
+    ``MAX_BAD_WORD_TOKENS`` tokens. ``extra_args`` (vLLM's field) carries the parameters of plugins'
     sampler stages under their namespaced names (``{"example.boost": 2.0}``); a namespaced key
     no registered stage declares, or a value that does not fit, is a ValueError naming it.
     """
@@ -188,6 +196,14 @@ class SamplingParams:
         def is_token_list(value: object) -> bool:
             return isinstance(value, list) and all(is_int(t) and t >= 0 for t in value)
 
+        def check_word_list(name: str, value: Any, requirement: str, empty_strings: bool) -> None:
+            """A list of strings the input processor tokenizes: its length is checked first,
+            so a huge one is refused before anything walks it."""
+            check(isinstance(value, list), f"{name} {requirement}")
+            check(len(value) <= MAX_WORDS, f"{name} takes at most {MAX_WORDS} strings, got {len(value)}")
+            check(all(isinstance(w, str) and (empty_strings or w) for w in value), f"{name} {requirement}")
+            check(all(len(w) <= MAX_WORD_CHARS for w in value), f"each of {name} may be at most {MAX_WORD_CHARS} characters long")
+
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             ok = isinstance(value, float) or is_int(value)
@@ -252,14 +268,18 @@ class SamplingParams:
         )
 
         # token constraints
+        if self.bad_words is not None:
+            check_word_list("bad_words", self.bad_words, "must be a list of non-empty strings", empty_strings=False)
+        words = self.bad_words_token_ids
+        check(words is None or isinstance(words, list), "bad_words_token_ids must be a list of non-empty lists of token ids")
         check(
-            self.bad_words is None or (isinstance(self.bad_words, list) and all(isinstance(w, str) and w for w in self.bad_words)),
-            "bad_words must be a list of non-empty strings",
+            len(words or ()) <= MAX_BAD_WORD_SEQUENCES,
+            f"bad_words_token_ids takes at most {MAX_BAD_WORD_SEQUENCES} token sequences, got {len(words or ())}",
         )
+        check(all(is_token_list(w) and w for w in words or ()), "bad_words_token_ids must be a list of non-empty lists of token ids")
         check(
-            self.bad_words_token_ids is None
-            or (isinstance(self.bad_words_token_ids, list) and all(is_token_list(w) and w for w in self.bad_words_token_ids)),
-            "bad_words_token_ids must be a list of non-empty lists of token ids",
+            all(len(w) <= MAX_BAD_WORD_TOKENS for w in words or ()),
+            f"each bad_words_token_ids sequence may be at most {MAX_BAD_WORD_TOKENS} tokens long",
         )
         check(
             self.allowed_token_ids is None or (is_token_list(self.allowed_token_ids) and len(self.allowed_token_ids) > 0),
@@ -273,10 +293,7 @@ class SamplingParams:
         check(self.dry_base >= 1.0, f"dry_base must be >= 1, got {self.dry_base}")
         check(self.dry_allowed_length >= 0, f"dry_allowed_length must be >= 0, got {self.dry_allowed_length}")
         check(self.dry_range >= 0, f"dry_range must be >= 0, got {self.dry_range}")
-        check(
-            isinstance(self.dry_sequence_breakers, list) and all(isinstance(s, str) for s in self.dry_sequence_breakers),
-            "dry_sequence_breakers must be a list of strings",
-        )
+        check_word_list("dry_sequence_breakers", self.dry_sequence_breakers, "must be a list of strings", empty_strings=True)
         check(
             self.dry_sequence_breaker_ids is None or is_token_list(self.dry_sequence_breaker_ids),
             "dry_sequence_breaker_ids must be a list of token ids",

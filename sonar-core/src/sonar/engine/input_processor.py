@@ -13,7 +13,7 @@ from sonar.engine.wire import EngineCoreRequest
 from sonar.lora.errors import LoRAError
 from sonar.lora.request import LoRARequest
 from sonar.sampler.metadata import check_token_ids
-from sonar.sampling_params import SamplingParams, truncated_prompt
+from sonar.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams, truncated_prompt
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -151,7 +151,11 @@ class InputProcessor:
                 raise ValueError("bad_words needs a tokenizer; send bad_words_token_ids instead")
             variants = [variant for word in params.bad_words for variant in (word, " " + word.lstrip())]
             sequences: dict[tuple[int, ...], None] = {}  # first-seen order, no repeats
-            for ids in _encode_all(tokenizer, variants):
+            for number, ids in enumerate(_encode_all(tokenizer, variants)):
+                if len(ids) > MAX_BAD_WORD_TOKENS:
+                    word = params.bad_words[number // 2]
+                    shown = word if len(word) <= 40 else word[:40] + "..."
+                    raise ValueError(f"bad_words entry {shown!r} is {len(ids)} tokens long; a bad word may be at most {MAX_BAD_WORD_TOKENS} tokens")
                 if ids:
                     sequences.setdefault(tuple(ids))
             changes["bad_words_token_ids"] = [list(ids) for ids in sequences]
