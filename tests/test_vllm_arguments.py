@@ -90,7 +90,8 @@ def test_hf_overrides_reach_the_model_as_transformers_reads_them(tiny_model_dir,
     path = str(tiny_model_dir("llama"))
     overrides = {**rope_override, "max_position_embeddings": 96}
     llm = LLM(path, hf_overrides=overrides, kv_cache_memory_bytes=KV_BYTES, dtype="float32")
-    assert llm.llm_engine.config.max_model_len == 96  # derived from the overridden config
+    # derived from the overridden config; a linear scaling stretches it by its factor, as in vLLM
+    assert llm.llm_engine.config.max_model_len == 96 * rope_parameters.get("factor", 1)
     oracle = HFOracle(path)
     config = AutoConfig.from_pretrained(path)
     config.rope_parameters = {**config.rope_parameters, **rope_parameters}
@@ -105,6 +106,33 @@ def test_hf_overrides_reach_the_model_as_transformers_reads_them(tiny_model_dir,
     assert max(float((a - b).abs().max()) for a, b in zip(rows, plain)) > 1e-2
     with pytest.raises(ValueError, match="hf_overrides must be a JSON object"):
         LLM(path, hf_overrides=["rope_theta"])
+
+
+def test_yarn_stretches_the_context_and_decodes_like_transformers(tiny_model_dir) -> None:
+    """As long-context serving is set up from vLLM: a YaRN scaling laid over the config, and a
+    max_model_len past max_position_embeddings (the pretraining length times the factor)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from conftest import HFOracle
+
+    path = str(tiny_model_dir("llama"))
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    overrides = {"rope_scaling": yarn, "max_position_embeddings": 64}
+    llm = LLM(path, hf_overrides=overrides, max_model_len=256, kv_cache_memory_bytes=KV_BYTES, dtype="float32")
+    assert llm.llm_engine.config.max_model_len == 256
+    oracle = HFOracle(path)
+    config = AutoConfig.from_pretrained(path)
+    config.max_position_embeddings = 64
+    config.rope_parameters = {**config.rope_parameters, **yarn}
+    oracle.model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    prompt = list(range(100, 190))  # 90 positions: past the 64 the model was "pretrained" on
+    want, rows = oracle.greedy(prompt, 8)
+    output = llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=0))[0].outputs[0]
+    assert output.token_ids == want
+    got = torch.tensor([entry[token].logprob for entry, token in zip(output.logprobs, want)])
+    assert torch.allclose(got, torch.stack([row[t] for row, t in zip(rows, want)]), atol=1e-3)
+    with pytest.raises(ValueError, match="max_model_len=257 exceeds the model's context of 256 tokens"):
+        LLM(path, hf_overrides=overrides, max_model_len=257, kv_cache_memory_bytes=KV_BYTES)
 
 
 def test_without_chunked_prefill_prompts_prefill_whole_with_the_same_tokens(tiny_model_dir) -> None:

@@ -86,6 +86,16 @@ def test_context_length_from_the_files_alone(tiny_folder: Path) -> None:
     assert context_length_of(Path(default_model_path())) == 8192  # SmolLM2's GGUF header
 
 
+def test_a_yarn_config_reaches_its_stretched_context(tmp_path: Path, tiny_folder: Path) -> None:
+    folder = tmp_path / "yarn"
+    shutil.copytree(tiny_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("rope_parameters", None)  # as Qwen3's published config.json: rope_theta and rope_scaling
+    config.update(max_position_embeddings=40960, rope_theta=1e6, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768})
+    (folder / "config.json").write_text(json.dumps(config))
+    assert context_length_of(folder) == 131072
+
+
 def test_generation_config_gives_the_default_sampling(tmp_path: Path, tiny_folder: Path) -> None:
     folder = tmp_path / "with-generation-config"
     shutil.copytree(tiny_folder, folder)

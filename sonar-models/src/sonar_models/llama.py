@@ -17,6 +17,7 @@ from sonar import ops
 from sonar.attention import ForwardContext
 from sonar.distributed import ParallelGroup, current_group
 from sonar.engine.kv_cache_spec import KVCacheSpec
+from sonar.engine.model_source import stretched_context
 from sonar.model_interface import AttentionFactory, kv_cache_spec_for
 from sonar.pipeline import WHOLE_MODEL, IntermediateTensors, PipelineStage, current_stage
 from sonar_models.aux_hidden_states import AuxHiddenStates
@@ -189,8 +190,8 @@ class DecoderModel(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.is_first else None
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
-        max_position = getattr(config, "max_position_embeddings", None) or 2048
-        self.rotary_emb = RotaryEmbedding(rope_spec_from_config(config, head_dim), max_position)
+        spec = rope_spec_from_config(config, head_dim)
+        self.rotary_emb = RotaryEmbedding(spec, stretched_context(spec.max_position_embeddings, spec.scaling))
         self.aux_hidden_states = AuxHiddenStates(len(layers))
 
     def forward(

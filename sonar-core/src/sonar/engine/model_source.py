@@ -84,6 +84,22 @@ def _read_json(file: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def stretched_context(max_position: int, rope: dict | None) -> int:
+    """The positions a model reaches: its ``max_position_embeddings``, or what a stretching
+    rope scaling (``rope``: the config's ``rope_parameters`` / ``rope_scaling``) extends it to,
+    as vLLM derives it: ``yarn`` the pretraining length (``original_max_position_embeddings``)
+    times ``factor``, ``linear`` and ``dynamic`` ``max_position_embeddings`` times ``factor``."""
+    rope = rope or {}
+    rope_type, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+    if not isinstance(factor, (int, float)) or factor <= 1:
+        return max_position
+    if rope_type == "yarn":
+        return max(max_position, int((rope.get("original_max_position_embeddings") or max_position) * factor))
+    if rope_type in ("linear", "dynamic"):
+        return int(max_position * factor)
+    return max_position
+
+
 def context_length_of(model_path: Path) -> int | None:
     """The model's context length from its files alone (``max_position_embeddings`` of
     config.json, ``{arch}.context_length`` of a GGUF header), None where they don't say."""
@@ -91,7 +107,8 @@ def context_length_of(model_path: Path) -> int | None:
         config = _read_json(model_path / "config.json")
         config = config.get("text_config", config)
         value = config.get("max_position_embeddings")
-        return value if isinstance(value, int) else None
+        rope = config.get("rope_parameters") or config.get("rope_scaling")
+        return stretched_context(value, rope if isinstance(rope, dict) else None) if isinstance(value, int) else None
     if model_path.is_file() and model_path.suffix.lower() == ".gguf":
         return _gguf_context_length(model_path)
     return None

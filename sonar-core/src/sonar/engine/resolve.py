@@ -10,7 +10,7 @@ from typing import Any
 
 from sonar.config import KV_CACHE_DTYPES, EngineArgs, EngineConfig, ModelConfig, default_model_path, dtype_name, resolve_dtype
 from sonar.engine.generation_defaults import default_sampling_of
-from sonar.engine.model_source import check_remote_code, resolve_model_path
+from sonar.engine.model_source import check_remote_code, resolve_model_path, stretched_context
 from sonar.kv_transfer.factory import resolve_kv_transfer_config
 from sonar.platform import Platform
 from sonar.spec_decode.resolve import resolve_speculative_config
@@ -143,7 +143,8 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
             tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
         else:
             tokenizer = fmt.load_tokenizer(model_path)
-    derived_len = getattr(hf_config, "max_position_embeddings", None) or 2048
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None)
+    derived_len = stretched_context(getattr(hf_config, "max_position_embeddings", None) or 2048, rope)
     max_model_len = args.max_model_len or derived_len
     if max_model_len > derived_len:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {derived_len} tokens")
