@@ -46,6 +46,10 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
     from sonar_server.draining import DrainingServer
     from sonar_server.state import ServerState
 
+    if launch.settings.tool_parser_plugin:  # this process's registry needs its parsers too
+        from sonar_server.parsers.plugin_file import load_tool_parser_plugin
+
+        load_tool_parser_plugin(launch.settings.tool_parser_plugin)
     if tokenizer is None:
         tokenizer = load_tokenizer(launch.config)
     client = AsyncMPLLM(
@@ -98,7 +102,7 @@ def main() -> int:
     listener = socket.socket(fileno=launch.listen_fd)
     try:
         return run_api_server(launch, listener)
-    except ValueError as exc:  # a bad --lora-modules adapter: a message, not a traceback
+    except ValueError as exc:  # a bad --lora-modules adapter or --tool-parser-plugin file: a message, not a traceback
         logger.error("%s", exc)
         return STARTUP_FAILED
 

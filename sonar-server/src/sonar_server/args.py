@@ -83,6 +83,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser", default=None, metavar="NAME",
         help="how to find tool calls in the model's text for tool_choice 'auto': hermes (the default; alias qwen), llama3_json, mistral, pythonic, or a plugin's",
     )
+    group.add_argument(
+        "--tool-parser-plugin", default=None, metavar="FILE",
+        help="a Python file imported at start-up whose register_tool_parser('name') classes (sonar_server.parsers) --tool-call-parser can name",
+    )
     group.add_argument("--enable-auto-tool-choice", action="store_true", help="accepted for vLLM command lines: tool_choice 'auto' (the default with tools) works without it; needs --tool-call-parser")
     group.add_argument(
         "--reasoning-parser", default=None, metavar="NAME",
@@ -178,6 +182,7 @@ def settings_from(args: argparse.Namespace, default_model_name: str, default_sam
         retry_after_s=args.retry_after,
         kobold_default_max_length=args.kobold_max_length,
         tool_call_parser=args.tool_call_parser,
+        tool_parser_plugin=os.path.abspath(args.tool_parser_plugin) if args.tool_parser_plugin else None,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         reasoning_parser=args.reasoning_parser,
         lora_modules=_lora_modules(args),
@@ -225,7 +230,10 @@ def read_chat_template(value: str | None) -> str | None:
 
 def _check_parsers(args: argparse.Namespace) -> None:
     from sonar_server.parsers import reasoning_parsers, tool_parsers
+    from sonar_server.parsers.plugin_file import load_tool_parser_plugin
 
+    if args.tool_parser_plugin:
+        load_tool_parser_plugin(args.tool_parser_plugin)  # its parsers, before their names are checked
     if args.enable_auto_tool_choice and not args.tool_call_parser:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes, llama3_json, mistral, ...)")
     for flag, name, registered in (

@@ -70,6 +70,7 @@ class ServerSettings:
     retry_after_s: int = 1
     kobold_default_max_length: int = 100
     tool_call_parser: str | None = None  # --tool-call-parser: a registered tool-call parser
+    tool_parser_plugin: str | None = None  # --tool-parser-plugin: a file registering tool-call parsers, imported by every API server
     enable_auto_tool_choice: bool = False  # --enable-auto-tool-choice
     reasoning_parser: str | None = None  # --reasoning-parser: a registered reasoning parser
     default_sampling: dict[str, float | int] = field(default_factory=dict)  # the model's recommended sampling (--generation-config)

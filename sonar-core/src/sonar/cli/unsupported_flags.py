@@ -72,7 +72,6 @@ UNSUPPORTED_FLAGS: tuple[UnsupportedFlag, ...] = (
     _flag("--mm-processor-kwargs", "multimodal inputs"),
     _flag("--enable-prompt-embeds", "prompt embeddings", takes_value=False),
     _flag("--enable-sleep-mode", "sleep mode", takes_value=False),
-    _flag("--tool-parser-plugin", "tool parsers from a file (Sonar's come from plugins' entry points)", server_only=True),
 )
 
 

@@ -5,10 +5,16 @@ A package registers its parsers with the ``sonar_register_tool_parsers`` and
 class_path)``); ``sonar serve --tool-call-parser NAME`` / ``--reasoning-parser NAME`` pick one. sonar-server registers its
 built-in ones the same way: ``hermes`` (alias ``qwen``), ``llama3_json`` and ``mistral`` tool
 parsers, ``qwen3`` and ``deepseek_r1`` reasoning parsers.
+
+A single Python file given to ``sonar serve --tool-parser-plugin FILE`` registers its tool
+parsers with the ``register_tool_parser("name")`` class decorator (vLLM's
+``ToolParserManager.register_module("name")``); its names win over the hooks'.
 """
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
 from typing import Any
 
 from sonar_server.parsers.base import (
@@ -30,8 +36,13 @@ __all__ = [
     "make_reasoning_parser",
     "make_tool_parser",
     "reasoning_parsers",
+    "register_tool_parser",
     "tool_parsers",
 ]
+
+logger = logging.getLogger(__name__)
+
+_decorated_tool_parsers: dict[str, type[ToolParser]] = {}  # register_tool_parser's, by name
 
 
 def _registered(hook_name: str) -> dict[str, str | type]:
@@ -45,7 +56,29 @@ def _registered(hook_name: str) -> dict[str, str | type]:
 
 def tool_parsers() -> dict[str, str | type]:
     """Every registered tool-call parser: name → class (or ``"module:Class"`` path)."""
-    return _registered("sonar_register_tool_parsers")
+    return {**_registered("sonar_register_tool_parsers"), **_decorated_tool_parsers}
+
+
+def register_tool_parser(name: str | list[str]) -> Callable[[type[ToolParser]], type[ToolParser]]:
+    """A class decorator registering a ``ToolParser`` subclass under ``name`` (or each of a
+    list of names) for ``--tool-call-parser``: what a ``--tool-parser-plugin`` file uses. A name
+    the hooks registered too (a built-in's) is replaced, as vLLM's ``register_module`` does.
+
+    :raises TypeError: the name is not a non-empty string, or the class is no ``ToolParser``."""
+    names = [name] if isinstance(name, str) else list(name)
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise TypeError(f"register_tool_parser takes a name or a list of names, got {name!r}")
+
+    def register(cls: type[ToolParser]) -> type[ToolParser]:
+        if not (isinstance(cls, type) and issubclass(cls, ToolParser)):
+            raise TypeError(f"register_tool_parser({name!r}) decorates a sonar_server.parsers.ToolParser subclass, got {cls!r}")
+        for each in names:
+            if each in _registered("sonar_register_tool_parsers"):
+                logger.info("tool-call parser %r of %s replaces the installed one of that name", each, cls.__qualname__)
+            _decorated_tool_parsers[each] = cls
+        return cls
+
+    return register
 
 
 def reasoning_parsers() -> dict[str, str | type]:
