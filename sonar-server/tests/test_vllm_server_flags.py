@@ -1,4 +1,4 @@
-"""vLLM's frontend flags on a real ``sonar serve``: HTTPS (``--ssl-*``), ``--response-role``,
+"""vLLM's frontend flags on a real ``sonar serve``: HTTPS (``--ssl-*``, ``--enable-ssl-refresh``), ``--response-role``,
 ``--return-tokens-as-token-ids`` (and the request field of the same name),
 ``--enable-log-requests`` with ``--max-log-len``, ``--override-generation-config``, and
 ``--config`` YAML files."""
@@ -9,6 +9,7 @@ import os
 import shutil
 import ssl
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,17 +24,22 @@ from test_cli_flags import EARLY_FAILURE_S, run_sonar
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command to make a certificate")
 
 
-@pytest.fixture(scope="module")
-def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
-    """A self-signed certificate for 127.0.0.1 and its key (PEM files)."""
-    folder = tmp_path_factory.mktemp("tls")
+def make_certificate(folder: Path, organization: str = "Sonar") -> tuple[str, str]:
+    """A new self-signed certificate for 127.0.0.1 and its key (PEM files in ``folder``)."""
+    folder.mkdir(parents=True, exist_ok=True)
     cert, key = folder / "cert.pem", folder / "key.pem"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=127.0.0.1",
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", f"/O={organization}/CN=127.0.0.1",
          "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
         check=True, capture_output=True,
     )
     return str(cert), str(key)
+
+
+@pytest.fixture(scope="module")
+def certificate(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 and its key (PEM files)."""
+    return make_certificate(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +122,8 @@ def test_requests_are_logged_cut_to_max_log_len(https_server: ServerProcess, cer
     "flags, message",
     [
         (["--ssl-certfile", "/nonexistent/cert.pem"], "do not load as a certificate"),
-        (["--ssl-keyfile", "/tmp/key.pem"], "--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile"),
+        (["--ssl-keyfile", "/tmp/key.pem"], "--ssl-keyfile, --ssl-ca-certs, --ssl-cert-reqs and --enable-ssl-refresh need --ssl-certfile"),
+        (["--enable-ssl-refresh"], "--ssl-keyfile, --ssl-ca-certs, --ssl-cert-reqs and --enable-ssl-refresh need --ssl-certfile"),
         (["--max-log-len", "-1"], "--max-log-len must be >= 0"),
     ],
 )
@@ -130,6 +137,58 @@ def test_client_certificates_need_ca_certs(certificate: tuple[str, str]) -> None
     cert, key = certificate
     done, _ = run_sonar("serve", "--ssl-certfile", cert, "--ssl-keyfile", key, "--ssl-cert-reqs", "2")
     assert done.returncode != 0 and "need --ssl-ca-certs" in done.stderr
+
+
+def served_certificate(server: ServerProcess) -> bytes:
+    """The certificate a new connection to ``server`` is shown (DER)."""
+    return ssl.PEM_cert_to_DER_cert(ssl.get_server_certificate(("127.0.0.1", server.port), timeout=10))
+
+
+def der(cert: str) -> bytes:
+    return ssl.PEM_cert_to_DER_cert(Path(cert).read_text())
+
+
+def replace_file(source: str, target: Path) -> None:
+    """``target`` replaced by a copy of ``source`` in one rename, as certificate tools write."""
+    shutil.copyfile(source, f"{target}.new")
+    os.replace(f"{target}.new", target)
+
+
+def test_ssl_refresh_shows_new_connections_the_replaced_certificate(tiny_model: str, tmp_path: Path) -> None:
+    """--enable-ssl-refresh: replacing the certificate and key files changes the certificate of
+    new connections, with no restart; a key that does not match the certificate (the moment
+    between the two files' replacement) leaves the server on its current one."""
+    old_cert, old_key = make_certificate(tmp_path / "old", "Sonar old")
+    new_cert, new_key = make_certificate(tmp_path / "new", "Sonar new")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    replace_file(old_cert, cert)
+    replace_file(old_key, key)
+    server = ServerProcess(
+        [tiny_model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512",
+         "--ssl-certfile", str(cert), "--ssl-keyfile", str(key), "--enable-ssl-refresh"],
+        verify=old_cert,
+    )  # fmt: skip
+    try:
+        assert served_certificate(server) == der(old_cert)
+        replace_file(new_key, key)  # the key first: it does not match the certificate still there
+        deadline = time.monotonic() + 20
+        while "do not load together" not in server.log():
+            assert time.monotonic() < deadline, server.log()[-2000:]
+            time.sleep(0.2)
+        assert served_certificate(server) == der(old_cert)  # the old pair still serves
+        assert httpx.get(f"{server.url}/health", verify=ssl.create_default_context(cafile=old_cert), timeout=10).status_code == 200
+
+        replace_file(new_cert, cert)
+        while served_certificate(server) != der(new_cert):
+            assert time.monotonic() < deadline + 20, server.log()[-2000:]
+            time.sleep(0.2)
+        trusting_new = ssl.create_default_context(cafile=new_cert)
+        assert httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, verify=trusting_new, timeout=30).status_code == 200
+        with pytest.raises(httpx.ConnectError):  # a client that trusts only the old certificate no longer connects
+            httpx.get(f"{server.url}/health", verify=ssl.create_default_context(cafile=old_cert), timeout=10)
+        assert "loaded the changed certificate files" in server.log()
+    finally:
+        server.stop()
 
 
 def test_override_generation_config_sets_the_default_length(https_server: ServerProcess, certificate: tuple[str, str]) -> None:

@@ -129,6 +129,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     tls.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM), where not in --ssl-certfile")
     tls.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM) that client certificates must chain to")
     tls.add_argument("--ssl-cert-reqs", type=int, default=0, choices=(0, 1, 2), help="client certificates: 0 not asked for, 1 optional, 2 required")
+    tls.add_argument(
+        "--enable-ssl-refresh", action="store_true",
+        help="reload the certificate, key and CA files when they change on disk (looked at every second): new connections get them, with no restart",
+    )
     group.add_argument("--disable-log-stats", action="store_true", help="accepted for vLLM command lines: Sonar does not log periodic stats")
 
 
@@ -157,10 +161,10 @@ def check_server_args(args: argparse.Namespace) -> None:
 
 def _tls(args: argparse.Namespace) -> TlsSettings | None:
     if args.ssl_certfile is None:
-        if args.ssl_keyfile or args.ssl_ca_certs or args.ssl_cert_reqs:
-            raise ValueError("--ssl-keyfile, --ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile")
+        if args.ssl_keyfile or args.ssl_ca_certs or args.ssl_cert_reqs or args.enable_ssl_refresh:
+            raise ValueError("--ssl-keyfile, --ssl-ca-certs, --ssl-cert-reqs and --enable-ssl-refresh need --ssl-certfile")
         return None
-    return TlsSettings(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs)
+    return TlsSettings(args.ssl_certfile, args.ssl_keyfile, args.ssl_ca_certs, args.ssl_cert_reqs, args.enable_ssl_refresh)
 
 
 def settings_from(args: argparse.Namespace, default_model_name: str, default_sampling: dict[str, float | int] | None = None) -> ServerSettings:

@@ -12,6 +12,7 @@ from types import FrameType
 import uvicorn
 
 from sonar_server.state import ServerState
+from sonar_server.tls_refresh import CertificateRefresher
 
 logger = logging.getLogger("sonar_server")
 
@@ -26,6 +27,7 @@ class DrainingServer(uvicorn.Server):
         self.state = state
         self.on_serving = on_serving
         self._draining = False
+        self.certificate_refresher: CertificateRefresher | None = None
 
     async def startup(self, sockets: list | None = None) -> None:
         """Load the ``--lora-modules`` adapters, then start answering (and call
@@ -34,10 +36,16 @@ class DrainingServer(uvicorn.Server):
         await self.state.adapters.load_startup()
         await self.state.peers.start()
         await super().startup(sockets=sockets)
+        tls = self.state.settings.tls
+        if tls is not None and tls.refresh and self.config.ssl is not None:  # --enable-ssl-refresh
+            self.certificate_refresher = CertificateRefresher(self.config.ssl, tls)
+            self.certificate_refresher.start()
         if self.on_serving is not None:
             self.on_serving()
 
     async def shutdown(self, sockets: list | None = None) -> None:
+        if self.certificate_refresher is not None:
+            await self.certificate_refresher.stop()
         await super().shutdown(sockets=sockets)
         await self.state.peers.close()
 

@@ -26,12 +26,13 @@ class CorsSettings:
 class TlsSettings:
     """HTTPS: the server's certificate and key, and optionally the CAs that client
     certificates must chain to (``cert_reqs``: ``ssl.CERT_NONE`` 0, ``CERT_OPTIONAL`` 1,
-    ``CERT_REQUIRED`` 2)."""
+    ``CERT_REQUIRED`` 2); ``refresh``: reload the files when they change (``tls_refresh``)."""
 
     certfile: str
     keyfile: str | None = None
     ca_certs: str | None = None
     cert_reqs: int = 0
+    refresh: bool = False
 
     def __post_init__(self) -> None:
         if self.cert_reqs not in (0, 1, 2):
