@@ -7,8 +7,10 @@ earlier chunk). Each layer's KV cache is one tensor
 ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` (index 0 keys, 1 values); token ``i``
 of the step is written to flat slot ``slot_mapping[i]`` = ``block_id * block_size + offset``.
 
-An FP8 cache (``kv_cache_dtype="fp8"``, ``torch.float8_e4m3fn``) stores ``key / k_scale`` and
-``value / v_scale``, saturated to +-448, with the layer's scales (see ``quantize_for_cache``).
+An FP8 cache stores ``key / k_scale`` and ``value / v_scale``, saturated to the format's largest
+finite value (see ``quantize_for_cache``): ``kv_cache_dtype="fp8"`` (``torch.float8_e4m3fn``,
++-448) with the layer's scales from the checkpoint, ``"fp8_e5m2"`` (``torch.float8_e5m2``,
++-57344) with scales of 1.0 (the model runner sets them).
 """
 
 from __future__ import annotations
@@ -19,20 +21,22 @@ from typing import Any
 import torch
 
 
-FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
+# the FP8 formats a KV cache may hold -> their largest finite value
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
     """Whether a KV cache of ``dtype`` holds scaled FP8 values."""
-    return dtype == torch.float8_e4m3fn
+    return dtype in FP8_MAX
 
 
 def quantize_for_cache(x: torch.Tensor, cache_dtype: torch.dtype, scale: float) -> torch.Tensor:
     """``x`` as a cache of ``cache_dtype`` stores it: ``x / scale`` saturated to the FP8 range
     and rounded to nearest for an FP8 cache, a plain cast (``scale`` unused) otherwise."""
-    if not is_fp8(cache_dtype):
+    fp8_max = FP8_MAX.get(cache_dtype)
+    if fp8_max is None:
         return x.to(cache_dtype)
-    return (x.float() * (1.0 / scale)).clamp_(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(cache_dtype)
+    return (x.float() * (1.0 / scale)).clamp_(-fp8_max, fp8_max).to(cache_dtype)
 
 
 def dequantize_from_cache(x: torch.Tensor, dtype: torch.dtype, scale: float) -> torch.Tensor:

@@ -24,7 +24,9 @@ _DTYPES = {
     "float16": "float16", "fp16": "float16", "half": "float16",
 }
 # KV-cache dtype names users pass -> the canonical one ("auto": the model's dtype)
-KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
+KV_CACHE_DTYPES = {"auto": "auto", "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "fp8_e5m2": "fp8_e5m2"}
+# canonical FP8 KV-cache dtypes -> the torch dtype names the cache holds
+FP8_KV_CACHE_TORCH_DTYPES = {"fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 MAX_LORA_RANK = 512
 DEFAULT_MASTER_PORT = 29501
 
@@ -72,7 +74,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1  # contiguous stages of layers, one tensor-parallel group each
     enable_expert_parallel: bool = False  # MoE: whole experts per tensor-parallel rank, not each expert's slice
     quantization: str | None = None
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" / "fp8_e4m3" (scaled FP8 E4M3)
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8" / "fp8_e4m3" (scaled FP8 E4M3), "fp8_e5m2" (unscaled FP8 E5M2)
     max_logprobs: int = 20
     async_scheduling: bool | None = None  # schedule and launch step N+1 while step N runs; None: the platform's default
     enforce_eager: bool = False  # no CUDA graphs: decode steps and drafter passes run eagerly
@@ -229,7 +231,7 @@ class EngineConfig:
     default_sampling: dict[str, float | int] = field(default_factory=dict)  # the model's recommended SamplingParams fields
     hf_overrides: dict[str, Any] | None = None  # config.json fields laid over the model's, wherever it is read
     quantization: str | None = None  # the registered quantization method the linear layers run (None: unquantized)
-    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) or "fp8_e4m3"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "fp8_e4m3" or "fp8_e5m2"
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     kv_transfer_config: KVTransferConfig | None = None  # None: no KV connector (host offload is one)
     enable_lora: bool = False
@@ -250,7 +252,8 @@ class EngineConfig:
 
     @property
     def kv_cache_torch_dtype(self) -> torch.dtype:
-        """What the KV cache stores: the model's dtype, or ``float8_e4m3fn`` (scaled per layer)."""
+        """What the KV cache stores: the model's dtype, ``float8_e4m3fn`` (scaled per layer) or
+        ``float8_e5m2`` (unscaled)."""
         return kv_cache_torch_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     @property
@@ -269,7 +272,8 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     """The torch dtype of a KV cache of ``kv_cache_dtype`` (a name ``EngineArgs`` takes)."""
     import torch
 
-    return torch.float8_e4m3fn if KV_CACHE_DTYPES[kv_cache_dtype] == "fp8_e4m3" else model_dtype
+    fp8 = FP8_KV_CACHE_TORCH_DTYPES.get(KV_CACHE_DTYPES[kv_cache_dtype])
+    return model_dtype if fp8 is None else getattr(torch, fp8)
 
 
 def dtype_name(dtype: torch.dtype) -> str:

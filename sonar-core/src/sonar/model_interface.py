@@ -46,7 +46,8 @@ class PagedAttention(torch.nn.Module):
     """One layer's attention over its slice of the paged KV cache.
 
     ``k_scale`` / ``v_scale`` dequantize an FP8 cache (``stored = value / scale``); a model sets
-    them from its checkpoint with ``set_kv_scales`` (1.0 otherwise; other caches ignore them).
+    them from its checkpoint with ``set_kv_scales`` (1.0 otherwise; an E5M2 cache always uses
+    1.0, see ``settle_kv_cache_scales``; other caches ignore them).
     """
 
     def __init__(self, backend: AttentionBackend | None, layer_idx: int, scale: float, sliding_window: int | None = None) -> None:
@@ -83,16 +84,26 @@ class PagedAttention(torch.nn.Module):
         return out
 
 
-def warn_unscaled_fp8_layers(model: torch.nn.Module) -> None:
-    """Log one warning when some attention layers of ``model`` got no KV-cache scales from the
-    checkpoint (an FP8 cache then stores them with scale 1.0)."""
+def settle_kv_cache_scales(model: torch.nn.Module, cache_dtype: torch.dtype) -> None:
+    """Fix the KV-cache scales of ``model``'s attention layers for a cache of ``cache_dtype``.
+
+    An E4M3 cache keeps the checkpoint's scales, with one warning when some layers have none
+    (they use 1.0). An E5M2 cache is unscaled, as vLLM runs it (its range, +-57344, holds keys
+    and values as they are): every layer uses 1.0, with one note when the checkpoint's scales go
+    unused. Other caches ignore the scales.
+    """
     layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-    unscaled = [m.layer_idx for m in layers if not m.has_checkpoint_kv_scales]
-    if unscaled:
+    scaled = [m for m in layers if m.has_checkpoint_kv_scales]
+    if cache_dtype == torch.float8_e4m3fn and len(scaled) < len(layers):
         logger.warning(
             "FP8 KV cache: the checkpoint has no k_scale/v_scale for %d of %d attention layers; they use 1.0 "
-            "(keys and values beyond +-448 saturate)", len(unscaled), len(layers),
+            "(keys and values beyond +-448 saturate)", len(layers) - len(scaled), len(layers),
         )
+    elif cache_dtype == torch.float8_e5m2:
+        for layer in layers:
+            layer.k_scale = layer.v_scale = 1.0
+        if scaled:
+            logger.info("FP8 E5M2 KV cache: unscaled; the checkpoint's k_scale/v_scale of %d attention layers are not used", len(scaled))
 
 
 AttentionFactory = Callable[..., PagedAttention]

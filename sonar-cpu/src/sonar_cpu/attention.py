@@ -14,9 +14,9 @@ by length and sized to stay in the CPU's caches, see ``attention_plan``); each p
 one call. Grouped-query attention never repeats K/V: a decode's query heads are laid out as
 ``[kv_heads, group]`` so that each KV head serves its group as a short query block.
 
-An FP8 cache stores ``key / k_scale`` and ``value / v_scale``; the scales are folded into the
-attention (``k_scale`` into the softmax scale, ``v_scale`` into the output), so dequantizing is
-only the cast to the compute dtype that every cache dtype already pays.
+An FP8 cache (E4M3 or E5M2) stores ``key / k_scale`` and ``value / v_scale``; the scales are
+folded into the attention (``k_scale`` into the softmax scale, ``v_scale`` into the output), so
+dequantizing is only the cast to the compute dtype that every cache dtype already pays.
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ UPCAST_HALF_PREFILL = "AMX" not in torch.backends.cpu.get_cpu_capability()
 
 class CpuAttentionBackend(AttentionBackend):
     """Attention over the paged KV cache ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
-    for float32, bfloat16, float16 and scaled FP8 E4M3 (the cache may hold another dtype than
-    the activations)."""
+    for float32, bfloat16, float16 and scaled FP8 E4M3 or E5M2 (the cache may hold another dtype
+    than the activations)."""
 
     #: The cost of one more decode call, in gathered tokens, when grouping decodes by length.
     bucket_call_cost_tokens: int = BUCKET_CALL_COST_TOKENS

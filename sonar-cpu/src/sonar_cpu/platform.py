@@ -50,7 +50,7 @@ class CpuPlatform(Platform):
     attention_backend_cls = "sonar_cpu.attention:CpuAttentionBackend"
     ops_module = "sonar_cpu.ops"  # fused norms and rotary, int4 group kernels for quantized weights
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
-    kv_cache_dtypes = ("auto", "fp8_e4m3")  # fp8_e4m3: scaled per layer, see the attention backend
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")  # fp8_e4m3: scaled per layer; fp8_e5m2: unscaled; see the attention backend
     dist_backend = "gloo"
     #: ``gpu_memory_utilization`` sizes the cache from host RAM; without a bound a default run
     #: would reserve most of it. ``kv_cache_memory_bytes`` sets any size exactly.

@@ -37,8 +37,8 @@ class TritonAttentionBackend(AttentionBackend):
     before that are skipped (their block-table entries may be stale, the KV-cache manager having
     given those blocks back).
 
-    An FP8 cache (``float8_e4m3fn``) is written as ``key / k_scale``, ``value / v_scale`` and read
-    back as FP8 by both kernels, which dequantize in registers."""
+    An FP8 cache (``float8_e4m3fn`` or ``float8_e5m2``) is written as ``key / k_scale``,
+    ``value / v_scale`` and read back as FP8 by both kernels, which dequantize in registers."""
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None

@@ -16,7 +16,7 @@ class CudaPlatform(Platform):
     attention_backend_cls = "sonar_cuda.attention:TritonAttentionBackend"
     ops_module = "sonar_cuda.ops"
     supported_dtypes = (torch.bfloat16, torch.float16, torch.float32)
-    kv_cache_dtypes = ("auto", "fp8_e4m3")  # fp8_e4m3: scaled per layer, see the attention backend
+    kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")  # fp8_e4m3: scaled per layer; fp8_e5m2: unscaled; see the attention backend
     dist_backend = "nccl"
     async_scheduling = True  # kernels are queued: the host schedules step N+1 while step N runs
 

@@ -6,7 +6,7 @@ import argparse
 import json
 
 from sonar.cli.unsupported_flags import add_unsupported_flags
-from sonar.config import EngineArgs
+from sonar.config import KV_CACHE_DTYPES, EngineArgs
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = True, server: bool = False) -> None:
@@ -54,8 +54,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
         help="the quantization method the linear layers run (default: the checkpoint's quantization_config.quant_method; unquantized: floating point, where the checkpoint can be dequantized at load, as a .gguf file can)",
     )
     group.add_argument(
-        "--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=("auto", "fp8", "fp8_e4m3"),
-        help="what the KV cache stores: auto (the model's dtype) or fp8 / fp8_e4m3 (FP8 E4M3 scaled by the checkpoint's per-layer k_scale / v_scale, 1.0 where it has none): twice the tokens per GB of bf16",
+        "--kv-cache-dtype", default=defaults.kv_cache_dtype, choices=tuple(KV_CACHE_DTYPES),
+        help="what the KV cache stores: auto (the model's dtype), fp8 / fp8_e4m3 (FP8 E4M3 scaled by the checkpoint's per-layer k_scale / v_scale, 1.0 where it has none) or fp8_e5m2 (FP8 E5M2, unscaled: wider range, one mantissa bit less): twice the tokens per GB of bf16",
     )
     group.add_argument("--load-format", default=defaults.load_format, help="auto, safetensors, gguf or dummy (random weights)")
     group.add_argument("--skip-tokenizer-init", action="store_true", help="serve token ids only")

@@ -18,7 +18,7 @@ from sonar.kv_transfer.factory import build_kv_connector
 from sonar.kv_transfer.interface import KVCacheLayout, KVConnector, KVConnectorOutput, KVConnectorRole
 from sonar.lora.manager import LoRAManager
 from sonar.lora.request import LoRARequest
-from sonar.model_interface import make_attention_factory, warn_unscaled_fp8_layers
+from sonar.model_interface import make_attention_factory, settle_kv_cache_scales
 from sonar.pipeline import WHOLE_MODEL, IntermediateTensors, PipelineStage, current_stage
 from sonar.quantization import building_with, quantization_method_of
 from sonar.registry import import_class, resolve_model_class, weight_formats
@@ -199,7 +199,7 @@ class ModelRunner:
 
     @property
     def kv_cache_dtype(self) -> torch.dtype:
-        """What the KV cache stores (``kv_cache_dtype``: the model's dtype, or FP8 E4M3)."""
+        """What the KV cache stores (``kv_cache_dtype``: the model's dtype, FP8 E4M3 or FP8 E5M2)."""
         return kv_cache_torch_dtype(self.config.kv_cache_dtype, self.model_config.dtype)
 
     def kv_bytes_per_block(self) -> int:
@@ -212,8 +212,7 @@ class ModelRunner:
     def init_kv_cache(self, num_blocks: int) -> None:
         model = self.model
         shape = (2, num_blocks, self.block_size, model.num_kv_heads, model.head_dim)
-        if self.kv_cache_dtype.itemsize == 1:
-            warn_unscaled_fp8_layers(model)
+        settle_kv_cache_scales(model, self.kv_cache_dtype)
         self.kv_caches = [self._zeros(shape) for _ in range(model.num_layers)]
         if self.spec is not None:
             config = self.config

@@ -6,12 +6,12 @@ partial output and its log-sum-exp, and a second kernel combines them; long cont
 batch sizes so still fill the GPU. With a sliding window, the context is only the window's last
 tokens: the splits divide that, and nothing before it is read.
 
-An FP8 cache is read as FP8 and converted in registers (the ``KV_FP8`` specialisation);
-``k_scale`` is folded into the softmax scale and ``v_scale`` into the output. Under a 16-bit
-query the products run in float16 (``FP8_AS_F16``): E4M3 values are exact in float16, the
-probabilities (in [0, 1]) keep more bits there than in bfloat16, and the query enters the
-product already multiplied by the softmax scale (its magnitude shrinks; clamped to the float16
-range). On the H200 this takes the same time as converting to bfloat16.
+An FP8 cache (E4M3 or E5M2) is read as FP8 and converted in registers (the ``KV_FP8``
+specialisation); ``k_scale`` is folded into the softmax scale and ``v_scale`` into the output.
+Under a 16-bit query the products run in float16 (``FP8_AS_F16``): E4M3 and E5M2 values are
+exact in float16, the probabilities (in [0, 1]) keep more bits there than in bfloat16, and the
+query enters the product already multiplied by the softmax scale (its magnitude shrinks;
+clamped to the float16 range). On the H200 this takes the same time as converting to bfloat16.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sonar.attention import dequantize_from_cache
+from sonar.attention import dequantize_from_cache, is_fp8
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
@@ -61,7 +61,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
-    KV_FP8: tl.constexpr,  # the cache holds scaled float8_e4m3fn
+    KV_FP8: tl.constexpr,  # the cache holds scaled float8_e4m3fn or float8_e5m2
     FP8_AS_F16: tl.constexpr,  # an FP8 cache under a 16-bit query: products in float16, q pre-scaled
     DOT_PRECISION: tl.constexpr,
 ):
@@ -241,7 +241,7 @@ def decode_attention(
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, _num_sms(query.device))
     block_d = triton.next_power_of_2(head_dim)
     split = num_splits > 1
-    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    kv_fp8 = is_fp8(k_cache.dtype)
     if block_n is None:
         block_n = FP8_BLOCK_N if kv_fp8 else BLOCK_N
     if num_warps is None:

@@ -1,7 +1,8 @@
 """KV-cache write: each new token's key and value go to its flat slot in the paged cache.
 
-An FP8 cache (``torch.float8_e4m3fn``) stores ``key / k_scale`` and ``value / v_scale``,
-saturated to +-448 and rounded to nearest even; other caches store a plain cast.
+An FP8 cache stores ``key / k_scale`` and ``value / v_scale``, saturated to the format's range
+(``torch.float8_e4m3fn``: +-448; ``torch.float8_e5m2``: +-57344) and rounded to nearest even;
+other caches store a plain cast.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sonar.attention import quantize_for_cache
+from sonar.attention import is_fp8, quantize_for_cache
 
 @triton.jit
 def _to_fp8_e4m3(x, inv_scale):
@@ -22,6 +23,15 @@ def _to_fp8_e4m3(x, inv_scale):
     bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
     return bits.to(tl.float32, bitcast=True).to(tl.float8e4nv)
 
+
+@triton.jit
+def _to_fp8_e5m2(x, inv_scale):
+    """``x * inv_scale`` saturated to +-57344 (E5M2's largest finite value) and rounded to
+    E5M2's 2 mantissa bits as ``_to_fp8_e4m3`` rounds to E4M3's 3."""
+    x = tl.minimum(tl.maximum(x.to(tl.float32) * inv_scale, -57344.0), 57344.0)
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0xFFFFF + ((bits >> 21) & 1)) & 0xFFE00000
+    return bits.to(tl.float32, bitcast=True).to(tl.float8e5)
 
 
 @triton.jit
@@ -43,7 +53,8 @@ def _reshape_and_cache_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    FP8: tl.constexpr,  # the cache is float8_e4m3fn: quantize with the scales
+    FP8: tl.constexpr,  # the cache is FP8: quantize with the scales
+    E5M2: tl.constexpr,  # ... to float8_e5m2 (else float8_e4m3fn)
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
@@ -59,8 +70,12 @@ def _reshape_and_cache_kernel(
     k = tl.load(src_key, mask=mask)
     v = tl.load(src_value, mask=mask)
     if FP8:
-        k = _to_fp8_e4m3(k, inv_k_scale)
-        v = _to_fp8_e4m3(v, inv_v_scale)
+        if E5M2:
+            k = _to_fp8_e5m2(k, inv_k_scale)
+            v = _to_fp8_e5m2(v, inv_v_scale)
+        else:
+            k = _to_fp8_e4m3(k, inv_k_scale)
+            v = _to_fp8_e4m3(v, inv_v_scale)
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -104,7 +119,8 @@ def reshape_and_cache(
         HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
-        FP8=k_cache.dtype == torch.float8_e4m3fn,
+        FP8=is_fp8(k_cache.dtype),
+        E5M2=k_cache.dtype == torch.float8_e5m2,
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 

@@ -7,8 +7,9 @@ tiles of keys that every query row sees need no mask; the diagonal (causal) and,
 window, the window's leading edge are masked; tiles wholly before every row's window are
 skipped, never read.
 
-An FP8 cache is read as FP8 and converted to the query's dtype in registers (the ``KV_FP8``
-specialisation); ``k_scale`` is folded into the softmax scale and ``v_scale`` into the output.
+An FP8 cache (E4M3 or E5M2) is read as FP8 and converted to the query's dtype in registers (the
+``KV_FP8`` specialisation); ``k_scale`` is folded into the softmax scale and ``v_scale`` into the
+output.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sonar.attention import dequantize_from_cache
+from sonar.attention import dequantize_from_cache, is_fp8
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # the window a full-attention layer passes: longer than any context
@@ -118,7 +119,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,  # False: full attention, compiled without any window arithmetic
-    KV_FP8: tl.constexpr,  # the cache holds scaled float8_e4m3fn
+    KV_FP8: tl.constexpr,  # the cache holds scaled float8_e4m3fn or float8_e5m2
     DOT_PRECISION: tl.constexpr,
 ):
     q_block = tl.program_id(0)
@@ -227,7 +228,7 @@ def prefill_attention(
         return out
     block_d = triton.next_power_of_2(head_dim)
     fp32 = query.dtype == torch.float32
-    kv_fp8 = k_cache.dtype == torch.float8_e4m3fn
+    kv_fp8 = is_fp8(k_cache.dtype)
     # tiles sized for the registers: fp32 and wide heads take smaller ones
     if block_m is None:
         block_m = 32 if fp32 else 64
