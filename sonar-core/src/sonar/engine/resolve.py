@@ -84,7 +84,8 @@ def resolve_quantization(forced: str | None, hf_config: Any, platform: str) -> s
 
 
 def resolve_kv_cache_dtype(requested: str, platform: type[Platform]) -> str:
-    """The canonical KV-cache dtype (``"auto"`` or ``"fp8_e4m3"``) for ``kv_cache_dtype=requested``.
+    """The canonical KV-cache dtype (``"auto"``, ``"fp8_e4m3"`` or ``"fp8_e5m2"``) for
+    ``kv_cache_dtype=requested``.
 
     :raises ValueError: an unknown name, or one ``platform``'s attention backend cannot run.
     """
