@@ -24,6 +24,7 @@ CASES = {
     "llama": dict(vocab_size=1001, attention_bias=True, mlp_bias=True),  # padded vocabulary rows; row-parallel biases
     "qwen2": {},  # q/k/v biases; embedding tied to the LM head; messages too large for the ring
     "qwen3": dict(num_key_value_heads=1),  # one KV head replicated on both ranks; q/k norms
+    "phi3": {},  # checkpoint-fused qkv_proj / gate_up_proj split before each rank takes its rows; partial rotary
 }  # Mistral at TP=2 runs through `sonar serve -tp 2` (sonar-server/tests/test_tensor_parallel_server.py)
 
 

@@ -385,3 +385,42 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     """Qwen3: per-head RMSNorm on queries and keys before rotary, explicit ``head_dim``."""
 
     qk_norm = True
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3 and Phi-4-mini: Llama's layer with the projections fused in the checkpoint
+    (``qkv_proj`` rows q, k, v; ``gate_up_proj`` rows gate, up), no biases, LongRoPE scaling
+    and a partial rotary dimension where the config sets them, and a sliding window in every
+    layer where it sets ``sliding_window``."""
+
+    qkv_bias = False
+    o_bias = False
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The fused checkpoint projections split into the parts Llama's names give them
+        (``qkv_proj.weight`` -> ``q_proj/k_proj/v_proj.weight``), so tensor parallelism and
+        LoRA see one layout; only floating-point projections split (a quantized Phi-3
+        checkpoint is refused by name)."""
+        config = self.config
+        q_size = config.num_attention_heads * self.head_dim
+        kv_size = config.num_key_value_heads * self.head_dim
+        splits = {
+            "self_attn.qkv_proj": (("q_proj", q_size), ("k_proj", kv_size), ("v_proj", kv_size)),
+            "mlp.gate_up_proj": (("gate_proj", config.intermediate_size), ("up_proj", config.intermediate_size)),
+        }
+        for name, tensor in weights:
+            module_path, _, leaf = name.rpartition(".")
+            owner, _, fused = module_path.rpartition(".")
+            parts = splits.get(f"{owner.rpartition('.')[2]}.{fused}")
+            if parts is None:
+                yield name, tensor
+                continue
+            if leaf != "weight" or not tensor.is_floating_point():
+                raise ValueError(f"checkpoint tensor {name!r}: Sonar splits Phi-3's fused projections only from floating-point weights")
+            sizes = [size for _, size in parts]
+            if tensor.shape[0] != sum(sizes):
+                raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows; the config gives {sum(sizes)} (does config.json match the weights?)")
+            parent = owner.rpartition(".")[0]
+            for (part_name, _), piece in zip(parts, tensor.split(sizes, dim=0)):
+                yield f"{parent}.{owner.rpartition('.')[2]}.{part_name}.{leaf}", piece
+

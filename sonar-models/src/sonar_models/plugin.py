@@ -11,6 +11,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "sonar_models.llama:MistralForCausalLM",
     "Qwen2ForCausalLM": "sonar_models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "sonar_models.llama:Qwen3ForCausalLM",
+    "Phi3ForCausalLM": "sonar_models.llama:Phi3ForCausalLM",
     "Qwen3MoeForCausalLM": "sonar_models.moe:Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM": "sonar_models.moe:Qwen2MoeForCausalLM",
     "MixtralForCausalLM": "sonar_models.moe:MixtralForCausalLM",

@@ -53,6 +53,15 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", dict(tie_word_embeddings=False, sliding_window=None, head_dim=16, rope_theta=1e6)),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False, head_dim=32)),
+    # fused qkv_proj / gate_up_proj in the checkpoint; half the head rotated (Phi-4-mini's
+    # partial rotary), LongRoPE's short factors within the 512 pretraining positions
+    "phi3": (
+        "Phi3Config",
+        dict(
+            tie_word_embeddings=True, partial_rotary_factor=0.5, original_max_position_embeddings=512,
+            rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [2.0, 3.0, 5.0, 8.0]},
+        ),
+    ),
     # layer 0 routes to 2 of 8 experts, layer 1 is dense (mlp_only_layers)
     "qwen3_moe": (
         "Qwen3MoeConfig",

@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from sonar.spec_decode.dflash_config import DFlashConfig
-from sonar.spec_decode.eagle3_head import GatedMLP, RMSNorm, apply_rotary
+from sonar.spec_decode.eagle3_head import GatedMLP, RMSNorm, apply_rotary, rotary_dim_of
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values [..., L, kv_heads, head_dim]
 
@@ -37,7 +37,7 @@ class DFlashRotary(nn.Module):
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         self.attention_scaling = 1.0
         if kind == "default":
-            dim = config.head_dim
+            dim = rotary_dim_of(config.head_dim, scaling)
             inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         else:
             from transformers import Qwen3Config

@@ -137,7 +137,7 @@ class Rotary(nn.Module):
         kind = scaling.get("rope_type", scaling.get("type", "default"))
         self.attention_scaling = 1.0
         if kind == "default":
-            dim = config.head_dim
+            dim = rotary_dim_of(config.head_dim, scaling)
             inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
         else:
             from transformers import LlamaConfig
@@ -153,10 +153,19 @@ class Rotary(nn.Module):
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``[N, heads, D]`` by the tables of its rows (halves layout, as Llama)."""
-    first, second = x.float().chunk(2, dim=-1)
+    """Rotate ``[N, heads, D]`` by the tables of its rows (halves layout, as Llama); tables of
+    ``R / 2 < D / 2`` columns rotate the first ``R`` dims and pass the rest (partial rotary)."""
+    rotary_dim = 2 * cos.shape[-1]
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    first, second = rotated.float().chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
-    return torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
+    out = torch.cat([first * cos - second * sin, second * cos + first * sin], dim=-1).to(x.dtype)
+    return torch.cat([out, passed], dim=-1) if passed.shape[-1] else out
+
+
+def rotary_dim_of(head_dim: int, scaling: dict[str, Any]) -> int:
+    """The rotated dims of a head: all of them, or ``partial_rotary_factor`` of them."""
+    return int(head_dim * float(scaling.get("partial_rotary_factor") or 1.0))
 
 
 class Eagle3Attention(nn.Module):
