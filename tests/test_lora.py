@@ -115,6 +115,16 @@ def test_qwen3_adapter_equals_the_peft_merged_model(tiny_model_dir, tmp_path) ->
     assert run(llm, prompts, [None, None]) == [HFOracle(path).greedy(p, NUM_TOKENS)[0] for p in prompts]
 
 
+def test_phi3_adapter_on_the_fused_modules_equals_the_peft_merged_model(tiny_model_dir, tmp_path) -> None:
+    """Phi-3 adapters name the checkpoint's fused qkv_proj and gate_up_proj, which the model splits."""
+    path = tiny_model_dir("phi3")
+    merged = make_adapter(path, tmp_path / "a", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"], 8, seed=6)
+    prompts = random_prompts(2, seed=4, min_len=5, max_len=30)
+    llm = LLM(str(path), dtype="float32", enable_lora=True, max_model_len=256, kv_cache_memory_bytes=KV_BYTES)
+    request = LoRARequest("a", 1, str(tmp_path / "a"))
+    assert run(llm, prompts, [request, None]) == [hf_greedy(merged, prompts[0]), HFOracle(path).greedy(prompts[1], NUM_TOKENS)[0]]
+
+
 def test_adapters_never_share_prefix_cache_blocks(llama) -> None:
     _, _, _, requests, _, llm = llama
     prompt = random_prompts(1, seed=99, min_len=64, max_len=64)[0]

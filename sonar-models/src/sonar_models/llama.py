@@ -395,6 +395,8 @@ class Phi3ForCausalLM(LlamaForCausalLM):
 
     qkv_bias = False
     o_bias = False
+    # a LoRA adapter trained on Phi-3 names the fused modules; its weights split like the checkpoint's
+    lora_fused_modules = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
     def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The fused checkpoint projections split into the parts Llama's names give them

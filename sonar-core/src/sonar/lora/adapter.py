@@ -78,8 +78,18 @@ class LoRAAdapter:
         return sum(m.a.nbytes + m.b.nbytes for m in self.modules.values())
 
 
-def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_rank: int, dtype: torch.dtype) -> LoRAAdapter:
+def load_adapter(
+    request: LoRARequest,
+    targets: dict[str, LoRATarget],
+    max_rank: int,
+    dtype: torch.dtype,
+    fused_modules: dict[str, tuple[str, ...]] | None = None,
+) -> LoRAAdapter:
     """Read and check the adapter ``request`` names against the base model's ``targets``.
+
+    ``fused_modules`` names the modules a model's checkpoint fuses and its layers split
+    (Phi-3's ``qkv_proj``: ``q_proj``, ``k_proj``, ``v_proj``): an adapter on one of them is
+    the same ``lora_A`` for every part and ``lora_B``'s rows split in the parts' order.
 
     :raises LoRAError: a missing or pickled file, an unsupported PEFT option, a rank above
         ``max_rank``, a module the model has no linear layer for, or a shape that does not
@@ -99,8 +109,9 @@ def load_adapter(request: LoRARequest, targets: dict[str, LoRATarget], max_rank:
                 f"save the adapter as {WEIGHTS_FILE} (save_pretrained(..., safe_serialization=True))"
             )
         raise LoRAError(f"{where}: {WEIGHTS_FILE} is missing")
-    rank, alpha, use_rslora, has_rank_pattern = _check_config(config, targets, max_rank, where)
-    tensors = _read_tensors(weights_path, where)
+    fused_modules = fused_modules or {}
+    rank, alpha, use_rslora, has_rank_pattern = _check_config(config, targets, max_rank, where, set(fused_modules))
+    tensors = _split_fused(_read_tensors(weights_path, where), targets, fused_modules, where)
     pairs = _pair_tensors(tensors, targets, where)
     modules: dict[str, LoRAModuleWeights] = {}
     largest = 0
@@ -144,7 +155,9 @@ def _read_config(folder: Path, where: str) -> dict[str, Any]:
     return config
 
 
-def _check_config(config: dict[str, Any], targets: dict[str, LoRATarget], max_rank: int, where: str) -> tuple[int, float, bool, bool]:
+def _check_config(
+    config: dict[str, Any], targets: dict[str, LoRATarget], max_rank: int, where: str, fused: set[str]
+) -> tuple[int, float, bool, bool]:
     """``(r, lora_alpha, use_rslora, has rank_pattern)`` of a config Sonar can run."""
     peft_type = config.get("peft_type", "LORA")
     if str(peft_type).upper() != "LORA":
@@ -169,18 +182,18 @@ def _check_config(config: dict[str, Any], targets: dict[str, LoRATarget], max_ra
     rank_pattern = config.get("rank_pattern") or {}
     if not isinstance(rank_pattern, dict):
         raise LoRAError(f"{where}: rank_pattern must be an object, got {rank_pattern!r}")
-    _check_target_modules(config.get("target_modules"), targets, where)
+    _check_target_modules(config.get("target_modules"), targets, where, fused)
     return rank, float(alpha), use_rslora, bool(rank_pattern)
 
 
-def _check_target_modules(target_modules: Any, targets: dict[str, LoRATarget], where: str) -> None:
+def _check_target_modules(target_modules: Any, targets: dict[str, LoRATarget], where: str, fused: set[str]) -> None:
     """A list of module names must name only linear layers the model has; a pattern (a string)
     is checked through the tensors it produced."""
     if target_modules is None or isinstance(target_modules, str):
         return
     if not isinstance(target_modules, list) or not all(isinstance(m, str) for m in target_modules):
         raise LoRAError(f"{where}: target_modules must be a list of module names or a pattern, got {target_modules!r}")
-    leaves = {name.rsplit(".", 1)[-1] for name in targets}
+    leaves = {name.rsplit(".", 1)[-1] for name in targets} | fused
     for module in target_modules:
         leaf = module.rsplit(".", 1)[-1]
         if leaf in NON_LINEAR_TARGETS:
@@ -201,6 +214,39 @@ def _read_tensors(path: Path, where: str) -> dict[str, torch.Tensor]:
         return load_file(str(path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise LoRAError(f"{where}: {WEIGHTS_FILE} is not a readable safetensors file ({exc})") from None
+
+
+def _split_fused(
+    tensors: dict[str, torch.Tensor], targets: dict[str, LoRATarget], fused_modules: dict[str, tuple[str, ...]], where: str
+) -> dict[str, torch.Tensor]:
+    """``tensors`` with each checkpoint-fused module's ``lora_A`` given to every part and its
+    ``lora_B`` rows split among them (see ``load_adapter``)."""
+    if not fused_modules:
+        return tensors
+    split: dict[str, torch.Tensor] = {}
+    for key, tensor in tensors.items():
+        module, _, half = key.removesuffix(".weight").rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        parts = fused_modules.get(leaf) if key.endswith(".weight") and half in ("lora_A", "lora_B") else None
+        if parts is None:
+            split[key] = tensor
+            continue
+        names = [f"{parent.removeprefix(KEY_PREFIX)}.{part}" for part in parts]
+        if any(name not in targets for name in names):
+            raise LoRAError(f"{where}: tensor {key}: the base model has no linear layers {names} for the fused {leaf}")
+        if half == "lora_A":
+            pieces = [tensor] * len(parts)
+        else:
+            sizes = [targets[name].out_features for name in names]
+            if tensor.dim() != 2 or tensor.shape[0] != sum(sizes):
+                raise LoRAError(
+                    f"{where}: {module}.lora_B has shape {tuple(tensor.shape)}, expected {sum(sizes)} rows "
+                    f"({' + '.join(map(str, sizes))}) for the base model's {leaf} (an adapter for another base model?)"
+                )
+            pieces = list(tensor.split(sizes, dim=0))
+        for part, piece in zip(parts, pieces):
+            split[f"{parent}.{part}.{half}.weight"] = piece
+    return split
 
 
 def _pair_tensors(

@@ -40,6 +40,8 @@ class LoRAManager:
         self.batch = LoRABatch(max_tokens, device)
         self.sites: dict[str, LoRASite] = attach_lora(model, self.batch, max_loras, max_lora_rank, dtype)
         self.targets: dict[str, LoRATarget] = {name: site.target for name, site in self.sites.items()}
+        # modules the checkpoint fuses and the model splits (an adapter on one is split too)
+        self.fused_modules: dict[str, tuple[str, ...]] = dict(getattr(model, "lora_fused_modules", {}))
         self.layers = list({id(site.layer): site.layer for site in self.sites.values()}.values())
         self.known: dict[int, LoRARequest] = {}
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU: most recent last
@@ -59,7 +61,7 @@ class LoRAManager:
             if known != request:
                 raise LoRAError(f"lora_int_id {request.lora_int_id} already names adapter {known.lora_name!r} ({known.lora_path})")
             return False
-        adapter = load_adapter(request, self.targets, self.max_lora_rank, self.dtype)
+        adapter = load_adapter(request, self.targets, self.max_lora_rank, self.dtype, self.fused_modules)
         self.known[request.lora_int_id] = request
         self._keep_in_host(adapter)
         logger.info(
@@ -120,7 +122,7 @@ class LoRAManager:
             slot = self.slot_of.pop(victim)
         adapter = self.host.get(lora_int_id)
         if adapter is None:  # dropped from host memory: read again
-            adapter = load_adapter(request, self.targets, self.max_lora_rank, self.dtype)
+            adapter = load_adapter(request, self.targets, self.max_lora_rank, self.dtype, self.fused_modules)
         self._keep_in_host(adapter)
         for layer in self.layers:
             layer.clear_slot(slot)
