@@ -1,6 +1,6 @@
 """int4 kernels and launches per Llama-3.1-8B projection at 1, 4 and 16 rows, against bf16.
 
-    python sonar-cuda/benchmarks/int4_sweep.py [--out sweep.json] [--choices choices.json] [--budget-s 240]
+    python sonar-cuda/benchmarks/int4_sweep.py [--rows 1,4,16] [--out sweep.json] [--choices choices.json] [--budget-s 240]
 
 For qkv 6144x4096, o 4096x4096, gate_up 28672x4096 and down 4096x14336 (GPTQ group 128, bf16
 activations): microseconds per product of each candidate (``sonar_cuda.kernels.int4_gemm``'s
@@ -42,6 +42,11 @@ def candidates(m: int) -> dict[str, Int4Choice]:
             "unit_n32_c4_w8": Int4Choice("unit", Int4Launch(block_n=32, runs_per_chunk=4, num_warps=8)),
             "unit_n64_c2_w8": Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=2, num_warps=8)),
             "unit_n64_c1": Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=1)),
+            "unit_n8_c4_xs": Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4, x_split=True)),
+            "unit_n16_c2_xs": Int4Choice("unit", Int4Launch(block_n=16, runs_per_chunk=2, x_split=True)),
+            "unit_n32_c1_xs": Int4Choice("unit", Int4Launch(block_n=32, runs_per_chunk=1, x_split=True)),
+            "unit_n64_c1_xs": Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=1, x_split=True)),
+            "unit_n4_c4_xs": Int4Choice("unit", Int4Launch(block_n=4, runs_per_chunk=4, x_split=True)),
         }
     return {
         "tiled": Int4Choice("tiled"),
@@ -64,7 +69,7 @@ def run(choice: Int4Choice, x: torch.Tensor, operands: tuple) -> torch.Tensor:
     return out
 
 
-def sweep_shape(name: str, n: int, k: int, deadline: float) -> dict:
+def sweep_shape(name: str, n: int, k: int, deadline: float, rows: tuple[int, ...] = (1, 4, 16)) -> dict:
     from sonar.quantization.int4_packing import pack_int4
     from sonar_cuda import ops as cuda_ops
 
@@ -78,7 +83,7 @@ def sweep_shape(name: str, n: int, k: int, deadline: float) -> dict:
     ]  # fmt: skip
     bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(2, copies // 4))]
     table: dict = {}
-    for m in (1, 4, 16):
+    for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         expected = reference_int4_linear(x, *int4[0], GROUP)
         case: dict = {"bf16": graph_us([lambda w=w: cuda_ops.linear(x, w) for w in bf16])}
@@ -96,11 +101,11 @@ def sweep_shape(name: str, n: int, k: int, deadline: float) -> dict:
     return table
 
 
-def fastest(table: dict) -> list[dict]:
+def fastest(table: dict, rows: tuple[int, ...] = (1, 4, 16)) -> list[dict]:
     """The fastest candidate within ``MAX_ERROR`` per (rows bucket, N, K)."""
     chosen = []
     for name, (n, k) in SHAPES.items():
-        for m in (1, 4, 16):
+        for m in rows:
             case = table.get(f"{name} M={m}", {})
             timed = {
                 label: us for label, us in case.items()
@@ -123,14 +128,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--choices", type=Path, default=None, help="write the fastest candidate per shape here")
     parser.add_argument("--budget-s", type=float, default=240.0)
+    parser.add_argument("--rows", default="1,4,16", help="activation rows to time (of 1, 4, 16)")
     args = parser.parse_args()
+    rows = tuple(int(m) for m in args.rows.split(","))
     started = time.monotonic()
     summary: dict = {"device": torch.cuda.get_device_name(), "us": {}}
     for i, (name, (n, k)) in enumerate(SHAPES.items()):  # an equal share of the budget per shape
-        summary["us"].update(sweep_shape(name, n, k, started + args.budget_s * (i + 1) / len(SHAPES)))
+        summary["us"].update(sweep_shape(name, n, k, started + args.budget_s * (i + 1) / len(SHAPES), rows))
         if args.out:
             args.out.write_text(json.dumps(summary, indent=1))
-    summary["fastest"] = fastest(summary["us"])
+    summary["fastest"] = fastest(summary["us"], rows)
     if args.out:
         args.out.write_text(json.dumps(summary, indent=1))
     if args.choices:

@@ -47,6 +47,7 @@ class Int4Launch:
     num_warps: int = 4
     num_stages: int = 1
     merged: bool = False
+    x_split: bool = False  # the unit GEMV: a chunk's inputs in one load, split into nibble planes
 
 
 @triton.jit

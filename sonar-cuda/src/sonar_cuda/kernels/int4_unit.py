@@ -49,6 +49,20 @@ def _unit(packed, j: tl.constexpr):
 
 
 @triton.jit
+def _split8(x8, NUM_SUB: tl.constexpr, RUN_W: tl.constexpr):
+    """``[1, NUM_SUB, RUN_W, 8]`` -> its eight ``[1, NUM_SUB, RUN_W]`` slices along the last
+    dim, in order (register moves where a thread holds the eight)."""
+    even, odd = tl.split(tl.reshape(x8, (1, NUM_SUB, RUN_W, 4, 2)))  # j = 2 p + q
+    e_lo, e_hi = tl.split(tl.reshape(even, (1, NUM_SUB, RUN_W, 2, 2)))  # p = 2 r + s
+    o_lo, o_hi = tl.split(tl.reshape(odd, (1, NUM_SUB, RUN_W, 2, 2)))
+    x0, x4 = tl.split(e_lo)
+    x2, x6 = tl.split(e_hi)
+    x1, x5 = tl.split(o_lo)
+    x3, x7 = tl.split(o_hi)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
 def _int4_gemv_unit_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr,
     N,
@@ -60,6 +74,7 @@ def _int4_gemv_unit_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    X_SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -82,13 +97,21 @@ def _int4_gemv_unit_kernel(
         scale = tl.load(s_ptr + sz_offsets, mask=sz_mask, other=0.0).to(tl.float32)  # [BLOCK_N, NUM_SUB]
         zero = tl.load(z_ptr + sz_offsets, mask=sz_mask, other=0.0).to(tl.float32)
         x_words = x_ptr + kw * 8
-        x = tl.load(x_words, mask=word_mask, other=0.0).to(tl.float32)  # [1, NUM_SUB, RUN_W]
-        unit_x = _unit(packed, 0) * x
-        x_sum = x
-        for j in tl.static_range(1, 8):
-            x = tl.load(x_words + j, mask=word_mask, other=0.0).to(tl.float32)
-            unit_x += _unit(packed, j) * x
-            x_sum += x
+        if X_SPLIT:  # the chunk's inputs in one contiguous load, split into the nibble planes
+            lanes = tl.arange(0, 8)[None, None, None, :]
+            x8 = tl.load(x_words[:, :, :, None] + lanes, mask=word_mask[:, :, :, None], other=0.0).to(tl.float32)
+            x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x8, NUM_SUB, RUN_W)
+            unit_x = _unit(packed, 0) * x0 + _unit(packed, 1) * x1 + _unit(packed, 2) * x2 + _unit(packed, 3) * x3
+            unit_x += _unit(packed, 4) * x4 + _unit(packed, 5) * x5 + _unit(packed, 6) * x6 + _unit(packed, 7) * x7
+            x_sum = tl.sum(x8, axis=3)
+        else:  # each plane's inputs at stride 8
+            x = tl.load(x_words, mask=word_mask, other=0.0).to(tl.float32)  # [1, NUM_SUB, RUN_W]
+            unit_x = _unit(packed, 0) * x
+            x_sum = x
+            for j in tl.static_range(1, 8):
+                x = tl.load(x_words + j, mask=word_mask, other=0.0).to(tl.float32)
+                unit_x += _unit(packed, j) * x
+                x_sum += x
         acc += unit_x * scale[:, :, None]
         zero_acc += scale * (16.0 + zero) * tl.sum(x_sum, axis=2)
     y = 16.0 * tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(zero_acc, axis=1)
@@ -196,7 +219,7 @@ def int4_gemv_unit(
     _int4_gemv_unit_kernel[(num_tiles, split)](
         x, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, n,
         KW=kw, GROUP=group_size, RUN_W=run_w, RUNS_PER_SPLIT=runs_per_split, NUM_SUB=num_sub,
-        BLOCK_N=launch.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
+        BLOCK_N=launch.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None, X_SPLIT=launch.x_split,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return sum_splits(partials, bias, y) if split > 1 else y
