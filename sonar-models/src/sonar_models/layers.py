@@ -177,3 +177,14 @@ class VocabParallelEmbedding(nn.Embedding):
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` over a fused ``[..., 2 * intermediate]`` input (through ``sonar.ops``)."""
     return ops.silu_and_mul(gate_up)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``gelu(gate) * up`` with the tanh approximation (``gelu_pytorch_tanh``, Gemma's GeGLU),
+    over a fused ``[..., 2 * intermediate]`` input, in the input's dtype as transformers does."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.gelu(gate, approximate="tanh") * up
+
+
+#: the gated activations a config's ``hidden_act`` / ``hidden_activation`` may name
+GATED_ACTIVATIONS = {"silu": silu_and_mul, "gelu_pytorch_tanh": gelu_tanh_and_mul, "gelu_tanh": gelu_tanh_and_mul}

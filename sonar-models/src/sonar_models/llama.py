@@ -22,7 +22,7 @@ from sonar.model_interface import AttentionFactory, kv_cache_spec_for
 from sonar.pipeline import WHOLE_MODEL, IntermediateTensors, PipelineStage, current_stage
 from sonar_models.aux_hidden_states import AuxHiddenStates
 from sonar_models.kv_scales import KVScaleCollector
-from sonar_models.layers import Linear, MergedLinear, RMSNorm, VocabParallelEmbedding, silu_and_mul
+from sonar_models.layers import GATED_ACTIVATIONS, Linear, MergedLinear, RMSNorm, VocabParallelEmbedding
 from sonar_models.rope import RotaryEmbedding, rope_spec_from_config
 from sonar_models.weight_loading import FusedProjection, load_hf_weights
 
@@ -90,6 +90,7 @@ class DecoderAttention(nn.Module):
         qk_norm: bool,
         sliding_window: int | None = None,
         cache_index: int | None = None,
+        scale: float | None = None,
     ) -> None:
         super().__init__()
         group = current_group()
@@ -111,7 +112,7 @@ class DecoderAttention(nn.Module):
         self.sliding_window = sliding_window
         # cache_index: which of the worker's KV caches is this layer's (its stage's own count)
         self.attn = attention(
-            self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5,
+            self.num_heads, self.num_kv_heads, self.head_dim, scale or self.head_dim**-0.5,
             layer_idx if cache_index is None else cache_index, sliding_window=sliding_window,
         )
 
@@ -129,7 +130,7 @@ class DecoderAttention(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))``; under tensor parallelism gate/up are column-parallel and
+    """``down(act(gate(x)) * up(x))`` (``act`` the config's: SiLU, or Gemma's tanh GELU); under tensor parallelism gate/up are column-parallel and
     down row-parallel, its partial outputs all-reduced unless ``reduce_output`` is False (the
     caller then sums them, together with its own: a shared expert)."""
 
@@ -137,8 +138,10 @@ class GatedMLP(nn.Module):
         self, config: Any, bias: bool, prefix: str = "", intermediate_size: int | None = None, reduce_output: bool = True
     ) -> None:
         super().__init__()
-        if config.hidden_act != "silu":
-            raise NotImplementedError(f"hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        activation = getattr(config, "hidden_activation", None) or config.hidden_act
+        if activation not in GATED_ACTIVATIONS:
+            raise NotImplementedError(f"hidden_act={activation!r} is not supported (supported: {', '.join(GATED_ACTIVATIONS)})")
+        self.act_and_mul = GATED_ACTIVATIONS[activation]
         size = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedLinear(
             config.hidden_size, {"gate": size, "up": size}, bias=bias, prefix=f"{prefix}.gate_up_proj", parallel="column"
@@ -148,7 +151,7 @@ class GatedMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.act_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -184,7 +187,12 @@ class DecoderModel(nn.Module):
     ``stage``'s layers are built (the others are ``StageMissingLayer``, so names keep their
     global layer index), the embedding on the first stage and the norm on the last."""
 
-    def __init__(self, layers: list[nn.Module], config: Any, head_dim: int, stage: PipelineStage = WHOLE_MODEL) -> None:
+    embed_scale: float | None = None  # the embedding's output times this, rounded to its dtype (Gemma)
+
+    def __init__(
+        self, layers: list[nn.Module], config: Any, head_dim: int, stage: PipelineStage = WHOLE_MODEL,
+        layer_rope_types: list[str] | None = None,
+    ) -> None:
         super().__init__()
         self.layer_range = stage.layer_range(len(layers))
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size) if stage.is_first else None
@@ -192,6 +200,12 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         spec = rope_spec_from_config(config, head_dim)
         self.rotary_emb = RotaryEmbedding(spec, stretched_context(spec.max_position_embeddings, spec.scaling))
+        # per layer type, where layers rotate differently (Gemma 3: local and global layers)
+        self.layer_rope_types = layer_rope_types
+        self.rotary_by_type = {}
+        for kind in sorted(set(layer_rope_types or ())):
+            kind_spec = rope_spec_from_config(config, head_dim, kind)
+            self.rotary_by_type[kind] = RotaryEmbedding(kind_spec, self.rotary_emb.max_position)
         self.aux_hidden_states = AuxHiddenStates(len(layers))
 
     def forward(
@@ -199,15 +213,22 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor | IntermediateTensors:
         if intermediate is None:
             hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
+            if self.embed_scale is not None:
+                hidden = hidden * hidden.new_tensor(self.embed_scale)
         else:  # a later pipeline stage: the previous stage's output
             hidden, residual = intermediate.hidden, intermediate.residual
-        rope = ops.rotary_tables(self.rotary_emb, positions, hidden.dtype)  # once per step
+        if self.layer_rope_types is None:
+            rope = ops.rotary_tables(self.rotary_emb, positions, hidden.dtype)  # once per step
+            ropes = None
+        else:  # once per step and layer type
+            by_type = {kind: ops.rotary_tables(r, positions, hidden.dtype) for kind, r in self.rotary_by_type.items()}
+            ropes = [by_type[kind] for kind in self.layer_rope_types]
         aux, captured = self.aux_hidden_states, []  # aux layers: none unless a drafter asked (EAGLE-3)
         layers = self.layers
         for i in self.layer_range:
             if i in aux.layer_ids:
                 captured.append(aux.layer_input(hidden, residual))
-            hidden, residual = layers[i](hidden, residual, rope, ctx)
+            hidden, residual = layers[i](hidden, residual, rope if ropes is None else ropes[i], ctx)
         if captured:
             aux.latest = torch.cat(captured, dim=-1)  # [T, len(layer_ids) * hidden]
         if self.norm is None:  # not the last stage: hand on
@@ -256,17 +277,18 @@ class LlamaForCausalLM(nn.Module):
         mlp_bias = bool(getattr(config, "mlp_bias", False))
         self.sliding_windows = self.layer_windows(config)
         layers = [
-            DecoderLayer(
+            self.build_layer(
+                config,
                 DecoderAttention(
-                    config, attention, i, qkv_bias, o_bias, self.qk_norm, self.sliding_windows[i], cache_index=i - layer_ids.start
+                    config, attention, i, qkv_bias, o_bias, self.qk_norm, self.sliding_windows[i], cache_index=i - layer_ids.start,
+                    scale=self.attention_scale(config),
                 ),
                 self.build_mlp(config, i, mlp_bias),
-                config,
             )
             if i in layer_ids else StageMissingLayer()
             for i in range(config.num_hidden_layers)
         ]
-        self.model = DecoderModel(layers, config, self.head_dim, stage)
+        self.model = DecoderModel(layers, config, self.head_dim, stage, self.layer_rope_types(config))
         # vocabulary-parallel: each rank its rows (padded to divide), the logits gathered
         self.lm_head = None  # on the last pipeline stage only
         if stage.is_last:
@@ -275,6 +297,18 @@ class LlamaForCausalLM(nn.Module):
         if self.tie_word_embeddings and stage.is_single:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.aux_hidden_states = self.model.aux_hidden_states  # see sonar_models.aux_hidden_states
+
+    def build_layer(self, config: Any, attn: DecoderAttention, mlp: nn.Module) -> nn.Module:
+        """One decoder layer around its attention and feed-forward blocks (pre-norm, as Llama)."""
+        return DecoderLayer(attn, mlp, config)
+
+    def attention_scale(self, config: Any) -> float | None:
+        """The attention's score scale (None: ``head_dim ** -0.5``)."""
+        return None
+
+    def layer_rope_types(self, config: Any) -> list[str] | None:
+        """Each layer's rotary parameter set where layers rotate differently (None: one set)."""
+        return None
 
     def layer_windows(self, config: Any) -> list[int | None]:
         """Each layer's attention window (None: full attention); see ``sliding_windows_of``."""
@@ -308,6 +342,9 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden_states)
         if self.group.world_size > 1:
             logits = self.group.communicator.all_gather(logits, dim=-1)[:, : self.vocab_size]
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        if cap:  # Gemma's tanh cap on the logits
+            return torch.tanh(logits.float() / cap) * cap
         return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

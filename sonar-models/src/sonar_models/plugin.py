@@ -12,6 +12,8 @@ ARCHITECTURES = {
     "Qwen2ForCausalLM": "sonar_models.llama:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "sonar_models.llama:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "sonar_models.llama:Phi3ForCausalLM",
+    "GemmaForCausalLM": "sonar_models.gemma:GemmaForCausalLM",
+    "Gemma3ForCausalLM": "sonar_models.gemma:Gemma3ForCausalLM",
     "Qwen3MoeForCausalLM": "sonar_models.moe:Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM": "sonar_models.moe:Qwen2MoeForCausalLM",
     "MixtralForCausalLM": "sonar_models.moe:MixtralForCausalLM",

@@ -39,9 +39,13 @@ class RopeSpec:
             raise ValueError(f"rotary_dim={self.rotary_dim} must be even and at most head_dim={self.head_dim}")
 
 
-def rope_spec_from_config(config: Any, head_dim: int) -> RopeSpec:
-    """Read the rotary settings of a Hugging Face config (either generation of field names)."""
+def rope_spec_from_config(config: Any, head_dim: int, layer_type: str | None = None) -> RopeSpec:
+    """Read the rotary settings of a Hugging Face config (either generation of field names);
+    ``layer_type`` picks one set where they are given per layer type (Gemma 3's
+    ``rope_parameters["sliding_attention"]``)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if layer_type is not None and isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type == "su":  # longrope's first name (early Phi-3 configs)

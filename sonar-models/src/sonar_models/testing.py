@@ -62,6 +62,19 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6], "long_factor": [2.0, 3.0, 5.0, 8.0]},
         ),
     ),
+    "gemma": ("GemmaConfig", dict(head_dim=32, hidden_act="gelu_pytorch_tanh")),
+    # a sliding layer (window 8, its own rotary base) and a global one (linear rope scaling)
+    "gemma3": (
+        "Gemma3TextConfig",
+        dict(
+            head_dim=32, query_pre_attn_scalar=24, sliding_window=8, sliding_window_pattern=2,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
+            },
+            max_position_embeddings=2048,
+        ),
+    ),
     # layer 0 routes to 2 of 8 experts, layer 1 is dense (mlp_only_layers)
     "qwen3_moe": (
         "Qwen3MoeConfig",

@@ -1,0 +1,91 @@
+"""Gemma and Gemma 3 (text): Llama's decoder with Gemma's conventions.
+
+- Every RMSNorm scales by ``1 + w`` (the checkpoint stores the offset ``w``); the 1 is added
+  to each norm weight at load, so the platform's RMSNorm kernels run it unchanged.
+- The embedding's output is multiplied by ``sqrt(hidden_size)`` rounded to the model dtype.
+- The MLP is GeGLU (``gelu_pytorch_tanh``), its activation from the config.
+- Gemma 3 adds a norm after the attention and around the MLP (four per layer), per-head q/k
+  norms, a ``query_pre_attn_scalar ** -0.5`` score scale, sliding-window layers that rotate
+  with their own base (``rope_parameters["sliding_attention"]``) beside global layers
+  (``rope_parameters["full_attention"]``, with its scaling), and an optional tanh cap on the
+  logits (``final_logit_softcapping``). A tanh cap on attention scores
+  (``attn_logit_softcapping``, Gemma 2) is refused: the attention kernels do not apply it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch import nn
+
+from sonar.attention import ForwardContext
+from sonar_models.layers import RMSNorm
+from sonar_models.llama import DecoderAttention, LlamaForCausalLM
+
+NORM_LEAVES = ("layernorm.weight", "norm.weight")  # input_layernorm, q_norm, model.norm, ...
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    """Gemma: Llama's layer with ``1 + w`` norms, a scaled embedding and a GeGLU MLP."""
+
+    qkv_bias = False
+    o_bias = False
+
+    def __init__(self, hf_config: Any, attention: Any) -> None:
+        if getattr(hf_config, "attn_logit_softcapping", None):
+            raise NotImplementedError(
+                f"attn_logit_softcapping={hf_config.attn_logit_softcapping} (a tanh cap on attention scores) is not supported yet"
+            )
+        super().__init__(hf_config, attention)
+        self.model.embed_scale = hf_config.hidden_size**0.5
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The norms' ``1 + w`` (in float32, before the copy rounds it to the model dtype)."""
+        for name, tensor in super().checkpoint_tensors(weights):
+            if name.endswith(NORM_LEAVES) and tensor.is_floating_point():
+                tensor = tensor.float() + 1.0
+            yield name, tensor
+
+
+class Gemma3DecoderLayer(nn.Module):
+    """Gemma 3's layer: ``h = x + post_attn_norm(attn(in_norm(x)))``, then
+    ``h + post_ffw_norm(mlp(pre_ffw_norm(h)))``, the residual adds fused into the next norm."""
+
+    def __init__(self, attn: DecoderAttention, mlp: nn.Module, config: Any) -> None:
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        size, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = RMSNorm(size, eps)
+        self.post_attention_layernorm = RMSNorm(size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(size, eps)
+        self.post_feedforward_layernorm = RMSNorm(size, eps)
+
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Any, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(hidden, residual)`` in and out; the layer's output is ``hidden + residual``."""
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.post_attention_layernorm(self.self_attn(hidden, rope, ctx))
+        hidden, residual = self.pre_feedforward_layernorm.add_and_norm(hidden, residual)
+        return self.post_feedforward_layernorm(self.mlp(hidden)), residual
+
+
+class Gemma3ForCausalLM(GemmaForCausalLM):
+    """Gemma 3 (text): Gemma's conventions with four norms a layer, q/k norms, local and
+    global layers that rotate differently, and the query pre-attention scalar."""
+
+    qk_norm = True
+
+    def build_layer(self, config: Any, attn: DecoderAttention, mlp: nn.Module) -> nn.Module:
+        return Gemma3DecoderLayer(attn, mlp, config)
+
+    def attention_scale(self, config: Any) -> float | None:
+        return float(config.query_pre_attn_scalar) ** -0.5
+
+    def layer_rope_types(self, config: Any) -> list[str] | None:
+        return list(config.layer_types)
