@@ -35,18 +35,12 @@ MAX_ERROR = 0.02
 def candidates(m: int) -> dict[str, Int4Choice]:
     if m == 1:
         return {
-            "splitk_n8_c4": Int4Choice("splitk", Int4Launch(block_n=8, runs_per_chunk=4)),
             "unit_n8_c4": Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4)),
-            "unit_n16_c4": Int4Choice("unit", Int4Launch(block_n=16, runs_per_chunk=4)),
-            "unit_n32_c2": Int4Choice("unit", Int4Launch(block_n=32, runs_per_chunk=2)),
-            "unit_n32_c4_w8": Int4Choice("unit", Int4Launch(block_n=32, runs_per_chunk=4, num_warps=8)),
-            "unit_n64_c2_w8": Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=2, num_warps=8)),
             "unit_n64_c1": Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=1)),
+            "unit_n4_c4_xs": Int4Choice("unit", Int4Launch(block_n=4, runs_per_chunk=4, x_split=True)),
             "unit_n8_c4_xs": Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4, x_split=True)),
             "unit_n16_c2_xs": Int4Choice("unit", Int4Launch(block_n=16, runs_per_chunk=2, x_split=True)),
-            "unit_n32_c1_xs": Int4Choice("unit", Int4Launch(block_n=32, runs_per_chunk=1, x_split=True)),
             "unit_n64_c1_xs": Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=1, x_split=True)),
-            "unit_n4_c4_xs": Int4Choice("unit", Int4Launch(block_n=4, runs_per_chunk=4, x_split=True)),
         }
     return {
         "tiled": Int4Choice("tiled"),
