@@ -132,7 +132,7 @@ def sweep() -> dict[str, dict[str, float]]:
 def use_choices(chosen: list[dict]) -> None:
     """Route each (rows bucket, N, K) of ``chosen`` to its kernel and launch."""
     from sonar_cuda.kernels import int4_gemm
-    from sonar_cuda.kernels.int4_splitk import Int4Launch
+    from sonar_cuda.kernels.int4_unit import Int4Launch
 
     for row in chosen:
         launch = Int4Launch(**row["launch"]) if row["launch"] else None

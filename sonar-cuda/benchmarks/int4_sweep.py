@@ -4,7 +4,7 @@
 
 For qkv 6144x4096, o 4096x4096, gate_up 28672x4096 and down 4096x14336 (GPTQ group 128, bf16
 activations): microseconds per product of each candidate (``sonar_cuda.kernels.int4_gemm``'s
-``Int4Choice``: the unit-float kernels, the split-K ones, the tiled GEMM) and of the bf16
+``Int4Choice``: the unit-float kernels' launches, the tiled GEMM) and of the bf16
 product (``sonar_cuda.ops.linear``), each timed as a CUDA graph over copies of the weight that
 together exceed L2, as decode streams them. ``err`` is the largest difference from the float32
 dequantized product over the largest output; a candidate past ``MAX_ERROR`` is not chosen.
@@ -24,7 +24,7 @@ import torch
 
 from sonar_cuda.graph_timing import graph_us
 from sonar_cuda.kernels.int4_gemm import Int4Choice, reference_int4_linear, rows_bucket, run_choice
-from sonar_cuda.kernels.int4_splitk import Int4Launch
+from sonar_cuda.kernels.int4_unit import Int4Launch
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
@@ -44,13 +44,9 @@ def candidates(m: int) -> dict[str, Int4Choice]:
         }
     return {
         "tiled": Int4Choice("tiled"),
-        "splitk_n64": Int4Choice("splitk", Int4Launch(block_n=64, num_stages=3)),
-        "splitk_n128_w8": Int4Choice("splitk", Int4Launch(block_n=128, num_warps=8, num_stages=3)),
         "dot_n64": Int4Choice("unit", Int4Launch(block_n=64, num_stages=3)),
         "dot_n128_w8": Int4Choice("unit", Int4Launch(block_n=128, num_warps=8, num_stages=3)),
         "dot_n64_s1": Int4Choice("unit", Int4Launch(block_n=64, num_stages=1)),
-        "merged_n64": Int4Choice("unit", Int4Launch(block_n=64, num_stages=3, merged=True)),
-        "merged_n128_w8": Int4Choice("unit", Int4Launch(block_n=128, num_warps=8, num_stages=3, merged=True)),
     }
 
 

@@ -1,14 +1,13 @@
-"""Quantized skinny products on Llama-3.1-8B shapes: the old and the split-K kernels against bf16.
+"""FP8 skinny products on Llama-3.1-8B shapes against bf16 (int4's: ``int4_sweep.py``).
 
     python sonar-cuda/benchmarks/quant_gemv_sweep.py [--out sweep.json] [--budget-s 170]
 
 For qkv 6144x4096, o 4096x4096, gate_up 28672x4096 and down 4096x14336 at M = 1, 4, 16 rows:
-microseconds per product of the int4 kernels (GPTQ group 128; the old GEMV / tiled GEMM and
-``sonar_cuda.kernels.int4_splitk`` over a few launches), the FP8 kernels (the unsplit fused
-GEMV and the split-K one at one row, the Triton GEMM for more, activation quantization
-included) and bf16 (``sonar_cuda.ops.linear``). Each is timed as a CUDA graph over copies of
-the weight that together exceed L2, as decode streams them; ``err`` is the largest difference
-from the old kernel over the largest output. Cases past ``--budget-s`` are skipped. Prints one
+microseconds per product of the FP8 kernels (the unsplit fused GEMV and the split-K one at one
+row, the Triton GEMM for more, activation quantization included) and bf16
+(``sonar_cuda.ops.linear``). Each is timed as a CUDA graph over copies of the weight that
+together exceed L2, as decode streams them; ``err`` is the largest difference from the unsplit
+GEMV over the largest output. Cases past ``--budget-s`` are skipped. Prints one
 JSON line per shape and the whole table at the end.
 """
 
@@ -24,7 +23,6 @@ import torch
 from sonar_cuda.graph_timing import graph_us
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-GROUP = 128
 BYTES_PER_CASE = 300e6  # the copies of one weight, together: beyond the 50 MB L2
 
 
@@ -32,23 +30,6 @@ BYTES_PER_CASE = 300e6  # the copies of one weight, together: beyond the 50 MB L
 
 def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     return round(((out.float() - expected.float()).abs().max() / expected.float().abs().max()).item(), 5)
-
-
-def int4_candidates(m: int) -> dict[str, object]:
-    from sonar_cuda.kernels.int4_splitk import Int4Launch
-
-    if m == 1:
-        return {
-            "gemv_n4_c4": Int4Launch(block_n=4, runs_per_chunk=4),
-            "gemv_n8_c4": Int4Launch(block_n=8, runs_per_chunk=4),
-            "gemv_n2_c8": Int4Launch(block_n=2, runs_per_chunk=8),
-            "gemv_n16_c2": Int4Launch(block_n=16, runs_per_chunk=2, num_warps=8),
-        }
-    return {
-        "skinny_n32": Int4Launch(block_n=32, num_stages=3),
-        "skinny_n64": Int4Launch(block_n=64, num_stages=3),
-        "skinny_n128": Int4Launch(block_n=128, num_stages=3, num_warps=8),
-    }
 
 
 def fp8_candidates() -> dict[str, object]:
@@ -62,23 +43,12 @@ def fp8_candidates() -> dict[str, object]:
 
 
 def sweep_shape(name: str, n: int, k: int, deadline: float) -> dict:
-    from sonar.quantization.int4_packing import pack_int4
     from sonar_cuda import ops as cuda_ops
     from sonar_cuda.kernels.fp8_gemm import fp8_gemm
     from sonar_cuda.kernels.fp8_gemv import fp8_gemv
     from sonar_cuda.kernels.fp8_gemv_splitk import fp8_gemv_splitk
     from sonar_cuda.kernels.fp8_quant import quantize_rows
-    from sonar_cuda.kernels.int4_gemm import int4_gemm, int4_gemv
-    from sonar_cuda.kernels.int4_splitk import int4_gemv_splitk, int4_skinny_gemm
 
-    groups = k // GROUP
-    int4_copies = max(2, int(BYTES_PER_CASE // (n * k // 2)))
-    int4 = [
-        (pack_int4(torch.randint(0, 16, (n, k), device="cuda"), dim=1),
-         (torch.rand(groups, n, device="cuda") * 0.02 + 0.001).to(torch.bfloat16),
-         torch.randint(0, 16, (groups, n), device="cuda").to(torch.bfloat16))
-        for _ in range(int4_copies)
-    ]  # fmt: skip
     fp8_copies = max(2, int(BYTES_PER_CASE // (n * k)))
     fp8 = [(torch.randn(n, k, device="cuda") * 0.02).to(torch.float8_e4m3fn) for _ in range(fp8_copies)]
     bf16 = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(max(2, fp8_copies // 2))]
@@ -87,17 +57,6 @@ def sweep_shape(name: str, n: int, k: int, deadline: float) -> dict:
     for m in (1, 4, 16):
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         case: dict = {"bf16": graph_us([lambda w=w: cuda_ops.linear(x, w) for w in bf16])}
-        # int4
-        old_int4 = int4_gemv if m == 1 else int4_gemm
-        case["int4_old"] = graph_us([lambda p=p: old_int4(x, *p, GROUP) for p in int4])
-        expected = old_int4(x, *int4[0], GROUP)
-        new_int4 = int4_gemv_splitk if m == 1 else int4_skinny_gemm
-        for label, launch in int4_candidates(m).items():
-            if time.monotonic() > deadline:
-                case[f"int4_{label}"] = "skipped"
-                continue
-            case[f"int4_{label}"] = graph_us([lambda p=p, launch=launch: new_int4(x, *p, GROUP, None, launch) for p in int4])
-            case[f"int4_{label}_err"] = relative_error(new_int4(x, *int4[0], GROUP, None, launch), expected)
         # FP8
         if m == 1:
             case["fp8_gemv"] = graph_us([lambda w=w: fp8_gemv(x, w, fp8_scale, None) for w in fp8])
@@ -117,7 +76,7 @@ def sweep_shape(name: str, n: int, k: int, deadline: float) -> dict:
             case["fp8_triton_gemm"] = graph_us([lambda w=w: fp8_tiled(w) for w in fp8])
         table[f"{name} M={m}"] = case
         print(json.dumps({f"{name} M={m}": case}), flush=True)
-    del int4, fp8, bf16
+    del fp8, bf16
     torch.cuda.empty_cache()
     return table
 

@@ -1,18 +1,20 @@
 """The unit-float int4 kernels (one row: nibble-strided GEMV; 2 to 16 rows: the transposed
 tensor-core product) against the dequantized product: split and unsplit, groups of 32/64/128
-inputs and whole rows, output counts that no tile divides, zero points 0..16, bias; the tensor-core kernel's
-per-plane and merged forms."""
+inputs and whole rows, output counts that no tile divides, zero points 0..16, bias, the GEMV's two ways of reading
+its inputs; and through the ``int4_linear`` op (with act-order, at Llama-3.1-8B shapes, in a
+CUDA graph)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from paged_batch import dtypes_for
+from paged_batch import GPU_DTYPES, dtypes_for
 from test_cuda_int4 import random_int4
 
 from sonar_cuda.kernels.int4_gemm import reference_int4_linear
-from sonar_cuda.kernels.int4_splitk import Int4Launch
-from sonar_cuda.kernels.int4_unit import int4_dot_rows, int4_gemv_unit
+from sonar.quantization.int4_packing import dequantize_int4
+from sonar_cuda import ops as cuda_ops
+from sonar_cuda.kernels.int4_unit import Int4Launch, int4_dot_rows, int4_gemv_unit
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 GEMV_CASES = [  # (N, K, group, bias, launch)
@@ -29,8 +31,6 @@ DOT_CASES = [  # (M, N, K, group, bias, launch)
     (16, 24, 256, -1, False, Int4Launch(block_n=16, split_k=1)),
     (5, 70, 384, 128, False, Int4Launch(block_n=32)),
     (1, 64, 256, 128, True, Int4Launch(block_n=64)),
-    (3, 40, 512, 128, True, Int4Launch(block_n=16, split_k=2, merged=True)),
-    (16, 24, 256, -1, False, Int4Launch(block_n=16, merged=True)),
 ]
 
 
@@ -59,3 +59,42 @@ def test_transposed_dot_matches_the_dequantized_product(m: int, n: int, k: int, 
         x = torch.randn(m, k, generator=gen).to(dtype).to(device)
         bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
         assert_close_to_reference(int4_dot_rows(x, *operands, bias, launch), x, operands, bias)
+
+
+def test_the_op_takes_the_unit_kernels_with_act_order(device: torch.device) -> None:
+    qweight, scales, qzeros, group = random_int4(48, 512, 128, torch.float32, device)
+    order = torch.randperm(512, generator=torch.Generator().manual_seed(5)).to(device)
+    bias = torch.randn(48, generator=torch.Generator().manual_seed(6)).to(device)
+    weight = dequantize_int4(qweight, scales, qzeros, group)
+    for rows in (1, 3):
+        x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(device)
+        out = cuda_ops.int4_linear(x, qweight, scales, qzeros, group, order, bias)
+        torch.testing.assert_close(out, x[:, order] @ weight.t() + bias, atol=1e-4, rtol=1e-4)
+
+
+LLAMA_8B = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES)
+@pytest.mark.parametrize("n, k", LLAMA_8B)
+def test_the_chosen_kernels_at_llama_8b_shapes(n: int, k: int, dtype: torch.dtype, device: torch.device) -> None:
+    operands = random_int4(n, k, 128, dtype, device)
+    for m in (1, 4, 16):
+        x = torch.randn(m, k, device=device).to(dtype)
+        assert_close_to_reference(cuda_ops.int4_linear(x, *operands), x, operands, None)
+
+
+@pytest.mark.cuda
+def test_the_chosen_kernels_replay_in_a_cuda_graph(device: torch.device) -> None:
+    operands = random_int4(4096, 14336, 128, torch.bfloat16, device)
+    for rows in (1, 16):
+        x = torch.randn(rows, 14336, device=device, dtype=torch.bfloat16)
+        cuda_ops.int4_linear(x, *operands)  # compile outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = cuda_ops.int4_linear(x, *operands)
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        assert_close_to_reference(out, x, operands, None)
+

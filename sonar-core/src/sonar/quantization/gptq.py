@@ -156,7 +156,7 @@ class GPTQMethod(QuantizationMethod):
 
     name = "gptq"
     reads = "GPTQ int4 (qweight/qzeros/scales/g_idx; group 128, other multiples of 8 or -1; sym or not; desc_act; checkpoint_format gptq or gptq_v2)"
-    execution = {"cpu": "dequantized per layer, torch matmul", "cuda": "Triton int4 GEMV (one row) and tiled GEMM, dequantized in registers"}
+    execution = {"cpu": "dequantized per layer, torch matmul", "cuda": "Triton: a GEMV for one row and a tensor-core product for 2-16, nibbles read as unit floats; a tiled GEMM dequantized in registers for more"}
     tested_by = {"cpu": "tests/test_quant_int4.py", "cuda": "tests/test_quant_cuda.py"}
 
     def __init__(self, group_size: int = 128, zero_offset: int = 1, unconverted: tuple[str, ...] = ()) -> None:

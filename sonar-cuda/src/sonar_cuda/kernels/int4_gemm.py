@@ -14,8 +14,8 @@ activations' dtype, ``W[n, k] = (q[n, k] - zero[g, n]) * scale[g, n]`` with ``g 
 
 Both are plain launches on preallocated outputs (no host sync), so decode graphs capture them.
 :func:`int4_linear` runs one to 16 rows through the kernels that do not reshape the nibbles
-(``sonar_cuda.kernels.int4_unit``, ``sonar_cuda.kernels.int4_splitk``): ``DEFAULT_CHOICES``
-names the kernel and launch per rows bucket, ``CHOICES`` per shape where the sweep found better.
+(``sonar_cuda.kernels.int4_unit``): ``DEFAULT_CHOICES`` names the kernel and launch per rows
+bucket, ``CHOICES`` per shape where ``benchmarks/int4_sweep.py`` found better.
 """
 
 from __future__ import annotations
@@ -26,8 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sonar_cuda.kernels.int4_splitk import Int4Launch, int4_gemv_splitk, int4_skinny_gemm, run_inputs, skinny_takes
-from sonar_cuda.kernels.int4_unit import dot_takes, int4_dot_rows, int4_gemv_unit
+from sonar_cuda.kernels.int4_unit import Int4Launch, dot_takes, int4_dot_rows, int4_gemv_unit, run_inputs
 
 PACK = 8  # int4 values per int32 word
 # the GEMV's launch: output rows per program, inputs per unrolled chunk, warps (the best of
@@ -41,25 +40,30 @@ SKINNY_MAX_ROWS = 16
 class Int4Choice:
     """Which kernel runs a product of 1 to 16 rows, and its launch: ``"unit"``
     (``sonar_cuda.kernels.int4_unit``: the unit-float GEMV at one row, the transposed
-    tensor-core product for more), ``"splitk"`` (``sonar_cuda.kernels.int4_splitk``) or
-    ``"tiled"`` (the GEMV and tiled GEMM here; no launch)."""
+    tensor-core product for more) or ``"tiled"`` (the GEMV and tiled GEMM here; no launch)."""
 
     kernel: str
     launch: Int4Launch | None = None
 
 
-# the split-K kernels' launches, from quant_gemv_sweep.py on an H200 (Llama-3.1-8B, group 128,
-# bf16, us: split-K / old kernels / bf16): one row, 8 rows per program over chunks of 512
-# inputs: qkv 13.9 / 41.1 / 12.9, o 9.7 / 27.8 / 9.4, gate_up 51.1 / 169.8 / 56.1; 2-4 rows, 64
-# outputs per program: o 13.8 / 20.5 / 12.4, gate_up 65.2 / 91.7 / 59.7; 5-16 rows, 128 outputs:
-# o 16.5 / 20.9 / 12.5, but gate_up 101.9 against the old tiled GEMM's 88.6
+# from benchmarks/int4_sweep.py on an H100 (Llama-3.1-8B, group 128, bf16 activations; us per
+# product, unit / the split-K kernels these replaced / bf16): one row, 8 output rows per
+# program over chunks of 512 inputs: qkv 12.7 / 13.6 / 17.7, o 9.4 / 9.6 / 12.5, gate_up
+# 47.6 / 50.6 / 88.7; down 24.6 with 64 rows a program (28.2 with 8; split-K 29.3, bf16 44.9).
+# 2 to 16 rows, the tensor-core product with 128 output rows a program: at 16 rows qkv 18.5 /
+# 22.3 / 21.7, gate_up 64.4 / 101.0 / 94.5, down 34.0 / 47.2 / 48.6; o 14.6 with 64 rows and
+# one stage (bf16 15.9)
 DEFAULT_CHOICES = {
-    1: Int4Choice("splitk", Int4Launch(block_n=8, runs_per_chunk=4)),
-    4: Int4Choice("splitk", Int4Launch(block_n=64, num_stages=3)),
-    16: Int4Choice("splitk", Int4Launch(block_n=128, num_warps=8, num_stages=3)),
+    1: Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4)),
+    4: Int4Choice("unit", Int4Launch(block_n=128, num_warps=8, num_stages=3)),
+    16: Int4Choice("unit", Int4Launch(block_n=128, num_warps=8, num_stages=3)),
 }
 # (rows bucket, N, K) -> the choice where it differs from DEFAULT_CHOICES
-CHOICES: dict[tuple[int, int, int], Int4Choice] = {(16, 28672, 4096): Int4Choice("tiled")}
+CHOICES: dict[tuple[int, int, int], Int4Choice] = {
+    (1, 4096, 14336): Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=1)),
+    (4, 4096, 4096): Int4Choice("unit", Int4Launch(block_n=64, num_stages=1)),
+    (16, 4096, 4096): Int4Choice("unit", Int4Launch(block_n=64, num_stages=1)),
+}
 
 
 def rows_bucket(m: int) -> int:
@@ -278,17 +282,11 @@ def run_choice(
     """``x @ W.T (+ bias)`` for ``x`` ``[M, K]`` (1 to 16 rows) by ``choice``'s kernel; None
     where that kernel does not take the shape (the caller falls back to the kernels here)."""
     m, k = x.shape
-    one_row = m == 1 and x.is_contiguous()
     if choice.kernel == "unit":
-        if one_row and run_inputs(k, group_size):
+        if m == 1 and x.is_contiguous() and run_inputs(k, group_size):
             return int4_gemv_unit(x, qweight, scales, qzeros, group_size, bias, choice.launch)
         if dot_takes(k, group_size):
             return int4_dot_rows(x, qweight, scales, qzeros, group_size, bias, choice.launch)
-    elif choice.kernel == "splitk":
-        if one_row and run_inputs(k, group_size):
-            return int4_gemv_splitk(x, qweight, scales, qzeros, group_size, bias, choice.launch)
-        if m > 1 and skinny_takes(k, group_size):
-            return int4_skinny_gemm(x, qweight, scales, qzeros, group_size, bias, choice.launch)
     return None
 
 

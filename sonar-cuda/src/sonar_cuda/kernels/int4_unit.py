@@ -26,16 +26,31 @@ Plain launches on preallocated tensors: decode graphs capture them.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
-from sonar_cuda.kernels.int4_splitk import Int4Launch, _split_of, run_inputs
-from sonar_cuda.kernels.splitk import sum_splits
+from sonar_cuda.kernels.splitk import choose_split, num_sms, sum_splits
 
 PACK = 8
 DOT_RUN = 128  # inputs per run of the tensor-core kernel: 16 words, the smallest product depth
 DOT_ROWS = 16  # activation rows one tensor-core program covers
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Launch:
+    """How a kernel here covers a product: output rows per program, runs of inputs per
+    unrolled chunk (GEMV), split-K factor (0: chosen from the shape), warps, stages, and
+    whether the GEMV loads a chunk's inputs at once and splits them into nibble planes."""
+
+    block_n: int
+    runs_per_chunk: int = 1
+    split_k: int = 0
+    num_warps: int = 4
+    num_stages: int = 1
+    x_split: bool = False
 
 
 @triton.jit
@@ -135,7 +150,6 @@ def _int4_dot_rows_kernel(
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     IEEE: tl.constexpr,
-    MERGED: tl.constexpr,
 ):  # fmt: skip
     RUN_W: tl.constexpr = 16
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -145,8 +159,6 @@ def _int4_dot_rows_kernel(
     words = tl.arange(0, RUN_W)
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * KW + words[None, :]  # [BLOCK_N, RUN_W]
     x_cols = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + words[:, None] * 8  # [RUN_W, BLOCK_M]
-    order = tl.arange(0, 8 * RUN_W)
-    x_planes = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + ((order % RUN_W) * 8 + order // RUN_W)[:, None]
     run_begin = pid_k * RUNS_PER_SPLIT
     run_end = tl.minimum(run_begin + RUNS_PER_SPLIT, KW // RUN_W)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
@@ -155,30 +167,17 @@ def _int4_dot_rows_kernel(
         group = (run * RUN_W * 8) // GROUP
         scale = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        if MERGED:
-            # the eight nibble planes side by side, [BLOCK_N, 8 * RUN_W] (column j RUN_W + w is
-            # input 8 w + j), against the activations gathered in that order: one product
-            planes = tl.arange(0, 8)[None, :, None]
-            bits = (((packed[:, None, :] >> (4 * planes)) & 0xF) << 19) | 0x3F800000
-            unit = tl.reshape(bits.to(tl.float32, bitcast=True), (BLOCK_N, 8 * RUN_W)).to(x_ptr.dtype.element_ty)
-            x = tl.load(x_planes + run * RUN_W * 8, mask=m_mask[None, :], other=0.0)  # [8 RUN_W, BLOCK_M]
+        unit_x = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        x_sum = tl.zeros([RUN_W, BLOCK_M], tl.float32)
+        for j in tl.static_range(8):
+            x = tl.load(x_cols + run * RUN_W * 8 + j, mask=m_mask[None, :], other=0.0)  # [RUN_W, BLOCK_M]
+            unit = _unit(packed, j).to(x.dtype)  # [BLOCK_N, RUN_W], exact
             if IEEE:
-                unit_x = tl.dot(unit, x, input_precision="ieee")
+                unit_x = tl.dot(unit, x, unit_x, input_precision="ieee")
             else:
-                unit_x = tl.dot(unit, x)
-            x_total = tl.sum(x.to(tl.float32), axis=0)
-        else:
-            unit_x = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            x_sum = tl.zeros([RUN_W, BLOCK_M], tl.float32)
-            for j in tl.static_range(8):
-                x = tl.load(x_cols + run * RUN_W * 8 + j, mask=m_mask[None, :], other=0.0)  # [RUN_W, BLOCK_M]
-                unit = _unit(packed, j).to(x.dtype)  # [BLOCK_N, RUN_W], exact
-                if IEEE:
-                    unit_x = tl.dot(unit, x, unit_x, input_precision="ieee")
-                else:
-                    unit_x = tl.dot(unit, x, unit_x)
-                x_sum += x.to(tl.float32)
-            x_total = tl.sum(x_sum, axis=0)
+                unit_x = tl.dot(unit, x, unit_x)
+            x_sum += x.to(tl.float32)
+        x_total = tl.sum(x_sum, axis=0)
         acc += scale[:, None] * (16.0 * unit_x - (16.0 + zero)[:, None] * x_total[None, :])
     out = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M] of y [M, N]
     mask = n_mask[:, None] & m_mask[None, :]
@@ -190,9 +189,25 @@ def _int4_dot_rows_kernel(
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+def run_inputs(in_features: int, group_size: int) -> int | None:
+    """Inputs per run of the GEMV: the longest of 128, 64, 32 that both the row and a group
+    split into evenly (None: the GEMV does not take the shape)."""
+    for run in (128, 64, 32):
+        if in_features % run == 0 and group_size % run == 0:
+            return run
+    return None
+
+
 def dot_takes(in_features: int, group_size: int) -> bool:
     """Whether :func:`int4_dot_rows` takes this shape (runs of 128 inputs)."""
     return in_features % DOT_RUN == 0 and group_size % DOT_RUN == 0
+
+
+def _split_of(launch: Int4Launch, num_tiles: int, num_runs: int, device: torch.device) -> tuple[int, int]:
+    """``(split_k, runs per split)`` with no empty split."""
+    split = launch.split_k or choose_split(num_tiles, num_runs, num_sms(device))
+    runs_per_split = triton.cdiv(num_runs, max(1, min(split, num_runs)))
+    return triton.cdiv(num_runs, runs_per_split), runs_per_split
 
 
 def int4_gemv_unit(
@@ -250,7 +265,7 @@ def int4_dot_rows(
     _int4_dot_rows_kernel[(num_tiles, split)](
         x, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, m, n, x.stride(0),
         KW=kw, GROUP=group_size, RUNS_PER_SPLIT=runs_per_split, BLOCK_M=DOT_ROWS, BLOCK_N=launch.block_n,
-        SPLIT=split > 1, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32, MERGED=launch.merged,
+        SPLIT=split > 1, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return sum_splits(partials, bias, y) if split > 1 else y
