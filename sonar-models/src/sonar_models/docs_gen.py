@@ -41,6 +41,14 @@ def model_rows() -> list[str]:
     return rows
 
 
+def rope_rows() -> list[str]:
+    from sonar_models.rope import ROPE_TYPES
+
+    rows = ["| `rope_type` | what it does |", "|---|---|"]
+    rows += [f"| `{name}` | {what} |" for name, what in ROPE_TYPES.items()]
+    return rows
+
+
 def format_rows() -> list[str]:
     from sonar.registry import weight_formats
 
@@ -90,6 +98,9 @@ def render() -> str:
         HEADER,
         "## Architectures\n",
         *model_rows(),
+        "\n## Rotary scalings\n",
+        "Read from `rope_parameters` (or `rope_scaling` and `rope_theta`) of config.json, or laid over it with `--hf-overrides`.\n",
+        *rope_rows(),
         "\n## Weight formats\n",
         *format_rows(),
         "\n## GGUF architectures\n",

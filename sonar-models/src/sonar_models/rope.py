@@ -23,6 +23,17 @@ from typing import Any
 import torch
 
 
+#: the supported ``rope_type`` values, and what each does (the generated model matrix lists them)
+ROPE_TYPES = {
+    "default": "the config's base, unscaled",
+    "linear": "positions divided by `factor`; the context stretched by `factor`",
+    "llama3": "Llama 3.1: long wavelengths slowed by `factor`, short ones kept, the band between interpolated",
+    "yarn": "YaRN (`factor`, `original_max_position_embeddings`, `beta_fast`/`beta_slow`, `mscale`/`mscale_all_dim` or `attention_factor`, `truncate`); cos/sin scaled by its attention factor; the context stretched to the pretraining length times `factor`",
+    "dynamic": "dynamic NTK: the base stretched at each position past `max_position_embeddings` as transformers does for that length; the context stretched by `factor`",
+    "longrope": "LongRoPE (`su`; Phi-3): `short_factor` before `original_max_position_embeddings`, `long_factor` from there, cos/sin scaled by its attention factor",
+}
+
+
 @dataclass(slots=True)
 class RopeSpec:
     """What decides a model's rotary frequencies."""
@@ -79,9 +90,7 @@ def inverse_frequencies(spec: RopeSpec) -> torch.Tensor:
         return _yarn_scaled(spec)
     if spec.rope_type == "longrope":
         return _longrope(spec, "short_factor")
-    raise NotImplementedError(
-        f"rope_type={spec.rope_type!r} is not supported yet (supported: default, linear, llama3, yarn, dynamic, longrope)"
-    )
+    raise NotImplementedError(f"rope_type={spec.rope_type!r} is not supported yet (supported: {', '.join(ROPE_TYPES)})")
 
 
 def position_frequencies(spec: RopeSpec, positions: torch.Tensor) -> torch.Tensor:
