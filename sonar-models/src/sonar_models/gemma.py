@@ -89,3 +89,38 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
 
     def layer_rope_types(self, config: Any) -> list[str] | None:
         return list(config.layer_types)
+
+
+class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+    """Gemma 3's image-and-text checkpoints (4B and up) served as text models: the language
+    model's weights, under either naming (``language_model.model.*``, as published, or
+    ``model.language_model.*``); the vision tower and its projector are not loaded, so a
+    request with images is refused as for any text model."""
+
+    VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector.")
+
+    @staticmethod
+    def language_model_config(hf_config: Any) -> Any:
+        """The text config the model is built from, carrying the checkpoint's architecture,
+        quantization and dtype."""
+        text = hf_config.get_text_config()
+        text.architectures = list(getattr(hf_config, "architectures", None) or ["Gemma3ForConditionalGeneration"])
+        for name in ("quantization_config", "dtype", "torch_dtype"):
+            value = getattr(hf_config, name, None)
+            if value is not None and getattr(text, name, None) is None:
+                setattr(text, name, value)
+        return text
+
+    def checkpoint_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        def language_model(items: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+            for name, tensor in items:
+                if name.startswith(self.VISION_PREFIXES):
+                    continue
+                if name.startswith("language_model."):
+                    name = name.removeprefix("language_model.")  # language_model.model.x, language_model.lm_head.x
+                elif name.startswith("model.language_model."):
+                    name = "model." + name.removeprefix("model.language_model.")
+                yield name, tensor
+
+        return super().checkpoint_tensors(language_model(weights))
+

@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "Phi3ForCausalLM": "sonar_models.llama:Phi3ForCausalLM",
     "GemmaForCausalLM": "sonar_models.gemma:GemmaForCausalLM",
     "Gemma3ForCausalLM": "sonar_models.gemma:Gemma3ForCausalLM",
+    "Gemma3ForConditionalGeneration": "sonar_models.gemma:Gemma3ForConditionalGeneration",
     "Qwen3MoeForCausalLM": "sonar_models.moe:Qwen3MoeForCausalLM",
     "Qwen2MoeForCausalLM": "sonar_models.moe:Qwen2MoeForCausalLM",
     "MixtralForCausalLM": "sonar_models.moe:MixtralForCausalLM",

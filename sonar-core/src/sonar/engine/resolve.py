@@ -121,8 +121,7 @@ def resolve_engine_config(args: EngineArgs, platform: type[Platform]) -> tuple[E
     model_path = resolve_model_path(args.model or default_model_path(), args.revision, args.download_dir)
     check_remote_code(model_path, args.trust_remote_code)
     format_name, fmt = select_weight_format(model_path, args.load_format)
-    hf_config = apply_hf_overrides(fmt.load_hf_config(model_path), args.hf_overrides)
-    architecture_of(hf_config)  # an unsupported model fails here, before anything loads
+    hf_config = load_model_hf_config(fmt, model_path, args.hf_overrides)  # an unsupported model fails here
     if args.tensor_parallel_size > 1 and not getattr(resolve_model_class(hf_config), "supports_tensor_parallel", False):
         raise ValueError(
             f"{architecture_of(hf_config)} does not run with tensor parallelism yet "
@@ -236,6 +235,19 @@ def _check_pipeline(pp: int, hf_config: Any) -> None:
     partition_layers(hf_config.num_hidden_layers, pp)
 
 
+def load_model_hf_config(fmt: Any, model_path: Path, overrides: dict[str, Any] | None) -> Any:
+    """The config the model is built from: the files' (``overrides`` laid over it), or, for an
+    architecture whose class serves only the language model of a composite checkpoint, the
+    part its ``language_model_config(hf_config)`` returns.
+
+    :raises ValueError: no registered architecture runs it.
+    """
+    hf_config = apply_hf_overrides(fmt.load_hf_config(model_path), overrides)
+    architecture_of(hf_config)
+    language_model_config = getattr(resolve_model_class(hf_config), "language_model_config", None)
+    return language_model_config(hf_config) if language_model_config is not None else hf_config
+
+
 def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> Any:
     """``hf_config`` with ``overrides`` (vLLM's ``hf_overrides``) laid over it: a field holding
     a nested config (``text_config``) takes a mapping field by field; any other is replaced."""
@@ -256,7 +268,7 @@ def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any] | None) -> Any:
 def model_config_of(config: EngineConfig) -> ModelConfig:
     """The model config the workers load from (reads the model's config file again)."""
     _, fmt = select_weight_format(Path(config.model), config.load_format)
-    hf_config = apply_hf_overrides(fmt.load_hf_config(Path(config.model)), config.hf_overrides)
+    hf_config = load_model_hf_config(fmt, Path(config.model), config.hf_overrides)
     if config.quantization in (None, "unquantized"):
         hf_config.quantization_config = None  # forced unquantized: the weights must come as floats
     return ModelConfig(
