@@ -11,7 +11,16 @@ import pytest
 
 from sonar.engine import wire
 from sonar.engine.input_processor import InputProcessor, _encode_all
-from sonar.sampling_params import MAX_BAD_WORD_SEQUENCES, MAX_BAD_WORD_TOKENS, MAX_WORD_CHARS, MAX_WORDS, SamplingParams
+from sonar.sampling_params import (
+    MAX_BAD_WORD_SEQUENCES,
+    MAX_BAD_WORD_TOKENS,
+    MAX_FREE_FORM_KEYS,
+    MAX_WORD_CHARS,
+    MAX_WORDS,
+    SamplingParams,
+    check_token_id_counts,
+)
+from sonar.structured_output.params import MAX_JSON_VALUES, GuidedDecodingParams
 from sonar_models.testing import smollm2_tokenizer
 
 HOSTILE = [None, True, False, 0, 1, 2, -1, 2**63, 2**64, 10**30, 0.5, -0.5, float("nan"), float("inf"), "", "x", "true",
@@ -80,6 +89,46 @@ def test_a_bad_word_longer_than_the_token_limit_is_refused_naming_it() -> None:
     long_word = "zq" * 100  # well within the characters, far past 64 tokens
     with pytest.raises(ValueError, match=r"bad_words entry 'zqzq.*' is \d+ tokens long; a bad word may be at most 64 tokens"):
         processor.resolve_word_lists(SamplingParams(bad_words=["fine", long_word]))
+
+
+def test_token_id_lists_are_sets_bounded_by_the_vocabulary_before_anything_walks_them() -> None:
+    params = SamplingParams(allowed_token_ids=[7, 5, 7, 5] * 1000, dry_sequence_breaker_ids=[3, 3, 1], stop_token_ids=[2, 2])
+    assert (params.allowed_token_ids, params.dry_sequence_breaker_ids, params.stop_token_ids) == ([7, 5], [3, 1], [2])
+    vocab = 49152
+    full = {"allowed_token_ids": list(range(vocab)), "logit_bias": {str(t): 1.0 for t in range(vocab)}}
+    check_token_id_counts(full, vocab)  # the whole vocabulary is a legitimate list
+    assert len(SamplingParams(**full).allowed_token_ids) == vocab
+    for field in ("allowed_token_ids", "stop_token_ids", "dry_sequence_breaker_ids", "logit_bias"):
+        # entries that are not even token ids: only the count is read, nothing is walked
+        oversized = dict.fromkeys(map(str, range(vocab + 1)), None) if field == "logit_bias" else [None] * 2_000_000
+        with pytest.raises(ValueError, match=f"{field} has {len(oversized)} entries; the model's vocabulary has 49152 tokens"):
+            check_token_id_counts({field: oversized}, vocab)
+    check_token_id_counts({"allowed_token_ids": None, "stop": ["x"] * 100_000}, vocab)  # other fields are not its business
+
+
+def test_stage_lists_and_free_form_maps_are_bounded_before_they_are_walked() -> None:
+    with pytest.raises(ValueError, match=r"sampler_priority lists 1000000 stages; there are \d+ stages to order"):
+        SamplingParams(sampler_priority=["no such stage"] * 1_000_000)  # refused by count, not looked up entry by entry
+    assert SamplingParams(sampler_priority=["temperature", "top_k"]).sampler_priority
+    for field in ("extra_args", "kv_transfer_params"):
+        assert SamplingParams(**{field: {f"k{i}": i for i in range(MAX_FREE_FORM_KEYS)}})
+        with pytest.raises(ValueError, match=f"{field} takes at most 256 keys, got 300000"):
+            SamplingParams(**{field: {f"k{i}": i for i in range(300_000)}})
+    with pytest.raises(ValueError, match="stop takes at most 256 strings, got 1000000"):
+        SamplingParams(stop=[None] * 1_000_000)  # the count is refused before the entries' types are read
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_its_ids_are_read() -> None:
+    processor = InputProcessor(SimpleNamespace(max_model_len=512, vocab_size=49152), None)
+    with pytest.raises(ValueError, match="the prompt is 2000000 tokens, the model's context is 512 tokens"):
+        processor.validate([None] * 2_000_000, SamplingParams())
+
+
+def test_a_json_schema_walk_stops_at_its_bound() -> None:
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(MAX_JSON_VALUES)}}
+    with pytest.raises(ValueError, match="the JSON schema holds more than 100000 values"):
+        GuidedDecodingParams(json=wide)
+    assert GuidedDecodingParams(json={"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}}).json
 
 
 def test_a_logits_processor_named_many_times_runs_once() -> None:

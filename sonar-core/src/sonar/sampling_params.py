@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,11 @@ MAX_WORDS = 1024  # strings a word list may hold
 MAX_WORD_CHARS = 256  # characters each of them may hold
 MAX_BAD_WORD_SEQUENCES = 2 * MAX_WORDS  # bad_words_token_ids entries: each bad word becomes up to two (with and without a leading space)
 MAX_BAD_WORD_TOKENS = 64  # tokens each of those entries may hold
+# token-id lists are sets of tokens (repeats count once) and logit_bias maps tokens: none can
+# hold more distinct entries than the vocabulary has tokens, which a frontend that knows the
+# vocabulary checks before anything walks them (``check_token_id_counts``)
+TOKEN_ID_FIELDS = ("allowed_token_ids", "stop_token_ids", "dry_sequence_breaker_ids", "logit_bias")
+MAX_FREE_FORM_KEYS = 256  # keys of extra_args and of kv_transfer_params
 _FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "repetition_penalty_slope", "dry_multiplier", "dry_base", "xtc_threshold", "xtc_probability",
@@ -55,9 +61,13 @@ class SamplingParams:
     ``dry_sequence_breakers`` likewise into ``dry_sequence_breaker_ids`` (either id field may
     also be given directly); each list holds at most ``MAX_WORDS`` strings of ``MAX_WORD_CHARS``
     characters, and ``bad_words_token_ids`` at most ``MAX_BAD_WORD_SEQUENCES`` sequences of
-    ``MAX_BAD_WORD_TOKENS`` tokens. ``extra_args`` (vLLM's field) carries the parameters of plugins'
-    sampler stages under their namespaced names (``{"example.boost": 2.0}``); a namespaced key
-    no registered stage declares, or a value that does not fit, is a ValueError naming it.
+    ``MAX_BAD_WORD_TOKENS`` tokens. ``stop_token_ids``, ``allowed_token_ids`` and
+    ``dry_sequence_breaker_ids`` are sets of tokens: a repeated id counts once.
+    ``extra_args`` (vLLM's field) carries the parameters of plugins' sampler stages under their
+    namespaced names (``{"example.boost": 2.0}``); a namespaced key no registered stage
+    declares, or a value that does not fit, is a ValueError naming it. ``extra_args`` and
+    ``kv_transfer_params`` take at most ``MAX_FREE_FORM_KEYS`` keys; ``sampler_priority``
+    lists each orderable stage at most once.
     """
 
     n: int = 1
@@ -137,8 +147,10 @@ class SamplingParams:
             if not isinstance(value, (list, tuple, type(None))):
                 raise ValueError(f"{name} must be a list, got {_brief(value)}")
             setattr(self, name, list(value or []))
-        if all(isinstance(t, int) for t in self.stop_token_ids):
-            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))  # each id once (a list of a million repeats is one id)
+        for name in ("stop_token_ids", "allowed_token_ids", "dry_sequence_breaker_ids"):  # token sets: each id once
+            value = getattr(self, name)
+            if isinstance(value, list) and all(isinstance(t, int) for t in value):
+                setattr(self, name, list(dict.fromkeys(value)))
         if self.top_k == -1:
             self.top_k = 0
         for name in _BOOL_FIELDS:  # 0 and 1 read as booleans (as pydantic reads them); the rest must be one
@@ -165,6 +177,10 @@ class SamplingParams:
             self.guided_decoding = GuidedDecodingParams.from_value(self.guided_decoding)
         if isinstance(self.logits_processors, list) and all(isinstance(n, str) for n in self.logits_processors):
             self.logits_processors = list(dict.fromkeys(self.logits_processors))  # each named processor runs once
+        for name in ("extra_args", "kv_transfer_params"):
+            value = getattr(self, name)
+            if isinstance(value, dict) and len(value) > MAX_FREE_FORM_KEYS:
+                raise ValueError(f"{name} takes at most {MAX_FREE_FORM_KEYS} keys, got {len(value)}")
         if isinstance(self.extra_args, dict):
             self.extra_args = dict(self.extra_args) or None
         if self.kv_transfer_params is not None and not (
@@ -250,10 +266,10 @@ class SamplingParams:
             self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool) and -(2**63) <= self.seed < 2**64),
             f"seed must be a 64-bit integer, got {self.seed!r}",
         )
-        check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         # each streamed token is searched for every stop string: bounded, so no request can make
         # that search the server's main cost
         check(len(self.stop) <= MAX_STOP_STRINGS, f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
         check(
             all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop),
             f"each stop string may be at most {MAX_STOP_STRING_CHARS} characters long",
@@ -320,8 +336,12 @@ class SamplingParams:
         check(self.dynatemp_exponent >= 0.0, f"dynatemp_exponent must be >= 0, got {self.dynatemp_exponent}")
         check(self.no_repeat_ngram_size >= 0, f"no_repeat_ngram_size must be >= 0, got {self.no_repeat_ngram_size}")
         if self.sampler_priority is not None:
-            check(isinstance(self.sampler_priority, list), f"sampler_priority must be a list, got {self.sampler_priority!r}")
+            check(isinstance(self.sampler_priority, list), f"sampler_priority must be a list, got {_brief(self.sampler_priority)}")
             table = _stage_table()
+            check(  # a longer list names a stage twice: refused before each entry is looked up
+                len(self.sampler_priority) <= len(table.ordered),
+                f"sampler_priority lists {len(self.sampler_priority)} stages; there are {len(table.ordered)} stages to order, each listed at most once",
+            )
             try:
                 names = [table.lookup(v).name for v in self.sampler_priority]
             except ValueError as exc:
@@ -379,6 +399,20 @@ class SamplingParams:
         values = {name: getattr(self, name) for name in self.__dataclass_fields__}
         values.update(changes)
         return SamplingParams(**values)
+
+
+def check_token_id_counts(values: Mapping[str, Any], vocab_size: int) -> None:
+    """Raise ValueError where a token-id list or ``logit_bias`` among ``values`` (SamplingParams
+    keyword arguments, as a request sent them) has more entries than the vocabulary has tokens:
+    a frontend calls it before building the SamplingParams, so an oversized list is refused
+    without being walked (the constructor walks each entry, and repeats count once)."""
+    for name in TOKEN_ID_FIELDS:
+        value = values.get(name)
+        if isinstance(value, (list, tuple, dict)) and len(value) > vocab_size:
+            raise ValueError(
+                f"{name} has {len(value)} entries; the model's vocabulary has {vocab_size} tokens, "
+                "and each may be listed once"
+            )
 
 
 def _brief(value: object, limit: int = 80) -> str:

@@ -118,11 +118,11 @@ class InputProcessor:
         context = self.config.max_model_len
         if num_prompt == 0:
             raise ValueError("the prompt is empty")
+        if num_prompt >= context:  # before the ids are walked: a prompt of millions is refused at once
+            raise ValueError(f"the prompt is {num_prompt} tokens, the model's context is {context} tokens: no room to generate")
         vocab = self.config.vocab_size
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        if num_prompt >= context:
-            raise ValueError(f"the prompt is {num_prompt} tokens, the model's context is {context} tokens: no room to generate")
         max_tokens = params.max_tokens if params.max_tokens is not None else context - num_prompt
         if num_prompt + max_tokens > context:
             raise ValueError(

@@ -9,28 +9,33 @@ from typing import Any
 
 MAX_SPEC_CHARS = 1 << 20  # a schema, regex or grammar longer than this is refused
 MAX_JSON_NESTING = 128  # containers nested in a JSON schema (about 60 object levels)
+MAX_JSON_VALUES = 100_000  # values (keys and entries included) in a JSON schema given as an object
 MAX_CHOICES = 4096
 
 KINDS = ("json", "json_object", "regex", "grammar", "choice")
 
 
-def json_nesting_depth(value: Any) -> int:
-    """How deeply dicts and lists nest in ``value`` (iterative: safe on any depth)."""
-    deepest = 0
+def json_shape(value: Any) -> tuple[int, int]:
+    """``(depth, values)``: how deeply dicts and lists nest in ``value`` and how many values it
+    holds, a dict's keys included. Iterative, and it stops once either passes its limit
+    (``MAX_JSON_NESTING``, ``MAX_JSON_VALUES``), so its cost is bounded whatever ``value`` is."""
+    deepest, num_values = 0, 1
     stack: list[tuple[Any, int]] = [(value, 1)]
     while stack:
         item, depth = stack.pop()
         if isinstance(item, dict):
             children = item.values()
+            num_values += 2 * len(item)
         elif isinstance(item, list):
             children = item
+            num_values += len(item)
         else:
             continue
         deepest = max(deepest, depth)
-        if deepest > MAX_JSON_NESTING:
-            return deepest
+        if deepest > MAX_JSON_NESTING or num_values > MAX_JSON_VALUES:
+            break
         stack.extend((child, depth + 1) for child in children)
-    return deepest
+    return deepest, num_values
 
 
 @dataclass(slots=True)
@@ -97,8 +102,9 @@ class GuidedDecodingParams:
         check(len(given) == 1, f"guided decoding takes exactly one of {list(KINDS)}, got {given or 'none'}")
         if self.json is not None:
             check(isinstance(self.json, dict), f"guided_json must be a JSON schema object, got {type(self.json).__name__}")
-            depth = json_nesting_depth(self.json)
+            depth, num_values = json_shape(self.json)
             check(depth <= MAX_JSON_NESTING, f"the JSON schema nests deeper than {MAX_JSON_NESTING} levels; flatten it")
+            check(num_values <= MAX_JSON_VALUES, f"the JSON schema holds more than {MAX_JSON_VALUES} values; simplify it")
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None:
