@@ -240,3 +240,64 @@ def test_a_huge_bad_words_list_is_refused_at_once_while_other_streams_go_on(serv
     streaming.join(60)
     assert streamed[-1]["usage"]["completion_tokens"] == 64
     assert [c["finish_reason"] for event in streamed for c in event["choices"] if c["finish_reason"]] == ["length"]
+
+
+def _tool(number: int) -> dict:
+    return {"type": "function", "function": {"name": f"f{number}", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}
+
+
+def test_oversized_lists_are_refused_by_their_count_while_other_streams_go_on(server):
+    """Lists and maps past what the model or the server can use are a 400 naming the limit
+    within a second or two, in each API's format, before anything walks them (a 2,000,000-entry
+    allowed_token_ids paused every other stream 0.3 s, 20,000 tools 4.3 s, a prompt of a
+    million floats 10 s); a stream running meanwhile gets every token, and lists as long as
+    the model allows are served."""
+    import threading
+    import time
+
+    streamed: list[dict] = []
+
+    def stream() -> None:
+        body = {**COMPLETION, "max_tokens": 64, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            streamed.extend(json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {"))
+
+    many_ids, wide_map = [5] * 2_000_000, {str(i): 1.0 for i in range(100_000)}
+    user = {"role": "user", "content": "a"}
+    cases = [
+        ("/v1/completions", {**COMPLETION, "allowed_token_ids": many_ids}, openai_error, "allowed_token_ids has 2000000 entries; the model's vocabulary has 49152 tokens"),
+        ("/v1/completions", {**COMPLETION, "stop_token_ids": many_ids}, openai_error, "stop_token_ids has 2000000 entries"),
+        ("/v1/chat/completions", {**CHAT, "logit_bias": wide_map}, openai_error, "logit_bias has 100000 entries"),
+        ("/v1/messages", {**MESSAGES, "dry_sequence_breaker_ids": many_ids}, anthropic_error, "dry_sequence_breaker_ids has 2000000 entries"),
+        ("/api/v1/generate", {**KOBOLD, "logit_bias": wide_map}, kobold_error, "logit_bias has 100000 entries"),
+        ("/api/v1/generate", {**KOBOLD, "sampler_order": [1] * 1_000_000}, kobold_error, "sampler_order takes at most 64 ids, got 1000000"),
+        ("/v1/completions", {**COMPLETION, "sampler_priority": [1] * 1_000_000}, openai_error, "sampler_priority lists 1000000 stages"),
+        ("/v1/completions", {**COMPLETION, "extra_args": {f"k{i}": i for i in range(100_000)}}, openai_error, "extra_args takes at most 256 keys"),
+        ("/v1/chat/completions", {**CHAT, "tools": [_tool(i) for i in range(20_000)]}, openai_error, "at most 128 tools, got 20000"),
+        ("/v1/messages", {**MESSAGES, "tools": [{"name": f"f{i}", "input_schema": {"type": "object"}} for i in range(200)]}, anthropic_error, "at most 128 tools, got 200"),
+        ("/v1/chat/completions", {**CHAT, "messages": [user] * 100_000}, openai_error, "100000 messages cannot fit in the model's context of 512 tokens"),
+        ("/v1/messages", {**MESSAGES, "messages": [user] * 100_000}, anthropic_error, "100000 messages cannot fit in the model's context of 512 tokens"),
+        ("/tokenize", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}] * 100_000}]}, openai_error, "100000 content parts cannot fit"),
+        ("/v1/completions", {**COMPLETION, "prompt": [[5]] * 500_000}, openai_error, "500000 prompts are more than this server runs at once"),
+        ("/v1/completions", {**COMPLETION, "prompt": [1.5] * 1_000_000}, openai_error, "prompt"),
+        ("/detokenize", {"tokens": many_ids}, openai_error, "2000000 token ids cannot fit in the model's context of 512 tokens"),
+        ("/v1/completions", {**COMPLETION, "guided_json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(60_000)}}}, openai_error, "holds more than 100000 values"),
+    ]
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        for path, body, parse_error, expected in cases:
+            started = time.monotonic()
+            response = http.post(path, json=body)
+            assert response.status_code == 400, (path, expected, response.text[:300])
+            assert expected in parse_error(response), (path, response.text[:300])
+            assert time.monotonic() - started < 3.0, (path, expected)
+        # as long as the model allows: the whole vocabulary; repeats count once
+        for allowed in (list(range(49152)), [5, 5, 7] * 1000):
+            response = http.post("/v1/completions", json={**COMPLETION, "allowed_token_ids": allowed, "logit_bias": {"5": 1.0, "05": 2.0}})
+            assert response.status_code == 200, response.text[:300]
+        response = http.post("/v1/chat/completions", json={**CHAT, "tools": [_tool(i) for i in range(128)], "tool_choice": "none"})
+        assert response.status_code == 200, response.text[:300]
+    streaming.join(60)
+    assert streamed[-1]["usage"]["completion_tokens"] == 64
+    assert [c["finish_reason"] for event in streamed for c in event["choices"] if c["finish_reason"]] == ["length"]

@@ -81,8 +81,10 @@ def to_api_error(exc: BaseException, retry_after_s: int = 1) -> ApiError:
 
 
 def validation_message(errors: Any) -> str:
+    """Up to five of pydantic's errors as one line; errors a validator raised (a list past its
+    bound) first, ahead of the type mismatches of a union's other members."""
     parts = []
-    for error in list(errors)[:5]:
+    for error in sorted(errors, key=lambda error: error.get("type") != "value_error")[:5]:
         location = ".".join(str(x) for x in error.get("loc", ()) if x != "body")
         message = error.get("msg", "invalid")
         if error.get("type") == "json_invalid":

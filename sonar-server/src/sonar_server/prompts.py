@@ -55,9 +55,14 @@ async def render_chat(
 
 
 async def decode_tokens(state: ServerState, token_ids: list[int]) -> str:
+    """The text of ``token_ids``, each checked against the vocabulary first; both off the event loop."""
     tokenizer = state.require_tokenizer()
-    vocab = len(tokenizer)
-    for token_id in token_ids:
-        if not isinstance(token_id, int) or not 0 <= token_id < vocab:
-            raise ApiError(400, f"token id {token_id!r} is outside the vocabulary of {vocab}", param="tokens")
-    return await asyncio.to_thread(tokenizer.decode, token_ids)
+
+    def decode() -> str:
+        vocab = len(tokenizer)
+        for token_id in token_ids:
+            if not isinstance(token_id, int) or not 0 <= token_id < vocab:
+                raise ApiError(400, f"token id {token_id!r} is outside the vocabulary of {vocab}", param="tokens")
+        return tokenizer.decode(token_ids)
+
+    return await asyncio.to_thread(decode)

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from sonar.sampling_params import SamplingParams
+from sonar.sampling_params import SamplingParams, check_token_id_counts
 from sonar_server.errors import ApiError
 
 # the body fields that carry a request's own output budget
@@ -33,11 +33,14 @@ def extra_sampling_fields(body: BaseModel) -> dict[str, Any]:
     return {name: value for name, value in (body.model_extra or {}).items() if name in fields}
 
 
-def build_sampling_params(body: BaseModel, mapped: dict[str, Any], defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+def build_sampling_params(
+    body: BaseModel, mapped: dict[str, Any], defaults: Mapping[str, Any] | None = None, vocab_size: int | None = None
+) -> SamplingParams:
     """``mapped`` (the API's fields renamed to the engine's; None values dropped) over the
     body's extra engine fields, over ``defaults`` (the model's recommended sampling). A default
     ``max_tokens`` caps the surface's own fallback budget when the body sets none. Invalid
-    values raise a 400 naming the field."""
+    values raise a 400 naming the field; with ``vocab_size``, so do token-id lists and
+    ``logit_bias`` longer than the vocabulary, before anything walks them."""
     values = {name: value for name, value in (defaults or {}).items() if name != "max_tokens"}
     values.update(extra_sampling_fields(body))
     values.update({name: value for name, value in mapped.items() if value is not None})
@@ -46,6 +49,8 @@ def build_sampling_params(body: BaseModel, mapped: dict[str, Any], defaults: Map
         fallback = values.get("max_tokens")
         values["max_tokens"] = default_max if fallback is None else min(default_max, fallback)
     try:
+        if vocab_size is not None:
+            check_token_id_counts(values, vocab_size)
         return SamplingParams(**values)
     except (TypeError, ValueError) as exc:
         raise ApiError(400, str(exc)) from exc

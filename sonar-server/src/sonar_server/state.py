@@ -43,6 +43,11 @@ class ServerState:
     def model_name(self) -> str:
         return self.settings.model_name
 
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary (its logits' width): what token-id fields are checked against."""
+        return self.client.model_config.vocab_size
+
     async def resolve_model(self, name: str | None) -> LoRARequest | None:
         """The LoRA adapter a request's ``model`` names, None for the base model (or no name);
         a 404 ApiError for a model this server does not serve."""

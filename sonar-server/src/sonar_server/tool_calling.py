@@ -36,6 +36,7 @@ from sonar_server.tool_prompt import (
 )
 
 DEFAULT_TOOL_PARSER = "hermes"  # for tool_choice "auto" without --tool-call-parser; the format of Sonar's tool prompt
+MAX_TOOLS = 128  # tools a request may define (OpenAI's own limit)
 
 
 @dataclass(slots=True)
@@ -97,7 +98,8 @@ class ToolPlan:
         return self.auto_guide if self.mode == "auto" else None
 
     def adapt_to(self, tokenizer: Any) -> None:
-        """Use Sonar's tool prompt when the tokenizer's chat template has no place for tools."""
+        """Use Sonar's tool prompt when the tokenizer's chat template has no place for tools
+        (under ``auto``, building its grammar from every tool's schema: call it off the event loop)."""
         if self.mode == "none" or not self.tools or template_renders_tools(tokenizer):
             return
         self.sonar_prompt = True
@@ -167,6 +169,8 @@ def _parse_required(text: str, truncated: bool = False, names: tuple[str, ...] =
 
 
 def _tool_specs(tools: list[dict[str, Any]], anthropic: bool) -> list[ToolSpec]:
+    if len(tools) > MAX_TOOLS:
+        raise ApiError(400, f"a request may define at most {MAX_TOOLS} tools, got {len(tools)}", param="tools")
     specs: list[ToolSpec] = []
     for number, tool in enumerate(tools):
         where = f"tools[{number}]"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -148,6 +149,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     params = build_sampling_params(
         body,
         defaults=state.settings.default_sampling,
+        vocab_size=state.vocab_size,
         mapped={
             "max_tokens": body.max_tokens,
             "temperature": body.temperature,
@@ -289,7 +291,7 @@ async def _render(
     them, and a final assistant message continued (Anthropic's prefill: the reply goes on from
     its text) rather than closed."""
     plan = anthropic_tool_plan(tools, tool_choice, state.settings)
-    plan.adapt_to(state.require_tokenizer())
+    await asyncio.to_thread(plan.adapt_to, state.require_tokenizer())
     template_kwargs: dict[str, Any] = {}
     rendered = plan.render_inputs(chat_messages(system, messages), template_kwargs)
     final = rendered[-1] if rendered else {}

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict
+
+from sonar_server.list_limits import Items, context_bounded
 
 
 class _Body(BaseModel):
@@ -18,23 +20,23 @@ class ContentBlock(_Body):
 
 class Message(_Body):
     role: Literal["user", "assistant"]
-    content: str | list[ContentBlock]
+    content: str | Annotated[Items[ContentBlock], context_bounded("content blocks")]
 
 
 class MessagesRequest(_Body):
     """``POST /v1/messages``; any ``SamplingParams`` field may be added as an extra field."""
 
     model: str
-    messages: list[Message]
+    messages: Annotated[Items[Message], context_bounded("messages")]
     max_tokens: int
-    system: str | list[ContentBlock] | None = None
-    stop_sequences: list[str] | None = None
+    system: str | Annotated[Items[ContentBlock], context_bounded("content blocks")] | None = None
+    stop_sequences: Items[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     stream: bool = False
     metadata: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Items[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
 
 
@@ -42,7 +44,7 @@ class CountTokensRequest(_Body):
     """``POST /v1/messages/count_tokens``."""
 
     model: str
-    messages: list[Message]
-    system: str | list[ContentBlock] | None = None
-    tools: list[dict[str, Any]] | None = None
+    messages: Annotated[Items[Message], context_bounded("messages")]
+    system: str | Annotated[Items[ContentBlock], context_bounded("content blocks")] | None = None
+    tools: Items[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None

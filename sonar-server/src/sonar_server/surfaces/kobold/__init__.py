@@ -63,7 +63,7 @@ async def _start(body: GenerateRequest, state: ServerState) -> tuple[str, Genera
     arrival = time.monotonic()
     lora_request = await state.resolve_model(body.model)
     max_length = body.max_length if body.max_length is not None else state.settings.kobold_default_max_length
-    params = kobold_sampling_params(body, max_length)
+    params = kobold_sampling_params(body, max_length, state.vocab_size)
     prompt_ids = await encode_prompt(state, body.prompt)
     genkey = body.genkey or f"KCPP{uuid.uuid4().hex[:8]}"
     jobs = _jobs(state)

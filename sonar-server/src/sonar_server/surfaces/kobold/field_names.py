@@ -30,6 +30,8 @@ KOBOLD_SAME_NAMES: tuple[str, ...] = (
     "dynatemp_exponent", "smoothing_factor", "smoothing_curve", "nsigma", "min_tokens",
 )  # fmt: skip
 
+MAX_SAMPLER_ORDER = 64  # ids a sampler_order may list (Kobold has 7; repeats are read once)
+
 # KoboldAI's sampler_order ids: 0 top-k, 1 top-a, 2 top-p, 3 tail-free, 4 typical,
 # 5 temperature, 6 repetition penalty (top-k and top-p are one stage here)
 KOBOLD_SAMPLER_ORDER: dict[int, SamplerID] = {
@@ -107,17 +109,24 @@ def _finite(value: int | float) -> bool:
 
 
 def _kobold_order(order: Any) -> list[int]:
+    if isinstance(order, list) and len(order) > MAX_SAMPLER_ORDER:
+        raise ValueError(f"sampler_order takes at most {MAX_SAMPLER_ORDER} ids, got {len(order)}")
     if not isinstance(order, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in order):
-        raise ValueError(f"sampler_order must be a list of integers, got {order!r}")
+        raise ValueError(f"sampler_order must be a list of integers, got {_brief(order)}")
     unknown = [i for i in order if i not in KOBOLD_SAMPLER_ORDER]
     if unknown:
-        raise ValueError(f"sampler_order has unknown sampler ids {unknown}; Kobold's ids are 0..6")
+        raise ValueError(f"sampler_order has unknown sampler ids {unknown[:8]}; Kobold's ids are 0..6")
     stages: list[int] = []
     for i in order:
         stage = int(KOBOLD_SAMPLER_ORDER[i])
         if stage not in stages:
             stages.append(stage)
     return stages
+
+
+def _brief(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _rename_field(message: str, source: dict[str, str]) -> str:

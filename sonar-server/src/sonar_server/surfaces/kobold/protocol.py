@@ -6,6 +6,8 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, StringConstraints
 
+from sonar_server.list_limits import Items
+
 # a client's name for its generation (KoboldCpp's are "KCPP" and a few hex digits); kept while
 # it runs and sent to the other API servers, so its length is bounded
 Genkey = Annotated[str, StringConstraints(max_length=256)]
@@ -29,7 +31,7 @@ class GenerateRequest(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     sampler_seed: int | None = None
-    stop_sequence: list[str] | None = None
+    stop_sequence: Items[str] | None = None
     ban_eos_token: bool = False
     bypass_eos: bool = False
     trim_stop: bool = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sonar.sampling_params import SamplingParams
+from sonar.sampling_params import SamplingParams, check_token_id_counts
 from sonar.structured_output import GuidedDecodingParams
 
 from sonar_server.errors import ApiError
@@ -22,12 +22,16 @@ def _grammar(grammar: str | None) -> GuidedDecodingParams | None:
         raise ApiError(400, f"grammar: {exc}") from exc
 
 
-def kobold_sampling_params(body: GenerateRequest, max_tokens: int) -> SamplingParams:
+def kobold_sampling_params(body: GenerateRequest, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
     """Kobold's native sampler names (``rep_pen``, ``typical``, ``dry_*``, ``sampler_order``,
     ...) through the Kobold field mapping; ``max_tokens`` is the caller's clamped
-    ``max_length``."""
+    ``max_length``; with ``vocab_size``, token-id lists and ``logit_bias`` longer than the
+    vocabulary are a 400 before anything walks them."""
+    fields = dict(body)  # the body's fields and extra fields, as sent (not copied entry by entry)
     try:
-        mapped: dict[str, Any] = sampling_params_from_kobold(body.model_dump())
+        if vocab_size is not None:
+            check_token_id_counts(fields, vocab_size)
+        mapped: dict[str, Any] = sampling_params_from_kobold(fields)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from exc
     mapped["max_tokens"] = max_tokens
@@ -36,4 +40,4 @@ def kobold_sampling_params(body: GenerateRequest, max_tokens: int) -> SamplingPa
     if not body.trim_stop:
         mapped["include_stop_str_in_output"] = True
     mapped["guided_decoding"] = _grammar(body.grammar)
-    return build_sampling_params(body, mapped)
+    return build_sampling_params(body, mapped, vocab_size=vocab_size)

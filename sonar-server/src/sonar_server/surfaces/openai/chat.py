@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -75,6 +76,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = build_sampling_params(
         body,
         defaults=state.settings.default_sampling,
+        vocab_size=state.vocab_size,
         mapped={
             "n": body.n,
             "max_tokens": max_tokens,
@@ -108,7 +110,7 @@ async def render_chat_request(state: ServerState, body: Any, tool_choice: Any, p
     """A chat body's tool plan and prompt (text and ids): its messages, tools, chat template
     and template variables, as a chat completion renders them (``/tokenize`` counts the same)."""
     plan = openai_tool_plan(body.tools, tool_choice, parallel_tool_calls, state.settings)
-    plan.adapt_to(state.require_tokenizer())
+    await asyncio.to_thread(plan.adapt_to, state.require_tokenizer())
     template_kwargs = dict(body.chat_template_kwargs or {})
     if body.chat_template is not None:
         template_kwargs["chat_template"] = body.chat_template

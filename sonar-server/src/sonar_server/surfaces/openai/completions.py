@@ -27,14 +27,20 @@ from sonar_server.surfaces.openai.protocol import CompletionRequest
 API = "openai.completions"
 
 
-async def _prompts(state: ServerState, prompt: Any) -> list[tuple[str | None, list[int]]]:
-    """``(text, token ids)`` per prompt; text is None for token-id prompts."""
+async def _prompts(state: ServerState, prompt: Any, n: int) -> list[tuple[str | None, list[int]]]:
+    """``(text, token ids)`` per prompt; text is None for token-id prompts. The prompts' count
+    times ``n`` (the sequences they ask for) is checked before any is tokenized."""
     if isinstance(prompt, str):
         prompt = [prompt]
     elif prompt and isinstance(prompt[0], int):
         prompt = [prompt]
     if not prompt:
         raise ApiError(400, "prompt must not be empty", param="prompt")
+    if len(prompt) > 1 and n * len(prompt) > state.settings.max_n:
+        raise ApiError(
+            400, f"{len(prompt)} prompts with n={n} ask for {n * len(prompt)} sequences; this server's limit is {state.settings.max_n} (--max-num-seqs)",
+            param="prompt",
+        )
     result = []
     for item in prompt:
         if isinstance(item, str):
@@ -52,11 +58,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise ApiError(400, "suffix is not supported", param="suffix")
     if body.best_of is not None and body.best_of != body.n:  # as vLLM's V1 engine: n candidates are the n choices
         raise ApiError(400, f"best_of={body.best_of} is not supported (only best_of equal to n={body.n}); ask for n choices instead", param="best_of")
-    prompts = await _prompts(state, body.prompt)
+    prompts = await _prompts(state, body.prompt, max(body.n, 1))
     echo_logprobs = body.echo and body.logprobs is not None
     params = build_sampling_params(
         body,
         defaults=state.settings.default_sampling,
+        vocab_size=state.vocab_size,
         mapped={
             "n": body.n,
             "max_tokens": body.max_tokens,

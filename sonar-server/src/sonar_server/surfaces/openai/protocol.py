@@ -5,15 +5,25 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, WithJsonSchema, model_validator
+
+from sonar_server.list_limits import Items, batch_bounded, context_bounded
 
 # A completion's prompt: text, token ids, or a list of either. Strict members tried in order:
 # a long list of ids is checked once. (A smart union validates it against every member in full,
 # 0.18 s for 700,000 ids, on the event loop.) Token ids are JSON integers, not strings or floats.
 Prompt = Annotated[
-    Union[StrictStr, list[StrictInt], list[StrictStr], list[list[StrictInt]]],
+    Union[
+        StrictStr,
+        Items[StrictInt],
+        Annotated[Items[StrictStr], batch_bounded("prompts")],
+        Annotated[Items[Items[StrictInt]], batch_bounded("prompts")],
+    ],
     Field(union_mode="left_to_right"),
 ]
+# token id -> bias, read by SamplingParams once the entries are known to be at most the
+# vocabulary (pydantic would first convert every entry of any size: 0.2 s for 500,000)
+LogitBias = Annotated[Any, WithJsonSchema({"type": "object", "additionalProperties": {"type": "number"}})]
 
 
 class _Body(BaseModel):
@@ -62,10 +72,10 @@ class CompletionRequest(_GenerationBody):
     stream_options: StreamOptions | None = None
     logprobs: int | None = None
     echo: bool = False
-    stop: str | list[str] | None = None
+    stop: str | Items[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias = None
     seed: int | None = None
     user: str | None = None
     suffix: str | None = None
@@ -80,7 +90,7 @@ class ContentPart(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[Items[ContentPart], context_bounded("content parts")] | None = None
     name: str | None = None
 
 
@@ -88,7 +98,7 @@ class ChatCompletionRequest(_GenerationBody):
     """``POST /v1/chat/completions``; any ``SamplingParams`` field may be added."""
 
     model: str | None = None
-    messages: list[ChatMessage]
+    messages: Annotated[Items[ChatMessage], context_bounded("messages")]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     temperature: float | None = None
@@ -96,15 +106,15 @@ class ChatCompletionRequest(_GenerationBody):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: str | Items[str] | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: LogitBias = None
     seed: int | None = None
     user: str | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: Items[dict[str, Any]] | None = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     response_format: dict[str, Any] | None = None
@@ -120,11 +130,11 @@ class TokenizeRequest(_Body):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: Annotated[Items[ChatMessage], context_bounded("messages")] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     continue_final_message: bool = False
-    tools: list[dict[str, Any]] | None = None
+    tools: Items[dict[str, Any]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -133,4 +143,4 @@ class DetokenizeRequest(_Body):
     """``POST /detokenize``."""
 
     model: str | None = None
-    tokens: list[int] = Field(default_factory=list)
+    tokens: Annotated[Items[int], context_bounded("token ids")] = Field(default_factory=list)
