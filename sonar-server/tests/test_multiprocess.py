@@ -283,6 +283,53 @@ def test_children_exit_when_sonar_serve_is_killed(tiny_model: str) -> None:
     server.stop()
 
 
+FAILS_IN_API_SERVER_1 = """
+import setproctitle
+
+if setproctitle.getproctitle() == "sonar::api-server-1":  # the other API servers start
+    raise RuntimeError("api-server-1 cannot start")
+
+
+class Tag:
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        await self.app(scope, receive, send)
+"""
+
+
+def test_an_api_server_failing_to_start_stops_sonar_serve(tiny_model: str, tmp_path: Path) -> None:
+    """One of three API servers fails as it starts (an uncaught error, not a refused option):
+    ``sonar serve`` says which one, exits 3, and leaves no API server or engine core behind."""
+    from conftest import free_port, sonar_command
+
+    (tmp_path / "fails_in_one.py").write_text(FAILS_IN_API_SERVER_1)
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    log = tmp_path / "serve.log"
+    command = [*sonar_command(), "serve", tiny_model, *COMMON, "--api-server-count", "3", "--middleware", "fails_in_one.Tag", "--port", str(free_port())]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        family: dict[int, str] = {}
+        deadline = time.monotonic() + 120
+        try:
+            while process.poll() is None and time.monotonic() < deadline:
+                family.update(descendants(process.pid))
+                time.sleep(0.05)
+        finally:
+            if process.poll() is None:  # it kept serving with two API servers
+                process.terminate()
+                process.wait(30)
+                pytest.fail(f"sonar serve went on after an API server failed to start:\n{log.read_text()[-3000:]}")
+    output = log.read_text()
+    assert process.returncode == 3, output[-3000:]
+    assert "RuntimeError: api-server-1 cannot start" in output  # the child's own error
+    assert "API server 1 exited (code 1) before it started serving" in output
+    assert any(title.startswith("sonar::engine-core") for title in family.values()), family  # it got that far
+    left = [family[pid] for pid in family if alive(pid)]
+    assert not left, f"left behind: {left}"
+
+
 def test_port_in_use_is_refused_before_loading(tiny_model: str) -> None:
     import socket
 

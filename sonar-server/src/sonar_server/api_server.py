@@ -5,6 +5,7 @@ that share its listening socket; each reads an ``ApiServerLaunch`` (JSON) from s
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import sys
 from collections.abc import Callable
@@ -18,7 +19,8 @@ from sonar_server.settings import ServerSettings
 
 logger = logging.getLogger("sonar_server")
 
-STARTUP_FAILED = 3  # the exit code of an API server that could not start serving
+STARTUP_FAILED = 3  # the exit code of an API server (and of ``sonar serve``) that could not start serving
+SERVING = b"serving"  # what a child writes to its ready_fd once it serves
 
 
 class ApiServerLaunch(msgspec.Struct):
@@ -33,10 +35,12 @@ class ApiServerLaunch(msgspec.Struct):
     log_level: str = "INFO"
     listen_fd: int = -1  # the inherited listening socket (child processes)
     ipc_dir: str | None = None  # the server's private socket directory (the API servers' peer channel)
+    ready_fd: int = -1  # a pipe to write SERVING to once serving (child processes): the supervisor's sign of a start
 
 
 def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: Any = None, check_started: Callable[[], None] | None = None) -> int:
-    """Connect to the engine cores, then serve HTTP on ``listener`` until stopped (drained)."""
+    """Connect to the engine cores, then serve HTTP on ``listener`` until stopped (drained);
+    ``STARTUP_FAILED`` where the HTTP server never started."""
     import uvicorn
 
     from sonar.engine.async_mp import AsyncMPLLM
@@ -83,11 +87,21 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
                 "; API keys required" if state.settings.api_keys else "",
             )
 
-        server = DrainingServer(config, state, report_serving if launch.client_index == 0 else None)
+        def serving() -> None:
+            if launch.client_index == 0:
+                report_serving()
+            if launch.ready_fd >= 0:
+                os.write(launch.ready_fd, SERVING)
+                os.close(launch.ready_fd)
+
+        server = DrainingServer(config, state, serving)
         freeze_startup_heap()
         server.run(sockets=[listener])
     finally:
         client.shutdown()
+    if not server.started:  # uvicorn logged why (a certificate it cannot load, ...)
+        logger.error("api-server-%d: the HTTP server did not start", launch.client_index)
+        return STARTUP_FAILED
     return 0
 
 

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 import os
+import select
 import shutil
 import signal
 import socket
@@ -159,14 +160,17 @@ def _serve_on(args: argparse.Namespace, engine_args: EngineArgs, listener: socke
 
 def _supervise(launches: list[Any], listener: socket.socket, engines: Any) -> int:
     """Run the API servers (``ApiServerLaunch`` each) as children of this process, watching the
-    ``EngineProcesses``; forward one SIGTERM to each child on the first signal."""
+    ``EngineProcesses``; forward one SIGTERM to each child on the first signal. A child that
+    exits before it serves (each says so on a pipe) stops them all: ``STARTUP_FAILED``."""
     import msgspec
 
-    from sonar_server.api_server import STARTUP_FAILED
+    from sonar_server.api_server import SERVING, STARTUP_FAILED
 
     metrics_dir = tempfile.mkdtemp(prefix="sonar-metrics-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     children: list[subprocess.Popen] = []
+    starting: dict[int, int] = {}  # a ready pipe's read end -> the index of its child, not serving yet
+    unstarted: set[int] = set()  # children whose pipe closed before they served: they exited first
     stopping = threading.Event()
 
     def stop(sig: int, frame: FrameType | None) -> None:
@@ -183,26 +187,69 @@ def _supervise(launches: list[Any], listener: socket.socket, engines: Any) -> in
 
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for launch in launches:
-            child = subprocess.Popen(
-                [sys.executable, "-m", "sonar_server.api_server"],
-                stdin=subprocess.PIPE, pass_fds=[listener.fileno()], env=env, start_new_session=True,
-            )
+        for index, launch in enumerate(launches):
+            ready_read, ready_write = os.pipe()
+            starting[ready_read] = index
+            try:
+                child = subprocess.Popen(
+                    [sys.executable, "-m", "sonar_server.api_server"],
+                    stdin=subprocess.PIPE, pass_fds=[listener.fileno(), ready_write], env=env, start_new_session=True,
+                )
+            finally:
+                os.close(ready_write)  # the child's copy is the only one: its exit closes the pipe
             assert child.stdin is not None
-            child.stdin.write(msgspec.json.encode(launch))
+            child.stdin.write(msgspec.json.encode(msgspec.structs.replace(launch, ready_fd=ready_write)))
             child.stdin.close()
             children.append(child)
         while any(child.poll() is None for child in children):
             engines.reap()
-            if any(child.returncode == STARTUP_FAILED for child in children):  # e.g. a bad --lora-modules adapter
+            unstarted |= _note_serving(starting, SERVING, timeout=0.2)
+            failed = sorted(i for i in [*starting.values(), *unstarted] if children[i].poll() is not None)
+            if failed and not stopping.is_set():  # e.g. a bad --lora-modules adapter, or any error before serving
+                child = children[failed[0]]
+                logger.error(
+                    "API server %d exited (code %d) before it started serving; see its error above. Stopping every API server and engine core",
+                    failed[0], child.returncode,
+                )
+                _stop(children)
                 return STARTUP_FAILED
-            time.sleep(0.2)
         return 0 if stopping.is_set() else max(child.returncode for child in children)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for child in children:
-            if child.poll() is None:
-                child.kill()
-                child.wait()
+        _stop(children, grace_s=0.0)
+        for fd in starting:
+            os.close(fd)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _note_serving(starting: dict[int, int], serving: bytes, timeout: float) -> set[int]:
+    """Wait up to ``timeout`` for the ready pipes in ``starting`` and close those that spoke,
+    dropping them from it; returns the indices of the children whose pipe closed without
+    ``serving`` (they exited before serving)."""
+    if not starting:
+        time.sleep(timeout)
+        return set()
+    closed_early: set[int] = set()
+    readable, _, _ = select.select(list(starting), [], [], timeout)
+    for fd in readable:
+        if os.read(fd, len(serving)) != serving:
+            closed_early.add(starting[fd])
+        del starting[fd]
+        os.close(fd)
+    return closed_early
+
+
+def _stop(children: list[subprocess.Popen], grace_s: float = 10.0) -> None:
+    """SIGTERM every child still running, SIGKILL those still running ``grace_s`` later, and
+    reap them all: none is left behind."""
+    for child in children:
+        if child.poll() is None and grace_s > 0:
+            child.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for child in children:
+        try:
+            child.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.wait()
