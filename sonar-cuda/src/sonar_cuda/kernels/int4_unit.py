@@ -16,7 +16,9 @@ tile (``sonar_cuda.kernels.splitk``) where the tiles alone are too few for the G
 
 - :func:`int4_gemv_unit` (one row): ``[BLOCK_N, RUNS, RUN_W]`` word tiles, all loads of a
   slice in flight before any is summed; a program's threads share its activations across
-  the ``BLOCK_N`` output rows each holds.
+  the ``BLOCK_N`` output rows each holds. The activations of a nibble plane are read at a
+  stride of 8, or (``Int4Launch.x_split``) a chunk's in one contiguous load, split into the
+  eight planes in registers.
 - :func:`int4_dot_rows` (2 to 16 rows): the transposed product ``W x^T`` per tile, so the
   dequantized weight tile is the tensor-core product's left operand as it was loaded, with
   no transposition; per nibble plane one product of depth ``RUN_W`` words.
