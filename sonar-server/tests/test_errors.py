@@ -301,3 +301,26 @@ def test_oversized_lists_are_refused_by_their_count_while_other_streams_go_on(se
     streaming.join(60)
     assert streamed[-1]["usage"]["completion_tokens"] == 64
     assert [c["finish_reason"] for event in streamed for c in event["choices"] if c["finish_reason"]] == ["length"]
+
+
+def test_bodies_that_cannot_be_read_are_named_plainly(server):
+    """Bodies that are not a JSON object, or that Python's parser gives up on, and template
+    variables that would override the renderer's own arguments, get a 400 saying so in the
+    API's words (not "There was an error parsing the body" or a Python signature)."""
+    cases = [
+        ("/v1/completions", b"[1, 2]", openai_error, "the request body must be a JSON object"),
+        ("/v1/messages", b"", anthropic_error, "the request body must be a JSON object"),
+        ("/api/v1/generate", b"[" * 100_000, kobold_error, "the body is not valid JSON (it nests deeper than this server reads)"),
+        ("/v1/completions", b'{"prompt": "Hi", "max_tokens": ' + b"1" * 5000 + b"}", openai_error, "a number in it has more digits than this server reads"),
+        ("/v1/chat/completions", json.dumps({**CHAT, "chat_template_kwargs": {"tokenize": True, "messages": []}}).encode(), openai_error,
+         "chat_template_kwargs may not set messages, tokenize"),
+        ("/v1/completions", json.dumps({**COMPLETION, "prompt": [["x"]] * 300}).encode(), openai_error,
+         "prompt: 300 prompts are more than this server runs at once (256, --max-num-seqs)"),
+    ]
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        for path, content, parse_error, expected in cases:
+            response = http.post(path, content=content, headers={"content-type": "application/json"})
+            assert response.status_code == 400, (path, content[:60], response.text[:300])
+            message = parse_error(response)
+            assert message.startswith(expected) if expected.startswith("prompt") else expected in message, (path, message)
+            assert "Value error" not in message and "function-before" not in message

@@ -408,7 +408,7 @@ def test_every_attack_on_the_load_route_is_a_clear_4xx(lora_server: ServerProces
         ({"lora_name": "x"}, 400, "lora_path: Field required"),
         ({"lora_name": "x", "lora_path": "chat", "trust_remote_code": True}, 400, "trust_remote_code: Extra inputs are not permitted"),
         ({"lora_name": "x", "lora_path": "chat", "load_inplace": True}, 400, "load_inplace"),
-        (["chat"], 400, "valid dictionary"),
+        (["chat"], 400, "the request body must be a JSON object"),
     ]
     for body, status, message in cases:
         response = load(url, body)

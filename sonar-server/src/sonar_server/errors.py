@@ -62,6 +62,8 @@ def to_api_error(exc: BaseException, retry_after_s: int = 1) -> ApiError:
     if isinstance(exc, RequestValidationError):
         return ApiError(400, validation_message(exc.errors()), param=_first_param(exc.errors()))
     if isinstance(exc, HTTPException):
+        if exc.status_code == 400 and isinstance(exc.__cause__, (RecursionError, ValueError)):  # FastAPI's "error parsing the body"
+            return ApiError(400, f"the body is not valid JSON ({_unparsed_reason(exc.__cause__)})")
         return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
     if isinstance(exc, QueueFull):
         return ApiError(503, f"the server is busy: {exc}", headers={"Retry-After": str(retry_after_s)})
@@ -80,16 +82,33 @@ def to_api_error(exc: BaseException, retry_after_s: int = 1) -> ApiError:
     return ApiError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
+def _unparsed_reason(cause: BaseException) -> str:
+    if isinstance(cause, RecursionError):
+        return "it nests deeper than this server reads"
+    if "digits" in str(cause):  # Python's bound on the digits of an integer it reads
+        return "a number in it has more digits than this server reads"
+    return str(cause)
+
+
+# pydantic's word for a body that is not a JSON object at all (a list, a number, nothing)
+_NOT_AN_OBJECT = {"missing", "model_type", "model_attributes_type", "dict_type"}
+
+
 def validation_message(errors: Any) -> str:
     """Up to five of pydantic's errors as one line; errors a validator raised (a list past its
-    bound) first, ahead of the type mismatches of a union's other members."""
+    bound) first, in its own words, ahead of the type mismatches of a union's other members."""
     parts = []
     for error in sorted(errors, key=lambda error: error.get("type") != "value_error")[:5]:
         location = ".".join(str(x) for x in error.get("loc", ()) if x != "body")
         message = error.get("msg", "invalid")
-        if error.get("type") == "json_invalid":
+        kind = error.get("type")
+        if kind == "json_invalid":
             message = f"the body is not valid JSON ({error.get('ctx', {}).get('error', 'decode error')})"
             location = ""
+        elif kind == "value_error" and "error" in error.get("ctx", {}):
+            message = str(error["ctx"]["error"])  # without pydantic's "Value error, "
+        elif not location and kind in _NOT_AN_OBJECT:
+            message = "the request body must be a JSON object"
         parts.append(f"{location}: {message}" if location else message)
     return "; ".join(parts) or "invalid request"
 

@@ -7,8 +7,11 @@ event loop's main cost, which every other stream of the API server would wait on
 - ``context_bounded(noun)``: a list of at most ``max_model_len`` entries (a chat's messages,
   a message's content parts, token ids to decode): no more fit in the model's context. 250,000
   messages were 0.9 s of validation.
-- ``batch_bounded(noun)``: a list of at most ``--max-num-seqs`` entries (a completion's
-  prompts): no more run at once.
+- ``batch_bounded(noun)``: a list of at most ``--max-num-seqs`` lists or strings (a
+  completion's prompts; a list of integers is one prompt's token ids): no more run at once.
+
+Each validator goes on a whole field, a union included (it reads the raw value first), so
+error locations keep the union members' own names.
 
 The bounds are the serving route's (``server_bounds``); outside a route nothing is bounded.
 """
@@ -53,11 +56,12 @@ def context_bounded(noun: str) -> BeforeValidator:
 
 
 def batch_bounded(noun: str) -> BeforeValidator:
-    """A validator refusing a list longer than the sequences this server runs at once."""
+    """A validator refusing a list of lists or strings longer than the sequences this server
+    runs at once (a list of anything else is left to the field's type)."""
 
     def check(value: Any) -> Any:
         bounds = _bounds.get()
-        if bounds is not None and isinstance(value, list) and len(value) > bounds[1]:
+        if bounds is not None and isinstance(value, list) and len(value) > bounds[1] and isinstance(value[0], (list, str)):
             raise ValueError(f"{len(value)} {noun} are more than this server runs at once ({bounds[1]}, --max-num-seqs)")
         return value
 

@@ -9,6 +9,13 @@ from typing import Any
 from sonar_server.errors import ApiError
 from sonar_server.state import ServerState
 
+# apply_chat_template's own arguments and the template's message list: the renderer sets them,
+# so template variables a request sends (chat_template_kwargs) may not
+_RENDERER_ARGUMENTS = frozenset({
+    "conversation", "messages", "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
+
 
 async def encode_prompt(state: ServerState, text: str) -> list[int]:
     """Token ids of a completion prompt, as ``LLM.generate`` would tokenize it."""
@@ -30,6 +37,12 @@ async def render_chat(
         raise ApiError(400, "messages must not be empty", param="messages")
     if len(messages) > state.max_model_len:  # each turn renders to a token at least: refused before the template runs
         raise ApiError(400, f"{len(messages)} messages cannot fit in the model's context of {state.max_model_len} tokens", param="messages")
+    reserved = sorted(_RENDERER_ARGUMENTS.intersection(template_kwargs or {}))
+    if reserved:
+        raise ApiError(
+            400, f"chat_template_kwargs may not set {', '.join(reserved)}: the server renders the prompt with its own "
+            "(add_generation_prompt and continue_final_message are fields of the request)", param="chat_template_kwargs",
+        )
     if "chat_template" in (template_kwargs or {}) and not state.settings.trust_request_chat_template:
         raise ApiError(
             400, "this server does not run chat templates sent with requests (the operator may allow them with --trust-request-chat-template)",

@@ -20,7 +20,7 @@ class ContentBlock(_Body):
 
 class Message(_Body):
     role: Literal["user", "assistant"]
-    content: str | Annotated[Items[ContentBlock], context_bounded("content blocks")]
+    content: Annotated[str | Items[ContentBlock], context_bounded("content blocks")]
 
 
 class MessagesRequest(_Body):
@@ -29,7 +29,7 @@ class MessagesRequest(_Body):
     model: str
     messages: Annotated[Items[Message], context_bounded("messages")]
     max_tokens: int
-    system: str | Annotated[Items[ContentBlock], context_bounded("content blocks")] | None = None
+    system: Annotated[str | Items[ContentBlock] | None, context_bounded("content blocks")] = None
     stop_sequences: Items[str] | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -45,6 +45,6 @@ class CountTokensRequest(_Body):
 
     model: str
     messages: Annotated[Items[Message], context_bounded("messages")]
-    system: str | Annotated[Items[ContentBlock], context_bounded("content blocks")] | None = None
+    system: Annotated[str | Items[ContentBlock] | None, context_bounded("content blocks")] = None
     tools: Items[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
