@@ -106,6 +106,33 @@ def test_token_id_lists_are_sets_bounded_by_the_vocabulary_before_anything_walks
     check_token_id_counts({"allowed_token_ids": None, "stop": ["x"] * 100_000}, vocab)  # other fields are not its business
 
 
+def test_a_vocabulary_wide_logit_bias_is_read_as_sent_and_checked_in_one_pass() -> None:
+    vocab = 49152
+    sent = {str(t): 0.5 for t in range(vocab)}
+    params = SamplingParams(n=4, seed=7, logit_bias=sent, allowed_token_ids=list(range(vocab)))
+    assert params.logit_bias == {t: 0.5 for t in range(vocab)}
+    request = wire.EngineCoreRequest("r", [1, 2], params, 4, 0.0)
+    assert wire.decode_request([bytes(frame) for frame in wire.encode_request(request)]).sampling_params == params
+    for bad, entry in (({"5": 1.0, "-3": 1.0}, "logit_bias entry -3"), ({"5": float("inf")}, "logit_bias entry 5: inf"), ({"5": True}, None)):
+        if entry is None:
+            assert SamplingParams(logit_bias=bad).logit_bias == {5: 1.0}  # a JSON true reads as 1, as pydantic reads it
+        else:
+            with pytest.raises(ValueError, match=entry):
+                SamplingParams(logit_bias=bad)
+    for ids in ([1, -1], [True], [1, 2.0], [2**63]):
+        with pytest.raises(ValueError, match="allowed_token_ids must be a non-empty list of token ids"):
+            SamplingParams(allowed_token_ids=ids)
+
+
+def test_each_choice_of_a_request_shares_its_checked_parameters() -> None:
+    params = SamplingParams(n=3, seed=2**64 - 2, logit_bias={str(t): 1.0 for t in range(1000)}, stop=["x"], temperature=0.7)
+    choices = [params.choice(seed) for seed in (2**64 - 2, 2**64 - 1, 0)]
+    assert [(c.n, c.seed) for c in choices] == [(1, 2**64 - 2), (1, 2**64 - 1), (1, 0)]
+    assert all(c.logit_bias is params.logit_bias and c.stop is params.stop and c.temperature == 0.7 for c in choices)
+    assert (params.n, params.seed) == (3, 2**64 - 2)
+    assert choices[0] == params.clone(n=1)  # the same parameters a clone (checked again) would hold
+
+
 def test_stage_lists_and_free_form_maps_are_bounded_before_they_are_walked() -> None:
     with pytest.raises(ValueError, match=r"sampler_priority lists 1000000 stages; there are \d+ stages to order"):
         SamplingParams(sampler_priority=["no such stage"] * 1_000_000)  # refused by count, not looked up entry by entry

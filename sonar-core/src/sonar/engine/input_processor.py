@@ -62,7 +62,7 @@ class InputProcessor:
             child_ids, child_params = [request_id], [params]
         else:
             child_ids = [f"{i}_{request_id}" for i in range(params.n)]
-            child_params = [params.clone(n=1, seed=choice_seed(params.seed, i)) for i in range(params.n)]
+            child_params = [params.choice(choice_seed(params.seed, i)) for i in range(params.n)]
         now = time.monotonic()  # one clock for every process of the host
         core_requests = [
             EngineCoreRequest(child_id, prompt_token_ids, cparams, max_tokens, now, client_index, priority, lora_request)

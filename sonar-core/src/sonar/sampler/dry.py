@@ -52,8 +52,10 @@ class NgramTensors:
 
 def _contexts(
     states: list["RequestSamplingState"], rows: list[int], ranges: list[int], num_states: int,
-    breakers: list[list[int]] | None, vocab_size: int, device: torch.device,
+    breakers: torch.Tensor | None, vocab_size: int, device: torch.device,
 ) -> ContextTensors:  # fmt: skip
+    """``breakers``: ``[R, V + 1]`` bool, each row's sequence breakers (the last column,
+    padding and ids outside the vocabulary, False); None: no row has any."""
     windows = [context_ids(states[row], last) for row, last in zip(rows, ranges)]
     length = max(len(w) for w in windows) + 1
     ids = torch.full((len(rows), length), _PAD, dtype=torch.int64)
@@ -61,13 +63,9 @@ def _contexts(
         if len(window):
             ids[i, length - len(window) :] = window
     stop = ids < 0
-    if breakers is not None and any(breakers):
-        # [R, V+1] breaker table; the overflow column V catches padding and foreign ids
-        table = torch.zeros(len(rows), vocab_size + 1, dtype=torch.bool)
-        for i, ids_of_row in enumerate(breakers):
-            table[i, [t for t in ids_of_row if 0 <= t < vocab_size]] = True
-        safe = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)
-        stop |= table.gather(1, safe)
+    if breakers is not None:
+        safe = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)  # the overflow column V catches padding and foreign ids
+        stop |= breakers.gather(1, safe)
     index = None if len(rows) == num_states else to_device(torch.tensor(rows, dtype=torch.int64), device)
     return ContextTensors(rows=rows, index=index, ids=to_device(ids, device), stop=to_device(stop, device))
 
@@ -75,7 +73,8 @@ def _contexts(
 def build_dry(states: list["RequestSamplingState"], rows: list[int], vocab_size: int, device: torch.device) -> DryTensors:
     """DRY's tensors for ``rows`` (those with ``dry_multiplier > 0``)."""
     params = [states[row].params for row in rows]
-    breakers = [list(p.dry_sequence_breaker_ids or ()) for p in params]
+    # each request's breakers as a cached row (it may list a whole vocabulary: per step a copy, not a walk)
+    breakers = torch.stack([states[row].dry_breaker_mask(vocab_size) for row in rows]) if any(p.dry_sequence_breaker_ids for p in params) else None
     context = _contexts(states, rows, [p.dry_range for p in params], len(states), breakers, vocab_size, device)
     allowed = [p.dry_allowed_length for p in params]
     return DryTensors(

@@ -46,11 +46,22 @@ class RequestSamplingState:
         """``(ids, biases)`` of ``logit_bias`` inside the vocabulary, CPU int64 / float32."""
         key = ("logit_bias", vocab_size)
         if key not in self._constraints:
-            pairs = [(t, b) for t, b in (self.params.logit_bias or {}).items() if 0 <= t < vocab_size]
-            self._constraints[key] = (
-                torch.tensor([t for t, _ in pairs], dtype=torch.int64),
-                torch.tensor([b for _, b in pairs], dtype=torch.float32),
-            )
+            bias = self.params.logit_bias or {}
+            ids = torch.tensor(list(bias), dtype=torch.int64)
+            biases = torch.tensor(list(bias.values()), dtype=torch.float32)
+            inside = (ids >= 0) & (ids < vocab_size)
+            self._constraints[key] = (ids[inside], biases[inside])
+        return self._constraints[key]
+
+    def dry_breaker_mask(self, vocab_size: int) -> torch.Tensor:
+        """``[V + 1]`` bool: True for DRY's sequence breakers inside the vocabulary; the extra
+        last column (padding and ids outside the vocabulary) is False."""
+        key = ("dry_breakers", vocab_size)
+        if key not in self._constraints:
+            ids = torch.tensor(self.params.dry_sequence_breaker_ids or [], dtype=torch.int64)
+            mask = torch.zeros(vocab_size + 1, dtype=torch.bool)
+            mask[ids[(ids >= 0) & (ids < vocab_size)]] = True
+            self._constraints[key] = mask
         return self._constraints[key]
 
     def allowed_mask(self, vocab_size: int) -> torch.Tensor:
