@@ -73,3 +73,21 @@ def test_a_beam_that_ends_in_eos_is_complete_and_ranked_by_its_length() -> None:
     ignored = beam_search(generate, [[5, 7]], BeamSearchParams(beam_width=2, max_tokens=1, ignore_eos=True), {EOS}, max_model_len=100)[0]
     assert [beam.tokens for beam in ignored.sequences] == [[5, 7, EOS], [5, 7, 8]]  # EOS kept live, not completed
     assert ignored.sequences[0].finish_reason == "length"
+
+
+def test_a_length_penalty_far_from_zero_ranks_beams_and_a_non_finite_one_is_refused() -> None:
+    """A penalty whose power leaves the floats (``length ** 1e308``) still gives finite scores,
+    where it raised OverflowError or ZeroDivisionError (a 500 on the server); NaN and infinity
+    are refused as the parameters are made."""
+    import math
+
+    from sonar import BeamSearchParams
+    from sonar.beam_search import BeamSearchSequence, beam_score
+
+    beams = [BeamSearchSequence([1, 2], cum_logprob=-1.0), BeamSearchSequence([1, 2, 3, 4, 5], cum_logprob=-2.0)]
+    for penalty in (1e308, -1e308, 800.0, -800.0):
+        assert all(math.isfinite(beam_score(beam, set(), penalty)) for beam in beams), penalty
+    assert beam_score(beams[1], set(), 1.0) == pytest.approx(-2.0 / 5)  # in range, the formula as before
+    for penalty in (float("nan"), float("inf"), "1", None):
+        with pytest.raises(ValueError, match="length_penalty must be a finite number"):
+            BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=penalty)

@@ -69,6 +69,7 @@ CASES = [
         ("logit_bias values not numbers", {**COMPLETION, "logit_bias": {"5": []}}, 400),
         ("guided_choice a string, not a list", {**COMPLETION, "guided_choice": "yes"}, 400),
         ("guided_json the schema false", {**COMPLETION, "guided_json": False}, 400),
+        ("beam search with a NaN length_penalty", b'{"prompt": "Hi", "max_tokens": 2, "use_beam_search": true, "n": 2, "length_penalty": NaN}', 400),
         ("10 MB body", TEN_MB, 413),
     ]),
     ("/v1/chat/completions", CHAT, openai_error, [
@@ -181,14 +182,17 @@ def test_curl_style_body_without_json_content_type_is_accepted(server):
 
 
 def test_edge_values_that_are_valid_are_served(server):
-    """The largest seed with n > 1 (the later choices' seeds wrap around), and the JSON schema
-    ``true`` (any JSON value) are served."""
+    """The largest seed with n > 1 (the later choices' seeds wrap around), the JSON schema
+    ``true`` (any JSON value) and beam search with a length penalty of +-1e308 are served."""
     with httpx.Client(base_url=server.url, timeout=30) as http:
         response = http.post("/v1/completions", json={**COMPLETION, "seed": 2**64 - 1, "n": 2, "temperature": 1.0})
         assert response.status_code == 200, response.text
         assert len(response.json()["choices"]) == 2
         response = http.post("/v1/completions", json={**COMPLETION, "guided_json": True, "max_tokens": 4})
         assert response.status_code == 200, response.text
+        for penalty in (1e308, -1e308):  # beam search whose length penalty leaves the floats (was a 500)
+            response = http.post("/v1/chat/completions", json={**CHAT, "use_beam_search": True, "n": 2, "length_penalty": penalty})
+            assert response.status_code == 200 and len(response.json()["choices"]) == 2, response.text
 
 
 def test_a_client_gone_while_sending_its_body_is_not_a_server_error(server):

@@ -57,8 +57,10 @@ FIELDS = {  # each API's own fields, and engine sampling fields any of them take
                "smoothing_factor", "dynatemp_min", "dynatemp_max", "no_repeat_ngram_size", "temperature_last", "sampler_priority", "extra_args"],
 }
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}
-EDGES = {  # values valid in type but at an edge, per API: (field, value)
+EDGES = {  # values valid in type but at an edge, per API: (field, value), or fields set together
     "openai": [
+        {"use_beam_search": True, "n": 2, "length_penalty": 1e308}, {"use_beam_search": True, "n": 2, "length_penalty": -1e308},
+        {"echo": True, "logprobs": 2, "prompt": [[7] * 50, "Hi"]}, {"stream": True, "stream_options": {"include_usage": True}, "n": 2, "logprobs": 1},
         ("prompt", [49151]), ("prompt", [49152]), ("prompt", [[1], [2]]), ("prompt", ["a", ""]), ("logprobs", 20), ("logprobs", 21),
         ("top_logprobs", 20), ("echo", True), ("n", 3), ("best_of", 3), ("use_beam_search", True), ("stream_options", {"include_usage": True}),
         ("response_format", {"type": "json_object"}), ("response_format", {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "(a+)+$"}}}),
@@ -148,8 +150,9 @@ def _mutated(rng: random.Random, api: str, valid: dict[str, Any]) -> Body:
             body.set("tools", [tool])
             body.set("tool_choice", rng.choice([None, "auto", "required", "none", {"type": "auto"}, {"type": "any"}, rng.choice(VALUES)]))
         elif roll < 0.5:
-            field, value = rng.choice(EDGES[api])
-            body.set(field, _copy(value))
+            edge = rng.choice(EDGES[api])
+            for field, value in (edge.items() if isinstance(edge, dict) else [edge]):
+                body.set(field, _copy(value))
         elif roll < 0.6:
             body.set(rng.choice(FIELDS[api] + FIELDS["engine"]), None, raw=rng.choice(RAW_VALUES))
         else:

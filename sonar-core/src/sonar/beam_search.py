@@ -10,6 +10,7 @@ length_penalty`` (the length counting the prompt and not a final EOS, as vLLM co
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +35,9 @@ class BeamSearchParams:
             raise ValueError(f"beam_width must be an integer >= 1, got {self.beam_width!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        penalty = self.length_penalty
+        if isinstance(penalty, bool) or not isinstance(penalty, (int, float)) or not math.isfinite(penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {penalty!r}")
 
 
 @dataclass(slots=True)
@@ -58,7 +62,10 @@ class BeamSearchOutput:
 
 def beam_score(beam: BeamSearchSequence, eos_token_ids: set[int], length_penalty: float) -> float:
     length = len(beam.tokens) - (1 if beam.tokens and beam.tokens[-1] in eos_token_ids else 0)
-    return beam.cum_logprob / (max(length, 1) ** length_penalty)
+    try:
+        return beam.cum_logprob / (max(length, 1) ** length_penalty)
+    except (OverflowError, ZeroDivisionError):  # a length_penalty so far from 0 that the power leaves the floats
+        return beam.cum_logprob / math.exp(math.copysign(700.0, length_penalty))
 
 
 class BeamSearch:
