@@ -56,17 +56,27 @@ def test_each_position_takes_transformers_frequencies_for_its_length(name: str) 
         torch.testing.assert_close(row, expected.float(), atol=0, rtol=1e-5, msg=f"position {position}")
 
 
-def test_the_table_and_the_direct_path_agree_and_carry_the_attention_factor() -> None:
+def test_cos_and_sin_carry_transformers_angles_and_attention_factor() -> None:
+    """Both paths (the per-position table platform kernels read, and the module's direct
+    output) against transformers' frequencies for each position's length, times its factor."""
     for name in ("yarn_mscale", "longrope", "dynamic"):
-        spec = rope_spec_from_config(hf_config(dict(SCALINGS[name])), HEAD_DIM)
+        config = hf_config(dict(SCALINGS[name]))
+        spec = rope_spec_from_config(config, HEAD_DIM)
         rope = RotaryEmbedding(spec, 4096)
         positions = torch.tensor([0, 7, 600, 3000])
-        cos, sin = rope(positions, torch.float32)
-        table = rope.cos_sin_cache(torch.device("cpu"))[positions]
+        rope_type = config.rope_parameters["rope_type"]
+        expected_cos, expected_sin = [], []
+        for position in positions.tolist():
+            inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=position + 1)
+            angles = position * inv_freq.float()
+            expected_cos.append(angles.cos() * factor)
+            expected_sin.append(angles.sin() * factor)
         half = spec.rotary_dim // 2
-        torch.testing.assert_close(cos[:, :half], table[:, :half])
-        torch.testing.assert_close(sin[:, :half], table[:, half:])
-        assert cos[0, 0].item() == pytest.approx(attention_factor(spec))
+        table = rope.cos_sin_cache(torch.device("cpu"))[positions]
+        cos, sin = rope(positions, torch.float32)
+        for got_cos, got_sin in ((table[:, :half], table[:, half:]), (cos[:, :half], sin[:, :half])):
+            torch.testing.assert_close(got_cos, torch.stack(expected_cos), atol=1e-5, rtol=1e-5, msg=name)
+            torch.testing.assert_close(got_sin, torch.stack(expected_sin), atol=1e-5, rtol=1e-5, msg=name)
 
 
 def test_a_stretching_scaling_stretches_the_context() -> None:

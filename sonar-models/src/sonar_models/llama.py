@@ -199,13 +199,15 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if stage.is_last else None
         spec = rope_spec_from_config(config, head_dim)
-        self.rotary_emb = RotaryEmbedding(spec, stretched_context(spec.max_position_embeddings, spec.scaling))
-        # per layer type, where layers rotate differently (Gemma 3: local and global layers)
+        max_position = stretched_context(spec.max_position_embeddings, spec.scaling)
+        # one rotary for every layer, or one per layer type where layers rotate differently
+        # (Gemma 3: local and global layers)
         self.layer_rope_types = layer_rope_types
-        self.rotary_by_type = {}
-        for kind in sorted(set(layer_rope_types or ())):
-            kind_spec = rope_spec_from_config(config, head_dim, kind)
-            self.rotary_by_type[kind] = RotaryEmbedding(kind_spec, self.rotary_emb.max_position)
+        self.rotary_emb = RotaryEmbedding(spec, max_position) if layer_rope_types is None else None
+        self.rotary_by_type = {
+            kind: RotaryEmbedding(rope_spec_from_config(config, head_dim, kind), max_position)
+            for kind in sorted(set(layer_rope_types or ()))
+        }
         self.aux_hidden_states = AuxHiddenStates(len(layers))
 
     def forward(
@@ -293,6 +295,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None  # on the last pipeline stage only
         if stage.is_last:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False, prefix="lm_head", parallel="column")
+        self.final_logit_softcapping = getattr(config, "final_logit_softcapping", None)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings and stage.is_single:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -342,7 +345,7 @@ class LlamaForCausalLM(nn.Module):
         logits = self.lm_head(hidden_states)
         if self.group.world_size > 1:
             logits = self.group.communicator.all_gather(logits, dim=-1)[:, : self.vocab_size]
-        cap = getattr(self.config, "final_logit_softcapping", None)
+        cap = self.final_logit_softcapping
         if cap:  # Gemma's tanh cap on the logits
             return torch.tanh(logits.float() / cap) * cap
         return logits.float()

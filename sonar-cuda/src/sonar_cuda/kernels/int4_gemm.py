@@ -26,14 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sonar_cuda.kernels.int4_unit import Int4Launch, dot_takes, int4_dot_rows, int4_gemv_unit, run_inputs
+from sonar_cuda.kernels.int4_unit import DOT_ROWS, Int4Launch, dot_takes, int4_dot_rows, int4_gemv_unit, run_inputs
 
 PACK = 8  # int4 values per int32 word
 # the GEMV's launch: output rows per program, inputs per unrolled chunk, warps (the best of
 # int4_decode.py --sweep on an H200: 30-172 us per Llama-3.1-8B projection, still 1.6-2.5x
 # the bf16 GEMV; the unpacking, not the memory, bounds it)
 GEMV_BLOCK_N, GEMV_BLOCK_K, GEMV_WARPS = 2, 1024, 4
-SKINNY_MAX_ROWS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,7 +257,7 @@ def int4_linear(
     if flat.stride(-1) != 1:
         flat = flat.contiguous()
     m, n, k = flat.shape[0], qweight.shape[0], flat.shape[1]
-    if 1 <= m <= SKINNY_MAX_ROWS:
+    if 1 <= m <= DOT_ROWS:
         bucket = rows_bucket(m)
         out = run_choice(CHOICES.get((bucket, n, k), DEFAULT_CHOICES[bucket]), flat, qweight, scales, qzeros, group_size, bias)
         if out is not None:
