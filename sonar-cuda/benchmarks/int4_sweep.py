@@ -37,10 +37,6 @@ def candidates(m: int) -> dict[str, Int4Choice]:
         return {
             "unit_n8_c4": Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4)),
             "unit_n64_c1": Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=1)),
-            "unit_n4_c4_xs": Int4Choice("unit", Int4Launch(block_n=4, runs_per_chunk=4, x_split=True)),
-            "unit_n8_c4_xs": Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4, x_split=True)),
-            "unit_n16_c2_xs": Int4Choice("unit", Int4Launch(block_n=16, runs_per_chunk=2, x_split=True)),
-            "unit_n64_c1_xs": Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=1, x_split=True)),
         }
     return {
         "tiled": Int4Choice("tiled"),

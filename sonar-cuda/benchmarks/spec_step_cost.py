@@ -140,7 +140,7 @@ def profile_steps(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 4)
     path.write_text("\n".join(sections))
 
 
-def sync_sites(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 4) -> None:
+def sync_sites(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 48) -> None:
     """Where the host waits for the device: ``num_steps`` steps in the middle of a run of
     ``prompts`` under torch's CUDA sync debug mode, each synchronizing call counted by its
     Python call stack (the innermost frames of Sonar's code), written to ``path``."""

@@ -23,8 +23,6 @@ GEMV_CASES = [  # (N, K, group, bias, launch)
     (24, 256, 64, True, Int4Launch(block_n=8, runs_per_chunk=2, split_k=2)),
     (8, 384, 32, False, Int4Launch(block_n=2, runs_per_chunk=2, split_k=3)),  # 12 runs in 3 slices
     (16, 256, -1, True, Int4Launch(block_n=32, runs_per_chunk=4)),  # split chosen from the shape
-    (33, 1024, 128, True, Int4Launch(block_n=8, runs_per_chunk=2, split_k=2, x_split=True)),
-    (24, 256, 64, False, Int4Launch(block_n=4, runs_per_chunk=2, x_split=True)),
 ]
 DOT_CASES = [  # (M, N, K, group, bias, launch)
     (2, 40, 512, 128, True, Int4Launch(block_n=16, split_k=2)),

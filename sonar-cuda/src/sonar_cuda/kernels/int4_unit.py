@@ -17,8 +17,8 @@ tile (``sonar_cuda.kernels.splitk``) where the tiles alone are too few for the G
 - :func:`int4_gemv_unit` (one row): ``[BLOCK_N, RUNS, RUN_W]`` word tiles, all loads of a
   slice in flight before any is summed; a program's threads share its activations across
   the ``BLOCK_N`` output rows each holds. The activations of a nibble plane are read at a
-  stride of 8, or (``Int4Launch.x_split``) a chunk's in one contiguous load, split into the
-  eight planes in registers.
+  stride of 8 (loading a chunk's inputs at once and splitting them into the planes in
+  registers was measured slower at every Llama-3.1-8B shape on an H200).
 - :func:`int4_dot_rows` (2 to 16 rows): the transposed product ``W x^T`` per tile, so the
   dequantized weight tile is the tensor-core product's left operand as it was loaded, with
   no transposition; per nibble plane one product of depth ``RUN_W`` words.
@@ -44,15 +44,13 @@ DOT_ROWS = 16  # activation rows one tensor-core program covers
 @dataclass(frozen=True, slots=True)
 class Int4Launch:
     """How a kernel here covers a product: output rows per program, runs of inputs per
-    unrolled chunk (GEMV), split-K factor (0: chosen from the shape), warps, stages, and
-    whether the GEMV loads a chunk's inputs at once and splits them into nibble planes."""
+    unrolled chunk (GEMV), split-K factor (0: chosen from the shape), warps and stages."""
 
     block_n: int
     runs_per_chunk: int = 1
     split_k: int = 0
     num_warps: int = 4
     num_stages: int = 1
-    x_split: bool = False
 
 
 @triton.jit
@@ -63,20 +61,6 @@ def _unit(packed, j: tl.constexpr):
     else:
         bits = packed >> (4 * j - 19)
     return ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _split8(x8, NUM_SUB: tl.constexpr, RUN_W: tl.constexpr):
-    """``[1, NUM_SUB, RUN_W, 8]`` -> its eight ``[1, NUM_SUB, RUN_W]`` slices along the last
-    dim, in order (register moves where a thread holds the eight)."""
-    even, odd = tl.split(tl.reshape(x8, (1, NUM_SUB, RUN_W, 4, 2)))  # j = 2 p + q
-    e_lo, e_hi = tl.split(tl.reshape(even, (1, NUM_SUB, RUN_W, 2, 2)))  # p = 2 r + s
-    o_lo, o_hi = tl.split(tl.reshape(odd, (1, NUM_SUB, RUN_W, 2, 2)))
-    x0, x4 = tl.split(e_lo)
-    x2, x6 = tl.split(e_hi)
-    x1, x5 = tl.split(o_lo)
-    x3, x7 = tl.split(o_hi)
-    return x0, x1, x2, x3, x4, x5, x6, x7
 
 
 @triton.jit
@@ -91,7 +75,6 @@ def _int4_gemv_unit_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    X_SPLIT: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -114,21 +97,13 @@ def _int4_gemv_unit_kernel(
         scale = tl.load(s_ptr + sz_offsets, mask=sz_mask, other=0.0).to(tl.float32)  # [BLOCK_N, NUM_SUB]
         zero = tl.load(z_ptr + sz_offsets, mask=sz_mask, other=0.0).to(tl.float32)
         x_words = x_ptr + kw * 8
-        if X_SPLIT:  # the chunk's inputs in one contiguous load, split into the nibble planes
-            lanes = tl.arange(0, 8)[None, None, None, :]
-            x8 = tl.load(x_words[:, :, :, None] + lanes, mask=word_mask[:, :, :, None], other=0.0).to(tl.float32)
-            x0, x1, x2, x3, x4, x5, x6, x7 = _split8(x8, NUM_SUB, RUN_W)
-            unit_x = _unit(packed, 0) * x0 + _unit(packed, 1) * x1 + _unit(packed, 2) * x2 + _unit(packed, 3) * x3
-            unit_x += _unit(packed, 4) * x4 + _unit(packed, 5) * x5 + _unit(packed, 6) * x6 + _unit(packed, 7) * x7
-            x_sum = tl.sum(x8, axis=3)
-        else:  # each plane's inputs at stride 8
-            x = tl.load(x_words, mask=word_mask, other=0.0).to(tl.float32)  # [1, NUM_SUB, RUN_W]
-            unit_x = _unit(packed, 0) * x
-            x_sum = x
-            for j in tl.static_range(1, 8):
-                x = tl.load(x_words + j, mask=word_mask, other=0.0).to(tl.float32)
-                unit_x += _unit(packed, j) * x
-                x_sum += x
+        x = tl.load(x_words, mask=word_mask, other=0.0).to(tl.float32)  # [1, NUM_SUB, RUN_W]: plane 0's inputs, at stride 8
+        unit_x = _unit(packed, 0) * x
+        x_sum = x
+        for j in tl.static_range(1, 8):
+            x = tl.load(x_words + j, mask=word_mask, other=0.0).to(tl.float32)
+            unit_x += _unit(packed, j) * x
+            x_sum += x
         acc += unit_x * scale[:, :, None]
         zero_acc += scale * (16.0 + zero) * tl.sum(x_sum, axis=2)
     y = 16.0 * tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(zero_acc, axis=1)
@@ -236,7 +211,7 @@ def int4_gemv_unit(
     _int4_gemv_unit_kernel[(num_tiles, split)](
         x, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, n,
         KW=kw, GROUP=group_size, RUN_W=run_w, RUNS_PER_SPLIT=runs_per_split, NUM_SUB=num_sub,
-        BLOCK_N=launch.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None, X_SPLIT=launch.x_split,
+        BLOCK_N=launch.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return sum_splits(partials, bias, y) if split > 1 else y
