@@ -188,19 +188,21 @@ def test_probes_that_do_not_pay_come_ever_less_often():
 
 def test_probes_and_the_first_drafting_step_of_a_large_batch_draft_for_a_few():
     steep = policy(STEEP)
-    assert steep.worth_drafting(256, 256) and steep.draft_limit_for(256, 256) == PROBE_ROWS  # nothing seen yet: learn on a few
-    assert steep.draft_limit_for(4, 4) is None  # a small batch drafts whole
+    assert steep.worth_drafting(256, 256) and steep.draft_limit_for(256) == PROBE_ROWS  # nothing seen yet: learn on a few
+    assert steep.draft_limit_for(4) is None  # a small batch drafts whole
     steep.typical = [0.6] * K
     answers, limits = [], []
     for _ in range(REPROBE_STEPS):
         answers.append(steep.worth_drafting(256, 256))
-        limits.append(steep.draft_limit_for(256, 256) if answers[-1] else None)
+        limits.append(steep.draft_limit_for(256) if answers[-1] else None)
     assert answers[-1] and limits[-1] == PROBE_ROWS and not any(answers[:-1])  # the probe: a few requests
-    assert steep.worth_drafting(0, 256) and steep.draft_limit_for(256, 256) == PROBE_ROWS  # prefills whose drafts would not pay
+    # prefills into a batch whose drafts would not pay: nobody drafts (0), and the probe schedule goes on
+    assert steep.worth_drafting(0, 256) and steep.draft_limit_for(256) == 0
+    assert steep.draft_limit_for(4) is None  # into a small batch: every request drafts
     flat = policy(FLAT)
     flat.typical = [0.9] * K
-    assert flat.worth_drafting(256, 256) and flat.draft_limit_for(256, 256) is None  # drafting pays: every request
-    assert flat.worth_drafting(0, 512) and flat.draft_limit_for(256, 512) is None
+    assert flat.worth_drafting(256, 256) and flat.draft_limit_for(256) is None  # drafting pays: every request
+    assert flat.worth_drafting(0, 512) and flat.draft_limit_for(256) is None
 
 
 def test_drafting_time_measured_on_a_few_requests_is_scaled_up_to_the_batch():
@@ -339,6 +341,22 @@ def test_the_scheduler_verifies_what_the_policy_chose_and_counts_the_cut():
     fixed = _scheduler(None)
     _decoding(fixed, 64, confidence=geometric(0.6))
     assert sum(map(len, fixed.schedule().scheduled_spec_decode_tokens.values())) == 64 * K  # fixed: every draft
+
+
+def test_a_burst_of_arrivals_drafts_only_where_drafts_would_pay():
+    steep = _scheduler(STEEP, max_seqs=128)
+    steep.verification.typical = [0.6] * K  # survival seen before
+    for i in range(64):  # 64 prompts at once: the step is prefills only
+        steep.add_request(Request(f"p{i}", [100 * i + j for j in range(5)], SamplingParams(max_tokens=50), [0], 50))
+    out = steep.schedule()
+    assert len(out.num_scheduled_tokens) == 64 and not out.propose_drafts and out.draft_limit is None
+
+    flat = _scheduler(FLAT, max_seqs=128)
+    flat.verification.typical = [0.9] * K
+    for i in range(64):
+        flat.add_request(Request(f"p{i}", [100 * i + j for j in range(5)], SamplingParams(max_tokens=50), [0], 50))
+    out = flat.schedule()
+    assert out.propose_drafts and out.draft_limit is None  # drafts pay on this curve: all 64 draft for their first verify
 
 
 def test_preemption_clears_drafts_and_their_estimates():

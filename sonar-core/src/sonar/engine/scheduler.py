@@ -320,7 +320,9 @@ class Scheduler:
         if in_flight is not None:
             in_flight.update(out.num_scheduled_tokens)
         if self.verification is not None and out.propose_drafts:  # the batch is known now, admissions in it
-            out.draft_limit = self.verification.draft_limit_for(len(self.running), out.total_num_scheduled_tokens)
+            out.draft_limit = self.verification.draft_limit_for(len(self.running))
+            if out.draft_limit == 0:  # drafts would not pay at this batch: the step does not draft
+                out.propose_drafts, out.draft_limit = False, None
         return out
 
     def _admit(self, request: Request, num_computed: int, num_new: int, out: SchedulerOutput) -> None:

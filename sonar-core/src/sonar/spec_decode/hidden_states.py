@@ -21,21 +21,26 @@ from sonar.worker.input_batch import StepBatch
 @dataclass(slots=True)
 class StepHiddenStates:
     """One step's states on the device and where each sampled request's rows are: request
-    ``req_id``'s first row, rows computed and drafts among them are ``starts[i]``,
-    ``counts[i]`` and ``drafts[i]`` for ``i = index[req_id]``."""
+    ``req_ids[i]``'s first row, rows computed and drafts among them are ``starts[i]``,
+    ``counts[i]`` and ``drafts[i]``."""
 
     states: torch.Tensor  # [num_tokens, width]
     positions: torch.Tensor  # [num_tokens]
     req_ids: list[str] = field(default_factory=list)  # the sampled requests, in row order
-    index: dict[str, int] = field(default_factory=dict)
     starts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     counts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
     drafts: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    _index: dict[str, int] | None = None  # req_id -> i, built when first needed
 
     def kept(self, req_ids: list[str], num_accepted: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Per request of ``req_ids``, its first row and how many of its rows stay: its rows up
         to its last accepted draft (``num_accepted[i]``: 1 + the drafts kept)."""
-        at = slice(None) if req_ids == self.req_ids else [self.index[r] for r in req_ids]  # most often: all of them, in order
+        if req_ids == self.req_ids:  # most often: all of them, in order
+            at = slice(None)
+        else:
+            if self._index is None:
+                self._index = {req_id: i for i, req_id in enumerate(self.req_ids)}
+            at = [self._index[r] for r in req_ids]
         drafts = self.drafts[at]
         accepted = np.asarray(num_accepted, dtype=np.int64)
         return self.starts[at], self.counts[at] - drafts + np.where(drafts > 0, accepted - 1, 0)
@@ -91,20 +96,22 @@ class HiddenStateCollector:
         The positions are copied: a runner may build the next step's inputs into the same
         buffers while this step's states are still held."""
         step = StepHiddenStates(states, batch.positions.clone())
-        starts = batch.token_starts()
         sample_rows = batch.sample_rows
         drafts = batch.sample_drafts
+        scheduled = np.asarray(batch.num_scheduled, dtype=np.int64)
+        starts = np.zeros(len(scheduled), dtype=np.int64)
+        np.cumsum(scheduled[:-1], out=starts[1:])
+        rows = np.asarray(sample_rows, dtype=np.int64)
         step.req_ids = [batch.states[row].req_id for row in sample_rows]
-        step.index = {req_id: i for i, req_id in enumerate(step.req_ids)}
-        step.starts = np.asarray([starts[row] for row in sample_rows], dtype=np.int64)
-        step.counts = np.asarray([batch.num_scheduled[row] for row in sample_rows], dtype=np.int64)
-        step.drafts = np.asarray([len(d) for d in drafts] if drafts is not None else [0] * len(sample_rows), dtype=np.int64)
+        step.starts, step.counts = starts[rows], scheduled[rows]
+        step.drafts = np.fromiter(map(len, drafts), dtype=np.int64, count=len(drafts)) if drafts is not None else np.zeros(len(rows), dtype=np.int64)
         if len(sample_rows) < len(batch.states):  # prefill chunks before the last: held (their rows only) for the request's next proposal
             sampling = set(sample_rows)
             for row, state in enumerate(batch.states):
                 if row not in sampling:
-                    rows = slice(starts[row], starts[row] + batch.num_scheduled[row])
-                    self._pending.setdefault(state.req_id, []).append((states[rows].clone(), step.positions[rows].clone(), 0, batch.num_scheduled[row]))
+                    first, count = int(starts[row]), batch.num_scheduled[row]
+                    piece = slice(first, first + count)
+                    self._pending.setdefault(state.req_id, []).append((states[piece].clone(), step.positions[piece].clone(), 0, count))
         return step
 
     def hold(self, step: StepHiddenStates, req_ids: list[str], num_accepted: list[int]) -> bool:

@@ -221,17 +221,19 @@ class ConfidenceVerification:
             return True
         return False
 
-    def draft_limit_for(self, num_running: int, base_tokens: int) -> int | None:
+    def draft_limit_for(self, num_running: int) -> int | None:
         """After a yes from ``worth_drafting``, for a step of ``num_running`` requests: how
-        many draft (None: every one). Where the batch is larger than ``PROBE_ROWS``, the first
-        drafting step, a probe, and prefills whose drafts would not pay at this batch draft
-        for that many only: enough to measure survival and drafting time, at a fraction of
-        a whole batch's drafting cost."""
+        many draft (None: every one; 0: none, the step does not draft). Where the batch is
+        larger than ``PROBE_ROWS``, the first drafting step and a probe draft for that many
+        only: enough to measure survival and drafting time, at a fraction of a whole batch's
+        drafting cost. A step of prefills drafts for every request where drafts pay at this
+        batch, else for none (a burst of arrivals into a loaded engine is no occasion for a
+        probe: probes keep their own schedule)."""
         few = self._few
         if few is None or num_running <= PROBE_ROWS:
             return None
-        if few == "prefills" and self._would_verify(num_running, base_tokens):
-            return None
+        if few == "prefills":  # their drafts are verified in the next step: as many decodes
+            return None if self._would_verify(num_running, num_running) else 0
         return PROBE_ROWS
 
     def _would_verify(self, num_sampling: int, base_tokens: int) -> bool:

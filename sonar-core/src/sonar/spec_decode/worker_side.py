@@ -52,6 +52,25 @@ class TokenSequence(Sequence[int]):
         return self.prompt[index] if index < n else self.output[index - n]
 
 
+class RequestSequences(Sequence[tuple[list[int], list[int], RequestSamplingState]]):
+    """Each request's prompt, output so far and sampling state, as ``propose`` and
+    ``keep_context`` take them, read from the runner's request states when asked for."""
+
+    __slots__ = ("states",)
+
+    def __init__(self, states: list[CachedRequestState]) -> None:
+        self.states = states
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        state = self.states[index]
+        return state.prompt_token_ids, state.output_token_ids, state.sampling
+
+
 @dataclass(slots=True)
 class ChainedProposal:
     """Drafts queued right behind a verify step (``SpeculativeDecoder.chain``): their host
@@ -115,12 +134,15 @@ class SpeculativeDecoder:
 
     def phase_targets(self) -> list[tuple[object, str, str]]:
         """The speculative parts of a step a benchmark may time (see ``ModelRunner.phase_targets``):
-        verification (launched with the step), and the proposal once the step's tokens are read
-        back, with the host's wait for the drafter's results in it."""
+        verification (launched with the step), the proposal once the step's tokens are read
+        back, with the host's wait for the drafter's results in it, and after a step without
+        drafts the hand-over of its states to a drafter's context."""
         targets: list[tuple[object, str, str]] = [
             (self, "verify", "launch: spec_verify"),
             (self, "propose", "fetch: spec_propose"),
             (self.proposer, "propose", "fetch: spec_propose: proposer"),
+            (self, "keep_context", "fetch: spec_keep_context"),
+            (self.proposer, "keep_context", "fetch: spec_keep_context: proposer"),
         ]
         if self.hidden is not None:
             targets += [(self, "record_hidden_states", "launch: spec_hidden_states"), (self.hidden, "gather", "fetch: spec_propose: gather_states")]
@@ -256,9 +278,10 @@ class SpeculativeDecoder:
             return
         if not drafting and not self.proposer.keeps_context:
             return
-        num_accepted = [len(output.verified_token_ids.get(r, ())) or 1 for r in req_ids]
-        sequences = [(s.prompt_token_ids, s.output_token_ids, s.sampling) for s in states]
-        if not drafting:
+        verified = output.verified_token_ids
+        num_accepted = [len(verified.get(r, ())) or 1 for r in req_ids] if verified else [1] * len(req_ids)
+        sequences = RequestSequences(states)
+        if not drafting:  # most steps of a loaded engine: the sequences are read only at a hand-over
             self.keep_context(req_ids, sequences, num_accepted, hidden)
             return
         started = time.perf_counter()  # the drafts are read back: the device's drafting is in it
@@ -279,7 +302,7 @@ class SpeculativeDecoder:
     def propose(
         self,
         req_ids: list[str],
-        sequences: list[tuple[list[int], list[int], RequestSamplingState]],
+        sequences: Sequence[tuple[list[int], list[int], RequestSamplingState]],
         num_accepted: list[int],
         hidden: StepHiddenStates | None = None,
         draft_limit: int | None = None,
@@ -312,7 +335,7 @@ class SpeculativeDecoder:
     def keep_context(
         self,
         req_ids: list[str],
-        sequences: list[tuple[list[int], list[int], RequestSamplingState]],
+        sequences: Sequence[tuple[list[int], list[int], RequestSamplingState]],
         num_accepted: list[int],
         hidden: StepHiddenStates | None = None,
     ) -> None:
@@ -329,7 +352,7 @@ class SpeculativeDecoder:
             return  # handed over with a later step's (a few steps' states in one pass)
         self.proposer.keep_context(self._inputs(req_ids, sequences, num_accepted, rows, hidden, copy=False))
 
-    def _live_rows(self, req_ids: list[str], sequences: list[tuple[list[int], list[int], RequestSamplingState]]) -> list[int]:
+    def _live_rows(self, req_ids: list[str], sequences: Sequence[tuple[list[int], list[int], RequestSamplingState]]) -> list[int]:
         """The rows of requests the worker still runs and that may draft at some point.
 
         A request the worker dropped while its step was in flight (finished, preempted or
@@ -349,7 +372,7 @@ class SpeculativeDecoder:
     def _inputs(
         self,
         req_ids: list[str],
-        sequences: list[tuple[list[int], list[int], RequestSamplingState]],
+        sequences: Sequence[tuple[list[int], list[int], RequestSamplingState]],
         num_accepted: list[int],
         rows: list[int],
         hidden: StepHiddenStates | None,

@@ -175,8 +175,9 @@ class ModelRunner:
         return profile_peak_bytes(self, platform)
 
     def phase_targets(self) -> list[tuple[object, str, str]]:
-        """The parts of ``launch`` a benchmark may time: ``(object, method, label)``."""
+        """The parts of ``launch`` and ``fetch`` a benchmark may time: ``(object, method, label)``."""
         return [
+            (self, "_wait_for_device", "fetch: device_wait"),
             (self, "_update_states", "launch: update_states"),
             (self, "build_batch", "launch: build_batch"),
             (self, "_feed_pending_tokens", "launch: feed_pending"),
@@ -481,7 +482,7 @@ class ModelRunner:
         if step.output is not None:
             return
         if step.ready is not None:
-            step.ready.synchronize()
+            self._wait_for_device(step.ready)
         if step.verified is not None:
             self._resolve_verified(step)
         else:
@@ -490,6 +491,11 @@ class ModelRunner:
         if self.spec is not None and step.sample_states:
             drafting = step.propose and len(step.req_ids) <= self.spec.config.max_batch_size
             self.spec.after_step(step.output, step.sample_req_ids, step.sample_states, step.hidden, drafting, step.draft_limit, step.chained)
+
+    @staticmethod
+    def _wait_for_device(ready: torch.Event) -> None:
+        """Wait until the step's results are on the host (its event has completed)."""
+        ready.synchronize()
 
     def _resolve_verified(self, step: LaunchedStep) -> None:
         """A verify step's output: each request's kept drafts and the token after them, put in
