@@ -27,8 +27,9 @@ logger = logging.getLogger(__name__)
 #: fewer slots (``DRAFT_GRAPH_MAX_GATHER``: 256 requests up to 512 each).
 DRAFT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 #: Row counts a pass over the target's new states (a drafter's context upkeep) is captured at:
-#: a step's kept positions (up to ``k + 1`` per request) or a few held steps' together.
-CONTEXT_GRAPH_ROWS = (8, 16, 32, 64, 128, 256)
+#: a step's kept positions (up to ``k + 1`` per request) or ``HOLD_STEPS`` held steps' together
+#: (4,096 rows: 256 requests; an eager pass of that size costs the host milliseconds of launches).
+CONTEXT_GRAPH_ROWS = (8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 #: The most slots per request a captured pass reads (longer contexts run eagerly): a pass
 #: gathers ``size x slots`` keys and values per layer.
 DRAFT_GRAPH_MAX_SLOTS = 8192
