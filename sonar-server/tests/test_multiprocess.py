@@ -332,6 +332,46 @@ def test_an_api_server_failing_to_start_stops_sonar_serve(tiny_model: str, tmp_p
     assert not left, f"left behind: {left}"
 
 
+def test_an_api_server_dying_while_serving_stops_sonar_serve(tiny_model: str, tmp_path: Path) -> None:
+    """One of two serving API servers is killed: ``sonar serve`` says which and how, exits 4
+    within seconds, and leaves no API server or engine core behind."""
+    from conftest import free_port, sonar_command
+
+    port = free_port()
+    log = tmp_path / "serve.log"
+    command = [*sonar_command(), "serve", tiny_model, *COMMON, "--api-server-count", "2", "--port", str(port)]
+    with log.open("w") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + 180
+            while time.monotonic() < deadline:
+                assert process.poll() is None, log.read_text()[-3000:]
+                servers = by_title(process.pid, "sonar::api-server")
+                try:
+                    healthy = httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
+                except httpx.HTTPError:
+                    healthy = False
+                if healthy and len(servers) == 2 and by_title(process.pid, "sonar::engine-core"):
+                    break
+                time.sleep(0.2)
+            else:
+                pytest.fail(f"sonar serve did not come up:\n{log.read_text()[-3000:]}")
+            family = descendants(process.pid)
+            victim = by_title(process.pid, "sonar::api-server-1")[0]
+            os.kill(victim, signal.SIGKILL)
+            process.wait(30)
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait(30)
+                pytest.fail(f"sonar serve went on after an API server died:\n{log.read_text()[-3000:]}")
+    output = log.read_text()
+    assert process.returncode == 4, output[-3000:]
+    assert "API server 1 exited (killed by SIGKILL) while serving" in output
+    left = [family[pid] for pid in family if alive(pid)]
+    assert not left, f"left behind: {left}"
+
+
 def test_port_in_use_is_refused_before_loading(tiny_model: str) -> None:
     import socket
 

@@ -20,6 +20,7 @@ from sonar_server.settings import ServerSettings
 logger = logging.getLogger("sonar_server")
 
 STARTUP_FAILED = 3  # the exit code of an API server (and of ``sonar serve``) that could not start serving
+API_SERVER_DIED = 4  # the exit code of ``sonar serve`` when an API server exits while serving, unasked
 SERVING = b"serving"  # what a child writes to its ready_fd once it serves
 
 

@@ -161,10 +161,13 @@ def _serve_on(args: argparse.Namespace, engine_args: EngineArgs, listener: socke
 def _supervise(launches: list[Any], listener: socket.socket, engines: Any) -> int:
     """Run the API servers (``ApiServerLaunch`` each) as children of this process, watching the
     ``EngineProcesses``; forward one SIGTERM to each child on the first signal. A child that
-    exits before it serves (each says so on a pipe) stops them all: ``STARTUP_FAILED``."""
+    exits before it serves (each says so on a pipe) stops them all: ``STARTUP_FAILED``; one
+    that exits later, unasked (killed, out of memory, a crash), stops them all too, so that
+    what runs the server sees it fail and restarts it rather than a server short of a
+    process: ``API_SERVER_DIED``."""
     import msgspec
 
-    from sonar_server.api_server import SERVING, STARTUP_FAILED
+    from sonar_server.api_server import API_SERVER_DIED, SERVING, STARTUP_FAILED
 
     metrics_dir = tempfile.mkdtemp(prefix="sonar-metrics-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
@@ -213,6 +216,14 @@ def _supervise(launches: list[Any], listener: socket.socket, engines: Any) -> in
                 )
                 _stop(children)
                 return STARTUP_FAILED
+            died = [i for i, child in enumerate(children) if child.poll() is not None]
+            if died and not stopping.is_set():
+                logger.error(
+                    "API server %d exited (%s) while serving; stopping every API server and engine core",
+                    died[0], _exit_reason(children[died[0]].returncode),
+                )
+                _stop(children)
+                return API_SERVER_DIED
         return 0 if stopping.is_set() else max(child.returncode for child in children)
     finally:
         for sig, handler in previous.items():
@@ -221,6 +232,16 @@ def _supervise(launches: list[Any], listener: socket.socket, engines: Any) -> in
         for fd in starting:
             os.close(fd)
         shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _exit_reason(returncode: int) -> str:
+    """A child's exit as a log says it: ``code 1``, or ``killed by SIGKILL``."""
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"code {returncode}"
 
 
 def _note_serving(starting: dict[int, int], serving: bytes, timeout: float) -> set[int]:
