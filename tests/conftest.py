@@ -11,7 +11,7 @@ import torch
 
 os.environ.setdefault("SONAR_PLATFORM", "cpu")
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
 
 
 @pytest.fixture(scope="session")

@@ -248,3 +248,33 @@ def test_short_chunks_go_to_the_c_kernel_as_decode_rows(window: int | None) -> N
     assert [chunk.end - chunk.start for chunk in rows.prefills] == [17, 12]
     assert rows.seq_lens[1:9].tolist() == list(range(6, 14))  # the drafts after 5 cached tokens: lengths 6..13
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def capped_reference(step: PagedStep, scale: float, cap: float, window: int | None = None) -> torch.Tensor:
+    """The reference attention with Gemma 2's cap: each scaled score ``s`` as ``cap * tanh(s / cap)``."""
+    return reference_attention(step.query, step.key, step.value, step.kv_cache.clone(), step.metadata, scale, window, logit_softcap=cap)
+
+
+@pytest.mark.parametrize("layout", ["mixed", "verify_steps", "prefills_over_cached_prefix"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("native_decodes", [True, False])
+def test_scores_capped_as_gemma2_caps_them(monkeypatch: pytest.MonkeyPatch, layout: str, dtype: torch.dtype, window: int | None, native_decodes: bool) -> None:
+    """Every path (the C kernel's decodes and short chunks, the SDPA buckets, prefill chunks with
+    and without a context) caps the scores; a cap of 2 on scores of a few units changes them
+    all, so a path that forgot it fails."""
+    if not native_decodes:
+        monkeypatch.setattr("sonar_cpu.attention.native_library", lambda query, kv_cache: None)
+    elif native.load() is None:
+        pytest.skip("no C compiler or no AVX2/FMA/F16C here")
+    context_lens, query_lens = LAYOUTS[layout]
+    step = make_step(context_lens, query_lens, num_heads=8, num_kv_heads=2, head_dim=32, block_size=4, dtype=dtype)
+    step.query.mul_(4.0)  # scores of several units: the cap bends them
+    scale, cap = 32**-0.5, 2.0
+    expected = capped_reference(step, scale, cap, window)
+    uncapped = reference_attention(step.query, step.key, step.value, step.kv_cache.clone(), step.metadata, scale, window)
+    backend = CpuAttentionBackend(8, 2, 32, scale, sliding_window=window, logit_softcap=cap)
+    actual = backend.forward(step.query, step.key, step.value, step.kv_cache, step.metadata)
+    tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert (expected.float() - uncapped.float()).abs().max() > 20 * tolerance  # the cap matters at these scores

@@ -86,16 +86,31 @@ class AttentionBackend:
 
     One instance serves every layer of a model with the same shape; the layer passes its own
     KV-cache tensor in.
+
+    :param scale: the factor of ``q . k`` (``head_dim ** -0.5`` for most models).
+    :param sliding_window: a token attends to the last ``sliding_window`` positions only (itself
+        included); None: to its whole sequence.
+    :param logit_softcap: a cap ``c`` on attention scores (Gemma 2's ``attn_logit_softcapping``):
+        each scaled score ``s`` becomes ``c * tanh(s / c)`` before the mask and the softmax;
+        None: scores are used as they are. A backend that cannot apply it refuses it here
+        (the engine builds backends with it only for models that set a cap).
     """
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
 
     @classmethod
     def prepare_metadata(cls, metadata: AttentionMetadata) -> None:
@@ -128,8 +143,10 @@ def reference_attention(
     sliding_window: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
-    """A slow, obviously-correct paged attention in float32, for tests (any cache dtype)."""
+    """A slow, obviously-correct paged attention in float32, for tests (any cache dtype); the
+    arguments as ``AttentionBackend``'s."""
     k_cache, v_cache = kv_cache[0], kv_cache[1]
     num_blocks, block_size = k_cache.shape[:2]
     flat_k = k_cache.view(num_blocks * block_size, *k_cache.shape[2:])
@@ -150,6 +167,8 @@ def reference_attention(
         v = dequantize_from_cache(flat_v[slots], torch.float32, v_scale).repeat_interleave(group, dim=1)
         q = query[start:end].float()
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        if logit_softcap is not None:
+            scores = torch.tanh(scores / logit_softcap) * logit_softcap
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         key_pos = torch.arange(seq_len, device=q.device)[None, :]
         mask = key_pos > q_pos[:, None]

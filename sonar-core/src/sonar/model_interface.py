@@ -10,8 +10,9 @@ A model class (registered with ``sonar_register_models``) is a ``torch.nn.Module
     def kv_cache_specs(self) -> list[KVCacheSpec]  # optional: one per layer
 
 Each attention layer holds ``attention(num_heads, num_kv_heads, head_dim, scale, layer_idx,
-sliding_window=None)`` and calls it as ``attn(q, k, v, ctx)``; ``sliding_window=W`` lets a
-token attend only to the last ``W`` positions (itself included).
+sliding_window=None, logit_softcap=None)`` and calls it as ``attn(q, k, v, ctx)``;
+``sliding_window=W`` lets a token attend only to the last ``W`` positions (itself included),
+``logit_softcap=c`` caps each scaled score ``s`` at ``c * tanh(s / c)`` (Gemma 2).
 
 ``kv_cache_specs()`` tells the KV-cache manager what each layer reads from the cache
 (``FullAttentionSpec``, or ``SlidingWindowSpec(W)`` for a layer built with
@@ -50,12 +51,15 @@ class PagedAttention(torch.nn.Module):
     1.0, see ``settle_kv_cache_scales``; other caches ignore them).
     """
 
-    def __init__(self, backend: AttentionBackend | None, layer_idx: int, scale: float, sliding_window: int | None = None) -> None:
+    def __init__(
+        self, backend: AttentionBackend | None, layer_idx: int, scale: float, sliding_window: int | None = None, logit_softcap: float | None = None
+    ) -> None:
         super().__init__()
         self.backend = backend
         self.layer_idx = layer_idx
         self.scale = scale
         self.sliding_window = sliding_window
+        self.logit_softcap = logit_softcap
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.has_checkpoint_kv_scales = False
@@ -75,7 +79,7 @@ class PagedAttention(torch.nn.Module):
             connector.wait_for_layer_load(self.layer_idx)
         if self.backend is None:
             out = reference_attention(
-                q, k, v, kv_cache, ctx.attn_metadata, self.scale, self.sliding_window, self.k_scale, self.v_scale
+                q, k, v, kv_cache, ctx.attn_metadata, self.scale, self.sliding_window, self.k_scale, self.v_scale, self.logit_softcap
             )
         else:
             out = self.backend.forward(q, k, v, kv_cache, ctx.attn_metadata, k_scale=self.k_scale, v_scale=self.v_scale)
@@ -119,14 +123,21 @@ def make_attention_factory(backend_cls: type[AttentionBackend] | None) -> Attent
     backends: dict[tuple, AttentionBackend] = {}
 
     def factory(
-        num_heads: int, num_kv_heads: int, head_dim: int, scale: float, layer_idx: int, sliding_window: int | None = None
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        layer_idx: int,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> PagedAttention:
         if backend_cls is None:
-            return PagedAttention(None, layer_idx, scale, sliding_window)
-        shape = (num_heads, num_kv_heads, head_dim, scale, sliding_window)
+            return PagedAttention(None, layer_idx, scale, sliding_window, logit_softcap)
+        shape = (num_heads, num_kv_heads, head_dim, scale, sliding_window, logit_softcap)
         if shape not in backends:
-            backends[shape] = backend_cls(num_heads, num_kv_heads, head_dim, scale, sliding_window)
-        return PagedAttention(backends[shape], layer_idx, scale, sliding_window)
+            capped = {} if logit_softcap is None else {"logit_softcap": logit_softcap}  # a backend of before the cap still builds uncapped layers
+            backends[shape] = backend_cls(num_heads, num_kv_heads, head_dim, scale, sliding_window, **capped)
+        return PagedAttention(backends[shape], layer_idx, scale, sliding_window, logit_softcap)
 
     return factory
 

@@ -17,6 +17,10 @@ one call. Grouped-query attention never repeats K/V: a decode's query heads are 
 An FP8 cache (E4M3 or E5M2) stores ``key / k_scale`` and ``value / v_scale``; the scales are
 folded into the attention (``k_scale`` into the softmax scale, ``v_scale`` into the output), so
 dequantizing is only the cast to the compute dtype that every cache dtype already pays.
+
+A layer with a cap on its scores (``logit_softcap``, Gemma 2) has them capped in the C kernel,
+and where SDPA would run, its calls are written out (scores, cap, mask, softmax): SDPA has no
+cap.
 """
 
 from __future__ import annotations
@@ -44,9 +48,15 @@ class CpuAttentionBackend(AttentionBackend):
     bucket_call_cost_tokens: int = BUCKET_CALL_COST_TOKENS
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, logit_softcap)
         # reused by every gather: a fresh multi-MB tensor per call costs more than the gather
         self._workspace: torch.Tensor | None = None
 
@@ -140,7 +150,7 @@ class CpuAttentionBackend(AttentionBackend):
         code = library.paged_decode_attention(
             decode_query.data_ptr(), kv_cache.data_ptr(), kv_cache.shape[1], kv_cache.shape[2], self.num_kv_heads,
             self.head_dim, self.num_heads, tables.data_ptr(), tables.stride(0), seq_lens.data_ptr(), n,
-            self.sliding_window or 0, self.scale, out.data_ptr(), torch.get_num_threads(),
+            self.sliding_window or 0, self.scale, self.logit_softcap or 0.0, out.data_ptr(), torch.get_num_threads(),
         )
         if code:
             raise RuntimeError(f"the C decode attention failed (code {code}) for {self.num_heads} heads over {self.num_kv_heads} KV heads")
@@ -171,7 +181,7 @@ class CpuAttentionBackend(AttentionBackend):
         values = gathered[1].transpose(1, 2)
         grouped_query = query.view(n, self.num_kv_heads, group, self.head_dim)
         k_scale, v_scale = scales
-        out = F.scaled_dot_product_attention(grouped_query, keys, values, attn_mask=mask, scale=self.scale * k_scale)
+        out = self._sdpa(grouped_query, keys, values, mask, self.scale * k_scale)
         return _times(out, v_scale).view(n, self.num_heads, self.head_dim)
 
     def _prefill(
@@ -191,7 +201,7 @@ class CpuAttentionBackend(AttentionBackend):
             # a first chunk attends only to itself: no gather (new k/v as stored in the cache)
             keys = key[chunk.start : chunk.end].transpose(0, 1).to(compute_dtype)
             values = value[chunk.start : chunk.end].transpose(0, 1).to(compute_dtype)
-            if self.sliding_window is None:
+            if self.sliding_window is None and self.logit_softcap is None:
                 # 4-d inputs: PyTorch's CPU flash kernel takes only those (3-d falls back to the
                 # math path, about 10x slower)
                 out = F.scaled_dot_product_attention(
@@ -204,10 +214,27 @@ class CpuAttentionBackend(AttentionBackend):
             gathered = gathered[:, : chunk.seq_len].to(compute_dtype)
             keys, values = gathered[0].transpose(0, 1), gathered[1].transpose(0, 1)
         mask = plan.prefill_mask(chunk, self.sliding_window, compute_dtype, query.device)
+        if self.logit_softcap is not None:  # the query heads of a KV head side by side, as a decode's
+            group = self.num_heads // self.num_kv_heads
+            grouped = q.reshape(self.num_kv_heads, group * q.shape[1], self.head_dim)
+            out = self._sdpa(grouped, keys, values, mask.repeat(group, 1), self.scale * k_scale)
+            return _times(out.view(self.num_heads, -1, self.head_dim).transpose(0, 1), v_scale)
         out = F.scaled_dot_product_attention(
             q[None], keys[None], values[None], attn_mask=mask, scale=self.scale * k_scale, enable_gqa=True
         )
         return _times(out[0].transpose(0, 1), v_scale)
+
+    def _sdpa(self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+        """SDPA over ``query [..., q, d]`` and ``keys``/``values [..., k, d]`` (the same leading
+        dims) with an additive ``mask`` broadcast to ``[..., q, k]``; written out where the
+        layer caps its scores."""
+        cap = self.logit_softcap
+        if cap is None:
+            return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale)
+        scores = torch.matmul(query, keys.transpose(-1, -2)).mul_(scale / cap).tanh_().mul_(cap)
+        if mask is not None:
+            scores.add_(mask)
+        return torch.matmul(scores.softmax(dim=-1), values)
 
     def _gather(self, kv_cache: torch.Tensor, gather_ids: torch.Tensor) -> torch.Tensor:
         """Keys then values of some blocks (``gather_ids`` from ``key_and_value_rows``), into the

@@ -102,7 +102,7 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.paged_decode_attention.restype = integer
     library.paged_decode_attention.argtypes = [
         pointer, pointer, size, integer, integer, integer, integer, pointer, size, pointer, size, integer, ctypes.c_float,
-        pointer, integer,
+        ctypes.c_float, pointer, integer,
     ]
     library.add_rms_norm.restype = None
     library.add_rms_norm.argtypes = [pointer, pointer, pointer, pointer, size, size, ctypes.c_float, integer]

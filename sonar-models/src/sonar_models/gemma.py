@@ -1,4 +1,4 @@
-"""Gemma and Gemma 3 (text): Llama's decoder with Gemma's conventions.
+"""Gemma, Gemma 2 and Gemma 3 (text): Llama's decoder with Gemma's conventions.
 
 - Every RMSNorm scales by ``1 + w`` (the checkpoint stores the offset ``w``); the 1 is added
   to each norm weight at load, so the platform's RMSNorm kernels run it unchanged.
@@ -8,8 +8,10 @@
   norms, a ``query_pre_attn_scalar ** -0.5`` score scale, sliding-window layers that rotate
   with their own base (``rope_parameters["sliding_attention"]``) beside global layers
   (``rope_parameters["full_attention"]``, with its scaling), and an optional tanh cap on the
-  logits (``final_logit_softcapping``). A tanh cap on attention scores
-  (``attn_logit_softcapping``, Gemma 2) is refused: the attention kernels do not apply it.
+  logits (``final_logit_softcapping``).
+- Gemma 2 has Gemma 3's four norms, scalar and alternating sliding-window layers, without q/k
+  norms and with one rotary set, and caps attention scores with a tanh
+  (``attn_logit_softcapping``, applied by the attention backends) as well as the logits.
 """
 
 from __future__ import annotations
@@ -33,10 +35,6 @@ class GemmaForCausalLM(LlamaForCausalLM):
     o_bias = False
 
     def __init__(self, hf_config: Any, attention: Any) -> None:
-        if getattr(hf_config, "attn_logit_softcapping", None):
-            raise NotImplementedError(
-                f"attn_logit_softcapping={hf_config.attn_logit_softcapping} (a tanh cap on attention scores) is not supported yet"
-            )
         super().__init__(hf_config, attention)
         self.model.embed_scale = hf_config.hidden_size**0.5
 
@@ -89,6 +87,18 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
 
     def layer_rope_types(self, config: Any) -> list[str] | None:
         return list(config.layer_types)
+
+
+class Gemma2ForCausalLM(GemmaForCausalLM):
+    """Gemma 2: Gemma's conventions with four norms a layer, the query pre-attention scalar,
+    alternating sliding-window and global layers (one rotary set) and tanh caps on the
+    attention scores and the logits."""
+
+    def build_layer(self, config: Any, attn: DecoderAttention, mlp: nn.Module) -> nn.Module:
+        return Gemma3DecoderLayer(attn, mlp, config)
+
+    def attention_scale(self, config: Any) -> float | None:
+        return float(config.query_pre_attn_scalar) ** -0.5
 
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):

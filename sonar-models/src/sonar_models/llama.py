@@ -91,6 +91,7 @@ class DecoderAttention(nn.Module):
         sliding_window: int | None = None,
         cache_index: int | None = None,
         scale: float | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         super().__init__()
         group = current_group()
@@ -111,9 +112,10 @@ class DecoderAttention(nn.Module):
         self.qk_norm = qk_norm
         self.sliding_window = sliding_window
         # cache_index: which of the worker's KV caches is this layer's (its stage's own count)
+        capped = {} if logit_softcap is None else {"logit_softcap": float(logit_softcap)}
         self.attn = attention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale or self.head_dim**-0.5,
-            layer_idx if cache_index is None else cache_index, sliding_window=sliding_window,
+            layer_idx if cache_index is None else cache_index, sliding_window=sliding_window, **capped,
         )
 
     def forward(self, x: torch.Tensor, rope: Any, ctx: ForwardContext) -> torch.Tensor:
@@ -283,7 +285,7 @@ class LlamaForCausalLM(nn.Module):
                 config,
                 DecoderAttention(
                     config, attention, i, qkv_bias, o_bias, self.qk_norm, self.sliding_windows[i], cache_index=i - layer_ids.start,
-                    scale=self.attention_scale(config),
+                    scale=self.attention_scale(config), logit_softcap=getattr(config, "attn_logit_softcapping", None) or None,
                 ),
                 self.build_mlp(config, i, mlp_bias),
             )

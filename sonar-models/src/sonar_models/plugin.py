@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "sonar_models.llama:Qwen3ForCausalLM",
     "Phi3ForCausalLM": "sonar_models.llama:Phi3ForCausalLM",
     "GemmaForCausalLM": "sonar_models.gemma:GemmaForCausalLM",
+    "Gemma2ForCausalLM": "sonar_models.gemma:Gemma2ForCausalLM",
     "Gemma3ForCausalLM": "sonar_models.gemma:Gemma3ForCausalLM",
     "Gemma3ForConditionalGeneration": "sonar_models.gemma:Gemma3ForConditionalGeneration",
     "Qwen3MoeForCausalLM": "sonar_models.moe:Qwen3MoeForCausalLM",

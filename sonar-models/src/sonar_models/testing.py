@@ -63,6 +63,15 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         ),
     ),
     "gemma": ("GemmaConfig", dict(head_dim=32, hidden_act="gelu_pytorch_tanh")),
+    # a sliding layer (window 8) and a global one; scores capped at 1 (the published 50 would
+    # leave a tiny model's scores of about 1 untouched), logits at 3
+    "gemma2": (
+        "Gemma2Config",
+        dict(
+            head_dim=32, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=1.0, final_logit_softcapping=3.0,
+            hidden_activation="gelu_pytorch_tanh", max_position_embeddings=2048,
+        ),
+    ),
     # a sliding layer (window 8, its own rotary base) and a global one (linear rope scaling)
     "gemma3": (
         "Gemma3TextConfig",

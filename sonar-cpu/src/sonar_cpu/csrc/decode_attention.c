@@ -53,12 +53,13 @@ static inline float dot(const float *a, const float *b, int n) {
 }
 
 /* out [num_seqs, num_heads, head_dim] for query [num_seqs, num_heads, head_dim]: sequence s
- * attends positions [max(0, seq_lens[s] - window), seq_lens[s]) (window <= 0: all). Work is
- * split by (sequence, query head): a step of one sequence still spreads over every thread. */
+ * attends positions [max(0, seq_lens[s] - window), seq_lens[s]) (window <= 0: all); each scaled
+ * score s becomes softcap * tanh(s / softcap) where softcap > 0 (Gemma 2). Work is split by
+ * (sequence, query head): a step of one sequence still spreads over every thread. */
 int paged_decode_attention(const float *query, const float *cache, int64_t num_cache_blocks, int block_size,
                            int num_kv_heads, int head_dim, int num_heads, const int32_t *block_tables,
                            int64_t table_stride, const int32_t *seq_lens, int64_t num_seqs, int window, float scale,
-                           float *out, int num_threads) {
+                           float softcap, float *out, int num_threads) {
     int group = num_heads / num_kv_heads;
     if (group < 1 || num_heads % num_kv_heads) return -1;
     int64_t token_stride = (int64_t)num_kv_heads * head_dim;
@@ -93,6 +94,7 @@ int paged_decode_attention(const float *query, const float *cache, int64_t num_c
                 int position = start + t;
                 int64_t row = ((int64_t)table[position / block_size] * block_size + position % block_size) * token_stride;
                 float score = dot(q, keys + row, head_dim) * scale;
+                if (softcap > 0.0f) score = softcap * tanhf(score / softcap);
                 scores[t] = score;
                 top = score > top ? score : top;
             }
