@@ -17,7 +17,7 @@ from sonar.outputs import RequestOutput
 from sonar.sampling_params import SamplingParams
 from sonar_cuda.platform import CudaPlatform
 
-ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma3"]
+ARCHS = ["llama", "llama3", "mistral", "qwen2", "qwen3", "phi3", "gemma", "gemma2", "gemma3"]
 
 
 class InterpretedCudaPlatform(CudaPlatform):

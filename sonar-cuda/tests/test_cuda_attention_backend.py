@@ -1,11 +1,11 @@
 """The Triton backend on a mixed step (decodes first, then prefill chunks) against sonar's
-reference paged attention, with full attention and with sliding windows."""
+reference paged attention, with full attention, with sliding windows and with soft-capped scores."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from paged_batch import assert_close, dtypes_for
+from paged_batch import TOLERANCE, assert_close, dtypes_for
 
 from sonar.attention import AttentionMetadata, reference_attention
 from sonar_cuda.attention import TritonAttentionBackend
@@ -74,21 +74,33 @@ def check(
     device: torch.device,
     window: int | None = None,
     num_splits: int | None = None,
+    logit_softcap: float | None = None,
+    query_gain: float = 1.0,
 ) -> None:
+    """Compare one step with the reference; ``query_gain`` scales the queries (and so the scores)."""
     gen = torch.Generator().manual_seed(sum(decode_lens) + head_dim)
     page_size = 16
     metadata, num_blocks = make_step(decode_lens, chunks, page_size, device, gen)
     kv_cache = torch.randn(2, num_blocks, page_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
     # q, k, v as views of one fused projection, as models produce them
-    qkv = torch.randn(metadata.num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    qkv = torch.randn(metadata.num_tokens, num_heads + 2 * num_kv_heads, head_dim, generator=gen)
+    qkv[:, :num_heads] *= query_gain
+    qkv = qkv.to(dtype).to(device)
     query, key, value = qkv.split([num_heads, num_kv_heads, num_kv_heads], dim=1)
     scale = head_dim**-0.5
     expected_cache = kv_cache.clone()
-    expected = reference_attention(query.float(), key, value, expected_cache, metadata, scale, window)
+    expected = reference_attention(
+        query.float(), key, value, expected_cache, metadata, scale, window, logit_softcap=logit_softcap
+    )
+    if logit_softcap is not None:
+        uncapped = reference_attention(query.float(), key, value, kv_cache.clone(), metadata, scale, window)
+        assert (uncapped - expected).abs().max() > 2 * TOLERANCE[dtype], "a backend ignoring the cap would pass"
     if window is not None:
         poison_outside_windows([kv_cache, expected_cache], metadata, num_blocks, window)
 
-    backend = TritonAttentionBackend(num_heads, num_kv_heads, head_dim, scale, sliding_window=window)
+    backend = TritonAttentionBackend(
+        num_heads, num_kv_heads, head_dim, scale, sliding_window=window, logit_softcap=logit_softcap
+    )
     TritonAttentionBackend.prepare_metadata(metadata)
     metadata.extra.decode_num_splits = num_splits
     out = backend.forward(query, key, value, kv_cache, metadata)
@@ -139,6 +151,34 @@ def test_sliding_window_large(dtype: torch.dtype, device: torch.device) -> None:
 def test_a_window_below_one_is_refused() -> None:
     with pytest.raises(ValueError, match="sliding_window=0"):
         TritonAttentionBackend(4, 2, 64, 0.125, sliding_window=0)
+
+
+@pytest.mark.parametrize("logit_softcap", [50.0, 5.0])
+def test_soft_cap_small(logit_softcap: float, device: torch.device) -> None:
+    """Capped scores (queries scaled by 8, scores up to about 25) in a mixed step, under a
+    sliding window (NaN before it) and in the split-KV decode."""
+    capped = {"logit_softcap": logit_softcap, "query_gain": 8.0}
+    for dtype in dtypes_for(device):
+        check([1, 17], [(0, 5), (16, 3)], 4, 2, 64, dtype, device, **capped)
+        check([1, 17, 70], [(0, 45), (30, 20)], 4, 2, 32, dtype, device, window=16, **capped)
+    check([300, 130, 5], [], 4, 2, 32, torch.float32, device, window=100, num_splits=3, **capped)
+    check([130, 9], [], 4, 1, 64, torch.float32, device, num_splits=3, **capped)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("logit_softcap", [50.0, 5.0])
+def test_soft_cap_large(logit_softcap: float, dtype: torch.dtype, device: torch.device) -> None:
+    capped = {"logit_softcap": logit_softcap, "query_gain": 8.0}
+    check([1, 17, 1025, 300] * 8, [(0, 512), (1000, 77)], 16, 8, 128, dtype, device, **capped)
+    check([1, 17, 1025, 300] * 8, [(0, 512), (4000, 300)], 16, 8, 128, dtype, device, window=256, **capped)
+    check([5000] * 2, [], 32, 8, 128, dtype, device, window=4096, num_splits=16, **capped)
+
+
+@pytest.mark.parametrize("logit_softcap", [0.0, -30.0])
+def test_a_cap_not_above_zero_is_refused(logit_softcap: float) -> None:
+    with pytest.raises(ValueError, match=f"logit_softcap={logit_softcap}"):
+        TritonAttentionBackend(4, 2, 64, 0.125, logit_softcap=logit_softcap)
 
 
 @pytest.mark.cuda

@@ -35,11 +35,12 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def test_interpreted_engine_matches_transformers(tiny_models) -> None:
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])  # gemma2: the kernels' cap on attention scores, sliding layers
+def test_interpreted_engine_matches_transformers(tiny_models, arch: str) -> None:
     """Prefill, chunked prefill and static-buffer decode steps, greedy, on CPU."""
     if torch.cuda.is_available():
         pytest.skip("CPU-only: Triton's interpreter is off where a GPU is present")
-    path = tiny_models("qwen3")
+    path = tiny_models(arch)
     prompts = random_prompts(3, seed=3, max_len=40)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     outputs, engine = generate(

@@ -38,16 +38,27 @@ class TritonAttentionBackend(AttentionBackend):
     given those blocks back).
 
     An FP8 cache (``float8_e4m3fn`` or ``float8_e5m2``) is written as ``key / k_scale``,
-    ``value / v_scale`` and read back as FP8 by both kernels, which dequantize in registers."""
+    ``value / v_scale`` and read back as FP8 by both kernels, which dequantize in registers.
+
+    With ``logit_softcap=c`` both kernels cap each scaled score at ``c * tanh(score / c)``
+    before the masks and the softmax (Gemma 2)."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        logit_softcap: float | None = None,
     ) -> None:
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window={sliding_window} must be at least 1")
+        if logit_softcap is not None and not logit_softcap > 0:
+            raise ValueError(f"logit_softcap={logit_softcap} must be positive (None: no cap on the scores)")
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window)
+        super().__init__(num_heads, num_kv_heads, head_dim, scale, sliding_window, logit_softcap)
 
     @classmethod
     def prepare_metadata(cls, metadata: AttentionMetadata) -> None:
@@ -92,13 +103,13 @@ class TritonAttentionBackend(AttentionBackend):
             decode_attention(
                 query[:nd], k_cache, v_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], self.scale,
                 out=out[:nd], max_seq_len=state.decode_max_seq_len, num_splits=state.decode_num_splits,
-                sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale,
+                sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale, logit_softcap=self.logit_softcap,
             )
         # prefill and chunked prefill
         if state.prefill_max_query_len:
             prefill_attention(
                 query, k_cache, v_cache, state.prefill_block_tables, state.prefill_seq_lens,
                 state.prefill_query_start_loc, state.prefill_max_query_len, self.scale, out=out,
-                sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale,
+                sliding_window=self.sliding_window, k_scale=k_scale, v_scale=v_scale, logit_softcap=self.logit_softcap,
             )
         return out

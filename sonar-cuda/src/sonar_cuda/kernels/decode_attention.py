@@ -12,6 +12,10 @@ Under a 16-bit query the products run in float16 (``FP8_AS_F16``): E4M3 and E5M2
 exact in float16, the probabilities (in [0, 1]) keep more bits there than in bfloat16, and the
 query enters the product already multiplied by the softmax scale (its magnitude shrinks;
 clamped to the float16 range). On the H200 this takes the same time as converting to bfloat16.
+
+A soft cap on the scores (Gemma 2's ``attn_logit_softcapping``: ``cap * tanh(scores / cap)``,
+taken after the scale and before the masks) is the ``SOFTCAP`` specialisation; without a cap the
+kernel is compiled without it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import triton
 import triton.language as tl
 
 from sonar.attention import dequantize_from_cache, is_fp8
+from sonar_cuda.kernels.prefill_attention import soft_cap
 
 LOG2E = 1.4426950408889634
 MIN_TOKENS_PER_SPLIT = 64
@@ -46,6 +51,7 @@ def _decode_split_kernel(
     scale_log2,  # the softmax scale (times k_scale for an FP8 cache), in log2 units
     v_scale,  # an FP8 cache's value scale (unused otherwise)
     window,  # the query sees its last `window` positions, itself included
+    softcap_log2,  # the cap on the scores, in log2 units (unused unless SOFTCAP)
     stride_q_token,
     stride_q_head,
     stride_cache_block,
@@ -61,6 +67,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
+    SOFTCAP: tl.constexpr,  # False: no cap on the scores, compiled without it
     KV_FP8: tl.constexpr,  # the cache holds scaled float8_e4m3fn or float8_e5m2
     FP8_AS_F16: tl.constexpr,  # an FP8 cache under a 16-bit query: products in float16, q pre-scaled
     DOT_PRECISION: tl.constexpr,
@@ -110,6 +117,8 @@ def _decode_split_kernel(
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         else:
             scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            scores = soft_cap(scores, softcap_log2)
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -213,6 +222,7 @@ def decode_attention(
     num_stages: int | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Attend each sequence's single new query token over its paged context: all of it, or
     with ``sliding_window=W`` its last ``W`` positions (the token's own included; blocks before
@@ -221,7 +231,8 @@ def decode_attention(
     The new token's key and value must already be in the cache. ``num_splits`` (the split-KV
     factor) defaults to a choice from the batch size and ``max_seq_len``; pass it explicitly to
     keep the launch shape fixed (CUDA graphs). ``k_scale`` / ``v_scale`` dequantize an FP8
-    cache (unused otherwise). Returns ``out``.
+    cache (unused otherwise). ``logit_softcap=c`` caps the scaled scores at
+    ``c * tanh(scores / c)`` before the softmax. Returns ``out``.
     """
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -265,6 +276,7 @@ def decode_attention(
         scale * LOG2E * (k_scale if kv_fp8 else 1.0),
         v_scale,
         NO_WINDOW if sliding_window is None else sliding_window,
+        0.0 if logit_softcap is None else logit_softcap * LOG2E,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
@@ -280,6 +292,7 @@ def decode_attention(
         BLOCK_D=block_d,
         BLOCK_N=block_n,
         SPLIT=split,
+        SOFTCAP=logit_softcap is not None,
         KV_FP8=kv_fp8,
         FP8_AS_F16=kv_fp8 and query.dtype in (torch.bfloat16, torch.float16),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
@@ -311,6 +324,7 @@ def reference_decode_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain float32 torch version of :func:`decode_attention` (returns float32)."""
     num_seqs, num_heads, _ = query.shape
@@ -325,6 +339,8 @@ def reference_decode_attention(
         v = dequantize_from_cache(v_cache[pages, positions % page_size], torch.float32, v_scale)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [seq_len, H, D]
         scores = torch.einsum("hd,khd->hk", query[i].float(), k) * scale
+        if logit_softcap is not None:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
         out[i] = torch.einsum("hk,khd->hd", scores.softmax(-1), v)
     return out
 

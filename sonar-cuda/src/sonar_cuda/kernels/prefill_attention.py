@@ -10,6 +10,10 @@ skipped, never read.
 An FP8 cache (E4M3 or E5M2) is read as FP8 and converted to the query's dtype in registers (the
 ``KV_FP8`` specialisation); ``k_scale`` is folded into the softmax scale and ``v_scale`` into the
 output.
+
+A soft cap on the scores (Gemma 2's ``attn_logit_softcapping``: ``cap * tanh(scores / cap)``,
+taken after the scale and before the causal and window masks) is the ``SOFTCAP`` specialisation;
+without a cap the kernel is compiled without it.
 """
 
 from __future__ import annotations
@@ -22,6 +26,15 @@ from sonar.attention import dequantize_from_cache, is_fp8
 
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # the window a full-attention layer passes: longer than any context
+TWO_LOG2E = tl.constexpr(2.0 * LOG2E)
+
+
+@triton.jit
+def soft_cap(scores, cap):
+    """``cap * tanh(scores / cap)``, in whatever units ``scores`` and ``cap`` share (the kernels
+    pass both in log2 units). tanh is taken through exp2, which saturates: scores far past the cap
+    give ``+-cap``, never NaN."""
+    return cap - 2.0 * cap / (1.0 + tl.exp2(scores * (TWO_LOG2E / cap)))
 
 
 @triton.jit
@@ -42,12 +55,14 @@ def _attend_tile(
     dims,
     dim_mask,
     scale_log2,
+    softcap_log2,
     stride_cache_block,
     stride_cache_slot,
     PAGE_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASKED: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
@@ -69,6 +84,8 @@ def _attend_tile(
 
     # online softmax in base 2: [BLOCK_M, BLOCK_N]
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+    if SOFTCAP:
+        scores = soft_cap(scores, softcap_log2)
     if MASKED:
         # causal, and inside the window: q - window < key <= q
         visible = tokens[None, :] <= q_positions[:, None]
@@ -104,6 +121,7 @@ def _prefill_kernel(
     scale_log2,  # the softmax scale (times k_scale for an FP8 cache), in log2 units
     v_scale,  # an FP8 cache's value scale (unused otherwise)
     window,  # each query sees its last `window` positions, itself included
+    softcap_log2,  # the cap on the scores, in log2 units (unused unless SOFTCAP)
     stride_q_token,
     stride_q_head,
     stride_cache_block,
@@ -119,6 +137,7 @@ def _prefill_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOWED: tl.constexpr,  # False: full attention, compiled without any window arithmetic
+    SOFTCAP: tl.constexpr,  # False: no cap on the scores, compiled without it
     KV_FP8: tl.constexpr,  # the cache holds scaled float8_e4m3fn or float8_e5m2
     DOT_PRECISION: tl.constexpr,
 ):
@@ -165,21 +184,21 @@ def _prefill_kernel(
         for tile_start in range(window_lo, full_lo, BLOCK_N):
             m_i, l_i, acc = _attend_tile(
                 q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, seq_len,
-                q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
-                PAGE_SIZE, BLOCK_N, True, WINDOWED, KV_FP8, DOT_PRECISION,
+                q_positions, window, dims, dim_mask, scale_log2, softcap_log2, stride_cache_block, stride_cache_slot,
+                PAGE_SIZE, BLOCK_N, True, WINDOWED, SOFTCAP, KV_FP8, DOT_PRECISION,
             )
     for tile_start in range(full_lo, unmasked_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, seq_len,
-            q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
-            PAGE_SIZE, BLOCK_N, False, WINDOWED, KV_FP8, DOT_PRECISION,
+            q_positions, window, dims, dim_mask, scale_log2, softcap_log2, stride_cache_block, stride_cache_slot,
+            PAGE_SIZE, BLOCK_N, False, WINDOWED, SOFTCAP, KV_FP8, DOT_PRECISION,
         )
     kv_end = tl.minimum(seq_len, context_len + (q_block + 1) * BLOCK_M)
     for tile_start in range(unmasked_end, kv_end, BLOCK_N):
         m_i, l_i, acc = _attend_tile(
             q, m_i, l_i, acc, k_cache_ptr, v_cache_ptr, block_table, kv_head_offset, tile_start, kv_start, kv_end,
-            q_positions, window, dims, dim_mask, scale_log2, stride_cache_block, stride_cache_slot,
-            PAGE_SIZE, BLOCK_N, True, WINDOWED, KV_FP8, DOT_PRECISION,
+            q_positions, window, dims, dim_mask, scale_log2, softcap_log2, stride_cache_block, stride_cache_slot,
+            PAGE_SIZE, BLOCK_N, True, WINDOWED, SOFTCAP, KV_FP8, DOT_PRECISION,
         )
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # rows past the sequence may have seen no key
@@ -206,6 +225,7 @@ def prefill_attention(
     num_stages: int = 2,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its cached context and themselves;
     with ``sliding_window=W`` each token sees only its last ``W`` positions (its own included),
@@ -214,7 +234,8 @@ def prefill_attention(
     ``query_start_loc`` holds absolute rows of ``query``/``out``, so the prefill part of a mixed
     batch passes slices (``query_start_loc[num_decodes:]``) with the whole ``query``. The new
     tokens' keys and values must already be in the cache. ``k_scale`` / ``v_scale`` dequantize
-    an FP8 cache (unused otherwise). Returns ``out``.
+    an FP8 cache (unused otherwise). ``logit_softcap=c`` caps the scaled scores at
+    ``c * tanh(scores / c)`` before the masks and the softmax. Returns ``out``.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -246,6 +267,7 @@ def prefill_attention(
         scale * LOG2E * (k_scale if kv_fp8 else 1.0),
         v_scale,
         NO_WINDOW if sliding_window is None else sliding_window,
+        0.0 if logit_softcap is None else logit_softcap * LOG2E,
         query.stride(0),
         query.stride(1),
         k_cache.stride(0),
@@ -261,6 +283,7 @@ def prefill_attention(
         BLOCK_M=block_m,
         BLOCK_N=block_n,
         WINDOWED=sliding_window is not None,
+        SOFTCAP=logit_softcap is not None,
         KV_FP8=kv_fp8,
         DOT_PRECISION="ieee" if fp32 else "tf32",
         num_warps=num_warps,
@@ -279,6 +302,7 @@ def reference_prefill_attention(
     scale: float,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    logit_softcap: float | None = None,
 ) -> torch.Tensor:
     """Plain float32 torch version of :func:`prefill_attention`; rows outside every sequence are 0."""
     num_heads = query.shape[1]
@@ -294,6 +318,8 @@ def reference_prefill_attention(
         v = dequantize_from_cache(v_cache[pages, positions % page_size], torch.float32, v_scale)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [seq_len, H, D]
         scores = torch.einsum("qhd,khd->hqk", query[start:end].float(), k) * scale
+        if logit_softcap is not None:
+            scores = logit_softcap * torch.tanh(scores / logit_softcap)
         q_positions = torch.arange(seq_len - q_len, seq_len, device=query.device)
         hidden = positions[None, :] > q_positions[:, None]
         scores.masked_fill_(hidden[None], float("-inf"))
