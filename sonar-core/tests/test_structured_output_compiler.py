@@ -18,10 +18,29 @@ def tokenizer() -> Any:
     return smollm2_tokenizer()
 
 
+_made: list[Any] = []
+
+
+@pytest.fixture(autouse=True)
+def shut_compilers_down():
+    """Every compiler a test made is shut down after it (its compile processes killed)."""
+    yield
+    while _made:
+        _made.pop().shutdown()
+
+
 def make_compiler(tokenizer: Any, **kwargs: Any):
     from sonar.structured_output.compiler import GrammarCompiler
 
-    return GrammarCompiler(tokenizer, 49152, [2], **kwargs)
+    compiler = GrammarCompiler(tokenizer, 49152, [2], **kwargs)
+    _made.append(compiler)
+    return compiler
+
+
+def many_properties(count: int) -> dict[str, Any]:
+    """An object of ``count`` optional bounded strings: xgrammar's compile time grows about
+    quadratically with ``count`` (seconds at a few thousand)."""
+    return {"type": "object", "properties": {f"property_{i}": {"type": "string", "maxLength": 20} for i in range(count)}}
 
 
 def nested_schema(depth: int) -> dict[str, Any]:
@@ -61,6 +80,23 @@ def test_slow_compilation_times_out_with_a_clear_error(tokenizer: Any) -> None:
         compiler.compile(GuidedDecodingParams(json=nested_schema(60)), timeout_s=0.01)
     assert time.perf_counter() - started < 1.0
     assert compiler.compile(GuidedDecodingParams(regex="(a+)+$")) is not None  # the compiler still serves
+
+
+def test_a_compilation_past_the_limit_is_killed_and_its_capacity_comes_back(tokenizer: Any) -> None:
+    """A valid constraint that compiles for seconds, with one compile process and a limit of
+    0.5 s: the request is refused at the limit, the process compiling it is killed, and the
+    next constraint compiles in a new process at once instead of waiting seconds behind it."""
+    compiler = make_compiler(tokenizer, compile_timeout_s=0.5, num_threads=1)
+    assert compiler.compile(GuidedDecodingParams(regex="[0-9]+"), timeout_s=60) is not None  # the process is up
+    (first,) = compiler._workers
+    started = time.perf_counter()
+    with pytest.raises(ValueError, match="did not compile within 0.5 s"):
+        compiler.compile(GuidedDecodingParams(json=many_properties(3000)))
+    assert compiler.compile(GuidedDecodingParams(regex="[a-z]+"), timeout_s=60) is not None  # in the replacement process
+    elapsed = time.perf_counter() - started
+    assert first.process.poll() is not None  # killed (and reaped)
+    assert len(compiler._workers) == 2 and compiler._workers[1].alive
+    assert elapsed < 4.0, f"the next constraint waited {elapsed:.1f} s"  # the slow one alone compiles for about 8 s here
 
 
 def test_pathological_inputs_are_refused_or_fast(tokenizer: Any) -> None:

@@ -1,12 +1,13 @@
-"""Grammar compilation with xgrammar: in a thread pool, under a time limit, behind a cache
-bounded in entries and bytes. One compiler per model (its tokenizer's vocabulary)."""
+"""Grammar compilation with xgrammar: in processes of their own, under a time limit (a
+compilation past it is killed with its process, see ``compile_worker``), behind a cache bounded
+in entries and bytes. One compiler per model (its tokenizer's vocabulary)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
 import logging
-import re
+import queue
 import threading
 from collections.abc import Hashable
 from typing import Any
@@ -14,7 +15,10 @@ from typing import Any
 import xgrammar as xgr
 
 from sonar.structured_output.cache import BoundedCache
+from sonar.structured_output.compile_worker import CompileTimeout, CompileWorker, choice_grammar, clean_error
 from sonar.structured_output.params import GuidedDecodingParams
+
+__all__ = ["GrammarCompiler", "choice_grammar", "get_grammar_compiler"]
 
 logger = logging.getLogger(__name__)
 
@@ -22,28 +26,27 @@ DEFAULT_CACHE_ENTRIES = 512
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_COMPILE_THREADS = 2
-# xgrammar writes the characters of a length-bounded JSON string as this class, which admits
-# control characters JSON forbids; swapped for the class its unbounded strings use
-_LENGTH_BOUNDED_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\\r\n]'
-_XGRAMMAR_LOCATION = re.compile(r"^\s*\[[\d:]+\]\s*\S+:\d+:\s*")
 
 
-def _clean_error(exc: BaseException) -> str:
-    """xgrammar's message without its C++ time stamp and source location."""
-    return _XGRAMMAR_LOCATION.sub("", str(exc)).strip() or type(exc).__name__
-
-
-def choice_grammar(choices: list[str]) -> str:
-    """An EBNF grammar matching exactly one of ``choices``."""
-    return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
+def wire_request(params: GuidedDecodingParams) -> dict[str, Any]:
+    """``params`` as a compile process takes it (``compile_worker.compile_constraint``)."""
+    kind = params.kind
+    if kind == "json":
+        return {"kind": kind, "spec": json.dumps(params.json)}
+    if kind == "json_object":
+        return {"kind": kind}
+    return {"kind": kind, "spec": getattr(params, kind)}
 
 
 class GrammarCompiler:
     """Compiles ``GuidedDecodingParams`` into xgrammar grammars for one tokenizer.
 
     ``compile`` is thread-safe and may be called from any thread; equal constraints compile
-    once (concurrent requests for the same one wait on the same compilation).
+    once (concurrent requests for the same one wait on the same compilation). Each
+    compilation runs in one of ``num_threads`` compile processes (started with the compiler,
+    in the background); one that outlasts ``compile_timeout_s`` is killed with its process,
+    and a new process takes its place, so a constraint that compiles for minutes holds no
+    capacity past its time limit.
 
     :param tokenizer: the model's Hugging Face tokenizer.
     :param vocab_size: the model's logits width (may exceed the tokenizer's vocabulary).
@@ -68,18 +71,28 @@ class GrammarCompiler:
         self.compile_timeout_s = compile_timeout_s
         self.max_in_flight = 4 * num_threads
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
-        self._xgr = xgr.GrammarCompiler(self.tokenizer_info, max_threads=num_threads, cache_enabled=False)
         self.cache: BoundedCache[xgr.CompiledGrammar] = BoundedCache(max_cache_entries, max_cache_bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="sonar-grammar")
         self._in_flight: dict[Hashable, concurrent.futures.Future[xgr.CompiledGrammar]] = {}
         self._lock = threading.Lock()
+        self._info_json = self.tokenizer_info.serialize_json()
+        self._num_threads = num_threads
+        self._idle: queue.Queue[CompileWorker | None] = queue.Queue()  # None: a worker still to start
+        self._workers: list[CompileWorker] = []  # every process started, for shutdown
+        self._closed = False
+        for _ in range(num_threads):
+            self._idle.put(None)
+        for _ in range(num_threads):  # started while the engine starts: the first request finds them up
+            self._pool.submit(self._warm_one)
 
     def compile(self, params: GuidedDecodingParams, timeout_s: float | None = None) -> xgr.CompiledGrammar:
         """The compiled grammar of ``params``, from the cache when it is there.
 
         :param timeout_s: seconds to wait (default: the compiler's ``compile_timeout_s``).
-        :raises ValueError: the constraint is invalid, or did not compile in time (a
-            compilation that timed out keeps running and is cached if it ever finishes).
+        :raises ValueError: the constraint is invalid, or did not compile in time. A
+            compilation still running after the compiler's ``compile_timeout_s`` is killed; one
+            a caller stopped waiting for sooner (a shorter ``timeout_s``) goes on within that
+            limit and is cached if it finishes.
         """
         key = params.cache_key()
         compiled = self.cache.get(key)
@@ -95,12 +108,28 @@ class GrammarCompiler:
         timeout = self.compile_timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout)
-        except concurrent.futures.TimeoutError:
+        except (concurrent.futures.TimeoutError, CompileTimeout):  # waited too long, or its process was killed
+            timeout = min(timeout, self.compile_timeout_s)
             raise ValueError(
                 f"the {params.kind} constraint did not compile within {timeout:g} s; simplify it"
             ) from None
         except Exception as exc:  # xgrammar reports bad schemas, regexes and grammars as RuntimeError
-            raise ValueError(f"invalid guided_{params.kind}: {_clean_error(exc)}") from None
+            raise ValueError(f"invalid guided_{params.kind}: {clean_error(exc)}") from None
+
+    def _warm_one(self) -> None:
+        """Start a compile process where one is still to start, and give it back idle."""
+        worker = self._idle.get()
+        try:
+            if worker is None and not self._closed:
+                worker = self._start_worker()
+        finally:
+            self._idle.put(worker)
+
+    def _start_worker(self) -> CompileWorker:
+        worker = CompileWorker(self._info_json, self._num_threads)
+        with self._lock:
+            self._workers.append(worker)
+        return worker
 
     def _compile_into_cache(self, key: Hashable, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
         try:
@@ -122,27 +151,40 @@ class GrammarCompiler:
             raise ValueError("the constraint matches no text this model's tokens can write")
 
     def _compile(self, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
-        kind = params.kind
-        if kind == "json":
-            return self._compile_json(json.dumps(params.json), strict=True)
-        if kind == "json_object":
-            return self._compile_json('{"type": "object"}', strict=False)
-        if kind == "regex":
-            return self._xgr.compile_regex(params.regex)
-        if kind == "choice":
-            return self._xgr.compile_grammar(choice_grammar(params.choice))
-        return self._xgr.compile_grammar(params.grammar)
-
-    def _compile_json(self, schema: str, strict: bool) -> xgr.CompiledGrammar:
-        # compact JSON: free whitespace would let a model pad forever
-        grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, strict_mode=strict)
-        text = str(grammar)
-        if _LENGTH_BOUNDED_CHAR in text:  # that class lets raw control characters into strings
-            return self._xgr.compile_grammar(text.replace(_LENGTH_BOUNDED_CHAR, _JSON_STRING_CHAR))
-        return self._xgr.compile_grammar(grammar)
+        """``params`` compiled in an idle compile process (waiting for one), which is killed,
+        and replaced, where the compilation outlasts ``compile_timeout_s``."""
+        worker = self._idle.get()
+        try:
+            if self._closed:
+                raise RuntimeError("the grammar compiler is shut down")
+            if worker is None or not worker.alive:
+                worker = self._start_worker()
+            text = worker.compile(wire_request(params), self.compile_timeout_s)
+        except CompileTimeout:
+            worker = None
+            logger.warning("a guided_%s constraint compiled for more than %g s: its compile process was killed", params.kind, self.compile_timeout_s)
+            raise
+        except RuntimeError:
+            if worker is not None and not worker.alive:
+                worker = None
+            raise
+        finally:
+            self._idle.put(worker)
+            if worker is None and not self._closed:  # its replacement starts now, not with the next request
+                try:
+                    self._pool.submit(self._warm_one)
+                except RuntimeError:  # shut down meanwhile
+                    pass
+        return xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info)
 
     def shutdown(self) -> None:
+        """Stop compiling: queued compilations are dropped and every compile process is killed."""
+        self._closed = True
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            workers, self._workers = self._workers, []
+        for worker in workers:
+            worker.kill()
 
 
 # -- one compiler per model in this process --------------------------------------------------
