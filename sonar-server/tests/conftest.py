@@ -100,10 +100,17 @@ def tiny_model() -> Iterator[str]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
+BODY_TIMEOUT_S = 5.0
+
+
 @pytest.fixture(scope="session")
 def server(tiny_model: str) -> Iterator[ServerProcess]:
-    """The shared server: every API, no key, tiny model under the name ``tiny``."""
-    process = ServerProcess([tiny_model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512"])
+    """The shared server: every API, no key, tiny model under the name ``tiny``; a request body
+    must arrive within ``BODY_TIMEOUT_S``."""
+    process = ServerProcess([
+        tiny_model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512",
+        "--request-body-timeout", str(BODY_TIMEOUT_S),
+    ])
     yield process
     process.stop()
 

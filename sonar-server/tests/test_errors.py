@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import anthropic
 import httpx
@@ -207,6 +208,35 @@ def test_a_client_gone_while_sending_its_body_is_not_a_server_error(server):
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{\"prompt\": ")
     assert httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=30).status_code == 200
     assert "ClientDisconnect" not in server.log()
+
+
+@pytest.mark.parametrize(("path", "error_of"), [
+    ("/v1/completions", lambda body: body["error"]["message"]),
+    ("/v1/messages", lambda body: body["error"]["message"] if body["type"] == "error" else None),
+    ("/api/v1/generate", lambda body: body["detail"]["msg"]),
+])
+def test_a_body_that_trickles_in_gets_408_and_its_connection_closed(server, path, error_of):
+    """A client that sends its headers and part of its body, then nothing: 408 in the API's
+    format once --request-body-timeout has passed, the connection closed, the server serving."""
+    import socket
+    from urllib.parse import urlparse
+
+    from conftest import BODY_TIMEOUT_S
+
+    url = urlparse(server.url)
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.settimeout(BODY_TIMEOUT_S + 20)
+        started = time.monotonic()
+        sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n".encode() + b'{"prompt": ')
+        received = b""
+        while chunk := sock.recv(65536):  # read until the server closes the connection
+            received += chunk
+        waited = time.monotonic() - started
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), received[:300]
+    assert BODY_TIMEOUT_S - 0.5 <= waited <= BODY_TIMEOUT_S + 15, waited
+    assert "did not arrive within" in error_of(json.loads(body)), body
+    assert httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=30).status_code == 200
 
 
 def test_a_huge_bad_words_list_is_refused_at_once_while_other_streams_go_on(server):

@@ -4,9 +4,10 @@ RFC 8259 JSON (``StrictJSONResponse``)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import APIRouter
@@ -55,7 +56,7 @@ def _route_class(render_error: ErrorRenderer, guarded: bool) -> type[APIRoute]:
                         if state.draining:
                             raise ApiError(503, "the server is shutting down", headers={"Retry-After": str(state.settings.retry_after_s)})
                     if request.method in _BODY_METHODS:
-                        await read_body(request, state.settings.max_request_body_bytes)
+                        await read_body(request, state.settings.max_request_body_bytes, state.settings.request_body_timeout_s)
                     with server_bounds(state.max_model_len, state.settings.max_n):
                         return await handler(request)
                 except Exception as exc:
@@ -71,19 +72,22 @@ def _route_class(render_error: ErrorRenderer, guarded: bool) -> type[APIRoute]:
     return SurfaceRoute
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """Read the body under a size cap, check it is UTF-8, and treat it as JSON when the client
-    did not say what it is (``curl -d``)."""
+async def read_body(request: Request, limit: int, timeout_s: float = 60.0) -> bytes:
+    """Read the body under a size cap and a time limit (all of it within ``timeout_s`` of the
+    call: a client that holds a connection open by trickling its body gets 408, and the
+    connection is closed), check it is UTF-8, and treat it as JSON when the client did not say
+    what it is (``curl -d``)."""
     too_large = f"more than this server's limit of {limit} bytes (--max-request-body-bytes)"
     declared = request.headers.get("content-length", "")
+    chunks_in_time = _arriving_within(request, timeout_s)
     if declared.isdigit() and int(declared) > limit:
         if int(declared) <= _DRAIN_FACTOR * limit:
-            async for _ in request.stream():
+            async for _ in chunks_in_time:
                 pass
         raise ApiError(413, f"the request body is {declared} bytes, {too_large}")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
+    async for chunk in chunks_in_time:
         size += len(chunk)
         if size <= limit:
             chunks.append(chunk)
@@ -106,6 +110,23 @@ async def read_body(request: Request, limit: int) -> bytes:
         if hasattr(request, "_headers"):
             del request._headers
     return body
+
+
+async def _arriving_within(request: Request, timeout_s: float) -> AsyncIterator[bytes]:
+    """The body's chunks as they arrive, until ``timeout_s`` from now: past it, 408."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), max(0.0, deadline - loop.time()))
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise ApiError(
+                408, f"the request body did not arrive within {timeout_s:g} s (--request-body-timeout)", headers={"Connection": "close"}
+            ) from None
+        yield chunk
 
 
 def _refuse_lone_surrogates(body: bytes) -> None:
