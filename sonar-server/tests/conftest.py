@@ -109,7 +109,7 @@ def server(tiny_model: str) -> Iterator[ServerProcess]:
     must arrive within ``BODY_TIMEOUT_S``."""
     process = ServerProcess([
         tiny_model, "--served-model-name", "tiny", "--kv-cache-memory-bytes", KV_CACHE_BYTES, "--max-model-len", "512",
-        "--request-body-timeout", str(BODY_TIMEOUT_S),
+        "--request-read-timeout", str(BODY_TIMEOUT_S),
     ])
     yield process
     process.stop()

@@ -217,7 +217,7 @@ def test_a_client_gone_while_sending_its_body_is_not_a_server_error(server):
 ])
 def test_a_body_that_trickles_in_gets_408_and_its_connection_closed(server, path, error_of):
     """A client that sends its headers and part of its body, then nothing: 408 in the API's
-    format once --request-body-timeout has passed, the connection closed, the server serving."""
+    format once --request-read-timeout has passed, the connection closed, the server serving."""
     import socket
     from urllib.parse import urlparse
 
@@ -237,6 +237,39 @@ def test_a_body_that_trickles_in_gets_408_and_its_connection_closed(server, path
     assert BODY_TIMEOUT_S - 0.5 <= waited <= BODY_TIMEOUT_S + 15, waited
     assert "did not arrive within" in error_of(json.loads(body)), body
     assert httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("first_bytes", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"])
+def test_headers_that_never_finish_get_408_and_the_connection_closed(server, first_bytes):
+    """A connection that sends nothing, or a request line and a header and then nothing: 408
+    once --request-read-timeout has passed, and the connection closed (uvicorn alone keeps it)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from conftest import BODY_TIMEOUT_S
+
+    url = urlparse(server.url)
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.settimeout(BODY_TIMEOUT_S + 20)
+        started = time.monotonic()
+        sock.sendall(first_bytes)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+        waited = time.monotonic() - started
+    assert received.startswith(b"HTTP/1.1 408"), received[:300]
+    assert b"headers did not arrive in time" in received
+    assert BODY_TIMEOUT_S - 0.5 <= waited <= BODY_TIMEOUT_S + 15, waited
+    assert httpx.post(f"{server.url}/v1/completions", json=COMPLETION, timeout=30).status_code == 200
+
+
+def test_a_slow_but_steady_keep_alive_client_is_served(server):
+    """Two requests on one keep-alive connection, the second started after a pause shorter
+    than the timeouts: both answered (the header limit counts from each request's first byte)."""
+    with httpx.Client(base_url=server.url, timeout=30) as client:
+        assert client.post("/v1/completions", json=COMPLETION).status_code == 200
+        time.sleep(2)
+        assert client.post("/v1/completions", json=COMPLETION).status_code == 200
 
 
 def test_a_huge_bad_words_list_is_refused_at_once_while_other_streams_go_on(server):

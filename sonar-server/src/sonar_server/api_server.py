@@ -49,6 +49,7 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
     from sonar.engine.resolve import load_tokenizer
     from sonar_server.app import build_app
     from sonar_server.draining import DrainingServer
+    from sonar_server.http_protocol import timed_headers_protocol
     from sonar_server.state import ServerState
 
     if launch.settings.tool_parser_plugin:  # this process's registry needs its parsers too
@@ -66,6 +67,7 @@ def run_api_server(launch: ApiServerLaunch, listener: socket.socket, tokenizer: 
         tls = launch.settings.tls
         config = uvicorn.Config(
             app,
+            http=timed_headers_protocol(launch.settings.request_read_timeout_s),
             log_level=launch.uvicorn_log_level,
             access_log=launch.access_log,
             timeout_graceful_shutdown=5,

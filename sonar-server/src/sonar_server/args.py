@@ -55,8 +55,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
         help="largest request body accepted (413 above it); accepts 8MiB-style sizes",
     )
     group.add_argument(
-        "--request-body-timeout", type=float, default=60.0, metavar="SECONDS",
-        help="seconds a request body may take to arrive after its headers (408 and the connection closed past it)",
+        "--request-read-timeout", type=float, default=60.0, metavar="SECONDS",
+        help="seconds a request's headers may take to arrive (from the connection, or from a later request's first byte), and its body after them; past it 408 and the connection closed",
     )
     group.add_argument(
         "--api-server-count", "-asc", type=int, default=1,
@@ -186,7 +186,7 @@ def settings_from(args: argparse.Namespace, default_model_name: str, default_sam
         max_n=args.max_num_seqs,
         max_waiting_requests=args.max_waiting_requests,
         max_request_body_bytes=args.max_request_body_bytes,
-        request_body_timeout_s=args.request_body_timeout,
+        request_read_timeout_s=args.request_read_timeout,
         shutdown_timeout=args.shutdown_timeout,
         retry_after_s=args.retry_after,
         kobold_default_max_length=args.kobold_max_length,

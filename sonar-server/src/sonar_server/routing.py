@@ -56,7 +56,7 @@ def _route_class(render_error: ErrorRenderer, guarded: bool) -> type[APIRoute]:
                         if state.draining:
                             raise ApiError(503, "the server is shutting down", headers={"Retry-After": str(state.settings.retry_after_s)})
                     if request.method in _BODY_METHODS:
-                        await read_body(request, state.settings.max_request_body_bytes, state.settings.request_body_timeout_s)
+                        await read_body(request, state.settings.max_request_body_bytes, state.settings.request_read_timeout_s)
                     with server_bounds(state.max_model_len, state.settings.max_n):
                         return await handler(request)
                 except Exception as exc:
@@ -124,7 +124,7 @@ async def _arriving_within(request: Request, timeout_s: float) -> AsyncIterator[
             return
         except asyncio.TimeoutError:
             raise ApiError(
-                408, f"the request body did not arrive within {timeout_s:g} s (--request-body-timeout)", headers={"Connection": "close"}
+                408, f"the request body did not arrive within {timeout_s:g} s (--request-read-timeout)", headers={"Connection": "close"}
             ) from None
         yield chunk
 

@@ -67,7 +67,7 @@ class ServerSettings:
     max_n: int = 256
     max_waiting_requests: int = 1024
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    request_body_timeout_s: float = 60.0  # --request-body-timeout: a body must arrive within this long of its headers
+    request_read_timeout_s: float = 60.0  # --request-read-timeout: a request's headers, then its body, must each arrive within this long
     shutdown_timeout: float = 30.0
     retry_after_s: int = 1
     kobold_default_max_length: int = 100
@@ -99,8 +99,8 @@ class ServerSettings:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_request_body_bytes < 1024:
             raise ValueError(f"max_request_body_bytes must be at least 1024, got {self.max_request_body_bytes}")
-        if not self.request_body_timeout_s > 0:
-            raise ValueError(f"request_body_timeout_s must be positive, got {self.request_body_timeout_s}")
+        if not self.request_read_timeout_s > 0:
+            raise ValueError(f"request_read_timeout_s must be positive, got {self.request_read_timeout_s}")
         if self.allow_runtime_lora_updating and not self.lora_root:
             raise ValueError("allow_runtime_lora_updating needs lora_root")
         for module in self.lora_modules:
