@@ -116,6 +116,18 @@ class GrammarCompiler:
         except Exception as exc:  # xgrammar reports bad schemas, regexes and grammars as RuntimeError
             raise ValueError(f"invalid guided_{params.kind}: {clean_error(exc)}") from None
 
+    def wait_ready(self) -> None:
+        """Return once every compile process is up (they start in the background with the
+        compiler; a compilation meanwhile waits for one)."""
+        workers = [self._idle.get() for _ in range(self._num_threads)]
+        try:
+            for i, worker in enumerate(workers):
+                if (worker is None or not worker.alive) and not self._closed:
+                    workers[i] = self._start_worker()
+        finally:
+            for worker in workers:
+                self._idle.put(worker)
+
     def _warm_one(self) -> None:
         """Start a compile process where one is still to start, and give it back idle."""
         worker = self._idle.get()
