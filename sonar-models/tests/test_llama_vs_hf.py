@@ -91,3 +91,17 @@ def test_linear_rope_scaling_matches_hf(tmp_path: Path) -> None:
     ours, hf = load_sonar_model(path), AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     logits = ours.compute_logits(PagedCacheDriver(ours).step(ours, [(0, PROMPT_B)]))
     torch.testing.assert_close(logits, hf_logits(hf, PROMPT_B), atol=ATOL, rtol=0)
+
+
+def test_gemma2_config_without_layer_types_alternates_its_windows() -> None:
+    """A Gemma 2 config from before ``layer_types`` (transformers 4.x) slides in its even
+    layers, as Gemma 2 does; with ``layer_types`` they decide."""
+    from transformers import Gemma2Config
+
+    from sonar_models.gemma import Gemma2ForCausalLM
+
+    model = Gemma2ForCausalLM.__new__(Gemma2ForCausalLM)  # only its window rule is asked
+    config = Gemma2Config(num_hidden_layers=5, sliding_window=16, layer_types=["full_attention", "sliding_attention"] * 2 + ["full_attention"])
+    assert model.layer_windows(config) == [None, 16, None, 16, None]
+    config.layer_types = None
+    assert model.layer_windows(config) == [16, None, 16, None, 16]

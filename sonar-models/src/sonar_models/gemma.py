@@ -100,6 +100,13 @@ class Gemma2ForCausalLM(GemmaForCausalLM):
     def attention_scale(self, config: Any) -> float | None:
         return float(config.query_pre_attn_scalar) ** -0.5
 
+    def layer_windows(self, config: Any) -> list[int | None]:
+        """``layer_types`` where the config has them; a config from before them (transformers
+        4.x) alternates as Gemma 2 does: even layers slide, odd ones see everything."""
+        if getattr(config, "layer_types", None) is not None or not getattr(config, "sliding_window", None):
+            return super().layer_windows(config)
+        return [int(config.sliding_window) if i % 2 == 0 else None for i in range(config.num_hidden_layers)]
+
 
 class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
     """Gemma 3's image-and-text checkpoints (4B and up) served as text models: the language
