@@ -256,6 +256,8 @@ def _note_serving(starting: dict[int, int], serving: bytes, timeout: float) -> s
     for fd in readable:
         if os.read(fd, len(serving)) != serving:
             closed_early.add(starting[fd])
+        else:
+            logger.info("API server %d is serving", starting[fd])
         del starting[fd]
         os.close(fd)
     return closed_early
