@@ -133,19 +133,3 @@ def test_a_grammar_that_matches_no_text_is_refused(tokenizer: Any) -> None:
         assert compiler.compile(GuidedDecodingParams(grammar='root ::= "a" root')) is not None
     finally:
         compiler.shutdown()
-
-
-def test_a_grammar_compiled_elsewhere_is_adopted_and_garbage_is_refused(tokenizer: Any) -> None:
-    """What a frontend ships to an engine core: a compiled grammar as text, loaded and cached
-    under its constraint without compiling; text that is not such a grammar is a ValueError."""
-    compiling = make_compiler(tokenizer)
-    params = GuidedDecodingParams(json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]})
-    shipped = compiling.compile(params).serialize_json()
-    from sonar.structured_output.compiler import GrammarCompiler
-
-    loading = GrammarCompiler(tokenizer, 49152, [2], prestart=False)
-    _made.append(loading)
-    adopted = loading.adopt(params, shipped)
-    assert loading.compile(params) is adopted and loading._workers == []  # a cache hit: no compile process started
-    with pytest.raises(ValueError, match="does not load"):
-        loading.adopt(GuidedDecodingParams(regex="[a-z]+"), '{"not": "a grammar"}')

@@ -52,7 +52,7 @@ class AsyncMPLLM:
         self.tokenizer = tokenizer
         self.max_in_flight = max_in_flight
         self.engine_step_timeout = engine_step_timeout
-        self.input_processor = InputProcessor(config, tokenizer, ship_grammars=True)  # the engine cores load them, not compile them
+        self.input_processor = InputProcessor(config, tokenizer)
         self.output_processor = OutputProcessor(tokenizer)
         self._streams: dict[str, RequestStream] = {}
         self._engine_of: dict[str, int] = {}  # request id -> the engine core running it

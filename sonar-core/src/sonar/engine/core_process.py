@@ -139,7 +139,7 @@ class EngineCoreProc:
 
     def _prepare(self, request: EngineCoreRequest) -> None:
         """Checks a frontend already made, made again on what actually arrived, and the
-        grammar loaded (as its frontend compiled it) or compiled here, off the step loop."""
+        grammar compiled here, off the step loop."""
         ids = request.prompt_token_ids
         vocab = self.config.vocab_size
         if not ids or len(ids) >= self.config.max_model_len or any(t < 0 or t >= vocab for t in ids):  # type: ignore[union-attr]
@@ -150,11 +150,8 @@ class EngineCoreProc:
             raise ValueError(f"request {request.request_id!r}: no frontend {request.client_index}")
         if request.sampling_params.n != 1:
             raise ValueError(f"request {request.request_id!r}: n > 1 is fanned out before the engine core")
-        guided = request.sampling_params.guided_decoding
-        if guided is not None and request.grammar is not None:  # compiled by its frontend: loaded
-            self._grammar_compiler().adopt(guided, request.grammar)
-        elif guided is not None:
-            self._grammar_compiler().compile(guided)
+        if request.sampling_params.guided_decoding is not None:
+            self._grammar_compiler().compile(request.sampling_params.guided_decoding)
 
     def _reject(self, request: EngineCoreRequest, reason: str, kind: str = wire.REJECTED) -> None:
         """A request that decoded but cannot run ends at once, so its frontend never waits
@@ -174,8 +171,7 @@ class EngineCoreProc:
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.config)
         config = self.config
-        # no compile processes until a grammar has to be compiled here: frontends ship theirs
-        return get_grammar_compiler(config.model, self._tokenizer, config.vocab_size, list(config.eos_token_ids), prestart=False)
+        return get_grammar_compiler(config.model, self._tokenizer, config.vocab_size, list(config.eos_token_ids))
 
     def _send(self, sockets: list[zmq.Socket]) -> None:
         """Output thread: send each step's outputs; a heartbeat to every frontend when idle."""

@@ -32,16 +32,9 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    """Turns prompts and parameters into checked engine-core requests.
-
-    :param ship_grammars: put each request's compiled grammar in its ``EngineCoreRequest``
-        (an engine core in another process then loads it instead of compiling it again).
-    """
-
-    def __init__(self, config: EngineConfig, tokenizer: Any, ship_grammars: bool = False) -> None:
+    def __init__(self, config: EngineConfig, tokenizer: Any) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.ship_grammars = ship_grammars
 
     def process(
         self, request_id: str, prompt: PromptType, params: SamplingParams | None = None, client_index: int = 0, priority: int = 0,
@@ -64,7 +57,7 @@ class InputProcessor:
             text, prompt_token_ids = (text if kept is prompt_token_ids else None), kept
         params = self.resolve_word_lists(params)
         max_tokens = self.validate(prompt_token_ids, params)
-        grammar = self.compile_grammar(params)
+        self.compile_grammar(params)
         if params.n == 1:
             child_ids, child_params = [request_id], [params]
         else:
@@ -72,7 +65,7 @@ class InputProcessor:
             child_params = [params.choice(choice_seed(params.seed, i)) for i in range(params.n)]
         now = time.monotonic()  # one clock for every process of the host
         core_requests = [
-            EngineCoreRequest(child_id, prompt_token_ids, cparams, max_tokens, now, client_index, priority, lora_request, grammar)
+            EngineCoreRequest(child_id, prompt_token_ids, cparams, max_tokens, now, client_index, priority, lora_request)
             for child_id, cparams in zip(child_ids, child_params)
         ]
         return ProcessedRequest(request_id, text, prompt_token_ids, params, child_ids, child_params, core_requests)
@@ -171,21 +164,20 @@ class InputProcessor:
             changes["dry_sequence_breaker_ids"] = sorted(breaker_ids)
         return params.clone(**changes) if changes else params
 
-    def compile_grammar(self, params: SamplingParams) -> str | None:
+    def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the request's structured-output constraint (if any) into the model's grammar
-        cache, so that an invalid one fails before anything is queued. Where grammars are
-        shipped, returns the compiled grammar as text for the engine core (else None).
+        cache. In another process the engine core compiles it again from the same spec (a
+        cache hit for repeated specs); here it is checked, so an invalid one fails before
+        anything is queued.
 
         :raises ValueError: the constraint is invalid or did not compile within the time limit.
         """
         if params.guided_decoding is None:
-            return None
+            return
         from sonar.structured_output.compiler import get_grammar_compiler
 
         config = self.config
-        compiler = get_grammar_compiler(config.model, self.tokenizer, config.vocab_size, list(config.eos_token_ids))
-        compiled = compiler.compile(params.guided_decoding)
-        return compiled.serialize_json() if self.ship_grammars else None
+        get_grammar_compiler(config.model, self.tokenizer, config.vocab_size, list(config.eos_token_ids)).compile(params.guided_decoding)
 
 
 def _encode_all(tokenizer: Any, texts: list[str]) -> list[list[int]]:

@@ -48,7 +48,6 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, forbid_unknown_fields=T
     client_index: int = 0  # which API server's socket its outputs go to
     priority: int = 0  # with the priority policy: lower runs first
     lora_request: LoRARequest | None = None  # the LoRA adapter it runs with (None: the base model)
-    grammar: str | None = None  # its constraint compiled by the frontend (xgrammar's serialize_json): not compiled again here
 
 
 # stop_reason prefixes of a request an engine core refused (finish_reason "abort", no tokens)

@@ -55,8 +55,6 @@ class GrammarCompiler:
     :param max_cache_bytes: bytes of compiled grammars kept.
     :param compile_timeout_s: a grammar that takes longer is refused (ValueError).
     :param num_threads: compilations that run at once.
-    :param prestart: start the compile processes now, in the background (else with the
-        first compilation: a process that mostly ``adopt``\ s grammars compiled elsewhere).
     """
 
     def __init__(
@@ -68,7 +66,6 @@ class GrammarCompiler:
         max_cache_bytes: int = DEFAULT_CACHE_BYTES,
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         num_threads: int = DEFAULT_COMPILE_THREADS,
-        prestart: bool = True,
     ) -> None:
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
@@ -85,7 +82,7 @@ class GrammarCompiler:
         self._closed = False
         for _ in range(num_threads):
             self._idle.put(None)
-        for _ in range(num_threads if prestart else 0):  # started while the engine starts: the first request finds them up
+        for _ in range(num_threads):  # started while the engine starts: the first request finds them up
             self._pool.submit(self._warm_one)
 
     def compile(self, params: GuidedDecodingParams, timeout_s: float | None = None) -> xgr.CompiledGrammar:
@@ -118,23 +115,6 @@ class GrammarCompiler:
             ) from None
         except Exception as exc:  # xgrammar reports bad schemas, regexes and grammars as RuntimeError
             raise ValueError(f"invalid guided_{params.kind}: {clean_error(exc)}") from None
-
-    def adopt(self, params: GuidedDecodingParams, serialized: str) -> xgr.CompiledGrammar:
-        """The grammar of ``params`` that another process compiled for the same vocabulary
-        (``CompiledGrammar.serialize_json``'s text), cached as if compiled here.
-
-        :raises ValueError: the text is not such a grammar.
-        """
-        key = params.cache_key()
-        compiled = self.cache.get(key)
-        if compiled is not None:
-            return compiled
-        try:
-            compiled = xgr.CompiledGrammar.deserialize_json(serialized, self.tokenizer_info)
-        except Exception as exc:
-            raise ValueError(f"the compiled guided_{params.kind} grammar does not load: {clean_error(exc)}") from None
-        self.cache.put(key, compiled, compiled.memory_size_bytes)
-        return compiled
 
     def wait_ready(self) -> None:
         """Return once every compile process is up (they start in the background with the
@@ -225,11 +205,8 @@ _compilers: dict[str, GrammarCompiler] = {}
 _compilers_lock = threading.Lock()
 
 
-def get_grammar_compiler(
-    model: str, tokenizer: Any = None, vocab_size: int = 0, stop_token_ids: list[int] | None = None, prestart: bool = True
-) -> GrammarCompiler:
-    """The process's compiler for ``model`` (a model path), made on first use (``prestart``:
-    see ``GrammarCompiler``).
+def get_grammar_compiler(model: str, tokenizer: Any = None, vocab_size: int = 0, stop_token_ids: list[int] | None = None) -> GrammarCompiler:
+    """The process's compiler for ``model`` (a model path), made on first use.
 
     The engine makes it (it holds the tokenizer); a model runner in the same process gets the
     same one, so grammars compiled when a request was added are cache hits when it runs.
@@ -240,6 +217,6 @@ def get_grammar_compiler(
         if compiler is None:
             if tokenizer is None:
                 raise ValueError("structured output needs the model's tokenizer (the engine was started with skip_tokenizer_init)")
-            compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids or [], prestart=prestart)
+            compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids or [])
             _compilers[model] = compiler
         return compiler
