@@ -141,3 +141,29 @@ def test_many_distinct_schemas_in_a_row_stay_within_memory(tools_server: ServerP
     asyncio.run(send(schemas[100:]))
     assert rss_bytes(pid) - before < 64 * 1024 * 1024  # the grammar cache is bounded
     assert httpx.get(f"{tools_url}/health").status_code == 200
+
+
+def test_constraints_are_tried_in_the_api_servers_compile_processes_only(tools_server: ServerProcess, tools_url: str) -> None:
+    """The API server tries each new constraint in its compile processes (which can be killed);
+    the engine core, which gets only constraints that passed, compiles them directly and
+    starts no compile process of its own."""
+    from pathlib import Path
+
+    def children(pid: int) -> dict[int, str]:
+        found = {}
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found[int(entry.name)] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+            except (OSError, ValueError, IndexError):
+                continue
+        return found
+
+    schema = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["answer"]}
+    response = httpx.post(f"{tools_url}/v1/completions", json={"model": "tiny", "prompt": "n:", "max_tokens": 20, "temperature": 0, "guided_json": schema}, timeout=60)
+    assert response.status_code == 200
+    jsonschema.validate(json.loads(response.json()["choices"][0]["text"]), schema)
+    api_children = children(tools_server.process.pid)
+    (core,) = [pid for pid, title in api_children.items() if title.startswith("sonar::engine-core")]
+    assert [pid for pid, title in api_children.items() if title.startswith("sonar::grammar-compile")], api_children
+    assert not [title for title in children(core).values() if title.startswith("sonar::grammar-compile")]

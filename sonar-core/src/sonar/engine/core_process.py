@@ -171,7 +171,8 @@ class EngineCoreProc:
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.config)
         config = self.config
-        return get_grammar_compiler(config.model, self._tokenizer, config.vocab_size, list(config.eos_token_ids))
+        # its frontends tried every constraint in isolation before sending it: compiled directly
+        return get_grammar_compiler(config.model, self._tokenizer, config.vocab_size, list(config.eos_token_ids), isolate=False)
 
     def _send(self, sockets: list[zmq.Socket]) -> None:
         """Output thread: send each step's outputs; a heartbeat to every frontend when idle."""

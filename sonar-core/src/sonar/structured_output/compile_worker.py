@@ -1,17 +1,19 @@
-"""Grammar compilation in a process of its own, so that one that runs too long can be killed.
+"""A trial compilation in a process of its own, so that one that runs too long can be killed.
 
 xgrammar cannot stop a compilation once it has started, and some constraints that are valid and
 small on the wire take tens of seconds (a JSON schema of a thousand optional properties, a
 choice among thousands of long strings). Compiled in a thread, such a constraint kept its
-thread long after its request was refused. Here each compilation runs in a child process
-(``python -m sonar.structured_output.compile_worker``) that holds xgrammar's compiler for the
-model's vocabulary; a compilation past its time limit is ended by killing the process, and a new
-one takes its place.
+thread long after its request was refused. So each new constraint is first compiled in a child
+process (``python -m sonar.structured_output.compile_worker``) that holds xgrammar's compiler for
+the model's vocabulary; one past its time limit is ended by killing the process (a new one takes
+its place). One that compiles in time is then compiled again where it is used, in a thread: the
+trial has shown it finishes. The compiled grammar itself does not cross: xgrammar's text form of
+it grows far faster than the grammar (70 MB for a schema of 200 optional string properties).
 
 The processes talk over their standard input and output in frames: a 4-byte big-endian length,
 then that many bytes of UTF-8 JSON. The first frame to a child is its vocabulary
-(``TokenizerInfo.serialize_json``); each later one a constraint, answered by the compiled
-grammar (``CompiledGrammar.serialize_json``) or an error message. Nothing is pickled.
+(``TokenizerInfo.serialize_json``); each later one a constraint, answered by ``{"ok": true}`` or
+an error message. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ import time
 from typing import IO, Any
 
 _LENGTH = struct.Struct(">I")
-#: the largest frame either side accepts (a vocabulary of a few hundred thousand tokens, or a
-#: compiled grammar, is well within it)
+#: the largest frame either side accepts (a vocabulary of a few hundred thousand tokens is
+#: well within it)
 MAX_FRAME_BYTES = 1 << 30
 # xgrammar writes the characters of a length-bounded JSON string as this class, which admits
 # control characters JSON forbids; swapped for the class its unbounded strings use
@@ -97,7 +99,7 @@ class CompileTimeout(Exception):
 
 class CompileWorker:
     """One compile process (started here): xgrammar's compiler over a model's vocabulary, fed
-    one constraint at a time.
+    one constraint to try at a time.
 
     :param tokenizer_info_json: the vocabulary, as ``xgrammar.TokenizerInfo.serialize_json``
         writes it.
@@ -112,10 +114,10 @@ class CompileWorker:
         assert self.process.stdin is not None
         write_frame(self.process.stdin, {"tokenizer_info": tokenizer_info_json, "num_threads": num_threads})
 
-    def compile(self, request: dict[str, Any], timeout_s: float) -> str:
-        """The compiled grammar of ``request`` (``CompiledGrammar.serialize_json``'s text).
+    def compile(self, request: dict[str, Any], timeout_s: float) -> None:
+        """Compile ``request`` in the process (the result stays there).
 
-        :raises CompileTimeout: no answer within ``timeout_s`` (the process is killed).
+        :raises CompileTimeout: not done within ``timeout_s`` (the process is killed).
         :raises RuntimeError: the constraint does not compile (xgrammar's message), or the
             process ended (it is killed).
         """
@@ -128,7 +130,6 @@ class CompileWorker:
         reply = self._read_reply(time.monotonic() + timeout_s)
         if "error" in reply:
             raise RuntimeError(str(reply["error"]))
-        return str(reply["grammar"])
 
     def _read_reply(self, deadline: float) -> dict[str, Any]:
         """One frame from the process, read as it arrives until ``deadline``."""
@@ -177,8 +178,8 @@ class CompileWorker:
 
 
 def main() -> int:
-    """A compile process: its vocabulary, then constraints, one at a time, until its input ends
-    (or its parent dies)."""
+    """A compile process: its vocabulary, then constraints to try, one at a time, until its
+    input ends (or its parent dies)."""
     from sonar.engine.process_util import exit_with_parent, set_process_title
 
     exit_with_parent()
@@ -195,7 +196,8 @@ def main() -> int:
     compiler = xgr.GrammarCompiler(info, max_threads=int(setup.get("num_threads", 1)), cache_enabled=False)
     while (request := read_frame(source)) is not None:
         try:
-            reply = {"grammar": compile_constraint(compiler, request).serialize_json()}
+            compile_constraint(compiler, request)
+            reply: dict[str, Any] = {"ok": True}
         except Exception as exc:  # xgrammar reports bad schemas, regexes and grammars as RuntimeError
             reply = {"error": clean_error(exc)}
         write_frame(sink, reply)

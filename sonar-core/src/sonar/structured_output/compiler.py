@@ -1,6 +1,7 @@
-"""Grammar compilation with xgrammar: in processes of their own, under a time limit (a
-compilation past it is killed with its process, see ``compile_worker``), behind a cache bounded
-in entries and bytes. One compiler per model (its tokenizer's vocabulary)."""
+"""Grammar compilation with xgrammar: tried first in processes of their own under a time limit
+(a trial past it is killed with its process, see ``compile_worker``), then compiled in a thread
+pool, behind a cache bounded in entries and bytes. One compiler per model (its tokenizer's
+vocabulary)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any
 import xgrammar as xgr
 
 from sonar.structured_output.cache import BoundedCache
-from sonar.structured_output.compile_worker import CompileTimeout, CompileWorker, choice_grammar, clean_error
+from sonar.structured_output.compile_worker import CompileTimeout, CompileWorker, choice_grammar, clean_error, compile_constraint
 from sonar.structured_output.params import GuidedDecodingParams
 
 __all__ = ["GrammarCompiler", "choice_grammar", "get_grammar_compiler"]
@@ -42,11 +43,14 @@ class GrammarCompiler:
     """Compiles ``GuidedDecodingParams`` into xgrammar grammars for one tokenizer.
 
     ``compile`` is thread-safe and may be called from any thread; equal constraints compile
-    once (concurrent requests for the same one wait on the same compilation). Each
-    compilation runs in one of ``num_threads`` compile processes (started with the compiler,
-    in the background); one that outlasts ``compile_timeout_s`` is killed with its process,
-    and a new process takes its place, so a constraint that compiles for minutes holds no
-    capacity past its time limit.
+    once (concurrent requests for the same one wait on the same compilation). Where
+    ``isolate``, each new constraint is first compiled in one of ``num_threads`` compile
+    processes (started with the compiler, in the background): a trial that outlasts
+    ``compile_timeout_s`` is killed with its process, and a new process takes its place, so a
+    constraint that compiles for minutes holds no capacity past its time limit. One that
+    compiles in time is compiled again in a thread here (xgrammar's compiled grammars are too
+    large to pass between processes); without ``isolate`` (an engine core in its own process,
+    whose frontends tried every constraint first) only that.
 
     :param tokenizer: the model's Hugging Face tokenizer.
     :param vocab_size: the model's logits width (may exceed the tokenizer's vocabulary).
@@ -55,6 +59,7 @@ class GrammarCompiler:
     :param max_cache_bytes: bytes of compiled grammars kept.
     :param compile_timeout_s: a grammar that takes longer is refused (ValueError).
     :param num_threads: compilations that run at once.
+    :param isolate: try each constraint in a compile process first.
     """
 
     def __init__(
@@ -66,11 +71,14 @@ class GrammarCompiler:
         max_cache_bytes: int = DEFAULT_CACHE_BYTES,
         compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         num_threads: int = DEFAULT_COMPILE_THREADS,
+        isolate: bool = True,
     ) -> None:
         self.vocab_size = vocab_size
         self.compile_timeout_s = compile_timeout_s
         self.max_in_flight = 4 * num_threads
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids) or None)
+        self._xgr = xgr.GrammarCompiler(self.tokenizer_info, max_threads=num_threads, cache_enabled=False)
+        self.isolate = isolate
         self.cache: BoundedCache[xgr.CompiledGrammar] = BoundedCache(max_cache_entries, max_cache_bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="sonar-grammar")
         self._in_flight: dict[Hashable, concurrent.futures.Future[xgr.CompiledGrammar]] = {}
@@ -82,7 +90,7 @@ class GrammarCompiler:
         self._closed = False
         for _ in range(num_threads):
             self._idle.put(None)
-        for _ in range(num_threads):  # started while the engine starts: the first request finds them up
+        for _ in range(num_threads if isolate else 0):  # started while the engine starts: the first request finds them up
             self._pool.submit(self._warm_one)
 
     def compile(self, params: GuidedDecodingParams, timeout_s: float | None = None) -> xgr.CompiledGrammar:
@@ -118,7 +126,9 @@ class GrammarCompiler:
 
     def wait_ready(self) -> None:
         """Return once every compile process is up (they start in the background with the
-        compiler; a compilation meanwhile waits for one)."""
+        compiler; a compilation meanwhile waits for one); at once without ``isolate``."""
+        if not self.isolate:
+            return
         workers = [self._idle.get() for _ in range(self._num_threads)]
         try:
             for i, worker in enumerate(workers):
@@ -163,15 +173,24 @@ class GrammarCompiler:
             raise ValueError("the constraint matches no text this model's tokens can write")
 
     def _compile(self, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
-        """``params`` compiled in an idle compile process (waiting for one), which is killed,
-        and replaced, where the compilation outlasts ``compile_timeout_s``."""
+        """``params`` compiled here, after a trial in a compile process where ``isolate``."""
+        request = wire_request(params)
+        if self.isolate:
+            self._try_in_process(params, request)
+        return compile_constraint(self._xgr, request)
+
+    def _try_in_process(self, params: GuidedDecodingParams, request: dict[str, Any]) -> None:
+        """Compile ``request`` in an idle compile process (waiting for one), which is killed,
+        and replaced, where the trial outlasts ``compile_timeout_s``.
+
+        :raises CompileTimeout: it did; RuntimeError: it does not compile."""
         worker = self._idle.get()
         try:
             if self._closed:
                 raise RuntimeError("the grammar compiler is shut down")
             if worker is None or not worker.alive:
                 worker = self._start_worker()
-            text = worker.compile(wire_request(params), self.compile_timeout_s)
+            worker.compile(request, self.compile_timeout_s)
         except CompileTimeout:
             worker = None
             logger.warning("a guided_%s constraint compiled for more than %g s: its compile process was killed", params.kind, self.compile_timeout_s)
@@ -187,7 +206,6 @@ class GrammarCompiler:
                     self._pool.submit(self._warm_one)
                 except RuntimeError:  # shut down meanwhile
                     pass
-        return xgr.CompiledGrammar.deserialize_json(text, self.tokenizer_info)
 
     def shutdown(self) -> None:
         """Stop compiling: queued compilations are dropped and every compile process is killed."""
@@ -205,8 +223,11 @@ _compilers: dict[str, GrammarCompiler] = {}
 _compilers_lock = threading.Lock()
 
 
-def get_grammar_compiler(model: str, tokenizer: Any = None, vocab_size: int = 0, stop_token_ids: list[int] | None = None) -> GrammarCompiler:
-    """The process's compiler for ``model`` (a model path), made on first use.
+def get_grammar_compiler(
+    model: str, tokenizer: Any = None, vocab_size: int = 0, stop_token_ids: list[int] | None = None, isolate: bool = True
+) -> GrammarCompiler:
+    """The process's compiler for ``model`` (a model path), made on first use (``isolate``: see
+    ``GrammarCompiler``).
 
     The engine makes it (it holds the tokenizer); a model runner in the same process gets the
     same one, so grammars compiled when a request was added are cache hits when it runs.
@@ -217,6 +238,6 @@ def get_grammar_compiler(model: str, tokenizer: Any = None, vocab_size: int = 0,
         if compiler is None:
             if tokenizer is None:
                 raise ValueError("structured output needs the model's tokenizer (the engine was started with skip_tokenizer_init)")
-            compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids or [])
+            compiler = GrammarCompiler(tokenizer, vocab_size, stop_token_ids or [], isolate=isolate)
             _compilers[model] = compiler
         return compiler
