@@ -107,6 +107,7 @@ class SpeculativeDecoder:
         self.draft_probs = DraftProbsStore()  # the proposer's distributions, until verified
         self._live: dict[str, Any] | None = None  # the runner's requests, where one owns this
         self._eligible: dict[str, bool] = {}  # per request: whether its parameters ever allow drafts
+        self._ineligible: set[str] = set()  # the requests of those whose parameters never do
         self.drafted_rows = 0  # requests the last proposal drafted for
 
     def load_model(self, target_model: torch.nn.Module, runner: ModelRunner | None = None) -> None:
@@ -128,6 +129,7 @@ class SpeculativeDecoder:
         self.proposer.remove_requests(req_ids)
         for req_id in req_ids:
             self._eligible.pop(req_id, None)
+        self._ineligible.difference_update(req_ids)
         if self.hidden is not None:
             self.hidden.remove_requests(req_ids)
         self.draft_probs.remove(req_ids)
@@ -348,7 +350,11 @@ class SpeculativeDecoder:
         rows = self._live_rows(req_ids, sequences)
         if not rows:
             return
-        if hidden is not None and self.hidden.hold(hidden, [req_ids[i] for i in rows], [num_accepted[i] for i in rows]):
+        if len(rows) == len(req_ids):  # most steps: every request, as they are
+            held_ids, held_accepted = req_ids, num_accepted
+        else:
+            held_ids, held_accepted = [req_ids[i] for i in rows], [num_accepted[i] for i in rows]
+        if hidden is not None and self.hidden.hold(hidden, held_ids, held_accepted):
             return  # handed over with a later step's (a few steps' states in one pass)
         self.proposer.keep_context(self._inputs(req_ids, sequences, num_accepted, rows, hidden, copy=False))
 
@@ -358,6 +364,8 @@ class SpeculativeDecoder:
         A request the worker dropped while its step was in flight (finished, preempted or
         aborted, heard with the next step) takes no part: its cache is gone and stays gone."""
         live, eligible = self._live, self._eligible
+        if self._all_eligible(req_ids) and (live is None or live.keys() >= set(req_ids)):
+            return list(range(len(req_ids)))  # most steps: set operations, no loop over the batch
         rows = []
         for i, req_id in enumerate(req_ids):
             if live is not None and req_id not in live:
@@ -367,7 +375,13 @@ class SpeculativeDecoder:
                 ok = eligible[req_id] = may_ever_speculate(sequences[i][2].params)
             if ok:
                 rows.append(i)
+            else:
+                self._ineligible.add(req_id)
         return rows
+
+    def _all_eligible(self, req_ids: list[str]) -> bool:
+        """Whether every one of ``req_ids`` is known to be eligible (as ``_live_rows`` found)."""
+        return self._eligible.keys() >= set(req_ids) and self._ineligible.isdisjoint(req_ids)
 
     def _inputs(
         self,
