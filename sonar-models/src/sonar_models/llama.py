@@ -112,10 +112,10 @@ class DecoderAttention(nn.Module):
         self.qk_norm = qk_norm
         self.sliding_window = sliding_window
         # cache_index: which of the worker's KV caches is this layer's (its stage's own count)
-        capped = {} if logit_softcap is None else {"logit_softcap": float(logit_softcap)}
         self.attn = attention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale or self.head_dim**-0.5,
-            layer_idx if cache_index is None else cache_index, sliding_window=sliding_window, **capped,
+            layer_idx if cache_index is None else cache_index, sliding_window=sliding_window,
+            logit_softcap=None if logit_softcap is None else float(logit_softcap),
         )
 
     def forward(self, x: torch.Tensor, rope: Any, ctx: ForwardContext) -> torch.Tensor:

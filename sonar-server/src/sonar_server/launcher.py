@@ -207,23 +207,22 @@ def _supervise(launches: list[Any], listener: socket.socket, engines: Any) -> in
         while any(child.poll() is None for child in children):
             engines.reap()
             unstarted |= _note_serving(starting, SERVING, timeout=0.2)
-            failed = sorted(i for i in [*starting.values(), *unstarted] if children[i].poll() is not None)
-            if failed and not stopping.is_set():  # e.g. a bad --lora-modules adapter, or any error before serving
-                child = children[failed[0]]
-                logger.error(
-                    "API server %d exited (code %d) before it started serving; see its error above. Stopping every API server and engine core",
-                    failed[0], child.returncode,
-                )
+            exited = [i for i, child in enumerate(children) if child.poll() is not None]
+            if exited and not stopping.is_set():
+                not_serving = unstarted | set(starting.values())
+                index = next((i for i in exited if i in not_serving), exited[0])  # a start-up failure first
+                reason = _exit_reason(children[index].returncode)
+                if index in not_serving:  # e.g. a bad --lora-modules adapter, or any error before serving
+                    logger.error(
+                        "API server %d exited (%s) before it started serving; see its error above. Stopping every API server and engine core",
+                        index, reason,
+                    )
+                    code = STARTUP_FAILED
+                else:
+                    logger.error("API server %d exited (%s) while serving; stopping every API server and engine core", index, reason)
+                    code = API_SERVER_DIED
                 _stop(children)
-                return STARTUP_FAILED
-            died = [i for i, child in enumerate(children) if child.poll() is not None]
-            if died and not stopping.is_set():
-                logger.error(
-                    "API server %d exited (%s) while serving; stopping every API server and engine core",
-                    died[0], _exit_reason(children[died[0]].returncode),
-                )
-                _stop(children)
-                return API_SERVER_DIED
+                return code
         return 0 if stopping.is_set() else max(child.returncode for child in children)
     finally:
         for sig, handler in previous.items():

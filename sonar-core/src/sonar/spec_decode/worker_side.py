@@ -106,8 +106,8 @@ class SpeculativeDecoder:
         self._aux_states = None  # the target's auxiliary hidden states, where it keeps them
         self.draft_probs = DraftProbsStore()  # the proposer's distributions, until verified
         self._live: dict[str, Any] | None = None  # the runner's requests, where one owns this
-        self._eligible: dict[str, bool] = {}  # per request: whether its parameters ever allow drafts
-        self._ineligible: set[str] = set()  # the requests of those whose parameters never do
+        self._eligible: set[str] = set()  # requests whose parameters allow drafts at some point
+        self._ineligible: set[str] = set()  # requests whose parameters never do
         self.drafted_rows = 0  # requests the last proposal drafted for
 
     def load_model(self, target_model: torch.nn.Module, runner: ModelRunner | None = None) -> None:
@@ -127,8 +127,7 @@ class SpeculativeDecoder:
 
     def remove_requests(self, req_ids: set[str]) -> None:
         self.proposer.remove_requests(req_ids)
-        for req_id in req_ids:
-            self._eligible.pop(req_id, None)
+        self._eligible.difference_update(req_ids)
         self._ineligible.difference_update(req_ids)
         if self.hidden is not None:
             self.hidden.remove_requests(req_ids)
@@ -363,25 +362,20 @@ class SpeculativeDecoder:
 
         A request the worker dropped while its step was in flight (finished, preempted or
         aborted, heard with the next step) takes no part: its cache is gone and stays gone."""
-        live, eligible = self._live, self._eligible
-        if self._all_eligible(req_ids) and (live is None or live.keys() >= set(req_ids)):
+        live, eligible, ineligible = self._live, self._eligible, self._ineligible
+        if eligible.issuperset(req_ids) and (live is None or live.keys() >= set(req_ids)):
             return list(range(len(req_ids)))  # most steps: set operations, no loop over the batch
         rows = []
         for i, req_id in enumerate(req_ids):
-            if live is not None and req_id not in live:
+            if (live is not None and req_id not in live) or req_id in ineligible:
                 continue
-            ok = eligible.get(req_id)
-            if ok is None:
-                ok = eligible[req_id] = may_ever_speculate(sequences[i][2].params)
-            if ok:
-                rows.append(i)
-            else:
-                self._ineligible.add(req_id)
+            if req_id not in eligible:
+                if not may_ever_speculate(sequences[i][2].params):
+                    ineligible.add(req_id)
+                    continue
+                eligible.add(req_id)
+            rows.append(i)
         return rows
-
-    def _all_eligible(self, req_ids: list[str]) -> bool:
-        """Whether every one of ``req_ids`` is known to be eligible (as ``_live_rows`` found)."""
-        return self._eligible.keys() >= set(req_ids) and self._ineligible.isdisjoint(req_ids)
 
     def _inputs(
         self,

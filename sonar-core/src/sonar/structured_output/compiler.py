@@ -86,7 +86,7 @@ class GrammarCompiler:
         self._info_json = self.tokenizer_info.serialize_json()
         self._num_threads = num_threads
         self._idle: queue.Queue[CompileWorker | None] = queue.Queue()  # None: a worker still to start
-        self._workers: list[CompileWorker] = []  # every process started, for shutdown
+        self._workers: list[CompileWorker] = []  # the processes running, for shutdown
         self._closed = False
         for _ in range(num_threads):
             self._idle.put(None)
@@ -97,8 +97,8 @@ class GrammarCompiler:
         """The compiled grammar of ``params``, from the cache when it is there.
 
         :param timeout_s: seconds to wait (default: the compiler's ``compile_timeout_s``).
-        :raises ValueError: the constraint is invalid, or did not compile in time. A
-            compilation still running after the compiler's ``compile_timeout_s`` is killed; one
+        :raises ValueError: the constraint is invalid, or did not compile in time. A trial
+            still running after the compiler's ``compile_timeout_s`` is killed; a compilation
             a caller stopped waiting for sooner (a shorter ``timeout_s``) goes on within that
             limit and is cached if it finishes.
         """
@@ -150,7 +150,7 @@ class GrammarCompiler:
     def _start_worker(self) -> CompileWorker:
         worker = CompileWorker(self._info_json, self._num_threads)
         with self._lock:
-            self._workers.append(worker)
+            self._workers = [w for w in self._workers if w.alive] + [worker]  # killed ones are reaped already
         return worker
 
     def _compile_into_cache(self, key: Hashable, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
@@ -176,10 +176,10 @@ class GrammarCompiler:
         """``params`` compiled here, after a trial in a compile process where ``isolate``."""
         request = wire_request(params)
         if self.isolate:
-            self._try_in_process(params, request)
+            self._trial(params, request)
         return compile_constraint(self._xgr, request)
 
-    def _try_in_process(self, params: GuidedDecodingParams, request: dict[str, Any]) -> None:
+    def _trial(self, params: GuidedDecodingParams, request: dict[str, Any]) -> None:
         """Compile ``request`` in an idle compile process (waiting for one), which is killed,
         and replaced, where the trial outlasts ``compile_timeout_s``.
 
