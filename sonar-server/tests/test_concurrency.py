@@ -85,8 +85,8 @@ def test_non_streaming_client_that_gives_up_is_aborted(server):
     before = metrics(server.url)
     body = {"prompt": "A very long tale:", "max_length": 450, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/api/v1/generate", json=body, timeout=0.3)
-    deadline = time.monotonic() + 2.0
+        httpx.post(f"{server.url}/api/v1/generate", json=body, timeout=0.1)
+    deadline = time.monotonic() + 10.0
     while time.monotonic() < deadline:
         after = metrics(server.url)
         if after["sonar:num_requests_in_flight"] == 0 and after["sonar:num_kv_blocks_free"] == after["sonar:num_kv_blocks_total"]:
@@ -102,7 +102,7 @@ def test_a_client_leaving_a_non_streaming_request_is_no_server_error(server):
     nobody is there to read an answer (499, as proxies record it)."""
 
     async def leave() -> None:
-        async with httpx.AsyncClient(base_url=server.url, timeout=0.3) as http:
+        async with httpx.AsyncClient(base_url=server.url, timeout=0.1) as http:
             with contextlib.suppress(httpx.TimeoutException):
                 await http.post("/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 400, "ignore_eos": True})
 

@@ -7,6 +7,7 @@ import threading
 import time
 
 import httpx
+import pytest
 
 from sonar import SamplingParams
 
@@ -69,25 +70,54 @@ def test_stream_sends_message_events(server, oracle):
     assert events[-1]["finish_reason"] == "length"
 
 
+class Generation:
+    """A blocking ``/api/v1/generate`` in a thread, watched through ``/api/extra/generate/check``.
+
+    The tiny model writes its 400 tokens in about 0.3 s, so on a loaded machine a generation can
+    end before a check reaches it; ``running`` says whether it was still going."""
+
+    def __init__(self, server, body: dict) -> None:
+        self.url = server.url
+        self.response: httpx.Response | None = None
+        self.worker = threading.Thread(target=self._run, args=(body,))
+        self.worker.start()
+
+    def _run(self, body: dict) -> None:
+        self.response = httpx.post(f"{self.url}/api/v1/generate", json=body, timeout=60)
+
+    def first_text(self, client: httpx.Client, check_body: dict) -> str:
+        """The text a check shows once the generation has some; "" where it ended first."""
+        deadline = time.monotonic() + 20
+        while self.worker.is_alive():
+            text = client.post(f"{self.url}/api/extra/generate/check", json=check_body).json()["results"][0]["text"]
+            if text:
+                return text
+            assert time.monotonic() < deadline, "the generation never showed progress"
+        return ""
+
+    def result(self) -> dict:
+        self.worker.join(30)
+        assert self.response is not None and self.response.status_code == 200, self.response
+        return self.response.json()["results"][0]
+
+
+ATTEMPTS = 5
+LONG = {"prompt": PROMPT, "max_length": 400, "temperature": 0, "ban_eos_token": True}
+
+
 def test_abort_by_genkey_returns_partial_text(server):
-    body = {"prompt": PROMPT, "max_length": 400, "temperature": 0, "genkey": "KCPP-test-abort", "ban_eos_token": True}
-    result = {}
-
-    def run() -> None:
-        result["response"] = httpx.post(f"{server.url}/api/v1/generate", json=body, timeout=60)
-
-    worker = threading.Thread(target=run)
-    worker.start()
-    checked = ""
-    deadline = time.monotonic() + 20
-    while not checked and time.monotonic() < deadline:
-        time.sleep(0.05)
-        checked = httpx.post(f"{server.url}/api/extra/generate/check", json={"genkey": "KCPP-test-abort"}).json()["results"][0]["text"]
-    assert checked, "the generation never showed progress"
-    aborted = httpx.post(f"{server.url}/api/extra/abort", json={"genkey": "KCPP-test-abort"}).json()
-    assert aborted["success"] == "true"
-    worker.join(30)
-    final = result["response"].json()["results"][0]
+    body = {**LONG, "genkey": "KCPP-test-abort"}
+    with httpx.Client() as client:
+        for _ in range(ATTEMPTS):
+            generation = Generation(server, body)
+            checked = generation.first_text(client, {"genkey": "KCPP-test-abort"})
+            aborted = client.post(f"{server.url}/api/extra/abort", json={"genkey": "KCPP-test-abort"}).json() if checked else None
+            final = generation.result()
+            if aborted and aborted["success"] == "true":
+                break
+            assert final["finish_reason"] == "length"  # it ended before the check or the abort reached it
+        else:
+            pytest.fail(f"{ATTEMPTS} generations ended before an abort reached them")
     assert final["finish_reason"] == "abort"
     assert final["text"].startswith(checked)
 
@@ -96,33 +126,35 @@ def test_check_and_abort_without_a_genkey_reach_only_unnamed_jobs(server):
     """On a server many clients share, a check or abort that names no genkey never reads or
     stops a generation whose client named its genkey; a single-user client that names none
     still reaches its own."""
-    named = {"prompt": PROMPT, "max_length": 400, "temperature": 0, "genkey": "KCPP-named", "ban_eos_token": True}
-    unnamed = {k: v for k, v in named.items() if k != "genkey"}
-    results: dict[str, httpx.Response] = {}
+    named = {**LONG, "genkey": "KCPP-named"}
+    with httpx.Client() as client:
+        check = lambda body: client.post(f"{server.url}/api/extra/generate/check", json=body).json()["results"][0]["text"]  # noqa: E731
+        for _ in range(ATTEMPTS):
+            generation = Generation(server, named)
+            still_running = False
+            if generation.first_text(client, {"genkey": "KCPP-named"}):
+                unnamed_check = check({})
+                unnamed_abort = client.post(f"{server.url}/api/extra/abort", json={}).json()["success"]
+                still_running = check({"genkey": "KCPP-named"}) != ""
+            final = generation.result()
+            assert final["finish_reason"] == "length"  # never stopped by the unnamed abort
+            if still_running:
+                break
+        else:
+            pytest.fail(f"{ATTEMPTS} named generations ended before the unnamed check and abort were sent")
+        assert unnamed_check == "" and unnamed_abort == "false"
 
-    def run(name: str, body: dict) -> None:
-        results[name] = httpx.post(f"{server.url}/api/v1/generate", json=body, timeout=60)
-
-    worker = threading.Thread(target=run, args=("named", named))
-    worker.start()
-    deadline = time.monotonic() + 20
-    while not httpx.post(f"{server.url}/api/extra/generate/check", json={"genkey": "KCPP-named"}).json()["results"][0]["text"]:
-        assert time.monotonic() < deadline, "the named generation never showed progress"
-        time.sleep(0.05)
-    assert httpx.post(f"{server.url}/api/extra/generate/check", json={}).json()["results"][0]["text"] == ""
-    assert httpx.post(f"{server.url}/api/extra/abort", json={}).json()["success"] == "false"
-    worker.join(30)
-    assert results["named"].json()["results"][0]["finish_reason"] == "length"  # ran to its end
-
-    worker = threading.Thread(target=run, args=("unnamed", unnamed))
-    worker.start()
-    deadline = time.monotonic() + 20
-    while not httpx.post(f"{server.url}/api/extra/generate/check", json={}).json()["results"][0]["text"]:
-        assert time.monotonic() < deadline, "the unnamed generation never showed progress"
-        time.sleep(0.05)
-    assert httpx.post(f"{server.url}/api/extra/abort", json={}).json()["success"] == "true"
-    worker.join(30)
-    assert results["unnamed"].json()["results"][0]["finish_reason"] == "abort"
+        for _ in range(ATTEMPTS):
+            generation = Generation(server, LONG)
+            checked = generation.first_text(client, {})
+            aborted = client.post(f"{server.url}/api/extra/abort", json={}).json() if checked else None
+            final = generation.result()
+            if aborted and aborted["success"] == "true":
+                break
+            assert final["finish_reason"] == "length"
+        else:
+            pytest.fail(f"{ATTEMPTS} unnamed generations ended before an abort reached them")
+        assert final["finish_reason"] == "abort" and final["text"].startswith(checked)
 
 
 def test_token_count_and_info_routes(server, oracle):
