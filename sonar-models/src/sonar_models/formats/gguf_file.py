@@ -3,8 +3,10 @@
 The config declares ``quantization_config = {"quant_method": "gguf"}``, so by default the
 linear layers run the file's quantized blocks natively (``gguf_quant``) and receive them as
 ``GGUFBlocks``; run unquantized (``quantization="unquantized"``) every tensor is dequantized to
-float32 one at a time at load (``gguf.quants``). Tensors are renamed to Hugging Face names, and
-for llama-arch files the q/k rows are put back in Hugging Face's rotary layout.
+float32 one at a time at load (``gguf.quants``). Tensors are renamed to Hugging Face names;
+for llama-arch files the q/k rows are put back in Hugging Face's rotary layout, Gemma's norms
+lose the 1 llama.cpp added to them, and Phi-3's fused q/k/v and gate/up tensors are split
+into their parts (as whole rows of blocks, still quantized).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import torch
 
 from sonar.quantization import quant_config_of
 from sonar_models.formats.gguf_blocks import BLOCK_SIZES, GGUFBlocks
-from sonar_models.formats.gguf_metadata import architecture_of, config_from_gguf, field_value, open_gguf
+from sonar_models.formats.gguf_metadata import (
+    LLAMA_LAYER_NAMES, PHI3_ROPE_FACTORS, GGUFArchitecture, architecture_of, config_from_gguf, field_value, open_gguf,
+)
 from sonar_models.formats.gguf_quant import TIED_HEAD_PARAM
 from sonar_models.formats.gguf_tokenizer import load_gguf_tokenizer
 
@@ -27,27 +31,14 @@ GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-IGNORED_TENSORS = {"rope_freqs.weight"}  # folded into the config's rope scaling
-LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
+IGNORED_TENSORS = {"rope_freqs.weight", *PHI3_ROPE_FACTORS}  # folded into the config's rope scaling
+LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj", "lm_head")
 EMBEDDING = "model.embed_tokens.weight"
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 class GGUFFormat:
-    """Reads a llama.cpp ``.gguf`` file (llama, qwen2, qwen3 architectures)."""
+    """Reads a llama.cpp ``.gguf`` file (llama, qwen2, qwen3, phi3, gemma2, gemma3 architectures)."""
 
     name = "gguf"
 
@@ -83,28 +74,56 @@ class GGUFFormat:
         for tensor in reader.tensors:
             if tensor.name in IGNORED_TENSORS:
                 continue
-            name = hf_name(tensor.name)
+            name = hf_name(tensor.name, mapping)
             quantized = int(tensor.tensor_type) in BLOCK_SIZES
             if native and name == EMBEDDING and hf_config.tie_word_embeddings:
                 yield f"lm_head.{TIED_HEAD_PARAM}", raw_blocks(tensor) if quantized else dequantize(tensor)
             is_linear = name.rpartition(".")[0].rpartition(".")[2] in LINEAR_MODULES
             weight = raw_blocks(tensor) if native and quantized and is_linear and name.endswith(".weight") else dequantize(tensor)
-            if mapping.permuted_qk and name.endswith(("q_proj.weight", "q_proj.bias")):
-                weight = unpermute_rotary_rows(weight, hf_config.num_attention_heads)
-            elif mapping.permuted_qk and name.endswith(("k_proj.weight", "k_proj.bias")):
-                weight = unpermute_rotary_rows(weight, hf_config.num_key_value_heads)
-            yield name, weight
+            if mapping.norm_shift and name.endswith("norm.weight"):
+                weight = weight - mapping.norm_shift
+            for part_name, part in split_fused(name, weight, hf_config):
+                if mapping.permuted_qk and part_name.endswith(("q_proj.weight", "q_proj.bias")):
+                    part = unpermute_rotary_rows(part, hf_config.num_attention_heads)
+                elif mapping.permuted_qk and part_name.endswith(("k_proj.weight", "k_proj.bias")):
+                    part = unpermute_rotary_rows(part, hf_config.num_key_value_heads)
+                yield part_name, part
 
 
-def hf_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``."""
+def split_fused(name: str, weight: torch.Tensor | GGUFBlocks, hf_config: Any) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """A fused tensor (Phi-3's ``qkv_proj``, ``gate_up_proj``) as its parts under Llama's names,
+    each its run of whole rows; any other tensor as it is."""
+    module, _, leaf = name.rpartition(".")
+    owner, _, fused = module.rpartition(".")
+    if fused == "qkv_proj":
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        sizes = {"q_proj": hf_config.num_attention_heads * head_dim, "k_proj": hf_config.num_key_value_heads * head_dim}
+        sizes["v_proj"] = sizes["k_proj"]
+    elif fused == "gate_up_proj":
+        sizes = {"gate_proj": hf_config.intermediate_size, "up_proj": hf_config.intermediate_size}
+    else:
+        yield name, weight
+        return
+    if weight.shape[0] != sum(sizes.values()):
+        raise ValueError(f"GGUF tensor for {name!r} has {weight.shape[0]} rows; the file's metadata gives {sum(sizes.values())}")
+    start = 0
+    for part, rows in sizes.items():
+        piece = weight.select_rows(slice(start, start + rows)) if isinstance(weight, GGUFBlocks) else weight[start : start + rows]
+        yield f"{owner}.{part}.{leaf}", piece
+        start += rows
+
+
+def hf_name(gguf_name: str, mapping: GGUFArchitecture | None = None) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (the layer names
+    of ``mapping``'s architecture; Llama's by default)."""
     if gguf_name in GLOBAL_NAMES:
         return GLOBAL_NAMES[gguf_name]
+    names = mapping.layer_names if mapping is not None else LLAMA_LAYER_NAMES
     match = LAYER_TENSOR.fullmatch(gguf_name)
-    if match is None or match.group(2) not in LAYER_NAMES:
+    if match is None or match.group(2) not in names:
         raise ValueError(f"GGUF tensor {gguf_name!r} has no Hugging Face counterpart in this reader")
     layer, kind, leaf = match.groups()
-    return f"model.layers.{layer}.{LAYER_NAMES[kind]}.{leaf}"
+    return f"model.layers.{layer}.{names[kind]}.{leaf}"
 
 
 def dequantize(tensor: Any) -> torch.Tensor:

@@ -1,5 +1,8 @@
 """A small GGUF quantizer of Sonar's own: float matrices into llama.cpp's block formats, and a
-Hugging Face Llama folder into a ``.gguf`` file (for tests; no llama.cpp needed).
+Hugging Face folder into a ``.gguf`` file (for tests; no llama.cpp needed).
+
+A Hugging Face folder of any architecture the reader maps is written the way llama.cpp's
+converter writes it (``write_gguf``).
 
 Q4_0, Q4_1 and Q8_0 use ``gguf.quants.quantize``; the K-quants, which it lacks, are encoded
 here with plain per-block min/max scales (llama.cpp searches its scales; any valid encoding
@@ -8,20 +11,15 @@ decodes the same way).
 
 from __future__ import annotations
 
-import json
+import math
+import re
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from sonar_models.formats.gguf_blocks import BLOCK_SIZES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
-
-LAYER_TENSORS = {
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-}
-
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).view(np.uint8).reshape(*values.shape[:-1], -1)
@@ -107,31 +105,55 @@ def permute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_llama_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_embedding: bool = False) -> dict[str, torch.Tensor]:
-    """Write the Llama in ``hf_folder`` as a GGUF file whose projections (and ``output.weight``,
-    and with ``quantize_embedding`` ``token_embd``) are ``ggml_type``; returns the weights as
-    the file holds them, dequantized, under Hugging Face names (for a transformers oracle)."""
+def write_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_embedding: bool = False) -> dict[str, torch.Tensor]:
+    """Write the model in ``hf_folder`` (an architecture of ``GGUF_ARCHITECTURES``) as a GGUF file
+    laid out as llama.cpp's converter lays it out, its projections (and ``output.weight``, and
+    with ``quantize_embedding`` ``token_embd``) in ``ggml_type``; returns the weights as the file
+    holds them, decoded, under the folder's own tensor names (for a transformers oracle). A
+    config the format cannot state as llama.cpp reads it is refused."""
     import gguf
     from safetensors.torch import load_file
+    from transformers import AutoConfig
 
-    config = json.loads((Path(hf_folder) / "config.json").read_text())
+    from sonar_models.formats.gguf_metadata import GGUF_ARCHITECTURES
+
+    config = AutoConfig.from_pretrained(hf_folder)
     tensors = load_file(str(Path(hf_folder) / "model.safetensors"))
-    writer = gguf.GGUFWriter(str(out_path), "llama")
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_rope_freq_base(float(config.get("rope_theta", 10000.0)))
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_uint32("tokenizer.ggml.bos_token_id", config["bos_token_id"])
-    writer.add_uint32("tokenizer.ggml.eos_token_id", config["eos_token_id"])
+    arch = next((name for name, m in GGUF_ARCHITECTURES.items() if m.hf_architecture == config.architectures[0]), None)
+    if arch is None:
+        raise NotImplementedError(f"no GGUF layout for {config.architectures[0]}")
+    mapping = GGUF_ARCHITECTURES[arch]
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    writer = gguf.GGUFWriter(str(out_path), arch)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_uint32("tokenizer.ggml.bos_token_id", config.bos_token_id)
+    eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
+    writer.add_uint32("tokenizer.ggml.eos_token_id", eos)
+    rope_tensors = _write_rope(writer, arch, config, head_dim)
+    if arch in ("gemma2", "gemma3"):
+        _write_gemma_attention(writer, arch, config, head_dim)
+    elif arch == "phi3" and config.sliding_window:
+        writer.add_sliding_window(config.sliding_window)
     as_stored: dict[str, torch.Tensor] = {}
 
-    def add(gguf_name: str, hf: str, value: np.ndarray, kind: int | None, heads: int | None = None) -> None:
-        stored = value if heads is None else permute_rotary_rows(value, heads)
+    def add(gguf_name: str, hf: str, kind: int | None, rotary_heads: int | None = None) -> None:
+        value = tensors[hf].float().numpy()
+        if mapping.norm_shift and hf.endswith("norm.weight"):
+            stored = (value + mapping.norm_shift).astype(np.float32)
+            writer.add_tensor(gguf_name, stored)
+            as_stored[hf] = torch.from_numpy(stored) - mapping.norm_shift  # as a reader gets it back
+            return
+        stored = value if rotary_heads is None else permute_rotary_rows(value, rotary_heads)
         if kind is None or kind not in BLOCK_SIZES:
             writer.add_tensor(gguf_name, stored.astype(np.float32))
             as_stored[hf] = torch.from_numpy(value.astype(np.float32))
@@ -139,24 +161,99 @@ def write_llama_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_e
         blocks = quantize(stored, kind)
         writer.add_tensor(gguf_name, blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType(kind))
         decoded = dequantize(blocks, kind, stored.shape)
-        if heads is not None:
+        if rotary_heads is not None:
             from sonar_models.formats.gguf_file import unpermute_rotary_rows
 
-            decoded = unpermute_rotary_rows(torch.from_numpy(decoded), heads).numpy()
+            decoded = unpermute_rotary_rows(torch.from_numpy(decoded), rotary_heads).numpy()
         as_stored[hf] = torch.from_numpy(decoded)
 
-    get = lambda name: tensors[name].float().numpy()  # noqa: E731
-    add("token_embd.weight", "model.embed_tokens.weight", get("model.embed_tokens.weight"), ggml_type if quantize_embedding else None)
-    add("output_norm.weight", "model.norm.weight", get("model.norm.weight"), None)
-    if "lm_head.weight" in tensors and not config.get("tie_word_embeddings", False):
-        add("output.weight", "lm_head.weight", get("lm_head.weight"), ggml_type)
-    for i in range(config["num_hidden_layers"]):
-        for hf_module, gguf_module in LAYER_TENSORS.items():
-            name = f"model.layers.{i}.{hf_module}.weight"
-            heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}.get(hf_module)
-            add(f"blk.{i}.{gguf_module}.weight", name, get(name), None if "norm" in hf_module else ggml_type, heads)
+    add("token_embd.weight", "model.embed_tokens.weight", ggml_type if quantize_embedding else None)
+    add("output_norm.weight", "model.norm.weight", None)
+    if "lm_head.weight" in tensors and not config.tie_word_embeddings:
+        add("output.weight", "lm_head.weight", ggml_type)
+    for name, value in rope_tensors.items():
+        writer.add_tensor(name, value)
+    module_names = {hf_module: gguf_module for gguf_module, hf_module in mapping.layer_names.items()}
+    for hf in sorted(tensors, key=_layer_order):
+        match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
+        if match is None:
+            continue
+        layer, module, leaf = match.groups()
+        if module not in module_names:
+            raise NotImplementedError(f"no GGUF name for {hf!r} in a {arch} file")
+        rotary_heads = None
+        if mapping.permuted_qk:
+            rotary_heads = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads}.get(module)
+        kind = ggml_type if leaf == "weight" and not module.endswith("norm") else None
+        add(f"blk.{layer}.{module_names[module]}.{leaf}", hf, kind, rotary_heads)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return as_stored
+
+
+def write_llama_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_embedding: bool = False) -> dict[str, torch.Tensor]:
+    """``write_gguf`` for a Llama folder (the name the tests have always used)."""
+    return write_gguf(hf_folder, out_path, ggml_type, quantize_embedding)
+
+
+def _layer_order(name: str) -> tuple[int, str]:
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    return (int(match.group(1)) if match else -1, name)
+
+
+def _write_rope(writer: Any, arch: str, config: Any, head_dim: int) -> dict[str, np.ndarray]:
+    """The rotary metadata llama.cpp reads for ``arch``; returns the tensors that carry the
+    rest (Phi-3's LongRoPE factors)."""
+    import gguf
+
+    params = dict(config.rope_parameters or {})
+    if arch == "gemma3":
+        sliding = params.get("sliding_attention", {})
+        if sliding.get("rope_type", "default") != "default" or float(sliding.get("rope_theta", 10000.0)) != 10000.0:
+            raise NotImplementedError("llama.cpp rotates Gemma 3's sliding layers with base 10000 and no scaling")
+        params = dict(params.get("full_attention", {}))
+    writer.add_rope_freq_base(float(params.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", "default")
+    partial = float(params.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", None) or 1.0))
+    if partial != 1.0 and arch != "phi3":
+        raise NotImplementedError(f"a partial rotary dimension in a {arch} GGUF")
+    rotary_dim = int(head_dim * partial)
+    if arch == "phi3":
+        writer.add_rope_dimension_count(rotary_dim)
+        original = int(getattr(config, "original_max_position_embeddings", None) or params.get("original_max_position_embeddings") or config.max_position_embeddings)
+        writer.add_rope_scaling_orig_ctx_len(original)
+    if rope_type == "default":
+        return {}
+    if rope_type == "linear":
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(float(params["factor"]))
+        return {}
+    if rope_type == "longrope" and arch == "phi3":
+        scale = config.max_position_embeddings / original
+        default = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 else 1.0
+        writer.add_rope_scaling_attn_factors(float(params.get("attention_factor") or default))
+        return {name: np.asarray(params[key], dtype=np.float32) for name, key in
+                (("rope_factors_long.weight", "long_factor"), ("rope_factors_short.weight", "short_factor"))}
+    raise NotImplementedError(f"writing {rope_type!r} rotary scaling to a {arch} GGUF")
+
+
+def _write_gemma_attention(writer: Any, arch: str, config: Any, head_dim: int) -> None:
+    """Gemma 2 and 3: the window, the caps; the score scale and which layers slide must be
+    what llama.cpp derives, as the file cannot say otherwise."""
+    from sonar_models.formats.gguf_metadata import GEMMA_27B_LAYERS, SLIDING_PATTERNS
+
+    layers = config.num_hidden_layers
+    pattern = SLIDING_PATTERNS[arch]
+    derived = ["sliding_attention" if i % pattern < pattern - 1 else "full_attention" for i in range(layers)]
+    if list(config.layer_types) != derived:
+        raise NotImplementedError(f"llama.cpp slides every layer but each {pattern}th in a {arch} GGUF; the config's layers are {config.layer_types}")
+    scalar = config.hidden_size // config.num_attention_heads if layers == GEMMA_27B_LAYERS[arch] else head_dim
+    if config.query_pre_attn_scalar != scalar:
+        raise NotImplementedError(f"llama.cpp scales a {arch} GGUF's queries by 1/sqrt({scalar}); the config says query_pre_attn_scalar={config.query_pre_attn_scalar}")
+    writer.add_sliding_window(config.sliding_window)
+    if getattr(config, "attn_logit_softcapping", None) is not None:
+        writer.add_attn_logit_softcapping(float(config.attn_logit_softcapping))
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))

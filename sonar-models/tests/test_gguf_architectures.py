@@ -1,0 +1,172 @@
+"""GGUF files of every architecture the reader maps, written as llama.cpp's converter writes
+them (Gemma's norms stored as ``1 + w``, Phi-3's fused q/k/v and gate/up, its LongRoPE factors
+as tensors, Gemma 2's caps and window in the metadata): the config read back equals the one
+written, the dequantized model's logits equal transformers' on the same weights, and the
+natively quantized model generates transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from sonar import LLM, SamplingParams, ops
+from sonar_models.formats import GGUFFormat
+from sonar_models.formats.gguf_blocks import Q4_0, Q8_0, TYPE_NAMES
+from sonar_models.formats.gguf_metadata import GGUF_ARCHITECTURES, open_gguf
+from sonar_models.formats.gguf_quantize import write_gguf
+from sonar_models.testing import PagedCacheDriver, build_tiny_model, load_sonar_model
+
+#: tiny configs as llama.cpp can state them: Gemma's score scale is 1/sqrt(head_dim) outside
+#: the 27B models, and Gemma 3 slides five layers of six
+ARCHS = {
+    "qwen2": {},  # q/k/v biases, tied embedding
+    "qwen3": {},  # per-head q/k norms, explicit head_dim
+    "phi3": {},  # fused q/k/v and gate/up, half the head rotated, LongRoPE
+    "gemma2": dict(query_pre_attn_scalar=32),  # window 8, caps on scores (1.0) and logits (3.0)
+    "gemma3": dict(query_pre_attn_scalar=32, num_hidden_layers=6, sliding_window_pattern=6),  # q/k norms, linear rope on global layers
+}
+#: nats: decode steps run the CPU's quantized kernels, which round their activations (to int8
+#: blocks for Q8_0, to bfloat16 for Q4_0); Gemma 3 needs six layers for one global layer and
+#: its tiny logits span twice as wide, so its error is larger
+LOGPROB_ATOL = {"gemma3": 0.45}
+DEFAULT_LOGPROB_ATOL = 0.2
+RELATIVE_ERROR = 0.02  # of a layer's output against the product of the weights the file holds
+NEAR_TIE = 0.2  # nats between the oracle's top two tokens: greedy may pick either
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_kernels():
+    from sonar_cpu import quant_ops
+
+    ops.register_ops("cpu", quant_ops.OPS)
+    yield
+    ops.unregister_ops("cpu")
+
+
+@pytest.fixture(scope="module", params=[(arch, kind) for arch in ARCHS for kind in (Q8_0, Q4_0)],
+                ids=lambda p: f"{p[0]}-{TYPE_NAMES[p[1]]}")
+def checkpoint(request, tmp_path_factory) -> tuple[str, Path, Path, Path]:
+    """``(arch, original folder, .gguf file, folder of the weights as the file holds them)``."""
+    arch, kind = request.param
+    root = tmp_path_factory.mktemp(f"{arch}-{TYPE_NAMES[kind]}")
+    folder = build_tiny_model(arch, root / "hf", **ARCHS[arch])
+    path = root / "model.gguf"
+    stored = write_gguf(folder, path, kind, quantize_embedding=kind == Q8_0)  # Q8_0: the tied head reads the quantized table
+    dequantized = root / "dequantized"
+    shutil.copytree(folder, dequantized)
+    save_file({k: v.contiguous() for k, v in stored.items()}, str(dequantized / "model.safetensors"))
+    return arch, folder, path, dequantized
+
+
+def _rope(config) -> dict:
+    return {k: [round(x, 5) for x in v] if isinstance(v, list) else v for k, v in (config.rope_parameters or {}).items()}
+
+
+def test_the_config_read_back_is_the_one_written(checkpoint) -> None:
+    arch, folder, path, _ = checkpoint
+    written, read = AutoConfig.from_pretrained(folder), GGUFFormat().load_hf_config(path)
+    assert read.architectures == [GGUF_ARCHITECTURES[arch].hf_architecture] == written.architectures
+    fields = ["num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+              "head_dim", "vocab_size", "tie_word_embeddings", "max_position_embeddings", "rms_norm_eps",
+              "sliding_window", "layer_types", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping"]
+    for name in fields:
+        if hasattr(written, name):
+            assert getattr(read, name) == pytest.approx(getattr(written, name)), name
+    if arch == "gemma3":
+        assert {k: _rope_dict(v) for k, v in read.rope_parameters.items()} == {k: _rope_dict(v) for k, v in written.rope_parameters.items()}
+    else:
+        expected = _rope(written)
+        got = _rope(read)
+        if arch == "phi3":  # the file states the LongRoPE attention factor transformers derives
+            factor = written.max_position_embeddings / written.original_max_position_embeddings
+            assert got.pop("attention_factor") == pytest.approx(math.sqrt(1 + math.log(factor) / math.log(written.original_max_position_embeddings)))
+        assert got == expected
+
+
+def _rope_dict(params: dict) -> dict:
+    return {"rope_type": params.get("rope_type", "default"), **params}
+
+
+def test_dequantized_logits_equal_transformers_on_the_weights_in_the_file(checkpoint) -> None:
+    _, _, path, dequantized = checkpoint
+    prompt = torch.randint(100, 49152, (21,), generator=torch.Generator().manual_seed(0)).tolist()  # past the window of 8
+    oracle = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = oracle(torch.tensor([prompt])).logits[0].float()
+    model = load_sonar_model(path, quantization="unquantized")
+    logits = model.compute_logits(PagedCacheDriver(model).step(model, [(0, prompt)]))
+    torch.testing.assert_close(logits, expected, atol=1e-3, rtol=0)
+
+
+def test_native_layers_stay_quantized_and_multiply_like_the_weights_in_the_file(checkpoint) -> None:
+    _, _, path, dequantized = checkpoint
+    from safetensors.torch import load_file
+
+    stored = load_file(str(dequantized / "model.safetensors"))
+    model = load_sonar_model(path)
+    layer = model.model.layers[0]
+    weight = lambda *names: torch.cat([stored[f"model.layers.0.{n}.weight"] for n in names if f"model.layers.0.{n}.weight" in stored])  # noqa: E731
+    biases = [stored[f"model.layers.0.self_attn.{p}_proj.bias"] for p in "qkv" if f"model.layers.0.self_attn.{p}_proj.bias" in stored]
+    cases = [
+        (layer.self_attn.qkv_proj, weight("self_attn.qkv_proj", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), torch.cat(biases) if biases else 0),
+        (layer.self_attn.o_proj, weight("self_attn.o_proj"), 0),
+        (layer.mlp.gate_up_proj, weight("mlp.gate_up_proj", "mlp.gate_proj", "mlp.up_proj"), 0),
+        (layer.mlp.down_proj, weight("mlp.down_proj"), 0),
+    ]
+    for module, expected_weight, bias in cases:
+        assert module.gguf_runs, module.prefix
+        assert sum(run.nbytes for run in module.gguf_runs) < expected_weight.numel() * 4 / 2.5, module.prefix
+        x = torch.randn(3, expected_weight.shape[1], generator=torch.Generator().manual_seed(0))
+        expected = x @ expected_weight.T + bias  # Qwen2's q/k/v biases
+        error = (module(x) - expected).norm() / expected.norm()
+        assert error < RELATIVE_ERROR, (module.prefix, float(error))
+
+
+def test_native_greedy_tokens_and_logprobs_equal_transformers(checkpoint) -> None:
+    arch, _, path, dequantized = checkpoint
+    atol = LOGPROB_ATOL.get(arch, DEFAULT_LOGPROB_ATOL)
+    llm = LLM(str(path), skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=8 << 20)
+    assert llm.llm_engine.config.quantization == "gguf"
+    rng = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 49152, (n,), generator=rng).tolist() for n in (5, 17, 24)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    oracle = AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs):
+        tokens, rows = list(prompt), []
+        with torch.no_grad():
+            for _ in range(8):
+                rows.append(oracle(torch.tensor([tokens])).logits[0, -1].float().log_softmax(-1))
+                tokens.append(int(rows[-1].argmax()))
+        expected = tokens[len(prompt):]
+        got = output.outputs[0]
+        for step, (token, logprobs) in enumerate(zip(got.token_ids, got.logprobs)):
+            for token_id, logprob in logprobs.items():
+                assert abs(logprob.logprob - float(rows[step][token_id])) < atol, (step, token_id)
+            if token != expected[step]:  # only where the oracle's top two are a near tie; the rest differs from here
+                top2 = rows[step].topk(2).values
+                assert float(top2[0] - top2[1]) < NEAR_TIE, (step, token, expected[step])
+                break
+
+
+def test_gemma_norms_are_stored_as_llama_cpp_stores_them(checkpoint) -> None:
+    arch, folder, path, _ = checkpoint
+    if GGUF_ARCHITECTURES[arch].norm_shift == 0:
+        pytest.skip("only Gemma's norms are shifted")
+    from safetensors.torch import load_file
+
+    original = load_file(str(folder / "model.safetensors"))["model.layers.0.input_layernorm.weight"]
+    tensor = next(t for t in open_gguf(path).tensors if t.name == "blk.0.attn_norm.weight")
+    torch.testing.assert_close(torch.from_numpy(tensor.data.copy()), original.float() + 1)
+
+
+def test_a_config_llama_cpp_cannot_state_is_refused(tmp_path) -> None:
+    folder = build_tiny_model("gemma2", tmp_path / "hf")  # query_pre_attn_scalar 24, head_dim 32
+    with pytest.raises(NotImplementedError, match="query_pre_attn_scalar=24"):
+        write_gguf(folder, tmp_path / "model.gguf", Q8_0)
