@@ -6,7 +6,10 @@ linear layers run the file's quantized blocks natively (``gguf_quant``) and rece
 float32 one at a time at load (``gguf.quants``). Tensors are renamed to Hugging Face names;
 for llama-arch files the q/k rows are put back in Hugging Face's rotary layout, Gemma's norms
 lose the 1 llama.cpp added to them, and Phi-3's fused q/k/v and gate/up tensors are split
-into their parts (as whole rows of blocks, still quantized).
+into their parts (as whole rows of blocks, still quantized). A mixture-of-experts layer's
+experts come as one tensor per projection; they are dequantized at load and split per expert
+(the experts' fused kernel takes floating weights), while attention and the shared expert stay
+quantized.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ GLOBAL_NAMES = {
 IGNORED_TENSORS = {"rope_freqs.weight", *PHI3_ROPE_FACTORS}  # folded into the config's rope scaling
 LINEAR_MODULES = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj", "lm_head")
 EMBEDDING = "model.embed_tokens.weight"
+EXPERTS = re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate|up|down)_proj\.weight")
 LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 class GGUFFormat:
-    """Reads a llama.cpp ``.gguf`` file (llama, qwen2, qwen3, phi3, gemma2, gemma3 architectures)."""
+    """Reads a llama.cpp ``.gguf`` file (llama, qwen2, qwen3, qwen2moe, qwen3moe, phi3, gemma2, gemma3 architectures)."""
 
     name = "gguf"
 
@@ -78,8 +82,13 @@ class GGUFFormat:
             quantized = int(tensor.tensor_type) in BLOCK_SIZES
             if native and name == EMBEDDING and hf_config.tie_word_embeddings:
                 yield f"lm_head.{TIED_HEAD_PARAM}", raw_blocks(tensor) if quantized else dequantize(tensor)
+            if EXPERTS.fullmatch(name):
+                yield from split_experts(name, dequantize(tensor))
+                continue
             is_linear = name.rpartition(".")[0].rpartition(".")[2] in LINEAR_MODULES
             weight = raw_blocks(tensor) if native and quantized and is_linear and name.endswith(".weight") else dequantize(tensor)
+            if name.endswith("shared_expert_gate.weight") and weight.dim() == 1:
+                weight = weight.reshape(1, -1)  # llama.cpp keeps the shared expert's gate as a vector
             if mapping.norm_shift and name.endswith("norm.weight"):
                 weight = weight - mapping.norm_shift
             for part_name, part in split_fused(name, weight, hf_config):
@@ -88,6 +97,14 @@ class GGUFFormat:
                 elif mapping.permuted_qk and part_name.endswith(("k_proj.weight", "k_proj.bias")):
                     part = unpermute_rotary_rows(part, hf_config.num_key_value_heads)
                 yield part_name, part
+
+
+def split_experts(name: str, weight: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+    """A projection of every expert ``[E, rows, cols]`` as one tensor per expert, under the
+    per-expert names the mixture-of-experts models read."""
+    experts, _, rest = name.partition(".experts.")
+    for expert in range(weight.shape[0]):
+        yield f"{experts}.experts.{expert}.{rest}", weight[expert]
 
 
 def split_fused(name: str, weight: torch.Tensor | GGUFBlocks, hf_config: Any) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:

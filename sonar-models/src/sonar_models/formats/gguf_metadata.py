@@ -40,6 +40,19 @@ GEMMA2_LAYER_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
+#: Qwen2-MoE and Qwen3-MoE: a router, every expert of a projection in one ``[E, rows, cols]``
+#: tensor (split per expert at load), and Qwen2-MoE's shared expert with its gate
+MOE_LAYER_NAMES = {
+    **LLAMA_LAYER_NAMES,
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+}
 #: Phi-3: q/k/v in one tensor, and ``ffn_up`` holding the gate's rows then the up rows
 PHI3_LAYER_NAMES = {**LLAMA_LAYER_NAMES, "attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}
 
@@ -62,6 +75,8 @@ GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
     "llama": GGUFArchitecture("LlamaForCausalLM", "LlamaConfig", permuted_qk=True),
     "qwen2": GGUFArchitecture("Qwen2ForCausalLM", "Qwen2Config"),
     "qwen3": GGUFArchitecture("Qwen3ForCausalLM", "Qwen3Config"),
+    "qwen2moe": GGUFArchitecture("Qwen2MoeForCausalLM", "Qwen2MoeConfig", layer_names=MOE_LAYER_NAMES),
+    "qwen3moe": GGUFArchitecture("Qwen3MoeForCausalLM", "Qwen3MoeConfig", layer_names=MOE_LAYER_NAMES),
     "phi3": GGUFArchitecture("Phi3ForCausalLM", "Phi3Config", layer_names=PHI3_LAYER_NAMES),
     "gemma2": GGUFArchitecture("Gemma2ForCausalLM", "Gemma2Config", layer_names=GEMMA2_LAYER_NAMES, norm_shift=1.0),
     "gemma3": GGUFArchitecture("Gemma3ForCausalLM", "Gemma3TextConfig", layer_names=GEMMA2_LAYER_NAMES, norm_shift=1.0),
@@ -73,6 +88,8 @@ GEMMA3_SLIDING_ROPE_BASE = 10000.0
 #: llama.cpp scales Gemma 2 and 3 queries by ``1 / sqrt(head_dim)``, except for the 27B models
 #: (told apart by their layer count), which use ``1 / sqrt(hidden / heads)``
 GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+#: whether llama.cpp renormalises the chosen experts' probabilities (it does not read a flag)
+MOE_NORM_TOPK = {"qwen2moe": False, "qwen3moe": True}
 #: Phi-3's LongRoPE factors, stored as tensors
 PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
@@ -145,6 +162,8 @@ def config_from_gguf(reader: Any) -> Any:
         extra = _gemma_fields(meta, arch, common, rope_theta, _rope_scaling(meta, tensor_names, head_dim, rope_theta, reader))
     else:
         extra = dict(rope_theta=rope_theta, rope_scaling=_rope_scaling(meta, tensor_names, head_dim, rope_theta, reader))
+    if arch in MOE_NORM_TOPK:
+        extra.update(_moe_fields(meta, arch))
     config = getattr(transformers, mapping.config_class)(**common, **extra)
     config.architectures = [mapping.hf_architecture]
     return config
@@ -165,6 +184,21 @@ class _Metadata:
 
     def optional(self, key: str) -> Any:
         return field_value(self.reader, f"{self.arch}.{key}")
+
+
+def _moe_fields(meta: _Metadata, arch: str) -> dict[str, Any]:
+    """The experts of every layer (llama.cpp has no dense layers in these architectures)."""
+    fields: dict[str, Any] = dict(
+        num_experts=int(meta("expert_count")),
+        num_experts_per_tok=int(meta("expert_used_count")),
+        moe_intermediate_size=int(meta("expert_feed_forward_length")),
+        norm_topk_prob=MOE_NORM_TOPK[arch],
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    if arch == "qwen2moe":
+        fields["shared_expert_intermediate_size"] = int(meta("expert_shared_feed_forward_length"))
+    return fields
 
 
 def _gemma_fields(meta: _Metadata, arch: str, common: dict[str, Any], rope_theta: float, scaling: dict | None) -> dict[str, Any]:

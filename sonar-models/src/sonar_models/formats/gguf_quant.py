@@ -241,7 +241,8 @@ class GGUFMethod(QuantizationMethod):
     """llama.cpp's block formats run natively (registered as ``"gguf"``; every platform)."""
 
     name = "gguf"
-    reads = "a .gguf file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K blocks (F32/F16/BF16 tensors stay floating); other types are dequantized at load"
+    reads = ("a .gguf file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K blocks (F32/F16/BF16 tensors stay floating); other types, "
+             "and the routed experts of mixture-of-experts files, are dequantized at load")
     execution = {
         "cpu": "Q4_0/Q4_1/Q8_0: Sonar's C kernel on the blocks (in huge pages, eight rows to a vector): decode "
         "batches under 48 rows with the activations rounded to int8 blocks (integer dot products, as llama.cpp), steps "

@@ -142,6 +142,8 @@ def write_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_embeddi
     rope_tensors = _write_rope(writer, arch, config, head_dim)
     if arch in ("gemma2", "gemma3"):
         _write_gemma_attention(writer, arch, config, head_dim)
+    elif arch in ("qwen2moe", "qwen3moe"):
+        _write_experts_metadata(writer, arch, config)
     elif arch == "phi3" and config.sliding_window:
         writer.add_sliding_window(config.sliding_window)
     as_stored: dict[str, torch.Tensor] = {}
@@ -155,7 +157,7 @@ def write_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_embeddi
             return
         stored = value if rotary_heads is None else permute_rotary_rows(value, rotary_heads)
         if kind is None or kind not in BLOCK_SIZES:
-            writer.add_tensor(gguf_name, stored.astype(np.float32))
+            writer.add_tensor(gguf_name, (stored[0] if gguf_name.endswith("ffn_gate_inp_shexp.weight") else stored).astype(np.float32))
             as_stored[hf] = torch.from_numpy(value.astype(np.float32))
             return
         blocks = quantize(stored, kind)
@@ -174,9 +176,23 @@ def write_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_embeddi
     for name, value in rope_tensors.items():
         writer.add_tensor(name, value)
     module_names = {hf_module: gguf_module for gguf_module, hf_module in mapping.layer_names.items()}
+    experts: dict[tuple[str, str], dict[int, str]] = {}  # (layer, projection) -> expert -> tensor name
+    for hf in tensors:
+        match = re.fullmatch(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight", hf)
+        if match:
+            experts.setdefault((match.group(1), match.group(3)), {})[int(match.group(2))] = hf
+    for (layer, projection), names in sorted(experts.items(), key=lambda item: (int(item[0][0]), item[0][1])):
+        ordered = [names[e] for e in range(len(names))]
+        stack = np.stack([tensors[name].float().numpy() for name in ordered])  # [E, rows, cols]
+        blocks = quantize(stack.reshape(-1, stack.shape[-1]), ggml_type)
+        blocks = blocks.reshape(stack.shape[0], stack.shape[1], -1)
+        writer.add_tensor(f"blk.{layer}.ffn_{projection}_exps.weight", blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType(ggml_type))
+        decoded = dequantize(blocks.reshape(-1, blocks.shape[-1]), ggml_type, (stack.shape[0] * stack.shape[1], stack.shape[2]))
+        for expert, name in enumerate(ordered):
+            as_stored[name] = torch.from_numpy(decoded.reshape(stack.shape)[expert].copy())
     for hf in sorted(tensors, key=_layer_order):
         match = re.fullmatch(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)", hf)
-        if match is None:
+        if match is None or hf in as_stored:
             continue
         layer, module, leaf = match.groups()
         if module not in module_names:
@@ -184,8 +200,8 @@ def write_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_embeddi
         rotary_heads = None
         if mapping.permuted_qk:
             rotary_heads = {"self_attn.q_proj": heads, "self_attn.k_proj": kv_heads}.get(module)
-        kind = ggml_type if leaf == "weight" and not module.endswith("norm") else None
-        add(f"blk.{layer}.{module_names[module]}.{leaf}", hf, kind, rotary_heads)
+        floating = leaf != "weight" or module.endswith("norm") or module in ("mlp.gate", "mlp.shared_expert_gate")  # llama.cpp keeps routers in F32
+        add(f"blk.{layer}.{module_names[module]}.{leaf}", hf, None if floating else ggml_type, rotary_heads)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -237,6 +253,22 @@ def _write_rope(writer: Any, arch: str, config: Any, head_dim: int) -> dict[str,
         return {name: np.asarray(params[key], dtype=np.float32) for name, key in
                 (("rope_factors_long.weight", "long_factor"), ("rope_factors_short.weight", "short_factor"))}
     raise NotImplementedError(f"writing {rope_type!r} rotary scaling to a {arch} GGUF")
+
+
+def _write_experts_metadata(writer: Any, arch: str, config: Any) -> None:
+    """Experts in every layer, renormalised as llama.cpp does for ``arch`` (the file cannot
+    say otherwise)."""
+    from sonar_models.formats.gguf_metadata import MOE_NORM_TOPK
+
+    if list(getattr(config, "mlp_only_layers", None) or []) or int(getattr(config, "decoder_sparse_step", 1)) != 1:
+        raise NotImplementedError(f"llama.cpp runs experts in every layer of a {arch} GGUF; the config keeps dense layers")
+    if bool(config.norm_topk_prob) != MOE_NORM_TOPK[arch]:
+        raise NotImplementedError(f"llama.cpp {'renormalises' if MOE_NORM_TOPK[arch] else 'does not renormalise'} the chosen experts of a {arch} GGUF; the config says norm_topk_prob={config.norm_topk_prob}")
+    writer.add_expert_count(config.num_experts)
+    writer.add_expert_used_count(config.num_experts_per_tok)
+    writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
 
 
 def _write_gemma_attention(writer: Any, arch: str, config: Any, head_dim: int) -> None:
