@@ -139,6 +139,42 @@ def test_native_layers_stay_quantized_and_multiply_like_the_weights_in_the_file(
         assert error < RELATIVE_ERROR, (module.prefix, float(error))
 
 
+def test_experts_stay_quantized_on_the_cpu_and_dequantize_once_for_the_fused_kernel(checkpoint) -> None:
+    """Each expert keeps its blocks and multiplies like the file's weights; the path a GPU takes
+    (every expert dequantized into the fused kernel's stacked tensors) gives the same layer
+    output as the blocks."""
+    arch, _, path, dequantized = checkpoint
+    if not arch.endswith("_moe"):
+        pytest.skip("a dense architecture")
+    from safetensors.torch import load_file
+
+    from sonar_models.formats.gguf_quant import GGUFExpertsMethod, run_rows
+
+    stored = load_file(str(dequantized / "model.safetensors"))
+    model = load_sonar_model(path)
+    experts = model.model.layers[0].mlp.experts
+    assert isinstance(experts.method, GGUFExpertsMethod) and len(experts.gguf_experts) == experts.num_experts
+    x = torch.randn(5, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for e in (0, experts.num_experts - 1):
+        gate_up, down = experts.gguf_experts[e]
+        weight = torch.cat([stored[f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"] for p in ("gate", "up")])
+        for runs, w, inputs in ((gate_up, weight, x), (down, stored[f"model.layers.0.mlp.experts.{e}.down_proj.weight"], torch.randn(5, weight.shape[0] // 2))):
+            assert sum(run.nbytes for run in runs) < w.numel() * 4 / 2.5
+            expected = inputs @ w.T
+            assert (run_rows(runs, inputs) - expected).norm() / expected.norm() < RELATIVE_ERROR
+    topk_weights, topk_ids = model.model.layers[0].mlp.route(x)
+    native = experts(x, topk_weights, topk_ids)
+    from sonar_models.formats.gguf_file import expert_blocks
+    from sonar_models.formats.gguf_metadata import open_gguf
+
+    tensors = {t.name: t for t in open_gguf(path).tensors}
+    parts = [expert_blocks(tensors[f"blk.0.ffn_{p}_exps.weight"]) for p in ("gate", "up", "down")]
+    experts.gguf_experts = [tuple(kind[e] for kind in parts) for e in range(experts.num_experts)]
+    GGUFExpertsMethod()._dequantize(experts)
+    assert experts.gguf_experts is None and experts.w13.shape == (experts.num_experts, 2 * experts.intermediate_size, x.shape[1])
+    torch.testing.assert_close(experts(x, topk_weights, topk_ids), native, atol=0.02 * float(native.abs().max()), rtol=0)
+
+
 def test_native_greedy_tokens_and_logprobs_equal_transformers(checkpoint) -> None:
     arch, _, path, dequantized = checkpoint
     atol = LOGPROB_ATOL.get(arch, DEFAULT_LOGPROB_ATOL)

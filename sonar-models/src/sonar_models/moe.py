@@ -28,6 +28,7 @@ from torch import nn
 
 from sonar.distributed import current_group
 from sonar.moe import fused_moe
+from sonar.quantization import experts_method_for
 from sonar_models.expert_parallel import expert_placement, run_experts_across_ranks, token_slice
 from sonar_models.layers import Linear
 from sonar_models.llama import GatedMLP, LlamaForCausalLM
@@ -58,8 +59,9 @@ class StackedExperts(nn.Module):
     ``(e, "up")`` or ``(e, "down")`` of global expert ``e`` (see ``sonar_models.weight_loading``).
     """
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str = "") -> None:
         super().__init__()
+        self.method = experts_method_for(prefix)
         group = current_group()
         self.group = group
         self.num_experts = num_experts
@@ -69,9 +71,12 @@ class StackedExperts(nn.Module):
             intermediate_size = group.shard(intermediate_size, "the experts' intermediate size (moe_intermediate_size)")
         self.intermediate_size = intermediate_size  # this rank's
         num_local = self.placement.count
-        dtype = torch.get_default_dtype()
-        self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size, dtype=dtype))
-        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype))
+        if self.method is not None:
+            self.method.create_weights(self, num_local, hidden_size, intermediate_size)
+        else:
+            dtype = torch.get_default_dtype()
+            self.w13 = nn.Parameter(torch.empty(num_local, 2 * intermediate_size, hidden_size, dtype=dtype))
+            self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype))
         self.register_buffer("expert_map", self.placement.expert_map() if self.placement.is_partial else None, persistent=False)
 
     def checkpoint_parts(self, leaf: str) -> list[tuple[int, str]]:
@@ -104,11 +109,22 @@ class StackedExperts(nn.Module):
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This rank's share of the experts' weighted sum ``[T, H]``: every expert's slice of
         it (split intermediate), or its own experts' whole products (expert-parallel)."""
+        if self.method is not None:
+            return self.method.apply(self, x, topk_weights, topk_ids)
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_map)
+
+    def load_checkpoint_part(self, leaf: str, tensor: Any, part: tuple[int, str]) -> bool:
+        """Hand one expert projection to the experts method, where there is one (True: taken;
+        False: the loader copies it into ``w13`` / ``w2``)."""
+        if self.method is None:
+            return False
+        self.method.load_checkpoint_part(self, leaf, tensor, (self.part_rows(part)[0], part[1]))
+        return True
 
     def extra_repr(self) -> str:
         held = f", experts={self.placement.first}..{self.placement.first + self.placement.count - 1}" if self.placement.is_partial else ""
-        return f"num_experts={self.num_experts}{held}, w13={tuple(self.w13.shape)}, w2={tuple(self.w2.shape)}"
+        kept = f"method={type(self.method).__name__}" if self.method is not None else f"w13={tuple(self.w13.shape)}, w2={tuple(self.w2.shape)}"
+        return f"num_experts={self.num_experts}{held}, {kept}"
 
 
 class SparseMoeBlock(nn.Module):
@@ -144,7 +160,7 @@ class SparseMoeBlock(nn.Module):
         self.renormalize = renormalize
         self.round_weights = round_weights
         self.gate = Linear(config.hidden_size, num_experts, bias=False, prefix=f"{prefix}.gate")
-        self.experts = StackedExperts(num_experts, config.hidden_size, intermediate_size)
+        self.experts = StackedExperts(num_experts, config.hidden_size, intermediate_size, prefix=f"{prefix}.experts")
         if shared_intermediate_size:
             self.shared_expert = GatedMLP(config, False, f"{prefix}.shared_expert", shared_intermediate_size, reduce_output=False)
             self.shared_expert_gate = Linear(config.hidden_size, 1, bias=False, prefix=f"{prefix}.shared_expert_gate")

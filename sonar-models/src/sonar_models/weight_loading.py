@@ -37,7 +37,9 @@ def load_hf_weights(
     owner's ``part_rows(part)`` indexes, and such an owner lists the parts each parameter
     expects with ``checkpoint_parts(leaf)`` (stacked experts do). An owner with
     ``shard_checkpoint_tensor(leaf, tensor, part)`` (a layer sharded for tensor parallelism)
-    gets this rank's piece of each full checkpoint tensor. Raises ``ValueError`` on a
+    gets this rank's piece of each full checkpoint tensor; one with
+    ``load_checkpoint_part(leaf, tensor, part)`` that returns True keeps the part itself
+    (quantized experts). Raises ``ValueError`` on a
     name the model has no place for, a shape that does not fit, or parameters the checkpoint
     never filled.
     """
@@ -61,6 +63,10 @@ def load_hf_weights(
         shard = getattr(owner, "shard_checkpoint_tensor", None)
         if shard is not None:  # tensor parallelism: this rank's piece of the full tensor
             tensor = shard(leaf, tensor, part)
+        taker = getattr(owner, "load_checkpoint_part", None) if part is not None else None
+        if taker is not None and taker(leaf, tensor, part):  # quantized experts: their method keeps the tensor
+            loaded.add((target, part))
+            continue
         if isinstance(owner, Linear):
             try:
                 owner.linear_method.load_checkpoint_tensor(owner, leaf, tensor, rows)

@@ -8,7 +8,9 @@ registers a ``QuantizationMethod`` through ``sonar_register_quantization_methods
 A model learns its method from the context it is built in (``building_with``): the model
 runner builds every model inside ``building_with(method)``, and a layer asks
 ``linear_method_for(prefix)`` when it is constructed. Outside that context (a model built by
-hand, in a test) every layer is unquantized.
+hand, in a test) every layer is unquantized. The experts of a mixture-of-experts layer are not
+linear layers: a format that keeps them quantized gives them an ``ExpertsMethod``
+(``experts_method_for``).
 """
 
 from __future__ import annotations
@@ -99,6 +101,33 @@ class UnquantizedLinearMethod(LinearMethod):
         return ops.linear(x, layer.weight, layer.bias)
 
 
+class ExpertsMethod:
+    """How the experts of one mixture-of-experts layer hold and run their weights, where a
+    format keeps them quantized (``QuantizationMethod.experts_method``).
+
+    The layer holds ``E`` SiLU-gated MLPs (``sonar.moe``); a checkpoint fills them one expert
+    projection at a time. Without an experts method they are two stacked floating parameters,
+    ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``, run by ``sonar.moe.fused_moe``; a method registers
+    parameters under those two names too (so the loader finds them), holding whatever it keeps.
+    """
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        """Register ``layer.w13`` and ``layer.w2`` for ``num_experts`` experts of
+        ``intermediate_size`` (this rank's) over ``hidden_size`` inputs."""
+        raise NotImplementedError
+
+    def load_checkpoint_part(self, layer: nn.Module, leaf: str, tensor: Any, part: tuple[int, str]) -> None:
+        """Take one expert's projection: ``part`` is ``(local expert index, "gate" | "up" |
+        "down")``, ``tensor`` the checkpoint's ``[rows, cols]`` (this rank's piece of it) in
+        whatever form the format's reader gives, filling parameter ``leaf`` (``"w13"`` / ``"w2"``)."""
+        raise NotImplementedError
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """``sonar.moe.fused_moe``'s result for ``layer``'s experts: ``[T, H]`` in ``x``'s dtype
+        (``layer.expert_map`` maps global expert ids to local ones where the layer holds some)."""
+        raise NotImplementedError
+
+
 class QuantizationMethod:
     """A quantization format: which platforms run it and which ``LinearMethod`` each layer gets.
 
@@ -135,6 +164,12 @@ class QuantizationMethod:
         where the model did not name it."""
         raise NotImplementedError
 
+    def experts_method(self, layer_prefix: str) -> ExpertsMethod | None:
+        """The ``ExpertsMethod`` of the mixture-of-experts layer at ``layer_prefix``
+        (``model.layers.0.mlp.experts``); None (the default): the experts are floating-point
+        stacked tensors, and a checkpoint's must come floating."""
+        return None
+
 
 class UnquantizedMethod(QuantizationMethod):
     """Every linear layer in floating point (registered as ``"unquantized"``)."""
@@ -166,6 +201,13 @@ def linear_method_for(layer_prefix: str) -> LinearMethod:
     outside ``building_with``)."""
     method = _building_with.get()
     return UnquantizedLinearMethod() if method is None else method.linear_method(layer_prefix)
+
+
+def experts_method_for(layer_prefix: str) -> ExpertsMethod | None:
+    """The ``ExpertsMethod`` a mixture-of-experts layer at ``layer_prefix`` built now holds
+    (None: stacked floating tensors; always outside ``building_with``)."""
+    method = _building_with.get()
+    return None if method is None else method.experts_method(layer_prefix)
 
 
 def quant_config_of(hf_config: Any) -> dict[str, Any] | None:

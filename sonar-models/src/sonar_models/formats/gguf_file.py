@@ -83,7 +83,7 @@ class GGUFFormat:
             if native and name == EMBEDDING and hf_config.tie_word_embeddings:
                 yield f"lm_head.{TIED_HEAD_PARAM}", raw_blocks(tensor) if quantized else dequantize(tensor)
             if EXPERTS.fullmatch(name):
-                yield from split_experts(name, dequantize(tensor))
+                yield from split_experts(name, expert_blocks(tensor) if native and quantized else dequantize(tensor))
                 continue
             is_linear = name.rpartition(".")[0].rpartition(".")[2] in LINEAR_MODULES
             weight = raw_blocks(tensor) if native and quantized and is_linear and name.endswith(".weight") else dequantize(tensor)
@@ -99,12 +99,19 @@ class GGUFFormat:
                 yield part_name, part
 
 
-def split_experts(name: str, weight: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
-    """A projection of every expert ``[E, rows, cols]`` as one tensor per expert, under the
-    per-expert names the mixture-of-experts models read."""
+def split_experts(name: str, weight: torch.Tensor | list[GGUFBlocks]) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:
+    """A projection of every expert (``[E, rows, cols]``, or each expert's blocks) as one
+    tensor per expert, under the per-expert names the mixture-of-experts models read."""
     experts, _, rest = name.partition(".experts.")
-    for expert in range(weight.shape[0]):
+    for expert in range(len(weight)):
         yield f"{experts}.experts.{expert}.{rest}", weight[expert]
+
+
+def expert_blocks(tensor: Any) -> list[GGUFBlocks]:
+    """A quantized ``[E, rows, cols]`` GGUF tensor as each expert's blocks."""
+    cols, rows, num_experts = (int(dim) for dim in tensor.shape.tolist())
+    data = torch.from_numpy(np.array(tensor.data, dtype=np.uint8).reshape(num_experts, rows, -1))
+    return [GGUFBlocks(int(tensor.tensor_type), rows, cols, data[expert]) for expert in range(num_experts)]
 
 
 def split_fused(name: str, weight: torch.Tensor | GGUFBlocks, hf_config: Any) -> Iterator[tuple[str, torch.Tensor | GGUFBlocks]]:

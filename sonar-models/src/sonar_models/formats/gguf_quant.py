@@ -34,7 +34,8 @@ import torch
 from torch import nn
 
 from sonar import ops
-from sonar.quantization import LinearMethod, QuantizationMethod
+from sonar.moe import fused_moe, local_expert_ids
+from sonar.quantization import ExpertsMethod, LinearMethod, QuantizationMethod
 from sonar.quantization.sharding import dense_shard, split_error
 from sonar_models.formats.gguf_blocks import (
     BLOCK_SIZES, INT4_GROUP_TYPES, SPLIT_TYPES, GGUFBlocks, dequantize_blocks, int4_groups, stack_rows,
@@ -213,43 +214,131 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_pending = _PendingParts()
 
     def _prepare(self, run: list[GGUFBlocks | torch.Tensor], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
-        if not isinstance(run[0], GGUFBlocks):
-            return _Dense(torch.cat(run).to(device))
-        blocks = stack_rows(run)
-        probe = torch.empty(0, device=device)
-        pack, linear = ops.platform_op(probe, INT4_GROUP_PACK), ops.platform_op(probe, INT4_GROUP_LINEAR)
-        block_kernel = ops.platform_op(probe, GGUF_BLOCK_KERNEL)
-        kernel = block_kernel(blocks.ggml_type) if block_kernel is not None else None
-        if kernel is not None:  # the platform runs these blocks as they are, from where it placed them
-            return _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, kernel.prepare(blocks.data.to(device))), kernel)
-        kept = _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)))
-        if blocks.ggml_type in INT4_GROUP_TYPES and pack is not None and linear is not None:
-            codes, scales, zeros = int4_groups(blocks)
-            packed, scales_and_zeros = pack(codes.to(device), scales.to(device), zeros.to(device))
-            # the blocks stay too, for the exact products (prefills, steps that carry prompt tokens);
-            # a Q8_0 table packed as two nibbles so costs about twice its size
-            return _Packed(linear, packed, scales_and_zeros, 2 if blocks.ggml_type in SPLIT_TYPES else 1, kept)
-        return kept
+        return prepare_run(run, device)
 
     def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        runs = layer.gguf_runs
-        out = runs[0](x) if len(runs) == 1 else torch.cat([run(x) for run in runs], dim=-1)
+        out = run_rows(layer.gguf_runs, x)
         return out if layer.bias is None else out + layer.bias
+
+
+def run_rows(runs: list[Callable[[torch.Tensor], torch.Tensor]], x: torch.Tensor) -> torch.Tensor:
+    """The product of rows kept as runs of one format each, their outputs side by side."""
+    return runs[0](x) if len(runs) == 1 else torch.cat([run(x) for run in runs], dim=-1)
+
+
+def prepare_run(run: list[GGUFBlocks | torch.Tensor], device: torch.device) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Rows of one format placed on ``device`` and given the fastest path the platform has
+    for them (see the module's docstring)."""
+    if not isinstance(run[0], GGUFBlocks):
+        return _Dense(torch.cat(run).to(device))
+    blocks = stack_rows(run)
+    probe = torch.empty(0, device=device)
+    pack, linear = ops.platform_op(probe, INT4_GROUP_PACK), ops.platform_op(probe, INT4_GROUP_LINEAR)
+    block_kernel = ops.platform_op(probe, GGUF_BLOCK_KERNEL)
+    kernel = block_kernel(blocks.ggml_type) if block_kernel is not None else None
+    if kernel is not None:  # the platform runs these blocks as they are, from where it placed them
+        return _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, kernel.prepare(blocks.data.to(device))), kernel)
+    kept = _Blocks(GGUFBlocks(blocks.ggml_type, blocks.rows, blocks.cols, blocks.data.to(device)))
+    if blocks.ggml_type in INT4_GROUP_TYPES and pack is not None and linear is not None:
+        codes, scales, zeros = int4_groups(blocks)
+        packed, scales_and_zeros = pack(codes.to(device), scales.to(device), zeros.to(device))
+        # the blocks stay too, for the exact products (prefills, steps that carry prompt tokens);
+        # a Q8_0 table packed as two nibbles so costs about twice its size
+        return _Packed(linear, packed, scales_and_zeros, 2 if blocks.ggml_type in SPLIT_TYPES else 1, kept)
+    return kept
+
+
+class GGUFExpertsMethod(ExpertsMethod):
+    """The routed experts of a mixture-of-experts layer from a GGUF file.
+
+    On the CPU each expert keeps its blocks and runs them as a GGUF linear layer would (its
+    gate and up rows as one product, then down) over the tokens routed to it, so a model's
+    experts take their size in the file. Elsewhere (a GPU, whose decode graphs cannot read the
+    routing on the host) they are dequantized once, when the last part arrives, into the stacked
+    floating tensors ``sonar.moe.fused_moe`` runs."""
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        if layer.split_intermediate:
+            raise NotImplementedError("a GGUF model's experts do not split their intermediate size over tensor-parallel ranks; "
+                                      "add enable_expert_parallel to place whole experts on each rank")
+        layer.w13 = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)  # placeholders the loader finds
+        layer.w2 = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        layer.gguf_dtype = torch.get_default_dtype()
+        layer.gguf_sizes = (num_experts, hidden_size, intermediate_size)
+        layer.gguf_parts = {}
+        layer.gguf_experts = [None] * num_experts
+
+    def load_checkpoint_part(self, layer: nn.Module, leaf: str, tensor: Any, part: tuple[int, str]) -> None:
+        num_experts, hidden, intermediate = layer.gguf_sizes
+        expert, name = part
+        expected = (hidden, intermediate) if name == "down" else (intermediate, hidden)
+        if tuple(tensor.shape) != expected:
+            raise ValueError(f"expert {expert}'s {name} projection has shape {tuple(tensor.shape)}; the model expects {expected}")
+        layer.gguf_parts[part] = tensor
+        if not all((expert, n) in layer.gguf_parts for n in ("gate", "up", "down")):
+            return
+        gate, up, down = (layer.gguf_parts.pop((expert, n)) for n in ("gate", "up", "down"))
+        device = layer.w13.device
+        if device.type == "cpu":
+            layer.gguf_experts[expert] = (
+                [prepare_run(run, device) for run in _runs_of_one_format([gate, up])],
+                [prepare_run(run, device) for run in _runs_of_one_format([down])],
+            )
+            return
+        layer.gguf_experts[expert] = (gate, up, down)
+        if all(e is not None for e in layer.gguf_experts):
+            self._dequantize(layer)
+
+    def _dequantize(self, layer: nn.Module) -> None:
+        """Every expert as the stacked floating tensors of ``fused_moe`` (the blocks are dropped)."""
+        def floating(part: GGUFBlocks | torch.Tensor) -> torch.Tensor:
+            return dequantize_blocks(part, layer.gguf_dtype) if isinstance(part, GGUFBlocks) else part.to(layer.gguf_dtype)
+
+        device = layer.w13.device
+        w13 = torch.stack([torch.cat([floating(gate), floating(up)]) for gate, up, _ in layer.gguf_experts])
+        w2 = torch.stack([floating(down) for _, _, down in layer.gguf_experts])
+        layer.w13 = nn.Parameter(w13.to(device), requires_grad=False)
+        layer.w2 = nn.Parameter(w2.to(device), requires_grad=False)
+        layer.gguf_experts = None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if layer.gguf_experts is None:
+            return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.expert_map)
+        num_tokens, top_k = topk_ids.shape
+        num_experts = len(layer.gguf_experts)
+        flat_ids = local_expert_ids(topk_ids, layer.expert_map, num_experts).reshape(-1).long()
+        order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert; those held elsewhere last
+        counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
+        order = order[: sum(counts)]
+        tokens = order // top_k
+        grouped_x = x[tokens]
+        grouped_out = torch.empty_like(grouped_x)
+        start = 0
+        for (gate_up, down), count in zip(layer.gguf_experts, counts):
+            if count:
+                rows = slice(start, start + count)
+                gate, up = run_rows(gate_up, grouped_x[rows]).chunk(2, dim=-1)
+                grouped_out[rows] = run_rows(down, torch.nn.functional.silu(gate) * up)
+                start += count
+        out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
+        out.index_add_(0, tokens, grouped_out.float() * topk_weights.reshape(-1)[order].float()[:, None])
+        return out.to(x.dtype)
 
 
 class GGUFMethod(QuantizationMethod):
     """llama.cpp's block formats run natively (registered as ``"gguf"``; every platform)."""
 
     name = "gguf"
-    reads = ("a .gguf file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K blocks (F32/F16/BF16 tensors stay floating); other types, "
-             "and the routed experts of mixture-of-experts files, are dequantized at load")
+    reads = ("a .gguf file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K blocks (F32/F16/BF16 tensors stay floating); other types "
+             "are dequantized at load")
     execution = {
         "cpu": "Q4_0/Q4_1/Q8_0: Sonar's C kernel on the blocks (in huge pages, eight rows to a vector): decode "
         "batches under 48 rows with the activations rounded to int8 blocks (integer dot products, as llama.cpp), steps "
         "with prompt tokens under 48 rows exact in float32, larger ones dequantized per tile into a float32 GEMM; Q4_K/Q5_K: torch's int4 weight-packed matmul (bf16) for decode steps under 16 rows, the float32 product "
         "otherwise (also Q4_0/Q4_1/Q8_0 where the C kernel cannot be built, or with SONAR_CPU_GGUF_KERNEL=0); Q6_K: "
-        "dequantized per tile",
-        "cuda": "dequantized per tile of 4,096 rows, library GEMM",
+        "dequantized per tile; a mixture-of-experts layer's experts: each expert's blocks as above, over the tokens routed to it",
+        "cuda": "dequantized per tile of 4,096 rows, library GEMM; a mixture-of-experts layer's experts dequantized at load "
+        "into the fused kernel's stacked weights",
     }
     tested_by = {"cpu": "sonar-models/tests/test_gguf_native.py"}
 
@@ -263,3 +352,6 @@ class GGUFMethod(QuantizationMethod):
 
     def linear_method(self, layer_prefix: str) -> LinearMethod:
         return GGUFLinearMethod(tied_head=self.tied_lm_head and layer_prefix == "lm_head")
+
+    def experts_method(self, layer_prefix: str) -> ExpertsMethod:
+        return GGUFExpertsMethod()
