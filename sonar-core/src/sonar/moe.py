@@ -20,6 +20,8 @@ elsewhere contribute nothing to this rank's output.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from sonar import ops
@@ -83,24 +85,34 @@ def torch_fused_moe(
     """:func:`fused_moe` in torch: pairs grouped by expert, two products per active expert
     (pairs of experts held elsewhere sort last and are left out)."""
     check_moe_shapes(x, w13, w2, topk_weights, topk_ids, expert_map)
+
+    def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.nn.functional.linear(rows, w13[expert]).chunk(2, dim=-1)
+        return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
+
+    return experts_by_group(x, topk_weights, topk_ids, expert_map, w13.shape[0], expert_mlp)
+
+
+def experts_by_group(
+    x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
+    num_local_experts: int, expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
+    """:func:`fused_moe`'s weighted sum with each local expert's MLP given as
+    ``expert_mlp(local expert, its rows of x) -> [rows, H]``, called once per expert that has
+    tokens (the routing is read on the host: not for CUDA graphs)."""
     num_tokens, top_k = topk_ids.shape
-    num_experts = w13.shape[0]
-    flat_ids = local_expert_ids(topk_ids, expert_map, num_experts).reshape(-1).long()  # [T * k], pair p = (token p // k, slot p % k)
+    flat_ids = local_expert_ids(topk_ids, expert_map, num_local_experts).reshape(-1).long()  # [T * k], pair p = (token p // k, slot p % k)
     order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, those held elsewhere last
-    counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
-    num_local_pairs = sum(counts)
-    order = order[:num_local_pairs]
+    counts = torch.bincount(flat_ids, minlength=num_local_experts + 1).tolist()[:num_local_experts]
+    order = order[: sum(counts)]
     tokens = order // top_k
-    grouped_x = x[tokens]  # [T * k, H]
+    grouped_x = x[tokens]  # [pairs, H]
     grouped_out = torch.empty_like(grouped_x)
     start = 0
     for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = slice(start, start + count)
-        gate, up = torch.nn.functional.linear(grouped_x[rows], w13[expert]).chunk(2, dim=-1)
-        grouped_out[rows] = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[expert])
-        start += count
+        if count:
+            grouped_out[start : start + count] = expert_mlp(expert, grouped_x[start : start + count])
+            start += count
     weights = topk_weights.reshape(-1)[order].float()[:, None]
     out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
     out.index_add_(0, tokens, grouped_out.float() * weights)

@@ -34,7 +34,7 @@ from sonar_models.layers import Linear
 from sonar_models.llama import GatedMLP, LlamaForCausalLM
 
 # "model.layers.0.mlp.experts.3.gate_proj.weight" -> ("model.layers.0.mlp.experts", "3", "gate_proj")
-_EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(\w+)$")
 # transformers' stacked layout: "model.layers.0.mlp.experts.gate_up_proj" [E, 2I, H], ".down_proj" [E, H, I]
 _STACKED_TENSOR = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(\.weight)?$")
 _MIXTRAL_PROJECTIONS = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -79,16 +79,20 @@ class StackedExperts(nn.Module):
             self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, intermediate_size, dtype=dtype))
         self.register_buffer("expert_map", self.placement.expert_map() if self.placement.is_partial else None, persistent=False)
 
-    def checkpoint_parts(self, leaf: str) -> list[tuple[int, str]]:
+    def checkpoint_parts(self, leaf: str) -> list[tuple[int, str] | tuple[int, str, str]]:
         """The parts the checkpoint fills of parameter ``leaf`` (``"w13"`` or ``"w2"``): those
-        of the experts this rank holds."""
+        of the experts this rank holds, ``(expert, projection)`` for each projection's weight
+        and, where the experts method reads more tensors of a projection (scales),
+        ``(expert, projection, tensor)`` for each of those."""
         names = ("gate", "up") if leaf == "w13" else ("down",)
+        extra = [t for t in (self.method.checkpoint_tensors if self.method is not None else ()) if t != "weight"]
         first = self.placement.first
-        return [(expert, name) for expert in range(first, first + self.placement.count) for name in names]
+        experts = range(first, first + self.placement.count)
+        return [(e, name) for e in experts for name in names] + [(e, name, t) for e in experts for name in names for t in extra]
 
-    def part_rows(self, part: tuple[int, str]) -> tuple[int, slice]:
+    def part_rows(self, part: tuple[int, str] | tuple[int, str, str]) -> tuple[int, slice]:
         """The index into ``w13`` or ``w2`` that holds ``part``."""
-        expert, name = part
+        expert, name = part[:2]
         if not 0 <= expert < self.num_experts:
             raise ValueError(f"expert {expert} is out of range: the config has {self.num_experts} experts per layer")
         if not self.placement.holds(expert):
@@ -113,12 +117,12 @@ class StackedExperts(nn.Module):
             return self.method.apply(self, x, topk_weights, topk_ids)
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_map)
 
-    def load_checkpoint_part(self, leaf: str, tensor: Any, part: tuple[int, str]) -> bool:
-        """Hand one expert projection to the experts method, where there is one (True: taken;
-        False: the loader copies it into ``w13`` / ``w2``)."""
+    def load_checkpoint_part(self, leaf: str, tensor: Any, part: tuple[int, str] | tuple[int, str, str]) -> bool:
+        """Hand one tensor of an expert's projection to the experts method, where there is one
+        (True: taken; False: the loader copies it into ``w13`` / ``w2``)."""
         if self.method is None:
             return False
-        self.method.load_checkpoint_part(self, leaf, tensor, (self.part_rows(part)[0], part[1]))
+        self.method.load_checkpoint_part(self, leaf, tensor, (self.part_rows(part)[0], part[1], part[2] if len(part) > 2 else "weight"))
         return True
 
     def extra_repr(self) -> str:
@@ -205,6 +209,7 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     renormalize: bool | None = None  # None: follow config.norm_topk_prob
     round_weights: bool = True
+    _expert_modules: set[str] | None = None  # the names of the StackedExperts modules, found once
 
     def is_sparse_layer(self, config: Any, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` routes to experts (Qwen's rule: not in
@@ -256,12 +261,25 @@ class MoeForCausalLM(LlamaForCausalLM):
                     yield f"{experts}.{expert}.up_proj.weight", up
 
     def resolve_checkpoint_name(self, name: str) -> tuple[str, Any] | None:
-        """``mlp.experts.{e}.{gate,up,down}_proj.weight`` -> part ``(e, ...)`` of ``w13`` / ``w2``."""
+        """``mlp.experts.{e}.{gate,up,down}_proj.weight`` -> part ``(e, ...)`` of ``w13`` / ``w2``;
+        another tensor of the projection (``weight_scale``) -> ``(e, ..., tensor)`` where the
+        layer's experts method reads it."""
         match = _EXPERT_TENSOR.match(name)
         if match is None:
             return None
         param, part = _PARTS[match.group(3)]
-        return f"{match.group(1)}.{param}", (int(match.group(2)), part)
+        target, tensor = f"{match.group(1)}.{param}", match.group(4)
+        if tensor == "weight":
+            return target, (int(match.group(2)), part)
+        method = self.get_submodule(match.group(1)).method if match.group(1) in self._sparse_experts() else None
+        if method is None or tensor not in method.checkpoint_tensors:
+            return None  # the loader reports it as a tensor the model has no place for
+        return target, (int(match.group(2)), part, tensor)
+
+    def _sparse_experts(self) -> set[str]:
+        if self._expert_modules is None:
+            self._expert_modules = {name for name, module in self.named_modules() if isinstance(module, StackedExperts)}
+        return self._expert_modules
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):

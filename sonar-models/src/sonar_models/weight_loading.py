@@ -64,7 +64,11 @@ def load_hf_weights(
         if shard is not None:  # tensor parallelism: this rank's piece of the full tensor
             tensor = shard(leaf, tensor, part)
         taker = getattr(owner, "load_checkpoint_part", None) if part is not None else None
-        if taker is not None and taker(leaf, tensor, part):  # quantized experts: their method keeps the tensor
+        try:
+            taken = taker is not None and taker(leaf, tensor, part)  # quantized experts: their method keeps the tensor
+        except ValueError as error:
+            raise ValueError(f"checkpoint tensor {name!r} {error} (does config.json match the weights?)") from None
+        if taken:
             loaded.add((target, part))
             continue
         if isinstance(owner, Linear):

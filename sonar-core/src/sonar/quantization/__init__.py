@@ -109,17 +109,22 @@ class ExpertsMethod:
     projection at a time. Without an experts method they are two stacked floating parameters,
     ``w13 [E, 2I, H]`` and ``w2 [E, H, I]``, run by ``sonar.moe.fused_moe``; a method registers
     parameters under those two names too (so the loader finds them), holding whatever it keeps.
+    ``checkpoint_tensors`` names the tensors of each projection the checkpoint holds
+    (``weight``, and a format's scales: ``weight_scale``).
     """
+
+    checkpoint_tensors: tuple[str, ...] = ("weight",)
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         """Register ``layer.w13`` and ``layer.w2`` for ``num_experts`` experts of
         ``intermediate_size`` (this rank's) over ``hidden_size`` inputs."""
         raise NotImplementedError
 
-    def load_checkpoint_part(self, layer: nn.Module, leaf: str, tensor: Any, part: tuple[int, str]) -> None:
-        """Take one expert's projection: ``part`` is ``(local expert index, "gate" | "up" |
-        "down")``, ``tensor`` the checkpoint's ``[rows, cols]`` (this rank's piece of it) in
-        whatever form the format's reader gives, filling parameter ``leaf`` (``"w13"`` / ``"w2"``)."""
+    def load_checkpoint_part(self, layer: nn.Module, leaf: str, tensor: Any, part: tuple[int, str, str]) -> None:
+        """Take one tensor of an expert's projection: ``part`` is ``(local expert index, "gate"
+        | "up" | "down", tensor name)`` (one of ``checkpoint_tensors``), ``tensor`` the
+        checkpoint's (the weight ``[rows, cols]``) in whatever form the format's reader gives,
+        filling parameter ``leaf`` (``"w13"`` / ``"w2"``)."""
         raise NotImplementedError
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sonar.quantization import LinearMethod, QuantizationMethod, UnquantizedLinearMethod
-from sonar.quantization.fp8 import Fp8LinearMethod, is_ignored
+from sonar.quantization import ExpertsMethod, LinearMethod, QuantizationMethod, UnquantizedLinearMethod
+from sonar.quantization.fp8 import Fp8ExpertsMethod, Fp8LinearMethod, is_ignored
 
 SUPPORTED = (
     "FP8 W8A8: formats float-quantized/naive-quantized, weights {num_bits 8, type float, strategy tensor|channel, "
@@ -67,8 +67,10 @@ class CompressedTensorsMethod(QuantizationMethod):
     platforms = ("cpu", "cuda")
     reads = "FP8 W8A8: float8_e4m3fn weight, per-tensor or per-channel weight_scale, static input_scale or dynamic per-token"
     execution = {
-        "cpu": "FP8 in memory, dequantized per call; activations quantized as on the GPU",
-        "cuda": "fused Triton GEMV for one row, torch._scaled_mm row-wise otherwise",
+        "cpu": "FP8 in memory, dequantized per call; activations quantized as on the GPU; a mixture-of-experts layer's "
+        "experts FP8 in memory, each dequantized per call over its tokens (activations unquantized)",
+        "cuda": "fused Triton GEMV for one row, torch._scaled_mm row-wise otherwise; a mixture-of-experts layer's experts "
+        "dequantized at load into the fused kernel's stacked weights",
     }
     tested_by = {"cpu": "tests/test_quant_fp8.py"}  # cuda: kernels by sonar-cuda/tests/test_cuda_fp8.py; end to end not yet
 
@@ -93,3 +95,10 @@ class CompressedTensorsMethod(QuantizationMethod):
         if is_ignored(layer_prefix, self.ignore):
             return UnquantizedLinearMethod()
         return Fp8LinearMethod(static_activations=self.scheme.static_activations)
+
+    def experts_method(self, layer_prefix: str) -> ExpertsMethod | None:
+        """The experts in FP8 (``sonar.quantization.fp8.Fp8ExpertsMethod``) unless the ignore list
+        names them."""
+        if is_ignored(f"{layer_prefix}.0.gate_proj", self.ignore):
+            return None
+        return Fp8ExpertsMethod(static_activations=self.scheme.static_activations)

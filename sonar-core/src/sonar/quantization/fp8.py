@@ -30,7 +30,8 @@ import torch
 from torch import nn
 
 from sonar import ops
-from sonar.quantization import LinearMethod, QuantizationMethod, UnquantizedLinearMethod
+from sonar.moe import experts_by_group, fused_moe
+from sonar.quantization import ExpertsMethod, LinearMethod, QuantizationMethod, UnquantizedLinearMethod
 from sonar.quantization.sharding import dense_shard, input_shard, output_shard
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -289,6 +290,98 @@ class Fp8BlockLinearMethod(LinearMethod):
         return fp8_block_linear(x, layer.weight, layer.weight_scale_inv, self.block, layer.bias)
 
 
+# -- experts ------------------------------------------------------------------------------
+
+
+def dequantize_fp8_weight(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None, dtype: torch.dtype) -> torch.Tensor:
+    """An FP8 ``weight [out, in]`` times its scale (per tensor ``[1]``, per output channel
+    ``[out]`` / ``[out, 1]``, or ``block`` scales), in ``dtype``."""
+    if block is not None:
+        return dequantize_blocks(weight, scale, block).to(dtype)
+    scale = scale.float()
+    return (weight.float() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()))).to(dtype)
+
+
+class Fp8ExpertsMethod(ExpertsMethod):
+    """A mixture-of-experts layer's experts from an FP8 checkpoint: each projection's
+    float8_e4m3fn ``weight`` with its ``weight_scale`` (per tensor or per output channel) or
+    ``weight_scale_inv`` (``block`` scales). A static ``input_scale`` is read and not used: the
+    experts run with unquantized activations (W8A16).
+
+    On the CPU the weights stay FP8 in memory and each expert's are dequantized per call, over
+    the tokens routed to it; on a GPU they are dequantized once, when the last expert arrives,
+    into the stacked floating weights of the fused kernel (which has no FP8 path yet)."""
+
+    def __init__(self, block: tuple[int, int] | None = None, static_activations: bool = False) -> None:
+        self.block = block
+        scale = "weight_scale_inv" if block is not None else "weight_scale"
+        self.checkpoint_tensors = ("weight", scale, *(("input_scale",) if static_activations else ()))
+        self._scale = scale
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        if layer.split_intermediate:
+            raise NotImplementedError("an FP8 checkpoint's experts do not split their intermediate size over tensor-parallel ranks; "
+                                      "add enable_expert_parallel to place whole experts on each rank")
+        layer.w13 = _frozen(torch.empty(0, dtype=FP8_DTYPE))  # placeholders the loader finds
+        layer.w2 = _frozen(torch.empty(0, dtype=FP8_DTYPE))
+        layer.fp8_dtype = torch.get_default_dtype()
+        layer.fp8_sizes = (hidden_size, intermediate_size)
+        layer.fp8_parts = {}
+        layer.fp8_experts = [None] * num_experts
+
+    def load_checkpoint_part(self, layer: nn.Module, leaf: str, tensor: Any, part: tuple[int, str, str]) -> None:
+        expert, name, kind = part
+        if kind == "input_scale":
+            return
+        hidden, intermediate = layer.fp8_sizes
+        rows, cols = (hidden, intermediate) if name == "down" else (intermediate, hidden)
+        if kind == "weight":
+            _check_fp8(tensor)
+            if tuple(tensor.shape) != (rows, cols):
+                raise ValueError(f"has shape {tuple(tensor.shape)}, but expert {expert}'s {name} projection is {(rows, cols)}")
+        elif self.block is not None:
+            expected = (-(-rows // self.block[0]), -(-cols // self.block[1]))
+            if tuple(tensor.shape) != expected:
+                raise ValueError(f"has shape {tuple(tensor.shape)}, but {self.block} blocks of a {(rows, cols)} weight need {expected}")
+        elif tensor.numel() != 1 and tuple(tensor.shape) not in ((rows,), (rows, 1)):
+            raise ValueError(f"has shape {tuple(tensor.shape)}, but a per-tensor [1] or per-channel [{rows}, 1] scale fits")
+        layer.fp8_parts[(expert, name, kind)] = tensor
+        keys = [(expert, n, k) for n in ("gate", "up", "down") for k in ("weight", self._scale)]
+        if not all(key in layer.fp8_parts for key in keys):
+            return
+        weights = [(layer.fp8_parts.pop((expert, n, "weight")), layer.fp8_parts.pop((expert, n, self._scale))) for n in ("gate", "up", "down")]
+        device = layer.w13.device
+        layer.fp8_experts[expert] = [(w.to(device), s.to(device)) for w, s in weights]
+        if device.type != "cpu" and all(e is not None for e in layer.fp8_experts):
+            self._dequantize(layer)
+
+    def _floating(self, layer: nn.Module, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return dequantize_fp8_weight(weight, scale, self.block, layer.fp8_dtype)
+
+    def _dequantize(self, layer: nn.Module) -> None:
+        """Every expert as the stacked floating tensors of ``fused_moe`` (the FP8 ones dropped)."""
+        w13 = torch.stack([torch.cat([self._floating(layer, *gate), self._floating(layer, *up)]) for gate, up, _ in layer.fp8_experts])
+        w2 = torch.stack([self._floating(layer, *down) for _, _, down in layer.fp8_experts])
+        layer.w13, layer.w2 = _frozen(w13), _frozen(w2)
+        layer.fp8_experts = None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if layer.fp8_experts is None:
+            return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.expert_map)
+
+        def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate, up, down = (self._floating(layer, w, s).to(rows.dtype) for w, s in layer.fp8_experts[expert])
+            h = torch.nn.functional.silu(torch.nn.functional.linear(rows, gate)) * torch.nn.functional.linear(rows, up)
+            return torch.nn.functional.linear(h, down)
+
+        return experts_by_group(x, topk_weights, topk_ids, layer.expert_map, len(layer.fp8_experts), expert_mlp)
+
+
+#: a mixture-of-experts router (and Qwen2-MoE's shared-expert gate) stays floating in every
+#: published FP8 checkpoint, listed in its ignore list or not
+ROUTERS = re.compile(r".*\.mlp\.(gate|shared_expert_gate)$")
+
+
 # -- which layers stay in floating point -----------------------------------------------
 
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -308,12 +401,12 @@ def _matches(name: str, pattern: str) -> bool:
 
 
 def is_ignored(layer_prefix: str, ignore: list[str]) -> bool:
-    """Whether the checkpoint left the layer at ``layer_prefix`` unquantized (``lm_head``
-    always is): ``ignore`` holds module names, dotted suffixes of them, or ``re:`` patterns.
+    """Whether the checkpoint left the layer at ``layer_prefix`` unquantized (``lm_head`` and
+    mixture-of-experts routers always are): ``ignore`` holds module names, dotted suffixes of them, or ``re:`` patterns.
 
     :raises ValueError: some parts of a fused layer are ignored and others not.
     """
-    if layer_prefix in ("", "lm_head"):
+    if layer_prefix in ("", "lm_head") or ROUTERS.fullmatch(layer_prefix):
         return True
     names = _checkpoint_names(layer_prefix)
     ignored = [any(_matches(name, pattern) for pattern in ignore) for name in names]
@@ -332,8 +425,10 @@ class Fp8Method(QuantizationMethod):
     platforms = ("cpu", "cuda")
     reads = "HF fp8: float8_e4m3fn weight + weight_scale_inv 128x128 blocks (or per-tensor weight_scale); bf16/fp16 checkpoints quantized at load (per channel)"
     execution = {
-        "cpu": "FP8 in memory, dequantized per call; activations quantized as on the GPU",
-        "cuda": "per channel: fused Triton GEMV for one row, torch._scaled_mm row-wise otherwise; blocks: dequantized per call",
+        "cpu": "FP8 in memory, dequantized per call; activations quantized as on the GPU; a mixture-of-experts layer's "
+        "experts FP8 in memory, each dequantized per call over its tokens (activations unquantized)",
+        "cuda": "per channel: fused Triton GEMV for one row, torch._scaled_mm row-wise otherwise; blocks: dequantized per call; "
+        "a mixture-of-experts layer's experts dequantized at load into the fused kernel's stacked weights",
     }
     tested_by = {"cpu": "tests/test_quant_fp8.py"}  # cuda: kernels by sonar-cuda/tests/test_cuda_fp8.py; end to end not yet
 
@@ -353,6 +448,13 @@ class Fp8Method(QuantizationMethod):
         if block is not None and (len(block) != 2 or scheme != "dynamic"):
             raise ValueError(f"fp8 weight_block_size {block} with activation_scheme {scheme!r} is not supported; supported: [bn, bk] with 'dynamic'")
         return cls(serialized, tuple(block) if block else None, serialized and scheme == "static", list(quant_config.get("modules_to_not_convert") or []))
+
+    def experts_method(self, layer_prefix: str) -> ExpertsMethod | None:
+        """FP8 experts where the checkpoint stores them so (a bf16 checkpoint quantized at load
+        keeps its experts floating)."""
+        if not self.serialized or any(_matches(f"{layer_prefix}.0.gate_proj", p) for p in self.ignore):
+            return None
+        return Fp8ExpertsMethod(self.block, self.static_activations)
 
     def linear_method(self, layer_prefix: str) -> LinearMethod:
         if is_ignored(layer_prefix, self.ignore):

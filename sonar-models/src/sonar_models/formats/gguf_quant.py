@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from sonar import ops
-from sonar.moe import fused_moe, local_expert_ids
+from sonar.moe import experts_by_group, fused_moe
 from sonar.quantization import ExpertsMethod, LinearMethod, QuantizationMethod
 from sonar.quantization.sharding import dense_shard, split_error
 from sonar_models.formats.gguf_blocks import (
@@ -268,13 +268,13 @@ class GGUFExpertsMethod(ExpertsMethod):
         layer.gguf_parts = {}
         layer.gguf_experts = [None] * num_experts
 
-    def load_checkpoint_part(self, layer: nn.Module, leaf: str, tensor: Any, part: tuple[int, str]) -> None:
+    def load_checkpoint_part(self, layer: nn.Module, leaf: str, tensor: Any, part: tuple[int, str, str]) -> None:
         num_experts, hidden, intermediate = layer.gguf_sizes
-        expert, name = part
+        expert, name, _ = part
         expected = (hidden, intermediate) if name == "down" else (intermediate, hidden)
         if tuple(tensor.shape) != expected:
-            raise ValueError(f"expert {expert}'s {name} projection has shape {tuple(tensor.shape)}; the model expects {expected}")
-        layer.gguf_parts[part] = tensor
+            raise ValueError(f"has shape {tuple(tensor.shape)}, but expert {expert}'s {name} projection is {expected}")
+        layer.gguf_parts[(expert, name)] = tensor
         if not all((expert, n) in layer.gguf_parts for n in ("gate", "up", "down")):
             return
         gate, up, down = (layer.gguf_parts.pop((expert, n)) for n in ("gate", "up", "down"))
@@ -304,25 +304,13 @@ class GGUFExpertsMethod(ExpertsMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         if layer.gguf_experts is None:
             return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.expert_map)
-        num_tokens, top_k = topk_ids.shape
-        num_experts = len(layer.gguf_experts)
-        flat_ids = local_expert_ids(topk_ids, layer.expert_map, num_experts).reshape(-1).long()
-        order = torch.argsort(flat_ids, stable=True)  # (token, slot) pairs grouped by expert; those held elsewhere last
-        counts = torch.bincount(flat_ids, minlength=num_experts + 1).tolist()[:num_experts]
-        order = order[: sum(counts)]
-        tokens = order // top_k
-        grouped_x = x[tokens]
-        grouped_out = torch.empty_like(grouped_x)
-        start = 0
-        for (gate_up, down), count in zip(layer.gguf_experts, counts):
-            if count:
-                rows = slice(start, start + count)
-                gate, up = run_rows(gate_up, grouped_x[rows]).chunk(2, dim=-1)
-                grouped_out[rows] = run_rows(down, torch.nn.functional.silu(gate) * up)
-                start += count
-        out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
-        out.index_add_(0, tokens, grouped_out.float() * topk_weights.reshape(-1)[order].float()[:, None])
-        return out.to(x.dtype)
+
+        def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            gate_up, down = layer.gguf_experts[expert]
+            gate, up = run_rows(gate_up, rows).chunk(2, dim=-1)
+            return run_rows(down, torch.nn.functional.silu(gate) * up)
+
+        return experts_by_group(x, topk_weights, topk_ids, layer.expert_map, len(layer.gguf_experts), expert_mlp)
 
 
 class GGUFMethod(QuantizationMethod):
