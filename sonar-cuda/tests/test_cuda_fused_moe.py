@@ -192,3 +192,62 @@ def test_models_with_the_kernel_match_transformers(arch: str, tmp_path_factory: 
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0].float()
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=0)
+
+
+def _fp8_case(case: tuple, device: torch.device, per_tensor_up: bool = False):
+    """FP8 experts with one scale per output row (gate's per tensor where ``per_tensor_up``)
+    and their dequantized float32 weights."""
+    from sonar.quantization.fp8 import quantize_per_row
+
+    x, w13, w2, weights, ids = make_case(*case, torch.float32, device)
+    q13, s13 = zip(*(quantize_per_row(w) for w in w13.cpu()))
+    q2, s2 = zip(*(quantize_per_row(w) for w in w2.cpu()))
+    q13, s13, q2, s2 = (torch.stack(t).to(device) for t in (q13, s13, q2, s2))
+    return x, q13, q2, s13.float(), s2.float(), weights, ids
+
+
+@pytest.mark.parametrize("case", SMALL_CASES)
+def test_fp8_experts_with_row_scales(case: tuple, device: torch.device) -> None:
+    from sonar_cuda.kernels.fused_moe import fused_moe_fp8
+
+    x, q13, q2, s13, s2, weights, ids = _fp8_case(case, device)
+    dequantized = (q13.float() * s13[:, :, None], q2.float() * s2[:, :, None])
+    for dtype in dtypes_for(device):
+        out = fused_moe_fp8(x.to(dtype), q13, q2, s13, s2, weights, ids)
+        assert out.shape == x.shape and out.dtype == dtype
+        expected = torch_fused_moe(x.to(dtype).float(), *dequantized, weights, ids)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+def test_an_fp8_checkpoint_s_experts_run_in_the_kernel_as_on_the_cpu(device: torch.device) -> None:
+    """``Fp8ExpertsMethod`` stacks a layer's FP8 experts for the kernel (a per-tensor scale
+    repeated per row) and gives what its CPU path gives."""
+    from types import SimpleNamespace
+
+    from sonar.quantization.fp8 import Fp8ExpertsMethod, quantize_per_row, to_fp8
+    from sonar_cuda.kernels.fused_moe import fused_moe_fp8
+
+    num_tokens, num_experts, top_k, hidden, intermediate = SMALL_CASES[1]
+    x, w13, w2, weights, ids = make_case(*SMALL_CASES[1], torch.float32, torch.device("cpu"))
+    method = Fp8ExpertsMethod()
+    layer = SimpleNamespace(split_intermediate=False, expert_map=None)
+    method.create_weights(layer, num_experts, hidden, intermediate)
+    for e in range(num_experts):
+        gate, up = w13[e].chunk(2)
+        for name, weight in (("gate", gate), ("up", up), ("down", w2[e])):
+            if name == "up":  # per tensor
+                scale = (weight.abs().amax() / 448.0).reshape(1)
+                q = to_fp8(weight, scale)
+            else:
+                q, scale = quantize_per_row(weight)
+                scale = scale[:, None]
+            method.load_checkpoint_part(layer, "w13", q, (e, name, "weight"))
+            method.load_checkpoint_part(layer, "w13", scale, (e, name, "weight_scale"))
+    on_the_cpu = method.apply(layer, x, weights, ids)
+    method._stack(layer, fused_moe_fp8)
+    assert layer.fp8_experts is None and layer.w13.dtype == torch.float8_e4m3fn and layer.w13_scale.shape == (num_experts, 2 * intermediate)
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):
+        setattr(layer, name, getattr(layer, name).to(device))
+    out = method.apply(layer, x.to(device), weights.to(device), ids.to(device))
+    torch.testing.assert_close(out.cpu(), on_the_cpu, atol=1e-4, rtol=1e-4)

@@ -22,7 +22,7 @@ import sonar.quantization.int4_packing  # noqa: F401  (declares "int4_linear")
 from sonar_cuda.kernels.activation import silu_and_mul as _silu_and_mul
 from sonar_cuda.kernels.argmax import argmax as _argmax
 from sonar_cuda.kernels.fp8_linear import fp8_linear
-from sonar_cuda.kernels.fused_moe import fused_moe
+from sonar_cuda.kernels.fused_moe import fused_moe, fused_moe_fp8
 from sonar_cuda.kernels.gemv import gemv, gemv_pays, gemv_supported, gemv_with_shrink
 from sonar_cuda.kernels.int4_gemm import int4_linear
 from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
@@ -107,6 +107,7 @@ OPS: dict[str, Callable[..., Any]] = {
     "int4_linear": int4_linear,
     "fp8_linear": fp8_linear,  # declared by sonar.quantization.fp8
     "fused_moe": fused_moe,  # the experts of a mixture-of-experts layer, two grouped GEMMs
+    "fused_moe_fp8": fused_moe_fp8,  # the same over FP8 experts with per-row scales (W8A16)
     "lora_shrink": lora_shrink,
     "lora_shrink_begin": lora_shrink_begin,  # on a side stream, beside the base product (decode sizes)
     "lora_linear_shrink": lora_linear_shrink,  # batch 1: the base product and the shrink in one launch

@@ -70,7 +70,7 @@ class CompressedTensorsMethod(QuantizationMethod):
         "cpu": "FP8 in memory, dequantized per call; activations quantized as on the GPU; a mixture-of-experts layer's "
         "experts FP8 in memory, each dequantized per call over its tokens (activations unquantized)",
         "cuda": "fused Triton GEMV for one row, torch._scaled_mm row-wise otherwise; a mixture-of-experts layer's experts "
-        "dequantized at load into the fused kernel's stacked weights",
+        "FP8 in the fused Triton MoE kernel (W8A16)",
     }
     tested_by = {"cpu": "tests/test_quant_fp8.py"}  # cuda: kernels by sonar-cuda/tests/test_cuda_fp8.py; end to end not yet
 

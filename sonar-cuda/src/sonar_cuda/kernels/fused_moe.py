@@ -159,13 +159,14 @@ def _align_kernel(
 
 @triton.jit
 def _moe_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr,
+    a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, scale_ptr,
     num_pairs, N, K,
-    stride_am, stride_we, stride_wn, stride_om,
+    stride_am, stride_we, stride_wn, stride_om, stride_se,
     A_ROWS_PER_PAIR: tl.constexpr,  # k: a row of x per token; 1: a row of the intermediate per pair
     NUM_EXPERTS: tl.constexpr,
     GATED: tl.constexpr,  # gate rows [0, N) and up rows [N, 2N): write silu(gate) * up
     WEIGHTED: tl.constexpr,  # multiply each pair's row by its routing weight
+    SCALED: tl.constexpr,  # FP8 weights: each tile widened to the activations' dtype, each output column times its row's scale
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -192,13 +193,22 @@ def _moe_gemm_kernel(
         k_mask = ks < K - k0
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+        if SCALED:
+            w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
             w_up = tl.load(up_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            if SCALED:
+                w_up = w_up.to(a.dtype)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SCALED:
+        scale_row = scale_ptr + expert.to(tl.int64) * stride_se
+        acc = acc * tl.load(scale_row + cols, mask=col_mask, other=0.0)[None, :]
+        if GATED:
+            acc_up = acc_up * tl.load(scale_row + N + cols, mask=col_mask, other=0.0)[None, :]
     if GATED:
         acc = acc * tl.sigmoid(acc) * acc_up
     if WEIGHTED:
@@ -209,19 +219,20 @@ def _moe_gemm_kernel(
 
 def _grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, sorted_pairs: torch.Tensor,
-    block_experts: torch.Tensor, top_k: int, gated: bool, launch: MoELaunch,
+    block_experts: torch.Tensor, top_k: int, gated: bool, launch: MoELaunch, scale: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     num_pairs, n = out.shape
     k = a.shape[1]
     grid = (block_experts.shape[0], triton.cdiv(n, launch.block_n))
     _moe_gemm_kernel[grid](
-        a, w, out, weights, sorted_pairs, block_experts,
+        a, w, out, weights, sorted_pairs, block_experts, scale if scale is not None else weights,
         num_pairs, n, k,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), scale.stride(0) if scale is not None else 0,
         A_ROWS_PER_PAIR=top_k if gated else 1,
         NUM_EXPERTS=w.shape[0],
         GATED=gated,
         WEIGHTED=not gated,
+        SCALED=scale is not None,
         BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k,
@@ -239,6 +250,23 @@ def fused_moe(
     in ``x``'s dtype. ``launch`` overrides :func:`launch_for` (benchmarks sweep it);
     ``expert_map`` (global expert id -> index into ``w13`` / ``w2``, -1: held elsewhere) as
     ``sonar.moe.fused_moe`` takes it."""
+    return _fused_moe(x, w13, w2, None, None, topk_weights, topk_ids, launch, expert_map)
+
+
+def fused_moe_fp8(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None, launch: MoELaunch | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """``sonar.moe.fused_moe_fp8``: :func:`fused_moe` over FP8 weights, each output row of an
+    expert's projection times its scale (``w13_scale [E, 2I]``, ``w2_scale [E, H]``, float32);
+    the activations stay in ``x``'s dtype (W8A16)."""
+    return _fused_moe(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, launch, expert_map)
+
+
+def _fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+    topk_weights: torch.Tensor, topk_ids: torch.Tensor, launch: MoELaunch | None, expert_map: torch.Tensor | None,
+) -> torch.Tensor:  # fmt: skip
     check_moe_shapes(x, w13, w2, topk_weights, topk_ids, expert_map)
     num_tokens, top_k = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
@@ -252,10 +280,10 @@ def fused_moe(
     sorted_pairs, block_experts = align_by_expert(local_expert_ids(topk_ids, expert_map, num_experts), num_experts, launch.block_m)
     weights = topk_weights.reshape(-1).contiguous()
     intermediate = x.new_empty((num_pairs, two_i // 2))
-    _grouped_gemm(x, w13, intermediate, weights, sorted_pairs, block_experts, top_k, True, launch)
+    _grouped_gemm(x, w13, intermediate, weights, sorted_pairs, block_experts, top_k, True, launch, w13_scale)
     # pairs of experts held elsewhere are written by no block: their rows must be zero
     per_pair = x.new_empty((num_pairs, hidden)) if expert_map is None else x.new_zeros((num_pairs, hidden))
-    _grouped_gemm(intermediate, w2, per_pair, weights, sorted_pairs, block_experts, top_k, False, launch)
+    _grouped_gemm(intermediate, w2, per_pair, weights, sorted_pairs, block_experts, top_k, False, launch, w2_scale)
     if top_k == 1:
         return per_pair
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)  # float32 accumulation, one launch
