@@ -207,8 +207,9 @@ def test_the_engine_times_its_host_work_per_step_for_the_policy(target, scripted
     engine.add_request("idle", {"prompt_token_ids": repetitive_prompts(1)[0]}, PARAMS[0])
     while engine.has_unfinished_requests():
         engine.step()
-        time.sleep(0.2)
-    assert all(seconds < 0.1 for seconds in [*policy.host_plain.values(), *policy.host_verifying.values()])
+        time.sleep(0.3)
+    # counted, a gap would make a step at least 0.3 s; a loaded machine may slow a step's own host work to a tenth of a second or more
+    assert all(seconds < 0.25 for seconds in [*policy.host_plain.values(), *policy.host_verifying.values()])
 
 
 def test_a_dspark_drafter_schedules_by_confidence_by_default_through_an_engine_core_process(target, expected, tmp_path):
