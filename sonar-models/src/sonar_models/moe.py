@@ -61,6 +61,7 @@ class StackedExperts(nn.Module):
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, prefix: str = "") -> None:
         super().__init__()
+        self.prefix = prefix
         self.method = experts_method_for(prefix)
         group = current_group()
         self.group = group
@@ -85,10 +86,10 @@ class StackedExperts(nn.Module):
         and, where the experts method reads more tensors of a projection (scales),
         ``(expert, projection, tensor)`` for each of those."""
         names = ("gate", "up") if leaf == "w13" else ("down",)
-        extra = [t for t in (self.method.checkpoint_tensors if self.method is not None else ()) if t != "weight"]
+        tensors = self.method.checkpoint_tensors if self.method is not None else ("weight",)
         first = self.placement.first
         experts = range(first, first + self.placement.count)
-        return [(e, name) for e in experts for name in names] + [(e, name, t) for e in experts for name in names for t in extra]
+        return [(e, name) if t == "weight" else (e, name, t) for e in experts for name in names for t in tensors]
 
     def part_rows(self, part: tuple[int, str] | tuple[int, str, str]) -> tuple[int, slice]:
         """The index into ``w13`` or ``w2`` that holds ``part``."""

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, ClassVar, Iterator
+import re
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import nn
@@ -133,6 +134,89 @@ class ExpertsMethod:
         raise NotImplementedError
 
 
+class _Projection(nn.Module):
+    """One expert projection held as a linear layer of a ``LinearMethod`` (``LinearExpertsMethod``)."""
+
+    parallel = "replicated"
+
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+
+class LinearExpertsMethod(ExpertsMethod):
+    """Experts whose projections a format stores as it stores any linear layer (GPTQ and AWQ's
+    ``qweight``/``qzeros``/``scales``): each expert's gate, up and down held by the format's own
+    ``LinearMethod`` (``linear_method(prefix)``, ``prefix`` the projection's checkpoint name).
+
+    On the CPU each projection runs as that method runs a layer, over the tokens routed to its
+    expert. Elsewhere (a GPU, whose decode graphs cannot read the routing on the host), once the
+    last expert has arrived, every projection is dequantized by applying it to the identity (exact
+    for weight-only formats) into the stacked floating weights of ``sonar.moe.fused_moe``."""
+
+    def __init__(self, linear_method: Callable[[str], LinearMethod], checkpoint_tensors: tuple[str, ...]) -> None:
+        self.linear_method = linear_method
+        self.checkpoint_tensors = checkpoint_tensors
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        if layer.split_intermediate:
+            raise NotImplementedError("a quantized checkpoint's experts do not split their intermediate size over tensor-parallel "
+                                      "ranks; add enable_expert_parallel to place whole experts on each rank")
+        layer.w13 = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)  # placeholders the loader finds
+        layer.w2 = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        dtype = torch.get_default_dtype()
+        first = layer.placement.first
+        projections = []  # a plain list: the loader fills these through load_checkpoint_part, not by name
+        for expert in range(num_experts):
+            held = {}
+            for name, (inputs, outputs) in (("gate", (hidden_size, intermediate_size)), ("up", (hidden_size, intermediate_size)), ("down", (intermediate_size, hidden_size))):
+                prefix = f"{layer.prefix}.{first + expert}.{name}_proj"
+                projection = _Projection(prefix)
+                projection.linear_method = self.linear_method(prefix)
+                projection.linear_method.create_weights(projection, inputs, [outputs], False, dtype)
+                held[name] = projection
+            projections.append(held)
+        layer.linear_experts = projections
+        layer.linear_sizes = (hidden_size, intermediate_size)
+        layer.linear_pending = {e: len(self.checkpoint_tensors) * 3 for e in range(num_experts)}
+
+    def load_checkpoint_part(self, layer: nn.Module, leaf: str, tensor: Any, part: tuple[int, str, str]) -> None:
+        expert, name, kind = part
+        projection = layer.linear_experts[expert][name]
+        projection.linear_method.load_checkpoint_tensor(projection, kind, tensor, None)
+        layer.linear_pending[expert] -= 1
+        if not layer.linear_pending[expert]:
+            del layer.linear_pending[expert]
+            if not layer.linear_pending and layer.w13.device.type != "cpu":
+                self._dequantize(layer)
+
+    def _dequantize(self, layer: nn.Module) -> None:
+        """Every projection as ``W = apply(I).T``, stacked for ``fused_moe`` (the quantized ones dropped)."""
+        def floating(projection: nn.Module, inputs: int) -> torch.Tensor:
+            identity = torch.eye(inputs, dtype=torch.get_default_dtype(), device=layer.w13.device)
+            return projection.linear_method.apply(projection, identity).t()
+
+        hidden, intermediate = layer.linear_sizes
+        w13 = torch.stack([torch.cat([floating(e["gate"], hidden), floating(e["up"], hidden)]) for e in layer.linear_experts])
+        w2 = torch.stack([floating(e["down"], intermediate) for e in layer.linear_experts])
+        layer.w13 = nn.Parameter(w13, requires_grad=False)
+        layer.w2 = nn.Parameter(w2, requires_grad=False)
+        layer.linear_experts = None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        from sonar.moe import experts_by_group, fused_moe
+
+        if layer.linear_experts is None:
+            return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.expert_map)
+
+        def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
+            held = layer.linear_experts[expert]
+            run = lambda name, inputs: held[name].linear_method.apply(held[name], inputs)  # noqa: E731
+            return run("down", torch.nn.functional.silu(run("gate", rows)) * run("up", rows))
+
+        return experts_by_group(x, topk_weights, topk_ids, layer.expert_map, len(layer.linear_experts), expert_mlp)
+
+
 class QuantizationMethod:
     """A quantization format: which platforms run it and which ``LinearMethod`` each layer gets.
 
@@ -206,6 +290,16 @@ def linear_method_for(layer_prefix: str) -> LinearMethod:
     outside ``building_with``)."""
     method = _building_with.get()
     return UnquantizedLinearMethod() if method is None else method.linear_method(layer_prefix)
+
+
+#: a mixture-of-experts router (and Qwen2-MoE's shared-expert gate): floating in every published
+#: quantized checkpoint (FP8, GPTQ, AWQ), listed in its ignore list or not
+_ROUTER = re.compile(r".*\.mlp\.(gate|shared_expert_gate)$")
+
+
+def is_router(layer_prefix: str) -> bool:
+    """Whether the linear layer at ``layer_prefix`` routes tokens to experts (formats leave it unquantized)."""
+    return _ROUTER.fullmatch(layer_prefix) is not None
 
 
 def experts_method_for(layer_prefix: str) -> ExpertsMethod | None:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sonar.quantization import LinearMethod, QuantizationMethod, UnquantizedLinearMethod
+from sonar.quantization import ExpertsMethod, LinearExpertsMethod, LinearMethod, QuantizationMethod, UnquantizedLinearMethod, is_router
 from sonar.quantization.int4_packing import PACK_FACTOR, Int4LinearMethod, pack_int4, unpack_int4
 from sonar.quantization.sharding import bias_shard, input_shard, output_shard
 
@@ -67,7 +67,11 @@ class AWQMethod(QuantizationMethod):
 
     name = "awq"
     reads = "AWQ int4, GEMM packing (qweight/qzeros/scales; group 128, other multiples of 8 or -1; zero points)"
-    execution = {"cpu": "dequantized per layer, torch matmul", "cuda": "Triton: a GEMV for one row and a tensor-core product for 2-16, nibbles read as unit floats; a tiled GEMM dequantized in registers for more"}
+    execution = {
+        "cpu": "dequantized per layer, torch matmul; a mixture-of-experts layer's experts each as such a layer, over its tokens",
+        "cuda": "Triton: a GEMV for one row and a tensor-core product for 2-16, nibbles read as unit floats; a tiled GEMM "
+        "dequantized in registers for more; a mixture-of-experts layer's experts dequantized at load into the fused kernel's stacked weights",
+    }
     tested_by = {"cpu": "tests/test_quant_int4.py", "cuda": "tests/test_quant_cuda.py"}
 
     def __init__(self, group_size: int = 128, unconverted: tuple[str, ...] = ()) -> None:
@@ -89,7 +93,14 @@ class AWQMethod(QuantizationMethod):
             raise ValueError(f"AWQ group_size={group_size} is not supported; use -1 or a positive multiple of 8")
         return cls(group_size, tuple(quant_config.get("modules_to_not_convert") or ()))
 
+    def experts_method(self, layer_prefix: str) -> ExpertsMethod | None:
+        """Each expert's projections as AWQ layers (``LinearExpertsMethod``), unless the
+        checkpoint left them unconverted."""
+        if isinstance(self.linear_method(f"{layer_prefix}.0.gate_proj"), UnquantizedLinearMethod):
+            return None
+        return LinearExpertsMethod(self.linear_method, ("qweight", "qzeros", "scales"))
+
     def linear_method(self, layer_prefix: str) -> LinearMethod:
-        if layer_prefix in ("", "lm_head") or any(name in layer_prefix for name in self.unconverted):
+        if layer_prefix in ("", "lm_head") or is_router(layer_prefix) or any(name in layer_prefix for name in self.unconverted):
             return UnquantizedLinearMethod()
         return AWQLinearMethod(self.group_size)

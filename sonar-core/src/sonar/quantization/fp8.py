@@ -31,7 +31,7 @@ from torch import nn
 
 from sonar import ops
 from sonar.moe import experts_by_group, fused_moe
-from sonar.quantization import ExpertsMethod, LinearMethod, QuantizationMethod, UnquantizedLinearMethod
+from sonar.quantization import ExpertsMethod, LinearMethod, QuantizationMethod, UnquantizedLinearMethod, is_router
 from sonar.quantization.sharding import dense_shard, input_shard, output_shard
 
 FP8_DTYPE = torch.float8_e4m3fn
@@ -400,11 +400,6 @@ class Fp8ExpertsMethod(ExpertsMethod):
         return experts_by_group(x, topk_weights, topk_ids, layer.expert_map, len(layer.fp8_experts), expert_mlp)
 
 
-#: a mixture-of-experts router (and Qwen2-MoE's shared-expert gate) stays floating in every
-#: published FP8 checkpoint, listed in its ignore list or not
-ROUTERS = re.compile(r".*\.mlp\.(gate|shared_expert_gate)$")
-
-
 # -- which layers stay in floating point -----------------------------------------------
 
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -429,7 +424,7 @@ def is_ignored(layer_prefix: str, ignore: list[str]) -> bool:
 
     :raises ValueError: some parts of a fused layer are ignored and others not.
     """
-    if layer_prefix in ("", "lm_head") or ROUTERS.fullmatch(layer_prefix):
+    if layer_prefix in ("", "lm_head") or is_router(layer_prefix):
         return True
     names = _checkpoint_names(layer_prefix)
     ignored = [any(_matches(name, pattern) for pattern in ignore) for name in names]

@@ -1,0 +1,65 @@
+"""GPTQ and AWQ mixture-of-experts checkpoints: every expert's gate, up and down projection
+packed as the format packs any linear layer (written by ``int4_quantizer``), the routers left
+floating. They load with each expert held by the format's own linear layers and generate what
+transformers generates on the dequantized weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import HFOracle, random_prompts
+from int4_quantizer import write_int4_checkpoint
+from sonar import LLM, SamplingParams
+from sonar.quantization import LinearExpertsMethod
+from sonar_models.testing import build_tiny_model, load_sonar_model
+
+LOGPROB_TOLERANCE = 2e-3  # float32 on both sides, the same weights
+NUM_TOKENS = 10
+VARIANTS = {
+    "gptq-asym-g32-act-order": dict(fmt="gptq", group_size=32, sym=False, desc_act=True),
+    "gptq-sym-per-channel": dict(fmt="gptq", group_size=-1, sym=True),
+    "awq-g32": dict(fmt="awq", group_size=32),
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_int4_experts_run_greedy_equal_to_transformers_on_dequantized_weights(arch: str, variant: str, tmp_path: Path) -> None:
+    source = build_tiny_model(arch, tmp_path / "hf", **({"shared_expert_intermediate_size": 64} if arch == "qwen2_moe" else {}))
+    quantized, dequantized = write_int4_checkpoint(source, tmp_path, **VARIANTS[variant])
+    stored = load_file(str(quantized / "model.safetensors"))
+    assert "model.layers.0.mlp.experts.1.down_proj.qweight" in stored and "model.layers.0.mlp.gate.weight" in stored
+    llm = LLM(str(quantized), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20)
+    prompts = random_prompts(3, seed=43, min_len=4, max_len=30)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    oracle = HFOracle(dequantized)
+    for prompt, output in zip(prompts, outputs):
+        expected, rows = oracle.greedy(prompt, NUM_TOKENS)
+        assert output.outputs[0].token_ids == expected
+        for step, (logprobs, row) in enumerate(zip(output.outputs[0].logprobs, rows)):
+            for token in torch.topk(row, 5).indices.tolist():
+                assert abs(logprobs[token].logprob - float(row[token])) < LOGPROB_TOLERANCE, (step, token)
+
+
+def test_the_gpu_path_dequantizes_every_expert_into_the_fused_weights(tmp_path: Path) -> None:
+    """What a GPU does once every expert has arrived (the projections applied to the identity,
+    stacked for ``fused_moe``) gives the layer output the held projections give."""
+    source = build_tiny_model("qwen3_moe", tmp_path / "hf")
+    quantized, dequantized = write_int4_checkpoint(source, tmp_path, fmt="gptq", group_size=32, sym=False, desc_act=True)
+    model = load_sonar_model(quantized)
+    (experts,) = [m for n, m in model.named_modules() if n.endswith("mlp.experts")]
+    assert isinstance(experts.method, LinearExpertsMethod)
+    x = torch.randn(6, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    topk_ids = torch.tensor([[0, 3], [1, 2], [7, 0], [5, 6], [3, 3], [4, 1]])
+    topk_weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(1))
+    held = experts(x, topk_weights, topk_ids)
+    experts.method._dequantize(experts)
+    assert experts.linear_experts is None and experts.w13.shape == (8, 2 * experts.intermediate_size, x.shape[1])
+    torch.testing.assert_close(experts(x, topk_weights, topk_ids), held, atol=1e-5, rtol=1e-5)
+    float_weights = load_file(str(dequantized / "model.safetensors"))
+    torch.testing.assert_close(experts.w2[3], float_weights["model.layers.0.mlp.experts.3.down_proj.weight"], atol=1e-6, rtol=0)
