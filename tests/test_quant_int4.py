@@ -42,7 +42,12 @@ def checkpoint(tiny_float: Path, tmp_path_factory: pytest.TempPathFactory, reque
 
 @pytest.mark.parametrize("checkpoint", list(VARIANTS), indirect=True)
 def test_int4_checkpoint_runs_greedy_equal_to_transformers_on_dequantized_weights(checkpoint: tuple[Path, Path]) -> None:
-    quantized, dequantized = checkpoint
+    assert_runs_like_transformers(*checkpoint)
+
+
+def assert_runs_like_transformers(quantized: Path, dequantized: Path) -> None:
+    """Greedy tokens equal to transformers on the dequantized weights, top-5 logprobs within
+    ``LOGPROB_TOLERANCE``."""
     llm = LLM(str(quantized), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20)
     method = json.loads((quantized / "config.json").read_text())["quantization_config"]["quant_method"]
     assert llm.llm_engine.config.quantization == method

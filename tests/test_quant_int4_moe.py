@@ -11,14 +11,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import HFOracle, random_prompts
 from int4_quantizer import write_int4_checkpoint
-from sonar import LLM, SamplingParams
 from sonar.quantization import LinearExpertsMethod
 from sonar_models.testing import build_tiny_model, load_sonar_model
+from test_quant_int4 import assert_runs_like_transformers
 
-LOGPROB_TOLERANCE = 2e-3  # float32 on both sides, the same weights
-NUM_TOKENS = 10
 VARIANTS = {
     "gptq-asym-g32-act-order": dict(fmt="gptq", group_size=32, sym=False, desc_act=True),
     "gptq-sym-per-channel": dict(fmt="gptq", group_size=-1, sym=True),
@@ -33,17 +30,7 @@ def test_int4_experts_run_greedy_equal_to_transformers_on_dequantized_weights(ar
     quantized, dequantized = write_int4_checkpoint(source, tmp_path, **VARIANTS[variant])
     stored = load_file(str(quantized / "model.safetensors"))
     assert "model.layers.0.mlp.experts.1.down_proj.qweight" in stored and "model.layers.0.mlp.gate.weight" in stored
-    llm = LLM(str(quantized), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20)
-    prompts = random_prompts(3, seed=43, min_len=4, max_len=30)
-    params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=5)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
-    oracle = HFOracle(dequantized)
-    for prompt, output in zip(prompts, outputs):
-        expected, rows = oracle.greedy(prompt, NUM_TOKENS)
-        assert output.outputs[0].token_ids == expected
-        for step, (logprobs, row) in enumerate(zip(output.outputs[0].logprobs, rows)):
-            for token in torch.topk(row, 5).indices.tolist():
-                assert abs(logprobs[token].logprob - float(row[token])) < LOGPROB_TOLERANCE, (step, token)
+    assert_runs_like_transformers(quantized, dequantized)
 
 
 def test_the_gpu_path_dequantizes_every_expert_into_the_fused_weights(tmp_path: Path) -> None:

@@ -116,6 +116,17 @@ class ExpertsMethod:
 
     checkpoint_tensors: tuple[str, ...] = ("weight",)
 
+    @staticmethod
+    def hold_whole_experts(layer: nn.Module, what: str, placeholder_dtype: torch.dtype = torch.uint8) -> None:
+        """For a method that holds whole experts: refuse a layer whose experts' intermediate
+        size is split over tensor-parallel ranks (naming ``what`` it holds), and register empty
+        ``w13`` / ``w2`` for the loader to find by name."""
+        if layer.split_intermediate:
+            raise NotImplementedError(f"{what} do not split their intermediate size over tensor-parallel ranks; "
+                                      "add enable_expert_parallel to place whole experts on each rank")
+        layer.w13 = nn.Parameter(torch.empty(0, dtype=placeholder_dtype), requires_grad=False)
+        layer.w2 = nn.Parameter(torch.empty(0, dtype=placeholder_dtype), requires_grad=False)
+
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         """Register ``layer.w13`` and ``layer.w2`` for ``num_experts`` experts of
         ``intermediate_size`` (this rank's) over ``hidden_size`` inputs."""
@@ -159,11 +170,7 @@ class LinearExpertsMethod(ExpertsMethod):
         self.checkpoint_tensors = checkpoint_tensors
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
-        if layer.split_intermediate:
-            raise NotImplementedError("a quantized checkpoint's experts do not split their intermediate size over tensor-parallel "
-                                      "ranks; add enable_expert_parallel to place whole experts on each rank")
-        layer.w13 = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)  # placeholders the loader finds
-        layer.w2 = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        self.hold_whole_experts(layer, "a quantized checkpoint's experts")
         dtype = torch.get_default_dtype()
         first = layer.placement.first
         projections = []  # a plain list: the loader fills these through load_checkpoint_part, not by name

@@ -321,11 +321,7 @@ class Fp8ExpertsMethod(ExpertsMethod):
         self._scale = scale
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
-        if layer.split_intermediate:
-            raise NotImplementedError("an FP8 checkpoint's experts do not split their intermediate size over tensor-parallel ranks; "
-                                      "add enable_expert_parallel to place whole experts on each rank")
-        layer.w13 = _frozen(torch.empty(0, dtype=FP8_DTYPE))  # placeholders the loader finds
-        layer.w2 = _frozen(torch.empty(0, dtype=FP8_DTYPE))
+        self.hold_whole_experts(layer, "an FP8 checkpoint's experts", FP8_DTYPE)
         layer.fp8_dtype = torch.get_default_dtype()
         layer.fp8_sizes = (hidden_size, intermediate_size)
         layer.fp8_parts = {}
@@ -400,6 +396,24 @@ class Fp8ExpertsMethod(ExpertsMethod):
         return experts_by_group(x, topk_weights, topk_ids, layer.expert_map, len(layer.fp8_experts), expert_mlp)
 
 
+class Fp8OnlineExpertsMethod(Fp8ExpertsMethod):
+    """A floating-point checkpoint's experts quantized at load (``quantization="fp8"``): each
+    projection's ``weight`` to FP8 with one scale per output row, then held and run as
+    :class:`Fp8ExpertsMethod` holds and runs a checkpoint's per-channel experts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.checkpoint_tensors = ("weight",)
+
+    def load_checkpoint_part(self, layer: nn.Module, leaf: str, tensor: Any, part: tuple[int, str, str]) -> None:
+        expert, name, _ = part
+        if not tensor.is_floating_point() or tensor.dtype == FP8_DTYPE:
+            raise ValueError(f"is {tensor.dtype}, but quantization='fp8' quantizes floating-point experts at load")
+        quantized, scale = quantize_per_row(tensor.to(layer.w13.device))
+        super().load_checkpoint_part(layer, leaf, quantized, (expert, name, "weight"))
+        super().load_checkpoint_part(layer, leaf, scale, (expert, name, "weight_scale"))
+
+
 # -- which layers stay in floating point -----------------------------------------------
 
 _FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -468,10 +482,16 @@ class Fp8Method(QuantizationMethod):
         return cls(serialized, tuple(block) if block else None, serialized and scheme == "static", list(quant_config.get("modules_to_not_convert") or []))
 
     def experts_method(self, layer_prefix: str) -> ExpertsMethod | None:
-        """FP8 experts where the checkpoint stores them so (a bf16 checkpoint quantized at load
-        keeps its experts floating)."""
-        if not self.serialized or any(_matches(f"{layer_prefix}.0.gate_proj", p) for p in self.ignore):
+        """FP8 experts: as the checkpoint stores them, or, for a floating-point checkpoint,
+        quantized at load per output row (floating where tensor parallelism splits them)."""
+        if any(_matches(f"{layer_prefix}.0.gate_proj", p) for p in self.ignore):
             return None
+        if not self.serialized:
+            from sonar.distributed import current_group
+
+            group = current_group()
+            # experts split over tensor-parallel ranks stay floating, as before (FP8 experts are held whole)
+            return None if group.world_size > 1 and not group.expert_parallel else Fp8OnlineExpertsMethod()
         return Fp8ExpertsMethod(self.block, self.static_activations)
 
     def linear_method(self, layer_prefix: str) -> LinearMethod:

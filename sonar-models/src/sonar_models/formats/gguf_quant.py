@@ -258,11 +258,7 @@ class GGUFExpertsMethod(ExpertsMethod):
     floating tensors ``sonar.moe.fused_moe`` runs."""
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
-        if layer.split_intermediate:
-            raise NotImplementedError("a GGUF model's experts do not split their intermediate size over tensor-parallel ranks; "
-                                      "add enable_expert_parallel to place whole experts on each rank")
-        layer.w13 = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)  # placeholders the loader finds
-        layer.w2 = nn.Parameter(torch.empty(0, dtype=torch.uint8), requires_grad=False)
+        self.hold_whole_experts(layer, "a GGUF model's experts")
         layer.gguf_dtype = torch.get_default_dtype()
         layer.gguf_sizes = (num_experts, hidden_size, intermediate_size)
         layer.gguf_parts = {}
