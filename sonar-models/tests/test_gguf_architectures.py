@@ -220,3 +220,22 @@ def test_a_config_llama_cpp_cannot_state_is_refused(tmp_path) -> None:
     folder = build_tiny_model("qwen3_moe", tmp_path / "moe")  # layer 1 dense (mlp_only_layers)
     with pytest.raises(NotImplementedError, match="dense layers"):
         write_gguf(folder, tmp_path / "moe.gguf", Q8_0)
+
+
+@pytest.mark.parametrize("arch", ["phi3", "gemma2", "qwen3_moe"])
+def test_a_file_with_a_tokenizer_serves_text(arch: str, tmp_path) -> None:
+    """The file's own tokenizer (SmolLM2's, copied in) is what ``LLM`` tokenizes text with,
+    chat template included, whatever the architecture's name in the file."""
+    from sonar_models.testing import smollm2_gguf_path, smollm2_tokenizer
+
+    folder = build_tiny_model(arch, tmp_path / "hf", **ARCHS[arch])
+    path = tmp_path / "model.gguf"
+    write_gguf(folder, path, Q8_0, tokenizer_from=smollm2_gguf_path())
+    llm = LLM(str(path), max_model_len=128, kv_cache_memory_bytes=4 << 20)
+    tokenizer, reference = llm.get_tokenizer(), smollm2_tokenizer()
+    text = "The capital of France is Paris. Ünïcödé, 12345 tokens!"
+    assert tokenizer.encode(text) == reference.encode(text)
+    messages = [{"role": "user", "content": "Hi"}]
+    assert tokenizer.apply_chat_template(messages, tokenize=False) == reference.apply_chat_template(messages, tokenize=False)
+    output = llm.generate([text], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0].outputs[0]
+    assert len(output.token_ids) == 4 and output.text == tokenizer.decode(output.token_ids)

@@ -105,12 +105,16 @@ def permute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_embedding: bool = False) -> dict[str, torch.Tensor]:
+def write_gguf(
+    hf_folder: Path, out_path: Path, ggml_type: int, quantize_embedding: bool = False, tokenizer_from: Path | None = None,
+) -> dict[str, torch.Tensor]:
     """Write the model in ``hf_folder`` (an architecture of ``GGUF_ARCHITECTURES``) as a GGUF file
     laid out as llama.cpp's converter lays it out, its projections (and ``output.weight``, and
     with ``quantize_embedding`` ``token_embd``) in ``ggml_type``; returns the weights as the file
     holds them, decoded, under the folder's own tensor names (for a transformers oracle). A
-    config the format cannot state as llama.cpp reads it is refused."""
+    config the format cannot state as llama.cpp reads it is refused. ``tokenizer_from``: a GGUF
+    file whose tokenizer (every ``tokenizer.*`` field) the new file carries, for a vocabulary of
+    the same size (llama.cpp needs one to load a file)."""
     import gguf
     from safetensors.torch import load_file
     from transformers import AutoConfig
@@ -136,9 +140,12 @@ def write_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_embeddi
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_vocab_size(config.vocab_size)
-    writer.add_uint32("tokenizer.ggml.bos_token_id", config.bos_token_id)
     eos = config.eos_token_id[0] if isinstance(config.eos_token_id, list) else config.eos_token_id
-    writer.add_uint32("tokenizer.ggml.eos_token_id", eos)
+    if tokenizer_from is not None:
+        _copy_tokenizer(writer, tokenizer_from, config.vocab_size)
+    else:
+        writer.add_uint32("tokenizer.ggml.bos_token_id", config.bos_token_id)
+        writer.add_uint32("tokenizer.ggml.eos_token_id", eos)
     rope_tensors = _write_rope(writer, arch, config, head_dim)
     if arch in ("gemma2", "gemma3"):
         _write_gemma_attention(writer, arch, config, head_dim)
@@ -207,6 +214,19 @@ def write_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_embeddi
     writer.write_tensors_to_file()
     writer.close()
     return as_stored
+
+
+def _copy_tokenizer(writer: Any, source: Path, vocab_size: int) -> None:
+    from sonar_models.formats.gguf_metadata import open_gguf
+
+    reader = open_gguf(source)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is None or len(tokens.data) != vocab_size:
+        raise ValueError(f"{source} has {0 if tokens is None else len(tokens.data)} tokens; the model's vocabulary is {vocab_size}")
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
 
 
 def write_llama_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_embedding: bool = False) -> dict[str, torch.Tensor]:
