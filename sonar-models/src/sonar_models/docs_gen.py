@@ -104,6 +104,10 @@ def render() -> str:
         "\n## Weight formats\n",
         *format_rows(),
         "\n## GGUF architectures\n",
+        "Each is tested with files laid out as llama.cpp's converter lays them out "
+        "(`sonar-models/tests/test_gguf_architectures.py`, against transformers on the weights in the file), "
+        "and those files are checked against llama.cpp itself where llama-cpp-python is installed "
+        "(`sonar-models/tests/test_gguf_llama_cpp.py`).\n",
         *gguf_rows(),
         "\n## Quantization\n",
         *quantization_rows(),

@@ -191,6 +191,10 @@ def write_gguf(
     for (layer, projection), names in sorted(experts.items(), key=lambda item: (int(item[0][0]), item[0][1])):
         ordered = [names[e] for e in range(len(names))]
         stack = np.stack([tensors[name].float().numpy() for name in ordered])  # [E, rows, cols]
+        if ggml_type not in BLOCK_SIZES:
+            writer.add_tensor(f"blk.{layer}.ffn_{projection}_exps.weight", stack.astype(np.float32))
+            as_stored.update({name: torch.from_numpy(stack[expert].copy()) for expert, name in enumerate(ordered)})
+            continue
         blocks = quantize(stack.reshape(-1, stack.shape[-1]), ggml_type)
         blocks = blocks.reshape(stack.shape[0], stack.shape[1], -1)
         writer.add_tensor(f"blk.{layer}.ffn_{projection}_exps.weight", blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType(ggml_type))
