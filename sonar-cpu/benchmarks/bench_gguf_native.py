@@ -7,6 +7,11 @@ another, transformers in one padded batch). Prints one JSON line, with the host'
 average before and after (the figures are only comparable at a low load).
 
     SONAR_PLATFORM=cpu SONAR_CPU_THREADS=2 python sonar-cpu/benchmarks/bench_gguf_native.py
+
+``--moe q8_0|q4_0`` runs the same on a Qwen3-MoE-shaped model with random weights instead
+(``MOE_SHAPE``: 64 experts, 8 chosen, in 8 layers; written by Sonar's GGUF writer as llama.cpp
+lays the file out, with SmolLM2's tokenizer): a mixture-of-experts layer's experts kept in
+their blocks, against llama.cpp on the same file.
 """
 
 from __future__ import annotations
@@ -18,6 +23,25 @@ import random
 import time
 
 DECODE_TOKENS = 128
+#: a Qwen3-MoE layer scaled down: about 520M parameters, 120M of them read per token
+MOE_SHAPE = dict(
+    hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_hidden_layers=8, intermediate_size=2048,
+    num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256, mlp_only_layers=[], initializer_range=0.02,
+)
+
+
+def write_moe_gguf(folder: str, kind: str) -> str:
+    """A Qwen3-MoE-shaped GGUF (``MOE_SHAPE``, random weights) in ``kind`` blocks under ``folder``."""
+    from pathlib import Path
+
+    from sonar_models.formats.gguf_blocks import Q4_0, Q8_0
+    from sonar_models.formats.gguf_quantize import write_gguf
+    from sonar_models.testing import build_tiny_model, smollm2_gguf_path
+
+    hf = build_tiny_model("qwen3_moe", Path(folder) / "hf", **MOE_SHAPE)
+    path = Path(folder) / f"moe-{kind}.gguf"
+    write_gguf(hf, path, {"q8_0": Q8_0, "q4_0": Q4_0}[kind], tokenizer_from=smollm2_gguf_path())
+    return str(path)
 
 
 def workload(seed: int = 0, count: int = 24) -> list[tuple[list[int], int]]:
@@ -25,10 +49,10 @@ def workload(seed: int = 0, count: int = 24) -> list[tuple[list[int], int]]:
     return [([rng.randint(100, 49000) for _ in range(rng.randint(16, 192))], rng.randint(16, 96)) for _ in range(count)]
 
 
-def sonar_runs(quantization: str | None, requests: list[tuple[list[int], int]]) -> dict[str, float]:
+def sonar_runs(path: str, quantization: str | None, requests: list[tuple[list[int], int]]) -> dict[str, float]:
     from sonar import LLM, SamplingParams
 
-    llm = LLM(quantization=quantization, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=256 << 20)
+    llm = LLM(path, quantization=quantization, dtype="float32", max_model_len=1024, kv_cache_memory_bytes=256 << 20)
     prompt = [{"prompt_token_ids": requests[0][0][:16]}]
 
     def run(n: int) -> float:
@@ -108,17 +132,21 @@ def main() -> None:
         help="load llama.cpp's weights without its extra buffer types (AMX, repacking): on hosts that report AMX "
         "but fault in it, as llama-cpp-python 0.3.36 does on some virtual machines",
     )
+    parser.add_argument("--moe", choices=["q8_0", "q4_0"], help="a Qwen3-MoE-shaped model with random weights in these blocks instead")
     args = parser.parse_args()
+    import tempfile
+
     from sonar_models.testing import smollm2_gguf_path
 
     threads = int(os.environ.get("SONAR_CPU_THREADS", "2"))
-    path, requests = str(smollm2_gguf_path()), workload()
+    path = write_moe_gguf(tempfile.mkdtemp(), args.moe) if args.moe else str(smollm2_gguf_path())
+    requests = workload()
     load_before = os.getloadavg()[0]  # the host's 1-minute load: other work on the same cores
     results: dict[str, dict[str, float]] = {}
     if "native" not in args.skip:
-        results["sonar_native"] = sonar_runs(None, requests)
+        results["sonar_native"] = sonar_runs(path, None, requests)
     if "dequantized" not in args.skip:
-        results["sonar_dequantized"] = sonar_runs("unquantized", requests)
+        results["sonar_dequantized"] = sonar_runs(path, "unquantized", requests)
     if "llama.cpp" not in args.skip:
         results["llama_cpp"] = llama_cpp_runs(path, threads, requests, args.llama_cpp_plain_buffers)
     if "transformers" not in args.skip:
@@ -135,7 +163,8 @@ def main() -> None:
         ratios["mixed_vs_transformers"] = round(
             results["sonar_native"]["mixed_tok_s"] / results["transformers_batched"]["mixed_tok_s"], 2
         )
-    print(json.dumps({"threads": threads, "requests": len(requests), "load_average_before_after": load, **results, **ratios}))
+    model = f"qwen3-moe-shaped {args.moe}" if args.moe else "SmolLM2-135M-Instruct"
+    print(json.dumps({"model": model, "threads": threads, "requests": len(requests), "load_average_before_after": load, **results, **ratios}))
 
 
 if __name__ == "__main__":
