@@ -50,3 +50,19 @@ def test_the_gpu_path_dequantizes_every_expert_into_the_fused_weights(tmp_path: 
     torch.testing.assert_close(experts(x, topk_weights, topk_ids), held, atol=1e-5, rtol=1e-5)
     float_weights = load_file(str(dequantized / "model.safetensors"))
     torch.testing.assert_close(experts.w2[3], float_weights["model.layers.0.mlp.experts.3.down_proj.weight"], atol=1e-6, rtol=0)
+
+
+def test_a_float_expert_in_a_gptq_checkpoint_is_refused_by_name(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from sonar import LLM
+
+    source = build_tiny_model("qwen3_moe", tmp_path / "hf")
+    quantized, _ = write_int4_checkpoint(source, tmp_path, fmt="gptq", group_size=32, sym=True)
+    tensors = load_file(str(quantized / "model.safetensors"))
+    for leaf in ("qweight", "qzeros", "scales", "g_idx"):
+        del tensors[f"model.layers.0.mlp.experts.5.up_proj.{leaf}"]
+    tensors["model.layers.0.mlp.experts.5.up_proj.weight"] = torch.zeros(32, 64)
+    save_file(tensors, str(quantized / "model.safetensors"))
+    with pytest.raises(Exception, match="experts.5.up_proj.weight"):
+        LLM(str(quantized), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20)

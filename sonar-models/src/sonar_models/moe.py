@@ -270,12 +270,10 @@ class MoeForCausalLM(LlamaForCausalLM):
             return None
         param, part = _PARTS[match.group(3)]
         target, tensor = f"{match.group(1)}.{param}", match.group(4)
-        if tensor == "weight":
-            return target, (int(match.group(2)), part)
         method = self.get_submodule(match.group(1)).method if match.group(1) in self._sparse_experts() else None
-        if method is None or tensor not in method.checkpoint_tensors:
+        if tensor not in (method.checkpoint_tensors if method is not None else ("weight",)):
             return None  # the loader reports it as a tensor the model has no place for
-        return target, (int(match.group(2)), part, tensor)
+        return target, (int(match.group(2)), part) if tensor == "weight" else (int(match.group(2)), part, tensor)
 
     def _sparse_experts(self) -> set[str]:
         if self._expert_modules is None:
