@@ -164,6 +164,10 @@ def test_experts_stay_quantized_on_the_cpu_and_dequantize_once_for_the_fused_ker
             assert (run_rows(runs, inputs) - expected).norm() / expected.norm() < RELATIVE_ERROR
     topk_weights, topk_ids = model.model.layers[0].mlp.route(x)
     native = experts(x, topk_weights, topk_ids)
+    assert experts.gguf_batched is not None  # Q8_0 and Q4_0 experts: the C kernel takes them all in one call
+    batched, experts.gguf_batched = experts.gguf_batched, None
+    torch.testing.assert_close(experts(x, topk_weights, topk_ids), native, atol=1e-5, rtol=1e-5)  # one call per expert: the same
+    experts.gguf_batched = batched
     from sonar_models.formats.gguf_file import expert_blocks
     from sonar_models.formats.gguf_metadata import open_gguf
 

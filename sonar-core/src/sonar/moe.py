@@ -103,10 +103,13 @@ def torch_fused_moe(
 def experts_by_group(
     x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None,
     num_local_experts: int, expert_mlp: Callable[[int, torch.Tensor], torch.Tensor],
+    grouped_mlp: Callable[[torch.Tensor, list[int]], torch.Tensor | None] | None = None,
 ) -> torch.Tensor:
     """:func:`fused_moe`'s weighted sum with each local expert's MLP given as
     ``expert_mlp(local expert, its rows of x) -> [rows, H]``, called once per expert that has
-    tokens (the routing is read on the host: not for CUDA graphs)."""
+    tokens (the routing is read on the host: not for CUDA graphs). ``grouped_mlp(rows of x
+    grouped by expert, rows per local expert)``, where given, is tried first for all experts at
+    once (None: it does not take them, and ``expert_mlp`` runs)."""
     num_tokens, top_k = topk_ids.shape
     flat_ids = local_expert_ids(topk_ids, expert_map, num_local_experts).reshape(-1).long()  # [T * k], pair p = (token p // k, slot p % k)
     order = torch.argsort(flat_ids, stable=True)  # pairs grouped by expert, those held elsewhere last
@@ -114,12 +117,14 @@ def experts_by_group(
     order = order[: sum(counts)]
     tokens = order // top_k
     grouped_x = x[tokens]  # [pairs, H]
-    grouped_out = torch.empty_like(grouped_x)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count:
-            grouped_out[start : start + count] = expert_mlp(expert, grouped_x[start : start + count])
-            start += count
+    grouped_out = grouped_mlp(grouped_x, counts) if grouped_mlp is not None else None
+    if grouped_out is None:
+        grouped_out = torch.empty_like(grouped_x)
+        start = 0
+        for expert, count in enumerate(counts):
+            if count:
+                grouped_out[start : start + count] = expert_mlp(expert, grouped_x[start : start + count])
+                start += count
     weights = topk_weights.reshape(-1)[order].float()[:, None]
     out = torch.zeros((num_tokens, x.shape[1]), dtype=torch.float32, device=x.device)
     out.index_add_(0, tokens, grouped_out.float() * weights)

@@ -104,6 +104,27 @@ def gguf_linear(
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
 
+def gguf_linear_experts(
+    x: torch.Tensor, ggml_type: int, pointers: torch.Tensor, starts: torch.Tensor, rows: int, cols: int
+) -> torch.Tensor:
+    """The int8 product of several matrices of one shape and type in one call: matrix ``j``
+    (layout 8, its blocks at address ``pointers[j]``) multiplies rows ``starts[j]`` to
+    ``starts[j + 1]`` of ``x [starts[-1], cols]``; returns ``[starts[-1], rows]`` float32 (a
+    mixture-of-experts layer's chosen experts, each over its own tokens)."""
+    library = load()
+    flat = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
+    num_x = flat.shape[0]
+    out = torch.empty(num_x, rows, dtype=torch.float32)
+    scratch = _scratch_buffer(library.gguf_q8_scratch_bytes(cols, num_x))
+    code = library.gguf_linear_q8_experts(
+        ggml_type, pointers.data_ptr(), pointers.numel(), starts.data_ptr(), rows, cols, flat.data_ptr(), out.data_ptr(),
+        torch.get_num_threads(), scratch.data_ptr(),
+    )
+    if code:
+        raise ValueError(f"the GGUF C kernel takes Q4_0/Q4_1/Q8_0 experts of rows a multiple of {LANES} and columns of 32, not type {ggml_type}, {rows} x {cols}")
+    return out
+
+
 class GGUFBlockKernel:
     """The ``gguf_block_kernel`` operation's answer for one layer's blocks of one type.
 
@@ -129,6 +150,13 @@ class GGUFBlockKernel:
 
     def __call__(self, x: torch.Tensor, data: torch.Tensor, rows: int, cols: int, exact: bool = True) -> torch.Tensor:
         return gguf_linear(x, self.ggml_type, data, rows, cols, exact, self.layout)
+
+    def experts(self, x: torch.Tensor, pointers: torch.Tensor, starts: torch.Tensor, rows: int, cols: int) -> torch.Tensor | None:
+        """The int8 product of several prepared matrices of this type at once
+        (:func:`gguf_linear_experts`); None where they are not in layout 8."""
+        if self.layout != LANES:
+            return None
+        return gguf_linear_experts(x, self.ggml_type, pointers, starts, rows, cols)
 
 
 def block_kernel(ggml_type: int) -> GGUFBlockKernel | None:

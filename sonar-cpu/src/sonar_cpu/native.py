@@ -97,6 +97,8 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     for product in (library.gguf_linear, library.gguf_linear_q8):
         product.restype = integer
         product.argtypes = [integer, pointer, integer, size, size, pointer, size, pointer, integer, pointer]
+    library.gguf_linear_q8_experts.restype = integer
+    library.gguf_linear_q8_experts.argtypes = [integer, pointer, integer, pointer, size, size, pointer, pointer, integer, pointer]
     library.gguf_q8_scratch_bytes.restype = size
     library.gguf_q8_scratch_bytes.argtypes = [size, size]
     library.paged_decode_attention.restype = integer

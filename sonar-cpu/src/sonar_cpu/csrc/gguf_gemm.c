@@ -459,3 +459,36 @@ int gguf_linear_q8(int type, const uint8_t *w, int layout, int64_t rows, int64_t
     }
     return 0;
 }
+
+/* Several matrices of one shape and type, each over its own run of activation rows, in one
+ * parallel region (the chosen experts of a mixture-of-experts layer): matrix j (layout 8, at
+ * w[j]) multiplies rows starts[j] .. starts[j + 1] of x [starts[n], cols] into the same rows of
+ * out [starts[n], rows], the activations rounded to int8 blocks first. The threads share the
+ * (matrix, group of eight rows) pairs of all matrices that have rows, so a decode step's few
+ * rows per expert still keep every thread busy. */
+int gguf_linear_q8_experts(int type, const uint8_t *const *w, int n, const int64_t *starts, int64_t rows, int64_t cols,
+                           const float *x, float *out, int num_threads, uint8_t *scratch) {
+    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || cols % 32 || rows % 8) return -1;
+    int64_t nb = cols / 32, groups = rows / 8, num_x = starts[n];
+    int8_t *codes = (int8_t *)scratch;
+    float *scale = (float *)(scratch + ((num_x * cols + 15) & ~(int64_t)15));
+    int32_t *sums = (int32_t *)(scale + num_x * nb);
+    int nt = num_threads < 1 ? 1 : num_threads;
+#pragma omp parallel num_threads(nt)
+    {
+        int t = omp_get_thread_num(), count = omp_get_num_threads();
+        for (int64_t r = t; r < num_x; r += count)
+            quantize_row(x + r * cols, cols, codes + r * cols, scale + r * nb, sums + r * nb);
+#pragma omp barrier
+        int64_t units = (int64_t)n * groups, u0 = units * t / count, u1 = units * (t + 1) / count;
+        for (int64_t j = u0 / groups; j < n && j * groups < u1; j++) {
+            int64_t g0 = u0 > j * groups ? u0 - j * groups : 0;
+            int64_t g1 = u1 < (j + 1) * groups ? u1 - j * groups : groups;
+            for (int64_t r = starts[j]; r < starts[j + 1]; r += LANE_ROWS) {
+                int64_t nr = starts[j + 1] - r < LANE_ROWS ? starts[j + 1] - r : LANE_ROWS;
+                lanes_q8(type, w[j], nb, codes + r * cols, scale + r * nb, sums + r * nb, cols, nr, out + r * rows, rows, g0, g1);
+            }
+        }
+    }
+    return 0;
+}

@@ -27,6 +27,7 @@ quantized table as ``tied_weight``; the embedding itself keeps a dequantized cop
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -263,6 +264,7 @@ class GGUFExpertsMethod(ExpertsMethod):
         layer.gguf_sizes = (num_experts, hidden_size, intermediate_size)
         layer.gguf_parts = {}
         layer.gguf_experts = [None] * num_experts
+        layer.gguf_batched = None
 
     def load_checkpoint_part(self, layer: nn.Module, leaf: str, tensor: Any, part: tuple[int, str, str]) -> None:
         num_experts, hidden, intermediate = layer.gguf_sizes
@@ -280,6 +282,8 @@ class GGUFExpertsMethod(ExpertsMethod):
                 [prepare_run(run, device) for run in _runs_of_one_format([gate, up])],
                 [prepare_run(run, device) for run in _runs_of_one_format([down])],
             )
+            if all(e is not None for e in layer.gguf_experts):
+                layer.gguf_batched = _batched_experts(layer.gguf_experts)
             return
         layer.gguf_experts[expert] = (gate, up, down)
         if all(e is not None for e in layer.gguf_experts):
@@ -306,7 +310,52 @@ class GGUFExpertsMethod(ExpertsMethod):
             gate, up = run_rows(gate_up, rows).chunk(2, dim=-1)
             return run_rows(down, torch.nn.functional.silu(gate) * up)
 
-        return experts_by_group(x, topk_weights, topk_ids, layer.expert_map, len(layer.gguf_experts), expert_mlp)
+        batched = layer.gguf_batched if not ops.exact_products_requested() else None  # prompt steps: the exact products
+        grouped = batched.run if batched is not None else None
+        return experts_by_group(x, topk_weights, topk_ids, layer.expert_map, len(layer.gguf_experts), expert_mlp, grouped)
+
+
+@dataclass(slots=True)
+class _BatchedExperts:
+    """Every expert's gate/up and down blocks where the platform's block kernel multiplies
+    several matrices in one call (``experts``): a decode step's chosen experts in two calls a
+    layer instead of two per expert."""
+
+    gate_up: Any  # the block kernel of the gate/up blocks
+    gate_up_pointers: torch.Tensor  # [E] int64: each expert's prepared gate/up blocks
+    down: Any
+    down_pointers: torch.Tensor
+    hidden: int
+    intermediate: int
+
+    def run(self, grouped_x: torch.Tensor, counts: list[int]) -> torch.Tensor | None:
+        active = [e for e, count in enumerate(counts) if count]
+        starts = torch.tensor([0, *itertools.accumulate(counts[e] for e in active)], dtype=torch.int64)
+        index = torch.tensor(active, dtype=torch.int64)
+        h = self.gate_up.experts(grouped_x, self.gate_up_pointers[index], starts, 2 * self.intermediate, self.hidden)
+        if h is None:
+            return None
+        gate, up = h.chunk(2, dim=-1)
+        out = self.down.experts(torch.nn.functional.silu(gate) * up, self.down_pointers[index], starts, self.hidden, self.intermediate)
+        return None if out is None else out.to(grouped_x.dtype)
+
+
+def _batched_experts(experts: list[tuple[list, list]]) -> _BatchedExperts | None:
+    """The experts as one batch for the block kernel, where each expert's gate/up and down are
+    one run of blocks each, of one type across the experts, on a kernel that takes batches."""
+    runs = [(gate_up[0], down[0]) for gate_up, down in experts if len(gate_up) == 1 and len(down) == 1]
+    if len(runs) != len(experts) or not all(isinstance(r, _Blocks) and r.kernel is not None for pair in runs for r in pair):
+        return None
+    for side in (0, 1):
+        kinds = {pair[side].blocks.ggml_type for pair in runs}
+        if len(kinds) != 1 or not hasattr(runs[0][side].kernel, "experts"):
+            return None
+    gate_up, down = runs[0]
+    return _BatchedExperts(
+        gate_up.kernel, torch.tensor([pair[0].blocks.data.data_ptr() for pair in runs], dtype=torch.int64),
+        down.kernel, torch.tensor([pair[1].blocks.data.data_ptr() for pair in runs], dtype=torch.int64),
+        hidden=gate_up.blocks.cols, intermediate=down.blocks.cols,
+    )
 
 
 class GGUFMethod(QuantizationMethod):
