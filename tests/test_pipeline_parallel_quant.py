@@ -10,7 +10,7 @@ import pytest
 
 from int4_quantizer import write_int4_checkpoint
 from sonar_models.formats.gguf_blocks import Q8_0
-from sonar_models.formats.gguf_quantize import write_llama_gguf
+from sonar_models.formats.gguf_quantize import write_gguf
 from sonar_models.testing import build_tiny_model
 from tp_compare import assert_same_greedy_run, parallel_and_one_device
 
@@ -39,6 +39,6 @@ def test_fp8_quantized_at_load(tiny: Path) -> None:
 
 def test_gguf_with_a_tied_quantized_head(tmp_path: Path) -> None:
     folder = build_tiny_model("llama", tmp_path / "hf", tie_word_embeddings=True, **SHAPE)
-    write_llama_gguf(folder, tmp_path / "model.gguf", Q8_0, quantize_embedding=True)
+    write_gguf(folder, tmp_path / "model.gguf", Q8_0, quantize_embedding=True)
     expected, got = parallel_and_one_device(str(tmp_path / "model.gguf"), PP2, skip_tokenizer_init=True)
     assert_same_greedy_run(expected, got, BF16_KERNEL_ATOL, near_tie=BF16_NEAR_TIE)

@@ -7,7 +7,6 @@ projections' activations quantized as the scheme says."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from collections import defaultdict
 from pathlib import Path
@@ -95,7 +94,6 @@ def test_a_float_expert_in_an_fp8_checkpoint_is_refused(tmp_path: Path) -> None:
     save_file(tensors, str(quantized / "model.safetensors"))
     with pytest.raises(Exception, match="experts.2.up_proj.weight"):
         LLM(str(quantized), dtype="float32", max_model_len=128, kv_cache_memory_bytes=4 << 20)
-    json.loads((quantized / "config.json").read_text())  # the checkpoint itself is intact
 
 
 def test_expert_parallel_ranks_hold_whole_fp8_experts(tmp_path: Path) -> None:

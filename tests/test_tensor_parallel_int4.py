@@ -16,7 +16,7 @@ from sonar.quantization import building_with
 from sonar.quantization.awq import AWQMethod
 from sonar_models.formats.gguf_blocks import Q4_K, Q6_K, Q8_0, GGUFBlocks
 from sonar_models.formats.gguf_quant import GGUFMethod
-from sonar_models.formats.gguf_quantize import write_llama_gguf
+from sonar_models.formats.gguf_quantize import write_gguf
 from sonar_models.layers import Linear
 from sonar_models.testing import build_tiny_model
 from tp_compare import assert_same_greedy_run, two_ranks_and_one_device
@@ -46,13 +46,13 @@ def test_int4_checkpoint(tiny: Path, tmp_path: Path, variant: dict) -> None:
 def test_gguf_q6_k_blocks(tmp_path: Path) -> None:
     # 256-value blocks: every rank's inputs (256 of o_proj, 512 of down_proj) hold whole ones
     folder = build_tiny_model("llama", tmp_path / "hf", hidden_size=512, intermediate_size=1024, num_attention_heads=4, num_key_value_heads=2)
-    write_llama_gguf(folder, tmp_path / "model.gguf", Q6_K)
+    write_gguf(folder, tmp_path / "model.gguf", Q6_K)
     assert_same_greedy_run(*two_ranks_and_one_device(str(tmp_path / "model.gguf"), skip_tokenizer_init=True), EXACT)
 
 
 def test_gguf_q8_0_tied_head_through_the_int4_kernel(tmp_path: Path) -> None:
     folder = build_tiny_model("llama", tmp_path / "hf", tie_word_embeddings=True, **SHAPE)
-    write_llama_gguf(folder, tmp_path / "model.gguf", Q8_0, quantize_embedding=True)
+    write_gguf(folder, tmp_path / "model.gguf", Q8_0, quantize_embedding=True)
     expected, got = two_ranks_and_one_device(str(tmp_path / "model.gguf"), skip_tokenizer_init=True)
     assert_same_greedy_run(expected, got, BF16_KERNEL_ATOL, near_tie=BF16_NEAR_TIE)
 

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from sonar import LLM, SamplingParams, ops
 from sonar_models.formats.gguf_blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, TYPE_NAMES
 from sonar_models.formats.gguf_quant import BLOCK_KERNEL_MAX_ROWS, DENSE_MIN_ROWS, _Blocks, _Packed
-from sonar_models.formats.gguf_quantize import write_llama_gguf
+from sonar_models.formats.gguf_quantize import write_gguf
 from sonar_models.testing import build_tiny_model, load_sonar_model
 
 TYPES = [Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K]
@@ -54,7 +54,7 @@ def gguf_checkpoint(request, tmp_path_factory) -> tuple[int, Path, Path, dict[st
     root = tmp_path_factory.mktemp(TYPE_NAMES[ggml_type])
     folder = build_tiny_model("llama", root / "hf", tie_word_embeddings=tied, **SHAPE)
     path = root / "model.gguf"
-    stored = write_llama_gguf(folder, path, ggml_type, quantize_embedding=tied)
+    stored = write_gguf(folder, path, ggml_type, quantize_embedding=tied)
     dequantized = root / "dequantized"
     shutil.copytree(folder, dequantized)
     save_file({k: v.contiguous() for k, v in stored.items()}, str(dequantized / "model.safetensors"))

@@ -210,7 +210,6 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     renormalize: bool | None = None  # None: follow config.norm_topk_prob
     round_weights: bool = True
-    _expert_modules: set[str] | None = None  # the names of the StackedExperts modules, found once
 
     def is_sparse_layer(self, config: Any, layer_idx: int) -> bool:
         """Whether layer ``layer_idx`` routes to experts (Qwen's rule: not in
@@ -270,15 +269,13 @@ class MoeForCausalLM(LlamaForCausalLM):
             return None
         param, part = _PARTS[match.group(3)]
         target, tensor = f"{match.group(1)}.{param}", match.group(4)
-        method = self.get_submodule(match.group(1)).method if match.group(1) in self._sparse_experts() else None
+        try:
+            method = self.get_submodule(match.group(1)).method
+        except AttributeError:  # no sparse layer there (a dense layer, another pipeline stage's): refused below
+            method = None
         if tensor not in (method.checkpoint_tensors if method is not None else ("weight",)):
             return None  # the loader reports it as a tensor the model has no place for
         return target, (int(match.group(2)), part) if tensor == "weight" else (int(match.group(2)), part, tensor)
-
-    def _sparse_experts(self) -> set[str]:
-        if self._expert_modules is None:
-            self._expert_modules = {name for name, module in self.named_modules() if isinstance(module, StackedExperts)}
-        return self._expert_modules
 
 
 class Qwen3MoeForCausalLM(MoeForCausalLM):

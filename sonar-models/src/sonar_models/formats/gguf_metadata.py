@@ -159,9 +159,9 @@ def config_from_gguf(reader: Any) -> Any:
     if arch == "phi3":
         extra = _phi3_fields(reader, meta, tensor_names, head_dim, rope_theta)
     elif arch in ("gemma2", "gemma3"):
-        extra = _gemma_fields(meta, arch, common, rope_theta, _rope_scaling(meta, tensor_names, head_dim, rope_theta, reader))
+        extra = _gemma_fields(meta, arch, common, rope_theta, _rope_scaling(meta, tensor_names, head_dim, rope_theta))
     else:
-        extra = dict(rope_theta=rope_theta, rope_scaling=_rope_scaling(meta, tensor_names, head_dim, rope_theta, reader))
+        extra = dict(rope_theta=rope_theta, rope_scaling=_rope_scaling(meta, tensor_names, head_dim, rope_theta))
     if arch in MOE_NORM_TOPK:
         extra.update(_moe_fields(meta, arch))
     config = getattr(transformers, mapping.config_class)(**common, **extra)
@@ -253,12 +253,12 @@ def _float_tensor(reader: Any, name: str) -> torch.Tensor:
     return torch.from_numpy(tensor.data.astype("float32").copy())
 
 
-def _rope_scaling(meta: _Metadata, tensor_names: set[str], head_dim: int, theta: float, reader: Any) -> dict | None:
+def _rope_scaling(meta: _Metadata, tensor_names: set[str], head_dim: int, theta: float) -> dict | None:
     rotary_dim = int(meta("rope.dimension_count", head_dim))
     if rotary_dim != head_dim:
         raise NotImplementedError(f"partial rotary (rope.dimension_count={rotary_dim}, head_dim={head_dim}) in a {meta.arch} GGUF")
     if "rope_freqs.weight" in tensor_names:
-        return _llama3_scaling_from_factors(reader, head_dim, theta)
+        return _llama3_scaling_from_factors(meta.reader, head_dim, theta)
     scaling_type = meta("rope.scaling.type", "none")
     if scaling_type == "none":
         return None

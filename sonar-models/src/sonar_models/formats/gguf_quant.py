@@ -261,13 +261,13 @@ class GGUFExpertsMethod(ExpertsMethod):
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         self.hold_whole_experts(layer, "a GGUF model's experts")
         layer.gguf_dtype = torch.get_default_dtype()
-        layer.gguf_sizes = (num_experts, hidden_size, intermediate_size)
+        layer.gguf_sizes = (hidden_size, intermediate_size)
         layer.gguf_parts = {}
         layer.gguf_experts = [None] * num_experts
         layer.gguf_batched = None
 
     def load_checkpoint_part(self, layer: nn.Module, leaf: str, tensor: Any, part: tuple[int, str, str]) -> None:
-        num_experts, hidden, intermediate = layer.gguf_sizes
+        hidden, intermediate = layer.gguf_sizes
         expert, name, _ = part
         expected = (hidden, intermediate) if name == "down" else (intermediate, hidden)
         if tuple(tensor.shape) != expected:

@@ -233,11 +233,6 @@ def _copy_tokenizer(writer: Any, source: Path, vocab_size: int) -> None:
             writer.add_key_value(key, field.contents(), field.types[0], sub_type)
 
 
-def write_llama_gguf(hf_folder: Path, out_path: Path, ggml_type: int, quantize_embedding: bool = False) -> dict[str, torch.Tensor]:
-    """``write_gguf`` for a Llama folder (the name the tests have always used)."""
-    return write_gguf(hf_folder, out_path, ggml_type, quantize_embedding)
-
-
 def _layer_order(name: str) -> tuple[int, str]:
     match = re.match(r"model\.layers\.(\d+)\.", name)
     return (int(match.group(1)) if match else -1, name)
