@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sonar_cpu import gguf_kernel
-from sonar_models.formats.gguf_blocks import BLOCK_SIZES, Q4_0, Q4_1, Q8_0, GGUFBlocks, dequantize_blocks
+from sonar_models.formats.gguf_blocks import BLOCK_SIZES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, GGUFBlocks, dequantize_blocks
 
 pytestmark = pytest.mark.skipif(gguf_kernel.load() is None, reason="no C compiler or no AVX2/FMA/F16C here")
 
@@ -22,11 +22,13 @@ def random_blocks(ggml_type: int, rows: int, cols: int, generator: torch.Generat
 
 
 def int8_blocks(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the int8 product sees it: rounded to codes in blocks of 32, scale amax / 127."""
-    blocks = x.double().view(x.shape[0], -1, 32)
-    scale = blocks.abs().amax(-1, keepdim=True) / 127
-    codes = torch.where(scale > 0, blocks / scale.clamp_min(1e-300), 0).round()
-    return (codes * scale).view_as(x)
+    """``x`` as the int8 product sees it: rounded to codes in blocks of 32, scale amax / 127
+    (in float32, as the kernel computes them)."""
+    blocks = x.float().view(x.shape[0], -1, 32)
+    top = blocks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(top > 0, torch.full_like(top, 127) / top, 0)  # one rounding, as in C (127 / top rounds twice)
+    codes = (blocks * inverse).round()
+    return (codes.double() * (top / 127).double()).view_as(x)
 
 
 @pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0])
@@ -98,3 +100,75 @@ def test_several_matrices_in_one_call_equal_one_call_each(ggml_type: int) -> Non
             torch.testing.assert_close(out[rows_j], kernels[j](x[rows_j], prepared[j], rows, cols, exact=False), atol=1e-5, rtol=1e-5)
     unprepared = gguf_kernel.GGUFBlockKernel(ggml_type)  # layout 1: not taken
     assert unprepared.experts(x, pointers, starts, rows, cols) is None
+
+
+# -- the K-quants (super-blocks of 256) -------------------------------------------------------
+
+
+def random_k_blocks(ggml_type: int, rows: int, cols: int, generator: torch.Generator) -> GGUFBlocks:
+    """Random codes, scales and minimums (any bytes are valid ones) under small fp16 factors."""
+    values, nbytes = BLOCK_SIZES[ggml_type]
+    nsb = cols // values
+    data = torch.randint(0, 256, (rows, nsb, nbytes), dtype=torch.uint8, generator=generator)
+    half = lambda t: t.half().view(torch.uint8).view(rows, nsb, 2)  # noqa: E731
+    if ggml_type == Q6_K:
+        data[..., 208:210] = half(torch.rand(rows, nsb, generator=generator) * 1e-3)
+    else:
+        data[..., 0:2] = half(torch.rand(rows, nsb, generator=generator) * 1e-3)
+        data[..., 2:4] = half(torch.rand(rows, nsb, generator=generator) * 1e-3)
+    return GGUFBlocks(ggml_type, rows, cols, data.reshape(rows, -1))
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q5_K, Q6_K])
+def test_k_quants_match_the_dequantized_product(ggml_type: int) -> None:
+    generator = torch.Generator().manual_seed(ggml_type)
+    for rows, cols in [(16, 256), (40, 768), (13, 512)]:  # 13 rows: the last group filled with zero rows
+        blocks = random_k_blocks(ggml_type, rows, cols, generator)
+        weight = dequantize_blocks(blocks).double()
+        kernel = gguf_kernel.GGUFBlockKernel(ggml_type)
+        data = kernel.prepare(blocks.data)
+        assert kernel.layout == gguf_kernel.LANES and data.shape[0] == -(-rows // 8) * 8
+        for num_x in [1, 2, 3, 4, 5, 9]:
+            x = torch.randn(num_x, cols, generator=generator)
+            scale = (x.double().abs() @ weight.abs().T).max()
+            out = kernel(x, data, rows, cols, exact=True)
+            assert out.dtype == torch.float32 and out.shape == (num_x, rows)
+            assert ((out.double() - x.double() @ weight.T).abs().max() / scale).item() < 1e-6
+            fast = kernel(x, data, rows, cols, exact=False)
+            assert fast.shape == (num_x, rows)
+            assert ((fast.double() - int8_blocks(x) @ weight.T).abs().max() / scale).item() < 1e-6
+            assert ((fast.double() - x.double() @ weight.T).abs().max() / scale).item() < 1e-2
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q5_K, Q6_K])
+def test_k_quant_rows_come_back_in_the_files_layout(ggml_type: int) -> None:
+    blocks = random_k_blocks(ggml_type, 21, 512, torch.Generator().manual_seed(3))
+    kernel = gguf_kernel.GGUFBlockKernel(ggml_type)
+    data = kernel.prepare(blocks.data)
+    for start, stop in [(0, 21), (5, 11), (8, 16), (20, 21)]:
+        assert torch.equal(kernel.rows_in_order(data, start, stop), blocks.data[start:stop])
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_K, Q5_K, Q6_K])
+def test_several_k_quant_matrices_in_one_call_equal_one_call_each(ggml_type: int) -> None:
+    generator = torch.Generator().manual_seed(ggml_type + 20)
+    rows, cols = 24, 512
+    kernels, prepared = [], []
+    for _ in range(3):
+        kernel = gguf_kernel.GGUFBlockKernel(ggml_type)
+        prepared.append(kernel.prepare(random_k_blocks(ggml_type, rows, cols, generator).data))
+        kernels.append(kernel)
+    for counts in ([1, 1, 1], [2, 6, 1], [5]):
+        starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int64)
+        x = torch.randn(int(starts[-1]), cols, generator=generator)
+        pointers = torch.tensor([p.data_ptr() for p in prepared[: len(counts)]], dtype=torch.int64)
+        out = kernels[0].experts(x, pointers, starts, rows, cols)
+        for j in range(len(counts)):
+            rows_j = slice(int(starts[j]), int(starts[j + 1]))
+            torch.testing.assert_close(out[rows_j], kernels[j](x[rows_j], prepared[j], rows, cols, exact=False), atol=1e-5, rtol=1e-5)
+
+
+def test_a_k_quant_outside_layout_8_is_refused() -> None:
+    blocks = random_k_blocks(Q4_K, 8, 256, torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match="layout 8"):
+        gguf_kernel.gguf_linear(torch.zeros(1, 256), Q4_K, blocks.data, 8, 256, layout=1)

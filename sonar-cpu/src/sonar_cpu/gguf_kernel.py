@@ -1,19 +1,21 @@
-"""Sonar's C kernel for GGUF block products (Q4_0 / Q4_1 / Q8_0), in ``csrc/gguf_gemm.c``
-(built and loaded by ``sonar_cpu.native``).
+"""Sonar's C kernels for GGUF block products: Q4_0 / Q4_1 / Q8_0 in ``csrc/gguf_gemm.c``, the
+K-quants Q4_K / Q5_K / Q6_K in ``csrc/gguf_kquants.c`` (built and loaded by ``sonar_cpu.native``).
 
 It holds two products (:func:`gguf_linear`):
 
 - exact: float32 activations, the blocks decoded in registers; equal to the float product up
   to float32 summation order. Steps that carry prompt tokens run it (``sonar.ops.exact_products``).
-- int8: the activations rounded first to int8 codes in blocks of 32 (a scale per block), then
-  integer dot products against the weight's codes, as llama.cpp runs its CPU products; decode
-  steps run it. The rounding is the only difference from the exact product (about 0.2% of a
+- int8: the activations rounded first to int8 codes in blocks of 32 (a scale per block; 256 for
+  the K-quants, as llama.cpp's Q8_K), then integer dot products against the weight's codes, as
+  llama.cpp runs its CPU products; decode steps run it. The rounding is the only difference from the exact product (about 0.2% of a
   product's scale, less than the bfloat16 rounding of torch's int4 kernel it replaces).
 
 A layer's blocks are placed once (:meth:`GGUFBlockKernel.prepare`) in huge-page memory, laid
 out so that each 256-bit vector holds eight weight rows, one per 32-bit lane (layout 8): a
 block's products for eight rows are then eight integer dot instructions, its scales apply as
-vectors, and a product streams one sequential run of memory per thread.
+vectors, and a product streams one sequential run of memory per thread. The K-quants are laid
+out the same way per super-block of 256 values (their 6-bit scales unpacked to bytes), always in
+layout 8: a matrix whose rows do not come in groups of eight gets zero rows to fill its last.
 ``SONAR_CPU_GGUF_KERNEL=0`` (or ``SONAR_CPU_KERNELS=0``) leaves GGUF layers to their torch paths.
 """
 
@@ -28,9 +30,11 @@ from sonar_cpu.huge_pages import copy_to_huge_pages
 from sonar_cpu.native import load
 
 SWITCH_ENV = "SONAR_CPU_GGUF_KERNEL"  # "0": GGUF layers run their torch paths
-Q4_0, Q4_1, Q8_0 = 2, 3, 8  # GGUF type ids
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14  # GGUF type ids
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # bytes per block of 32 values
-TYPES = tuple(BLOCK_BYTES)
+K_BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}  # bytes per super-block of 256 values, in the file
+K_LANES_BYTES = {Q4_K: 148, Q5_K: 180, Q6_K: 210}  # the same in layout 8, per row (scales unpacked)
+TYPES = (*BLOCK_BYTES, *K_BLOCK_BYTES)
 LANES = 8  # rows per group of the kernel's layout 8 (one row per 32-bit lane of a 256-bit vector)
 _scratch = threading.local()
 
@@ -78,13 +82,92 @@ def rows_from_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return blocks.transpose(1, 2).reshape(rows, row_bytes)
 
 
+def _chunks(run: torch.Tensor) -> torch.Tensor:
+    """``[G, nsb, 8, n]`` bytes of eight rows as vectors of four bytes per row: ``[G, nsb, 8 n]``."""
+    groups, nsb, lanes, n = run.shape
+    return run.reshape(groups, nsb, lanes, n // 4, 4).transpose(2, 3).reshape(groups, nsb, lanes * n)
+
+
+def _unchunk(run: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of :func:`_chunks`: ``[G, nsb, 8 n]`` -> ``[G, nsb, 8, n]``."""
+    groups, nsb = run.shape[:2]
+    return run.reshape(groups, nsb, n // 4, LANES, 4).transpose(2, 3).reshape(groups, nsb, LANES, n)
+
+
+def _across_rows(field: torch.Tensor) -> torch.Tensor:
+    """``[G, nsb, 8 rows, k]`` -> ``[G, nsb, k * 8]``: entry ``i`` of every row, then ``i + 1``."""
+    return field.transpose(2, 3).reshape(*field.shape[:2], -1)
+
+
+def _per_row(field: torch.Tensor, k: int) -> torch.Tensor:
+    return field.reshape(*field.shape[:2], k, LANES).transpose(2, 3)
+
+
+def _unpack_k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K / Q5_K: 12 bytes -> 8 six-bit scales and 8 six-bit minimums (uint8)."""
+    low_sc, low_m = packed[..., 0:4] & 63, packed[..., 4:8] & 63
+    high_sc = (packed[..., 8:12] & 0x0F) | ((packed[..., 0:4] >> 6) << 4)
+    high_m = (packed[..., 8:12] >> 4) | ((packed[..., 4:8] >> 6) << 4)
+    return torch.cat([low_sc, high_sc], -1), torch.cat([low_m, high_m], -1)
+
+
+def _pack_k_scales(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_unpack_k_scales`."""
+    low = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
+    mid = m[..., :4] | ((m[..., 4:] >> 4) << 6)
+    return torch.cat([low, mid, (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], -1)
+
+
+def k_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """Q4_K / Q5_K / Q6_K super-blocks ``[rows, row_bytes]`` (``rows`` a multiple of 8) in the
+    K-quant kernel's layout 8 (``csrc/gguf_kquants.c`` says how): ``[rows, K_LANES_BYTES * nsb]``."""
+    rows, row_bytes = data.shape
+    nsb = row_bytes // K_BLOCK_BYTES[ggml_type]
+    b = data.reshape(rows // LANES, LANES, nsb, K_BLOCK_BYTES[ggml_type]).transpose(1, 2)  # [G, nsb, 8, block]
+    if ggml_type == Q6_K:
+        ql, qh, sc, d = b[..., 0:128], b[..., 128:192], b[..., 192:208], b[..., 208:210]
+        parts = [d.reshape(*b.shape[:2], -1), _across_rows(sc)]
+        for half in range(2):
+            parts += [_chunks(ql[..., 64 * half : 64 * half + 64]), _chunks(qh[..., 32 * half : 32 * half + 32])]
+    else:
+        sc, m = _unpack_k_scales(b[..., 4:16])
+        parts = [b[..., 0:2].reshape(*b.shape[:2], -1), b[..., 2:4].reshape(*b.shape[:2], -1), _across_rows(sc), _across_rows(m)]
+        if ggml_type == Q5_K:
+            parts.append(_chunks(b[..., 16:48]))
+        parts.append(_chunks(b[..., -128:]))
+    return torch.cat(parts, dim=-1).reshape(rows, nsb * K_LANES_BYTES[ggml_type])
+
+
+def rows_from_k_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The inverse of :func:`k_lanes_layout` for whole groups of eight rows."""
+    rows = data.shape[0]
+    nsb = data.shape[1] // K_LANES_BYTES[ggml_type]
+    g = data.reshape(rows // LANES, nsb, LANES * K_LANES_BYTES[ggml_type])
+    if ggml_type == Q6_K:
+        d = g[..., 0:16].reshape(*g.shape[:2], LANES, 2)
+        sc = _per_row(g[..., 16:144], 16)
+        halves = [g[..., 144 + 768 * half : 144 + 768 * (half + 1)] for half in range(2)]
+        ql = torch.cat([_unchunk(h[..., 0:512], 64) for h in halves], -1)
+        qh = torch.cat([_unchunk(h[..., 512:768], 32) for h in halves], -1)
+        blocks = torch.cat([ql, qh, sc, d], -1)
+    else:
+        d, dmin = g[..., 0:16].reshape(*g.shape[:2], LANES, 2), g[..., 16:32].reshape(*g.shape[:2], LANES, 2)
+        fields = [d, dmin, _pack_k_scales(_per_row(g[..., 32:96], 8), _per_row(g[..., 96:160], 8))]
+        if ggml_type == Q5_K:
+            fields.append(_unchunk(g[..., 160:416], 32))
+        fields.append(_unchunk(g[..., -1024:], 128))
+        blocks = torch.cat(fields, -1)
+    return blocks.transpose(1, 2).reshape(rows, nsb * K_BLOCK_BYTES[ggml_type])
+
+
 def gguf_linear(
     x: torch.Tensor, ggml_type: int, data: torch.Tensor, rows: int, cols: int, exact: bool = True, layout: int = 1
 ) -> torch.Tensor:
     """``x [..., cols] @ w.T`` for ``w`` the ``[rows, cols]`` GGUF blocks ``data`` (uint8, as
-    stored, or laid out by :func:`lanes_layout` with ``layout`` 8), in float32;
-    ``exact=False`` rounds the activations to int8 blocks first (the fast product). Needs
-    :func:`load` to have answered a library."""
+    stored, or laid out by :func:`lanes_layout` with ``layout`` 8; K-quants only laid out by
+    :func:`k_lanes_layout`, ``rows`` a multiple of 8), in float32; ``exact=False`` rounds the
+    activations to int8 blocks first (the fast product). Needs :func:`load` to have answered a
+    library."""
     library = load()
     flat = x.reshape(-1, cols)
     if flat.dtype != torch.float32 or not flat.is_contiguous():
@@ -92,14 +175,22 @@ def gguf_linear(
     num_x = flat.shape[0]
     out = torch.empty(num_x, rows, dtype=torch.float32)
     threads = torch.get_num_threads()
-    scratch = _scratch_buffer(library.gguf_q8_scratch_bytes(cols, num_x))
-    product = library.gguf_linear if exact else library.gguf_linear_q8
-    code = product(ggml_type, data.data_ptr(), layout, rows, cols, flat.data_ptr(), num_x, out.data_ptr(), threads, scratch.data_ptr())
-    if code:
-        raise ValueError(
-            f"the GGUF C kernel takes Q4_0/Q4_1/Q8_0 with columns a multiple of 32 (and rows a multiple of {LANES} "
-            f"in layout {LANES}), not type {ggml_type}, {rows} x {cols}, layout {layout}"
+    if ggml_type in K_BLOCK_BYTES:
+        scratch = _scratch_buffer(library.gguf_k_scratch_bytes(cols, num_x))
+        code = layout != LANES or library.gguf_k_linear(
+            ggml_type, data.data_ptr(), rows, cols, flat.data_ptr(), num_x, out.data_ptr(), threads, scratch.data_ptr(), int(exact)
         )
+        if code:
+            raise ValueError(f"the GGUF C kernel takes K-quants in layout {LANES} with rows a multiple of {LANES} and columns of 256, not type {ggml_type}, {rows} x {cols}, layout {layout}")
+    else:
+        scratch = _scratch_buffer(library.gguf_q8_scratch_bytes(cols, num_x))
+        product = library.gguf_linear if exact else library.gguf_linear_q8
+        code = product(ggml_type, data.data_ptr(), layout, rows, cols, flat.data_ptr(), num_x, out.data_ptr(), threads, scratch.data_ptr())
+        if code:
+            raise ValueError(
+                f"the GGUF C kernel takes Q4_0/Q4_1/Q8_0 with columns a multiple of 32 (and rows a multiple of {LANES} "
+                f"in layout {LANES}), not type {ggml_type}, {rows} x {cols}, layout {layout}"
+            )
     out = out.reshape(*x.shape[:-1], rows)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
 
@@ -115,13 +206,16 @@ def gguf_linear_experts(
     flat = x if x.dtype == torch.float32 and x.is_contiguous() else x.to(torch.float32).contiguous()
     num_x = flat.shape[0]
     out = torch.empty(num_x, rows, dtype=torch.float32)
-    scratch = _scratch_buffer(library.gguf_q8_scratch_bytes(cols, num_x))
-    code = library.gguf_linear_q8_experts(
+    k_quant = ggml_type in K_BLOCK_BYTES
+    scratch = _scratch_buffer((library.gguf_k_scratch_bytes if k_quant else library.gguf_q8_scratch_bytes)(cols, num_x))
+    product = library.gguf_k_linear_experts if k_quant else library.gguf_linear_q8_experts
+    code = product(
         ggml_type, pointers.data_ptr(), pointers.numel(), starts.data_ptr(), rows, cols, flat.data_ptr(), out.data_ptr(),
         torch.get_num_threads(), scratch.data_ptr(),
     )
     if code:
-        raise ValueError(f"the GGUF C kernel takes Q4_0/Q4_1/Q8_0 experts of rows a multiple of {LANES} and columns of 32, not type {ggml_type}, {rows} x {cols}")
+        width = 256 if k_quant else 32
+        raise ValueError(f"the GGUF C kernel takes experts of rows a multiple of {LANES} and columns of {width}, not type {ggml_type}, {rows} x {cols}")
     return out
 
 
@@ -129,15 +223,22 @@ class GGUFBlockKernel:
     """The ``gguf_block_kernel`` operation's answer for one layer's blocks of one type.
 
     ``prepare(data)`` places the blocks where and how the kernel reads them fastest (huge
-    pages; layout 8 where the rows come in groups of eight), ``kernel(x, data, rows, cols,
-    exact)`` multiplies by what ``prepare`` returned, and ``rows_in_order(data, start, stop)``
-    gives rows ``[start, stop)`` back in the file's layout (for callers that dequantize them)."""
+    pages; layout 8 where the rows come in groups of eight, and always for the K-quants, whose
+    last group is filled with zero rows), ``kernel(x, data, rows, cols, exact)`` multiplies by
+    what ``prepare`` returned, and ``rows_in_order(data, start, stop)`` gives rows
+    ``[start, stop)`` back in the file's layout (for callers that dequantize them)."""
 
     def __init__(self, ggml_type: int) -> None:
         self.ggml_type = ggml_type
+        self.k_quant = ggml_type in K_BLOCK_BYTES
         self.layout = 1
 
     def prepare(self, data: torch.Tensor) -> torch.Tensor:
+        if self.k_quant:
+            self.layout = LANES
+            if data.shape[0] % LANES:  # zero blocks: d = 0, so the filled rows' products are 0
+                data = torch.cat([data, data.new_zeros(LANES - data.shape[0] % LANES, data.shape[1])])
+            return copy_to_huge_pages(k_lanes_layout(data, self.ggml_type).contiguous())
         self.layout = LANES if data.shape[0] % LANES == 0 else 1
         laid_out = lanes_layout(data, self.ggml_type) if self.layout == LANES else data
         return copy_to_huge_pages(laid_out.contiguous())
@@ -146,15 +247,19 @@ class GGUFBlockKernel:
         if self.layout == 1:
             return data[start:stop]
         first, last = start - start % LANES, -(-stop // LANES) * LANES
-        return rows_from_lanes_layout(data[first:last], self.ggml_type)[start - first : stop - first]
+        unlay = rows_from_k_lanes_layout if self.k_quant else rows_from_lanes_layout
+        return unlay(data[first:last], self.ggml_type)[start - first : stop - first]
 
     def __call__(self, x: torch.Tensor, data: torch.Tensor, rows: int, cols: int, exact: bool = True) -> torch.Tensor:
+        if self.k_quant and data.shape[0] != rows:  # the rows filled up to a group of eight
+            return gguf_linear(x, self.ggml_type, data, data.shape[0], cols, exact, self.layout)[..., :rows]
         return gguf_linear(x, self.ggml_type, data, rows, cols, exact, self.layout)
 
     def experts(self, x: torch.Tensor, pointers: torch.Tensor, starts: torch.Tensor, rows: int, cols: int) -> torch.Tensor | None:
         """The int8 product of several prepared matrices of this type at once
-        (:func:`gguf_linear_experts`); None where they are not in layout 8."""
-        if self.layout != LANES:
+        (:func:`gguf_linear_experts`); None where they are not in layout 8 or their rows were
+        filled up."""
+        if self.layout != LANES or rows % LANES:
             return None
         return gguf_linear_experts(x, self.ggml_type, pointers, starts, rows, cols)
 

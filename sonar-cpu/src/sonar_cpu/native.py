@@ -26,6 +26,7 @@ import torch  # noqa: F401  (loaded before the library, so that the library bind
 logger = logging.getLogger(__name__)
 
 SOURCES = sorted((Path(__file__).parent / "csrc").glob("*.c"))
+HEADERS = sorted((Path(__file__).parent / "csrc").glob("*.h"))
 SWITCH_ENV = "SONAR_CPU_KERNELS"  # "0": no C kernels
 CACHE_ENV = "SONAR_CPU_KERNEL_CACHE"
 REQUIRED_FLAGS = {"avx2", "fma", "f16c"}
@@ -80,7 +81,7 @@ def _build() -> ctypes.CDLL | None:
         logger.info("CPU C kernels off: no C compiler (gcc or cc) on PATH; torch runs every operation")
         return None
     # the build depends on the source and on the instruction sets of the host it targets
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join(sorted(cpu_flags)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS)) + " ".join(sorted(cpu_flags)).encode()).hexdigest()[:16]
     cache = _cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     complaint = None
@@ -101,6 +102,12 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     library.gguf_linear_q8_experts.argtypes = [integer, pointer, integer, pointer, size, size, pointer, pointer, integer, pointer]
     library.gguf_q8_scratch_bytes.restype = size
     library.gguf_q8_scratch_bytes.argtypes = [size, size]
+    library.gguf_k_linear.restype = integer
+    library.gguf_k_linear.argtypes = [integer, pointer, size, size, pointer, size, pointer, integer, pointer, integer]
+    library.gguf_k_linear_experts.restype = integer
+    library.gguf_k_linear_experts.argtypes = [integer, pointer, integer, pointer, size, size, pointer, pointer, integer, pointer]
+    library.gguf_k_scratch_bytes.restype = size
+    library.gguf_k_scratch_bytes.argtypes = [size, size]
     library.paged_decode_attention.restype = integer
     library.paged_decode_attention.argtypes = [
         pointer, pointer, size, integer, integer, integer, integer, pointer, size, pointer, size, integer, ctypes.c_float,

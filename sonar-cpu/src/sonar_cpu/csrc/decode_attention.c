@@ -5,11 +5,11 @@
  * The cache is [2, num_blocks, block_size, num_kv_heads, head_dim]: keys, then values. Work
  * is split over OpenMP threads by (sequence, query head). Softmax is the usual max-shifted
  * one, in float32, with a vectorized exp accurate to a few ulps. */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <omp.h>
+
+#include "simd.h"
 
 /* exp(x) for eight floats (Cody-Waite reduction by ln 2, a degree-6 polynomial, 2^n by the
  * exponent bits); inputs below -87 give 0 */
@@ -30,13 +30,6 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
-}
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
 }
 
 static inline float dot(const float *a, const float *b, int n) {

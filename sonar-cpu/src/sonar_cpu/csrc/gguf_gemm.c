@@ -16,28 +16,15 @@
  * Both split the weight's rows over OpenMP threads. Compiled with -fopenmp, the library binds
  * to the OpenMP runtime already loaded in the process (torch's), so its threads are torch's:
  * nothing contends with torch's own parallel regions. */
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
 #include <math.h>
 #include <omp.h>
+
+#include "simd.h"
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, MAX_ROWS = 8, ROW_ALIGN = 8 };
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 1024
 #endif
-
-static inline float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-static inline float f16(const uint8_t *p) {
-    uint16_t h; memcpy(&h, p, 2);
-    return _cvtsh_ss(h);
-}
 
 static inline int block_bytes(int type) { return type == Q4_0 ? 18 : type == Q4_1 ? 20 : 34; }
 
@@ -170,17 +157,6 @@ static void quantize_row(const float *x, int64_t cols, int8_t *codes, float *sca
         _mm256_storeu_si256((__m256i *)(codes + b * 32), bytes);
         scale[b] = d;
     }
-}
-
-/* eight int32 lanes of sum(u[i] * s[i]) for 32 unsigned bytes u and 32 signed bytes s */
-static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
-#if defined(__AVXVNNI__)
-    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
-#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
-#else
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-#endif
 }
 
 /* the 32 codes of a 4-bit block as unsigned bytes in order: low nibbles are values 0..15 */
