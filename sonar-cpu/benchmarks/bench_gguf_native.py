@@ -12,6 +12,11 @@ average before and after (the figures are only comparable at a low load).
 (``MOE_SHAPE``: 64 experts, 8 chosen, in 8 layers; written by Sonar's GGUF writer as llama.cpp
 lays the file out, with SmolLM2's tokenizer): a mixture-of-experts layer's experts kept in
 their blocks, against llama.cpp on the same file.
+
+``--k-quant q4_k_m|q5_k_m|q4_k|q5_k|q6_k`` runs it on a Llama-shaped model with random weights
+(``K_QUANT_SHAPE``: about 280M parameters, widths multiples of 256) in K-quant super-blocks, the
+``_m`` names in llama.cpp's mixed recipes (Q6_K for the head and some value and down
+projections).
 """
 
 from __future__ import annotations
@@ -28,6 +33,28 @@ MOE_SHAPE = dict(
     hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_hidden_layers=8, intermediate_size=2048,
     num_experts=64, num_experts_per_tok=8, moe_intermediate_size=256, mlp_only_layers=[], initializer_range=0.02,
 )
+
+
+#: a Llama layer whose widths K-quants take (multiples of 256): about 280M parameters
+K_QUANT_SHAPE = dict(
+    hidden_size=1024, num_attention_heads=16, num_key_value_heads=4, head_dim=64, num_hidden_layers=16, intermediate_size=2816,
+    initializer_range=0.02, tie_word_embeddings=False,
+)
+
+
+def write_k_quant_gguf(folder: str, kind: str) -> str:
+    """A Llama-shaped GGUF (``K_QUANT_SHAPE``, random weights) in ``kind`` under ``folder``."""
+    from pathlib import Path
+
+    from sonar_models.formats.gguf_blocks import Q4_K, Q5_K, Q6_K
+    from sonar_models.formats.gguf_quantize import write_gguf
+    from sonar_models.testing import build_tiny_model, smollm2_gguf_path
+
+    hf = build_tiny_model("llama", Path(folder) / "hf", **K_QUANT_SHAPE)
+    path = Path(folder) / f"llama-{kind}.gguf"
+    recipe = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}[kind]
+    write_gguf(hf, path, recipe, tokenizer_from=smollm2_gguf_path())
+    return str(path)
 
 
 def write_moe_gguf(folder: str, kind: str) -> str:
@@ -133,13 +160,22 @@ def main() -> None:
         "but fault in it, as llama-cpp-python 0.3.36 does on some virtual machines",
     )
     parser.add_argument("--moe", choices=["q8_0", "q4_0"], help="a Qwen3-MoE-shaped model with random weights in these blocks instead")
+    parser.add_argument(
+        "--k-quant", choices=["q4_k_m", "q5_k_m", "q4_k", "q5_k", "q6_k"],
+        help="a Llama-shaped model with random weights in these K-quant blocks (or llama.cpp's mixed recipe) instead",
+    )
     args = parser.parse_args()
     import tempfile
 
     from sonar_models.testing import smollm2_gguf_path
 
     threads = int(os.environ.get("SONAR_CPU_THREADS", "2"))
-    path = write_moe_gguf(tempfile.mkdtemp(), args.moe) if args.moe else str(smollm2_gguf_path())
+    if args.moe:
+        path = write_moe_gguf(tempfile.mkdtemp(), args.moe)
+    elif args.k_quant:
+        path = write_k_quant_gguf(tempfile.mkdtemp(), args.k_quant)
+    else:
+        path = str(smollm2_gguf_path())
     requests = workload()
     load_before = os.getloadavg()[0]  # the host's 1-minute load: other work on the same cores
     results: dict[str, dict[str, float]] = {}
@@ -163,7 +199,7 @@ def main() -> None:
         ratios["mixed_vs_transformers"] = round(
             results["sonar_native"]["mixed_tok_s"] / results["transformers_batched"]["mixed_tok_s"], 2
         )
-    model = f"qwen3-moe-shaped {args.moe}" if args.moe else "SmolLM2-135M-Instruct"
+    model = f"qwen3-moe-shaped {args.moe}" if args.moe else f"llama-shaped {args.k_quant}" if args.k_quant else "SmolLM2-135M-Instruct"
     print(json.dumps({"model": model, "threads": threads, "requests": len(requests), "load_average_before_after": load, **results, **ratios}))
 
 

@@ -105,12 +105,34 @@ def permute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, 2, rows // num_heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+#: llama.cpp's mixed recipes by name: most tensors in the first type, the output head and, on
+#: the layers ``more_bits_layer`` picks, attention's value projection and the feed-forward's
+#: down projection (experts too) in the second
+MIXTURES = {"Q4_K_M": (Q4_K, Q6_K), "Q5_K_M": (Q5_K, Q6_K)}
+
+
+def more_bits_layer(layer: int, num_layers: int) -> bool:
+    """The layers llama.cpp's ``_M`` recipes give more bits: the first and last eighth, and
+    every third between."""
+    return layer < num_layers // 8 or layer >= 7 * num_layers // 8 or (layer - num_layers // 8) % 3 == 2
+
+
+def mixture_type(recipe: str, gguf_name: str, num_layers: int) -> int:
+    """The block type ``recipe`` (a ``MIXTURES`` name) gives the tensor ``gguf_name``."""
+    base, more = MIXTURES[recipe]
+    if gguf_name == "output.weight":
+        return more
+    match = re.fullmatch(r"blk\.(\d+)\.(attn_v|ffn_down|ffn_down_exps)\.weight", gguf_name)
+    return more if match and more_bits_layer(int(match.group(1)), num_layers) else base
+
+
 def write_gguf(
-    hf_folder: Path, out_path: Path, ggml_type: int, quantize_embedding: bool = False, tokenizer_from: Path | None = None,
+    hf_folder: Path, out_path: Path, ggml_type: int | str, quantize_embedding: bool = False, tokenizer_from: Path | None = None,
 ) -> dict[str, torch.Tensor]:
     """Write the model in ``hf_folder`` (an architecture of ``GGUF_ARCHITECTURES``) as a GGUF file
     laid out as llama.cpp's converter lays it out, its projections (and ``output.weight``, and
-    with ``quantize_embedding`` ``token_embd``) in ``ggml_type``; returns the weights as the file
+    with ``quantize_embedding`` ``token_embd``) in ``ggml_type`` (a type id, or the name of one of
+    llama.cpp's mixed recipes, ``MIXTURES``, for a type per tensor); returns the weights as the file
     holds them, decoded, under the folder's own tensor names (for a transformers oracle). A
     config the format cannot state as llama.cpp reads it is refused. ``tokenizer_from``: a GGUF
     file whose tokenizer (every ``tokenizer.*`` field) the new file carries, for a vocabulary of
@@ -155,7 +177,11 @@ def write_gguf(
         writer.add_sliding_window(config.sliding_window)
     as_stored: dict[str, torch.Tensor] = {}
 
+    def block_type(gguf_name: str) -> int:
+        return mixture_type(ggml_type, gguf_name, config.num_hidden_layers) if isinstance(ggml_type, str) else ggml_type
+
     def add(gguf_name: str, hf: str, kind: int | None, rotary_heads: int | None = None) -> None:
+        kind = None if kind is None else block_type(gguf_name)
         value = tensors[hf].float().numpy()
         if mapping.norm_shift and hf.endswith("norm.weight"):
             stored = (value + mapping.norm_shift).astype(np.float32)
@@ -191,14 +217,15 @@ def write_gguf(
     for (layer, projection), names in sorted(experts.items(), key=lambda item: (int(item[0][0]), item[0][1])):
         ordered = [names[e] for e in range(len(names))]
         stack = np.stack([tensors[name].float().numpy() for name in ordered])  # [E, rows, cols]
-        if ggml_type not in BLOCK_SIZES:
+        kind = block_type(f"blk.{layer}.ffn_{projection}_exps.weight")
+        if kind not in BLOCK_SIZES:
             writer.add_tensor(f"blk.{layer}.ffn_{projection}_exps.weight", stack.astype(np.float32))
             as_stored.update({name: torch.from_numpy(stack[expert].copy()) for expert, name in enumerate(ordered)})
             continue
-        blocks = quantize(stack.reshape(-1, stack.shape[-1]), ggml_type)
+        blocks = quantize(stack.reshape(-1, stack.shape[-1]), kind)
         blocks = blocks.reshape(stack.shape[0], stack.shape[1], -1)
-        writer.add_tensor(f"blk.{layer}.ffn_{projection}_exps.weight", blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType(ggml_type))
-        decoded = dequantize(blocks.reshape(-1, blocks.shape[-1]), ggml_type, (stack.shape[0] * stack.shape[1], stack.shape[2]))
+        writer.add_tensor(f"blk.{layer}.ffn_{projection}_exps.weight", blocks, raw_shape=blocks.shape, raw_dtype=gguf.GGMLQuantizationType(kind))
+        decoded = dequantize(blocks.reshape(-1, blocks.shape[-1]), kind, (stack.shape[0] * stack.shape[1], stack.shape[2]))
         for expert, name in enumerate(ordered):
             as_stored[name] = torch.from_numpy(decoded.reshape(stack.shape)[expert].copy())
     for hf in sorted(tensors, key=_layer_order):
