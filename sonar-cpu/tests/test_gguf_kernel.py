@@ -79,16 +79,17 @@ def test_refuses_a_width_not_a_multiple_of_32() -> None:
         gguf_kernel.gguf_linear(torch.zeros(1, 40), Q8_0, torch.zeros(1, 34, dtype=torch.uint8), 1, 40)
 
 
-@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0])
+@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K])
 def test_several_matrices_in_one_call_equal_one_call_each(ggml_type: int) -> None:
     """A mixture-of-experts layer's chosen experts, each over its own rows, in one call
     (``gguf_linear_experts``): as many ``exact=False`` calls, one per matrix, give the same."""
     generator = torch.Generator().manual_seed(ggml_type + 10)
-    rows, cols = 48, 96
+    k_quant = ggml_type in (Q4_K, Q5_K, Q6_K)
+    rows, cols = (24, 512) if k_quant else (48, 96)
     kernels, prepared = [], []
     for _ in range(4):
         kernel = gguf_kernel.GGUFBlockKernel(ggml_type)
-        prepared.append(kernel.prepare(random_blocks(ggml_type, rows, cols, generator).data))
+        prepared.append(kernel.prepare((random_k_blocks if k_quant else random_blocks)(ggml_type, rows, cols, generator).data))
         kernels.append(kernel)
     for counts in ([1, 1, 1, 1], [2, 5, 1, 9], [3], [0 + 1, 7]):  # rows per matrix (matrices 0.. in use)
         starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int64)
@@ -98,8 +99,9 @@ def test_several_matrices_in_one_call_equal_one_call_each(ggml_type: int) -> Non
         for j in range(len(counts)):
             rows_j = slice(int(starts[j]), int(starts[j + 1]))
             torch.testing.assert_close(out[rows_j], kernels[j](x[rows_j], prepared[j], rows, cols, exact=False), atol=1e-5, rtol=1e-5)
-    unprepared = gguf_kernel.GGUFBlockKernel(ggml_type)  # layout 1: not taken
-    assert unprepared.experts(x, pointers, starts, rows, cols) is None
+    if not k_quant:  # the K-quants are always laid out for the kernel
+        unprepared = gguf_kernel.GGUFBlockKernel(ggml_type)  # layout 1: not taken
+        assert unprepared.experts(x, pointers, starts, rows, cols) is None
 
 
 # -- the K-quants (super-blocks of 256) -------------------------------------------------------
@@ -147,25 +149,6 @@ def test_k_quant_rows_come_back_in_the_files_layout(ggml_type: int) -> None:
     data = kernel.prepare(blocks.data)
     for start, stop in [(0, 21), (5, 11), (8, 16), (20, 21)]:
         assert torch.equal(kernel.rows_in_order(data, start, stop), blocks.data[start:stop])
-
-
-@pytest.mark.parametrize("ggml_type", [Q4_K, Q5_K, Q6_K])
-def test_several_k_quant_matrices_in_one_call_equal_one_call_each(ggml_type: int) -> None:
-    generator = torch.Generator().manual_seed(ggml_type + 20)
-    rows, cols = 24, 512
-    kernels, prepared = [], []
-    for _ in range(3):
-        kernel = gguf_kernel.GGUFBlockKernel(ggml_type)
-        prepared.append(kernel.prepare(random_k_blocks(ggml_type, rows, cols, generator).data))
-        kernels.append(kernel)
-    for counts in ([1, 1, 1], [2, 6, 1], [5]):
-        starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int64)
-        x = torch.randn(int(starts[-1]), cols, generator=generator)
-        pointers = torch.tensor([p.data_ptr() for p in prepared[: len(counts)]], dtype=torch.int64)
-        out = kernels[0].experts(x, pointers, starts, rows, cols)
-        for j in range(len(counts)):
-            rows_j = slice(int(starts[j]), int(starts[j + 1]))
-            torch.testing.assert_close(out[rows_j], kernels[j](x[rows_j], prepared[j], rows, cols, exact=False), atol=1e-5, rtol=1e-5)
 
 
 def test_a_k_quant_outside_layout_8_is_refused() -> None:

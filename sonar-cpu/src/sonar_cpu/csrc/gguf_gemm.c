@@ -127,35 +127,10 @@ int gguf_linear(int type, const uint8_t *w, int layout, int64_t rows, int64_t co
 /* the activations of one row as int8 codes in blocks of 32: x ~ scale[b] * codes[b * 32 + i];
  * sums[b] = sum of the block's codes */
 static void quantize_row(const float *x, int64_t cols, int8_t *codes, float *scale, int32_t *sums) {
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
     for (int64_t b = 0; b < cols / 32; b++) {
-        const float *xb = x + b * 32;
-        __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(xb + 8 * i);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
-        }
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        float top = _mm_cvtss_f32(m);
-        float d = top / 127.0f;
-        __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-        __m256i q[4];
-        for (int i = 0; i < 4; i++)
-            q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        __m256i total = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-        __m128i t = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
-        t = _mm_hadd_epi32(t, t);
-        t = _mm_hadd_epi32(t, t);
-        sums[b] = _mm_cvtsi128_si32(t);
-        /* int32 -> int16 -> int8, then undo the lane interleaving of the two packs */
-        __m256i s01 = _mm256_packs_epi32(q[0], q[1]), s23 = _mm256_packs_epi32(q[2], q[3]);
-        __m256i bytes = _mm256_packs_epi16(s01, s23);
-        bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(codes + b * 32), bytes);
-        scale[b] = d;
+        int32_t halves[2];
+        scale[b] = quantize_block32(x + b * 32, codes + b * 32, halves);
+        sums[b] = halves[0] + halves[1];
     }
 }
 

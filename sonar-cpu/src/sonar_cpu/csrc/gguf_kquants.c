@@ -178,36 +178,7 @@ static void k_lanes_exact(int type, const uint8_t *w, int64_t nsb, const float *
 /* one activation row as int8 codes in blocks of 32: x ~ scale[j] * codes[32 j + i] (scale
  * amax / 127); sums[j] = sum of codes 16 j .. 16 j + 15 */
 static void k_quantize_row(const float *x, int64_t cols, int8_t *codes, float *scale, int32_t *sums) {
-    const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-    for (int64_t j = 0; j < cols / 32; j++) {
-        const float *xb = x + 32 * j;
-        __m256 v[4];
-        __m256 amax = _mm256_setzero_ps();
-        for (int i = 0; i < 4; i++) {
-            v[i] = _mm256_loadu_ps(xb + 8 * i);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
-        }
-        __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-        m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        m = _mm_max_ss(m, _mm_movehdup_ps(m));
-        float top = _mm_cvtss_f32(m);
-        __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
-        __m256i q[4];
-        for (int i = 0; i < 4; i++)
-            q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], inv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-        for (int half = 0; half < 2; half++) {
-            __m256i s = _mm256_add_epi32(q[2 * half], q[2 * half + 1]);
-            __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
-            t = _mm_hadd_epi32(t, t);
-            t = _mm_hadd_epi32(t, t);
-            sums[2 * j + half] = _mm_cvtsi128_si32(t);
-        }
-        /* int32 -> int16 -> int8, then undo the lane interleaving of the two packs */
-        __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-        bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(codes + 32 * j), bytes);
-        scale[j] = top / 127.0f;
-    }
+    for (int64_t j = 0; j < cols / 32; j++) scale[j] = quantize_block32(x + 32 * j, codes + 32 * j, sums + 2 * j);
 }
 
 /* sums of 16 floats at a time: out[j] = x[16 j] + ... + x[16 j + 15] */
