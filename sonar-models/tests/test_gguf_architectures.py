@@ -53,13 +53,23 @@ def cpu_kernels():
     ops.unregister_ops("cpu")
 
 
-@pytest.fixture(scope="module", params=[(arch, kind) for arch in ARCHS for kind in (Q8_0, Q4_0)],
-                ids=lambda p: f"{p[0]}-{TYPE_NAMES[p[1]]}")
+#: widths K-quants take (multiples of 256), for the mixture-of-experts file in llama.cpp's Q4_K_M
+#: recipe (Q4_K experts; the second layer's down projections, and the head, in Q6_K)
+K_QUANT_SHAPE = dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64)
+CHECKPOINTS = [(arch, kind) for arch in ARCHS for kind in (Q8_0, Q4_0)] + [("qwen3_moe", "Q4_K_M")]
+
+
+def _kind_name(kind: int | str) -> str:
+    return kind if isinstance(kind, str) else TYPE_NAMES[kind]
+
+
+@pytest.fixture(scope="module", params=CHECKPOINTS, ids=lambda p: f"{p[0]}-{_kind_name(p[1])}")
 def checkpoint(request, tmp_path_factory) -> tuple[str, Path, Path, Path]:
     """``(arch, original folder, .gguf file, folder of the weights as the file holds them)``."""
     arch, kind = request.param
-    root = tmp_path_factory.mktemp(f"{arch}-{TYPE_NAMES[kind]}")
-    folder = build_tiny_model(arch, root / "hf", **ARCHS[arch])
+    root = tmp_path_factory.mktemp(f"{arch}-{_kind_name(kind)}")
+    shape = K_QUANT_SHAPE if isinstance(kind, str) else {}
+    folder = build_tiny_model(arch, root / "hf", **{**ARCHS[arch], **shape})
     path = root / "model.gguf"
     stored = write_gguf(folder, path, kind, quantize_embedding=kind == Q8_0)  # Q8_0: the tied head reads the quantized table
     dequantized = root / "dequantized"
@@ -164,7 +174,7 @@ def test_experts_stay_quantized_on_the_cpu_and_dequantize_once_for_the_fused_ker
             assert (run_rows(runs, inputs) - expected).norm() / expected.norm() < RELATIVE_ERROR
     topk_weights, topk_ids = model.model.layers[0].mlp.route(x)
     native = experts(x, topk_weights, topk_ids)
-    assert experts.gguf_batched is not None  # Q8_0 and Q4_0 experts: the C kernel takes them all in one call
+    assert experts.gguf_batched is not None  # Q8_0, Q4_0 and K-quant experts: the C kernel takes them all in one call
     batched, experts.gguf_batched = experts.gguf_batched, None
     torch.testing.assert_close(experts(x, topk_weights, topk_ids), native, atol=1e-5, rtol=1e-5)  # one call per expert: the same
     experts.gguf_batched = batched

@@ -140,6 +140,11 @@ def test_a_mixed_recipe_gives_each_tensor_its_type(tmp_path: Path) -> None:
     model = load_sonar_model(tmp_path / "model.gguf")
     assert len(model.model.layers[0].self_attn.qkv_proj.gguf_runs) == 2  # q, k in Q4_K; v in Q6_K
     assert len(model.model.layers[1].self_attn.qkv_proj.gguf_runs) == 1
+    # a width K-quants cannot take (o_proj's 4 heads x 32 = 128 inputs): Q8_0, as llama.cpp falls back
+    narrow = build_tiny_model("llama", tmp_path / "narrow", head_dim=32, **SHAPE)
+    write_gguf(narrow, tmp_path / "narrow.gguf", "Q4_K_M")
+    types = {t.name: int(t.tensor_type) for t in open_gguf(tmp_path / "narrow.gguf").tensors}
+    assert types["blk.0.attn_output.weight"] == Q8_0 and types["blk.0.attn_q.weight"] == Q4_K
 
 
 @pytest.mark.cuda

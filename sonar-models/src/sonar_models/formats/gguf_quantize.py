@@ -177,12 +177,16 @@ def write_gguf(
         writer.add_sliding_window(config.sliding_window)
     as_stored: dict[str, torch.Tensor] = {}
 
-    def block_type(gguf_name: str) -> int:
-        return mixture_type(ggml_type, gguf_name, config.num_hidden_layers) if isinstance(ggml_type, str) else ggml_type
+    def block_type(gguf_name: str, cols: int) -> int:
+        if not isinstance(ggml_type, str):
+            return ggml_type
+        kind = mixture_type(ggml_type, gguf_name, config.num_hidden_layers)
+        # a width K-quants cannot take: llama.cpp falls back to a 32-value type (Q8_0 here)
+        return kind if cols % BLOCK_SIZES[kind][0] == 0 else Q8_0
 
     def add(gguf_name: str, hf: str, kind: int | None, rotary_heads: int | None = None) -> None:
-        kind = None if kind is None else block_type(gguf_name)
         value = tensors[hf].float().numpy()
+        kind = None if kind is None else block_type(gguf_name, value.shape[-1])
         if mapping.norm_shift and hf.endswith("norm.weight"):
             stored = (value + mapping.norm_shift).astype(np.float32)
             writer.add_tensor(gguf_name, stored)
@@ -217,7 +221,7 @@ def write_gguf(
     for (layer, projection), names in sorted(experts.items(), key=lambda item: (int(item[0][0]), item[0][1])):
         ordered = [names[e] for e in range(len(names))]
         stack = np.stack([tensors[name].float().numpy() for name in ordered])  # [E, rows, cols]
-        kind = block_type(f"blk.{layer}.ffn_{projection}_exps.weight")
+        kind = block_type(f"blk.{layer}.ffn_{projection}_exps.weight", stack.shape[-1])
         if kind not in BLOCK_SIZES:
             writer.add_tensor(f"blk.{layer}.ffn_{projection}_exps.weight", stack.astype(np.float32))
             as_stored.update({name: torch.from_numpy(stack[expert].copy()) for expert, name in enumerate(ordered)})
