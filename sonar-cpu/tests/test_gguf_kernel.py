@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sonar_cpu import gguf_kernel
-from sonar_models.formats.gguf_blocks import BLOCK_SIZES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, GGUFBlocks, dequantize_blocks
+from sonar_models.formats.gguf_blocks import BLOCK_SIZES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGUFBlocks, dequantize_blocks
 
 pytestmark = pytest.mark.skipif(gguf_kernel.load() is None, reason="no C compiler or no AVX2/FMA/F16C here")
 
@@ -16,7 +16,7 @@ def random_blocks(ggml_type: int, rows: int, cols: int, generator: torch.Generat
     data = torch.randint(0, 256, (rows, cols // values, nbytes), dtype=torch.uint8, generator=generator)
     half = lambda t: t.half().view(torch.uint8).view(rows, cols // values, 2)  # noqa: E731
     data[..., 0:2] = half(torch.rand(rows, cols // values, generator=generator) * 0.02)
-    if ggml_type == Q4_1:
+    if ggml_type in (Q4_1, Q5_1):
         data[..., 2:4] = half(torch.randn(rows, cols // values, generator=generator) * 0.01)
     return GGUFBlocks(ggml_type, rows, cols, data.reshape(rows, -1))
 
@@ -31,16 +31,22 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (codes.double() * (top / 127).double()).view_as(x)
 
 
-@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0])
+BLOCKS_OF_32 = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0]
+
+
+@pytest.mark.parametrize("ggml_type", BLOCKS_OF_32)
 @pytest.mark.parametrize("prepared", [False, True])
 def test_matches_the_dequantized_product(ggml_type: int, prepared: bool) -> None:
+    lanes_only = ggml_type in gguf_kernel.LANES_ONLY
+    if lanes_only and not prepared:
+        pytest.skip("Q5_0 and Q5_1 run in layout 8 only")
     generator = torch.Generator().manual_seed(ggml_type)
     for rows, cols in [(40, 96), (208, 160), (8, 32), (37, 64)]:
         blocks = random_blocks(ggml_type, rows, cols, generator)
         weight = dequantize_blocks(blocks).double()
         kernel = gguf_kernel.GGUFBlockKernel(ggml_type)
         data = kernel.prepare(blocks.data) if prepared else blocks.data
-        assert kernel.layout == (gguf_kernel.LANES if prepared and rows % 8 == 0 else 1)
+        assert kernel.layout == (gguf_kernel.LANES if prepared and (rows % 8 == 0 or lanes_only) else 1)
         for num_x in [*range(1, 12), 17, 20]:
             x = torch.randn(num_x, cols, generator=generator)
             scale = (x.double().abs() @ weight.abs().T).max()
@@ -64,7 +70,7 @@ def test_the_int8_product_of_zeros_and_of_blocks_with_one_large_value() -> None:
     torch.testing.assert_close(out.double(), x.double() @ weight.T, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0])
+@pytest.mark.parametrize("ggml_type", BLOCKS_OF_32)
 def test_rows_come_back_in_the_files_layout(ggml_type: int) -> None:
     blocks = random_blocks(ggml_type, 40, 96, torch.Generator().manual_seed(2))
     kernel = gguf_kernel.GGUFBlockKernel(ggml_type)
@@ -79,7 +85,7 @@ def test_refuses_a_width_not_a_multiple_of_32() -> None:
         gguf_kernel.gguf_linear(torch.zeros(1, 40), Q8_0, torch.zeros(1, 34, dtype=torch.uint8), 1, 40)
 
 
-@pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K])
+@pytest.mark.parametrize("ggml_type", [*BLOCKS_OF_32, Q4_K, Q5_K, Q6_K])
 def test_several_matrices_in_one_call_equal_one_call_each(ggml_type: int) -> None:
     """A mixture-of-experts layer's chosen experts, each over its own rows, in one call
     (``gguf_linear_experts``): as many ``exact=False`` calls, one per matrix, give the same."""
@@ -99,7 +105,7 @@ def test_several_matrices_in_one_call_equal_one_call_each(ggml_type: int) -> Non
         for j in range(len(counts)):
             rows_j = slice(int(starts[j]), int(starts[j + 1]))
             torch.testing.assert_close(out[rows_j], kernels[j](x[rows_j], prepared[j], rows, cols, exact=False), atol=1e-5, rtol=1e-5)
-    if not k_quant:  # the K-quants are always laid out for the kernel
+    if ggml_type not in gguf_kernel.LANES_ONLY:  # those are always laid out for the kernel
         unprepared = gguf_kernel.GGUFBlockKernel(ggml_type)  # layout 1: not taken
         assert unprepared.experts(x, pointers, starts, rows, cols) is None
 

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from sonar_models.formats.gguf_blocks import Q4_K, Q5_K, Q6_K, Q8_0
+from sonar_models.formats.gguf_blocks import Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from sonar_models.formats.gguf_quantize import write_gguf
 from sonar_models.testing import build_tiny_model, smollm2_gguf_path
 from test_gguf_architectures import ARCHS
@@ -60,13 +60,14 @@ def test_llama_cpp_reads_a_q8_0_file_alike(arch: str, tmp_path: Path) -> None:
     assert (expected.argmax(-1) == got.argmax(-1)).mean() >= 0.85
 
 
-@pytest.mark.parametrize("recipe", [Q4_K, Q5_K, Q6_K, "Q4_K_M"])
-def test_llama_cpp_reads_k_quant_files_alike(recipe: int | str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("recipe", [Q4_K, Q5_K, Q6_K, "Q4_K_M", Q5_0, Q5_1])
+def test_llama_cpp_reads_k_quant_and_5_bit_files_alike(recipe: int | str, tmp_path: Path) -> None:
     """Super-blocks of 256 (Sonar's K-quant encoder, and llama.cpp's mixed Q4_K_M recipe over
-    eight layers): llama.cpp decodes them as transformers reads the decoded weights. llama.cpp
-    rounds the activations of these products to 8 bits in blocks of 256, so on this model the
-    logits correlate 0.995-0.996 (Q8_0, blocks of 32: 0.998) and the top token agrees on 62-81%
-    of the positions (Q8_0: 81%); a misread field would not correlate."""
+    eight layers) and the 5-bit blocks of 32: llama.cpp decodes them as transformers reads the
+    decoded weights. llama.cpp rounds the activations of the K-quant products to 8 bits in
+    blocks of 256, so on this model the logits correlate 0.995-0.996 (Q8_0, blocks of 32: 0.998)
+    and the top token agrees on 62-81% of the positions (Q8_0: 81%); a misread field would not
+    correlate."""
     shape = dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=8)
     expected, got = _both("llama", recipe, tmp_path, **shape)
     assert np.corrcoef(expected.ravel(), got.ravel())[0, 1] > 0.99

@@ -13,13 +13,13 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from sonar import LLM, SamplingParams, ops
-from sonar_cpu import native
-from sonar_models.formats.gguf_blocks import Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0, TYPE_NAMES
+from sonar_cpu import gguf_kernel
+from sonar_models.formats.gguf_blocks import Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPE_NAMES
 from sonar_models.formats.gguf_quant import BLOCK_KERNEL_MAX_ROWS, DENSE_MIN_ROWS, _Blocks, _Packed
 from sonar_models.formats.gguf_quantize import write_gguf
 from sonar_models.testing import build_tiny_model, load_sonar_model
 
-TYPES = [Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, "Q4_K_M"]  # the last: llama.cpp's mixed recipe (Q4_K, some Q6_K)
+TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, "Q4_K_M"]  # the last: llama.cpp's mixed recipe (Q4_K, some Q6_K)
 
 
 def type_name(ggml_type: int | str) -> str:
@@ -83,7 +83,7 @@ def test_layers_stay_quantized_and_multiply_like_the_dequantized_weights(gguf_ch
     for module, weight in cases:
         (run,) = module.gguf_runs
         assert isinstance(run, (_Blocks, _Packed))
-        if isinstance(run, _Blocks) and native.load() is not None:  # every format has a C kernel
+        if isinstance(run, _Blocks) and gguf_kernel.block_kernel(Q8_0) is not None:  # every format has a C kernel
             assert run.kernel is not None
         # well under float32; a type packed as two nibbles keeps its blocks beside them too
         split = isinstance(run, _Packed) and run.input_repeats == 2
@@ -140,11 +140,11 @@ def test_a_mixed_recipe_gives_each_tensor_its_type(tmp_path: Path) -> None:
     model = load_sonar_model(tmp_path / "model.gguf")
     assert len(model.model.layers[0].self_attn.qkv_proj.gguf_runs) == 2  # q, k in Q4_K; v in Q6_K
     assert len(model.model.layers[1].self_attn.qkv_proj.gguf_runs) == 1
-    # a width K-quants cannot take (o_proj's 4 heads x 32 = 128 inputs): Q8_0, as llama.cpp falls back
+    # a width K-quants cannot take (o_proj's 4 heads x 32 = 128 inputs): llama.cpp's fallback, Q5_0
     narrow = build_tiny_model("llama", tmp_path / "narrow", head_dim=32, **SHAPE)
     write_gguf(narrow, tmp_path / "narrow.gguf", "Q4_K_M")
     types = {t.name: int(t.tensor_type) for t in open_gguf(tmp_path / "narrow.gguf").tensors}
-    assert types["blk.0.attn_output.weight"] == Q8_0 and types["blk.0.attn_q.weight"] == Q4_K
+    assert types["blk.0.attn_output.weight"] == Q5_0 and types["blk.0.attn_q.weight"] == Q4_K
 
 
 @pytest.mark.cuda

@@ -1,21 +1,23 @@
-"""Sonar's C kernels for GGUF block products: Q4_0 / Q4_1 / Q8_0 in ``csrc/gguf_gemm.c``, the
-K-quants Q4_K / Q5_K / Q6_K in ``csrc/gguf_kquants.c`` (built and loaded by ``sonar_cpu.native``).
+"""Sonar's C kernels for GGUF block products: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 in
+``csrc/gguf_gemm.c``, the K-quants Q4_K / Q5_K / Q6_K in ``csrc/gguf_kquants.c`` (built and
+loaded by ``sonar_cpu.native``).
 
 It holds two products (:func:`gguf_linear`):
 
 - exact: float32 activations, the blocks decoded in registers; equal to the float product up
   to float32 summation order. Steps that carry prompt tokens run it (``sonar.ops.exact_products``).
-- int8: the activations rounded first to int8 codes in blocks of 32 (a scale per block; 256 for
-  the K-quants, as llama.cpp's Q8_K), then integer dot products against the weight's codes, as
-  llama.cpp runs its CPU products; decode steps run it. The rounding is the only difference from the exact product (about 0.2% of a
+- int8: the activations rounded first to int8 codes in blocks of 32 (a scale per block), then
+  integer dot products against the weight's codes, as llama.cpp runs its CPU products; decode
+  steps run it. The rounding is the only difference from the exact product (about 0.2% of a
   product's scale, less than the bfloat16 rounding of torch's int4 kernel it replaces).
 
 A layer's blocks are placed once (:meth:`GGUFBlockKernel.prepare`) in huge-page memory, laid
 out so that each 256-bit vector holds eight weight rows, one per 32-bit lane (layout 8): a
 block's products for eight rows are then eight integer dot instructions, its scales apply as
 vectors, and a product streams one sequential run of memory per thread. The K-quants are laid
-out the same way per super-block of 256 values (their 6-bit scales unpacked to bytes), always in
-layout 8: a matrix whose rows do not come in groups of eight gets zero rows to fill its last.
+out the same way per super-block of 256 values (their 6-bit scales unpacked to bytes). Q5_0,
+Q5_1 and the K-quants run in layout 8 only: a matrix whose rows do not come in groups of eight
+gets zero rows to fill its last.
 ``SONAR_CPU_GGUF_KERNEL=0`` (or ``SONAR_CPU_KERNELS=0``) leaves GGUF layers to their torch paths.
 """
 
@@ -30,11 +32,12 @@ from sonar_cpu.huge_pages import copy_to_huge_pages
 from sonar_cpu.native import load
 
 SWITCH_ENV = "SONAR_CPU_GGUF_KERNEL"  # "0": GGUF layers run their torch paths
-Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14  # GGUF type ids
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}  # bytes per block of 32 values
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14  # GGUF type ids
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}  # bytes per block of 32 values
 K_BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}  # bytes per super-block of 256 values, in the file
 K_LANES_BYTES = {Q4_K: 148, Q5_K: 180, Q6_K: 210}  # the same in layout 8, per row (scales unpacked)
 TYPES = (*BLOCK_BYTES, *K_BLOCK_BYTES)
+LANES_ONLY = (Q5_0, Q5_1, *K_BLOCK_BYTES)  # types the kernels take in layout 8 only (rows filled up to eight)
 LANES = 8  # rows per group of the kernel's layout 8 (one row per 32-bit lane of a 256-bit vector)
 _scratch = threading.local()
 
@@ -45,41 +48,6 @@ def _scratch_buffer(nbytes: int) -> torch.Tensor:
     if buffer is None or buffer.numel() < nbytes:
         buffer = _scratch.buffer = torch.empty(max(nbytes, 1 << 16), dtype=torch.uint8)
     return buffer
-
-
-def lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """GGUF blocks ``[rows, row_bytes]`` (``rows`` a multiple of 8) in the kernel's layout 8: per
-    group of eight rows and per block, the eight fp16 scales, the eight fp16 minimums (Q4_1),
-    then the codes as vectors holding four consecutive codes of each row in its 32-bit lane
-    (``csrc/gguf_gemm.c`` says how). Returns ``[rows, row_bytes]`` bytes, rows no longer apart."""
-    rows, row_bytes = data.shape
-    block = BLOCK_BYTES[ggml_type]
-    blocks = data.reshape(rows // LANES, LANES, row_bytes // block, block).transpose(1, 2)  # [G, nb, 8, block]
-    head = 4 if ggml_type == Q4_1 else 2  # bytes of scale (and minimum) before the codes
-    parts = [blocks[..., 0:2].reshape(*blocks.shape[:2], 2 * LANES)]  # scales
-    if ggml_type == Q4_1:
-        parts.append(blocks[..., 2:4].reshape(*blocks.shape[:2], 2 * LANES))  # minimums
-    codes = blocks[..., head:]  # [G, nb, 8, 16 or 32]
-    chunks = codes.reshape(*codes.shape[:3], -1, 4).transpose(2, 3)  # [G, nb, chunks, 8, 4]
-    parts.append(chunks.reshape(*blocks.shape[:2], -1))
-    return torch.cat(parts, dim=-1).reshape(rows, row_bytes)
-
-
-def rows_from_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
-    """The inverse of :func:`lanes_layout` for whole groups of eight rows."""
-    rows, row_bytes = data.shape
-    block = BLOCK_BYTES[ggml_type]
-    nb, head = row_bytes // block, (4 if ggml_type == Q4_1 else 2)
-    grouped = data.reshape(rows // LANES, nb, LANES * block)
-    fields = [grouped[..., 0 : 2 * LANES].reshape(rows // LANES, nb, LANES, 2)]
-    offset = 2 * LANES
-    if ggml_type == Q4_1:
-        fields.append(grouped[..., offset : offset + 2 * LANES].reshape(rows // LANES, nb, LANES, 2))
-        offset += 2 * LANES
-    chunks = grouped[..., offset:].reshape(rows // LANES, nb, -1, LANES, 4).transpose(2, 3)  # [G, nb, 8, chunks, 4]
-    fields.append(chunks.reshape(rows // LANES, nb, LANES, block - head))
-    blocks = torch.cat(fields, dim=-1)  # [G, nb, 8, block]
-    return blocks.transpose(1, 2).reshape(rows, row_bytes)
 
 
 def _chunks(run: torch.Tensor) -> torch.Tensor:
@@ -116,6 +84,72 @@ def _pack_k_scales(sc: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     low = sc[..., :4] | ((sc[..., 4:] >> 4) << 6)
     mid = m[..., :4] | ((m[..., 4:] >> 4) << 6)
     return torch.cat([low, mid, (sc[..., 4:] & 0x0F) | ((m[..., 4:] & 0x0F) << 4)], -1)
+
+
+def _bits(packed: torch.Tensor) -> torch.Tensor:
+    """``[..., n]`` bytes -> ``[..., 8 n]`` bits, bit ``8 b + j`` being bit ``j`` of byte ``b``."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=packed.device)
+    return ((packed.unsqueeze(-1) >> shifts) & 1).reshape(*packed.shape[:-1], -1)
+
+
+def _bytes(bits: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_bits`."""
+    weights = (1 << torch.arange(8, dtype=torch.int32, device=bits.device)).to(torch.uint8)
+    return (bits.reshape(*bits.shape[:-1], -1, 8) * weights).sum(-1, dtype=torch.int32).to(torch.uint8)
+
+
+def _fifth_bits_for_lanes(qh: torch.Tensor) -> torch.Tensor:
+    """A 5-bit block's ``qh`` (bit ``v``: value ``v``) reordered so that byte ``i`` holds, at bit
+    ``k``, the bit of value ``4 k + i`` (``csrc/gguf_gemm.c`` says why)."""
+    return _bytes(_bits(qh).reshape(*qh.shape[:-1], 8, 4).transpose(-1, -2).reshape(*qh.shape[:-1], 32))
+
+
+def _fifth_bits_from_lanes(reordered: torch.Tensor) -> torch.Tensor:
+    return _bytes(_bits(reordered).reshape(*reordered.shape[:-1], 4, 8).transpose(-1, -2).reshape(*reordered.shape[:-1], 32))
+
+
+def _lanes_fields(ggml_type: int) -> tuple[int, int, int]:
+    """``(minimum bytes, fifth-bit bytes, code bytes)`` of one block of ``ggml_type`` in the file
+    after its 2-byte scale."""
+    return (2 if ggml_type in (Q4_1, Q5_1) else 0, 4 if ggml_type in (Q5_0, Q5_1) else 0, 32 if ggml_type == Q8_0 else 16)
+
+
+def lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """GGUF blocks of 32 values ``[rows, row_bytes]`` (``rows`` a multiple of 8) in the kernel's
+    layout 8: per group of eight rows and per block, the eight fp16 scales, the eight fp16
+    minimums (Q4_1, Q5_1), the eight rows' fifth bits (Q5_0, Q5_1; reordered), then the codes as
+    vectors holding four consecutive codes of each row in its 32-bit lane (``csrc/gguf_gemm.c``
+    says how). Returns ``[rows, row_bytes]`` bytes, rows no longer apart."""
+    rows, row_bytes = data.shape
+    block = BLOCK_BYTES[ggml_type]
+    blocks = data.reshape(rows // LANES, LANES, row_bytes // block, block).transpose(1, 2)  # [G, nb, 8, block]
+    minimum, fifth, _ = _lanes_fields(ggml_type)
+    flat = lambda field: field.reshape(*blocks.shape[:2], -1)  # noqa: E731  (the eight rows' fields one after another)
+    parts = [flat(blocks[..., 0:2])]  # scales
+    if minimum:
+        parts.append(flat(blocks[..., 2:4]))
+    if fifth:
+        parts.append(flat(_fifth_bits_for_lanes(blocks[..., 2 + minimum : 2 + minimum + fifth])))
+    parts.append(_chunks(blocks[..., 2 + minimum + fifth :]))
+    return torch.cat(parts, dim=-1).reshape(rows, row_bytes)
+
+
+def rows_from_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """The inverse of :func:`lanes_layout` for whole groups of eight rows."""
+    rows, row_bytes = data.shape
+    block = BLOCK_BYTES[ggml_type]
+    nb = row_bytes // block
+    minimum, fifth, codes = _lanes_fields(ggml_type)
+    grouped = data.reshape(rows // LANES, nb, LANES * block)
+    fields, offset = [], 0
+    for width in (2, minimum, fifth):
+        if width:
+            fields.append(grouped[..., offset : offset + LANES * width].reshape(rows // LANES, nb, LANES, width))
+            offset += LANES * width
+    if fifth:
+        fields[-1] = _fifth_bits_from_lanes(fields[-1])
+    fields.append(_unchunk(grouped[..., offset:], codes))
+    return torch.cat(fields, dim=-1).transpose(1, 2).reshape(rows, row_bytes)
 
 
 def k_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
@@ -188,8 +222,8 @@ def gguf_linear(
         code = product(ggml_type, data.data_ptr(), layout, rows, cols, flat.data_ptr(), num_x, out.data_ptr(), threads, scratch.data_ptr())
         if code:
             raise ValueError(
-                f"the GGUF C kernel takes Q4_0/Q4_1/Q8_0 with columns a multiple of 32 (and rows a multiple of {LANES} "
-                f"in layout {LANES}), not type {ggml_type}, {rows} x {cols}, layout {layout}"
+                f"the GGUF C kernel takes Q4_0/Q4_1/Q8_0 (Q5_0/Q5_1 in layout {LANES} only) with columns a multiple of 32 "
+                f"(and rows a multiple of {LANES} in layout {LANES}), not type {ggml_type}, {rows} x {cols}, layout {layout}"
             )
     out = out.reshape(*x.shape[:-1], rows)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
@@ -223,8 +257,8 @@ class GGUFBlockKernel:
     """The ``gguf_block_kernel`` operation's answer for one layer's blocks of one type.
 
     ``prepare(data)`` places the blocks where and how the kernel reads them fastest (huge
-    pages; layout 8 where the rows come in groups of eight, and always for the K-quants, whose
-    last group is filled with zero rows), ``kernel(x, data, rows, cols, exact)`` multiplies by
+    pages; layout 8 where the rows come in groups of eight, and always for Q5_0, Q5_1 and the
+    K-quants, whose last group is filled with zero rows), ``kernel(x, data, rows, cols, exact)`` multiplies by
     what ``prepare`` returned, and ``rows_in_order(data, start, stop)`` gives rows
     ``[start, stop)`` back in the file's layout (for callers that dequantize them)."""
 
@@ -234,14 +268,12 @@ class GGUFBlockKernel:
         self.layout = 1
 
     def prepare(self, data: torch.Tensor) -> torch.Tensor:
-        if self.k_quant:
-            self.layout = LANES
-            if data.shape[0] % LANES:  # zero blocks: d = 0, so the filled rows' products are 0
-                data = torch.cat([data, data.new_zeros(LANES - data.shape[0] % LANES, data.shape[1])])
-            return copy_to_huge_pages(k_lanes_layout(data, self.ggml_type).contiguous())
+        if self.ggml_type in LANES_ONLY and data.shape[0] % LANES:  # zero blocks: d = 0, so the filled rows' products are 0
+            data = torch.cat([data, data.new_zeros(LANES - data.shape[0] % LANES, data.shape[1])])
         self.layout = LANES if data.shape[0] % LANES == 0 else 1
-        laid_out = lanes_layout(data, self.ggml_type) if self.layout == LANES else data
-        return copy_to_huge_pages(laid_out.contiguous())
+        if self.layout == 1:
+            return copy_to_huge_pages(data.contiguous())
+        return copy_to_huge_pages((k_lanes_layout if self.k_quant else lanes_layout)(data, self.ggml_type).contiguous())
 
     def rows_in_order(self, data: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         if self.layout == 1:
@@ -251,7 +283,7 @@ class GGUFBlockKernel:
         return unlay(data[first:last], self.ggml_type)[start - first : stop - first]
 
     def __call__(self, x: torch.Tensor, data: torch.Tensor, rows: int, cols: int, exact: bool = True) -> torch.Tensor:
-        if self.k_quant and data.shape[0] != rows:  # the rows filled up to a group of eight
+        if data.shape[0] != rows:  # the rows filled up to a group of eight
             return gguf_linear(x, self.ggml_type, data, data.shape[0], cols, exact, self.layout)[..., :rows]
         return gguf_linear(x, self.ggml_type, data, rows, cols, exact, self.layout)
 

@@ -1,5 +1,6 @@
 /* GGUF block products: out[r, n] = sum_k x[r, k] * w[n, k] for weights stored as llama.cpp's
- * Q4_0 / Q4_1 / Q8_0 blocks of 32 (fp16 scale [, fp16 min], codes).
+ * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks of 32 (fp16 scale [, fp16 min] [, fifth bits], codes);
+ * the 5-bit types in layout 8 only.
  *
  * Two products:
  * - gguf_linear: float32 activations, exact up to float32 summation order. Per block:
@@ -21,7 +22,13 @@
 
 #include "simd.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, MAX_ROWS = 8, ROW_ALIGN = 8 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, MAX_ROWS = 8, ROW_ALIGN = 8 };
+
+/* the types each layout takes */
+static inline int file_layout_type(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
+static inline int lanes_type(int type) { return file_layout_type(type) || type == Q5_0 || type == Q5_1; }
+static inline int five_bits(int type) { return type == Q5_0 || type == Q5_1; }
+static inline int has_minimum(int type) { return type == Q4_1 || type == Q5_1; }
 #ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 1024
 #endif
@@ -105,9 +112,9 @@ static void exact_tile(int type, const uint8_t *w, int64_t row_bytes, int64_t co
 /* out [num_x, rows] = x [num_x, cols] @ w.T, float32 activations */
 int gguf_linear(int type, const uint8_t *w, int layout, int64_t rows, int64_t cols, const float *x, int64_t num_x,
                 float *out, int num_threads, uint8_t *scratch) {
-    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || cols % 32) return -1;
+    if (!lanes_type(type) || cols % 32) return -1;
     if (layout == 8) return lanes_linear(type, w, rows, cols, x, num_x, out, num_threads, scratch, 1);
-    if (layout != 1) return -1;
+    if (layout != 1 || !file_layout_type(type)) return -1;
     int64_t row_bytes = cols / 32 * block_bytes(type);
     int nt = clamp_threads(num_threads, rows);
 #pragma omp parallel num_threads(nt)
@@ -231,22 +238,26 @@ static void q8_tile(int type, const uint8_t *w, int64_t row_bytes, int64_t cols,
 /* ------------------------------------------------ eight rows in the lanes of one vector (layout 8)
  *
  * Each group of eight weight rows is stored block by block as
- *   [8 fp16 scales d][8 fp16 minimums m (Q4_1 only)][codes]
+ *   [8 fp16 scales d][8 fp16 minimums m (Q4_1, Q5_1)][8 x 4 bytes of fifth bits (Q5_0, Q5_1)][codes]
  * where the codes are vectors of 32 bytes holding, in 32-bit lane j, four consecutive codes of
- * row j: for 4-bit types four vectors, chunk c holding the GGUF bytes qs[4c .. 4c + 4] of each
- * row (low nibbles: values 4c .. 4c + 3, high nibbles: values 16 + 4c ..); for Q8_0 eight
- * vectors, chunk c holding values 4c .. 4c + 3. A dot product of four bytes per lane (VNNI, or
- * maddubs + madd) against four activation codes broadcast to every lane then yields eight
- * rows' partial sums at once, and the per-block scales apply as vectors of eight rows. */
+ * row j: for 4- and 5-bit types four vectors, chunk c holding the GGUF bytes qs[4c .. 4c + 4]
+ * of each row (low nibbles: values 4c .. 4c + 3, high nibbles: values 16 + 4c ..); for Q8_0
+ * eight vectors, chunk c holding values 4c .. 4c + 3. A 5-bit block's 32 fifth bits (bit v for
+ * value v in the file) are reordered per row so that byte i holds, at bit k, the fifth bit of
+ * value 4k + i: operand k's bits are then one shift and mask away. A dot product of four bytes
+ * per lane (VNNI, or maddubs + madd) against four activation codes broadcast to every lane
+ * then yields eight rows' partial sums at once, and the per-block scales apply as vectors of
+ * eight rows. */
 
 static inline int lanes_codes_bytes(int type) { return type == Q8_0 ? 256 : 128; }
-static inline int lanes_head_bytes(int type) { return type == Q4_1 ? 32 : 16; }
+static inline int lanes_head_bytes(int type) { return (has_minimum(type) ? 32 : 16) + (five_bits(type) ? 32 : 0); }
 static inline int64_t lanes_group_block_bytes(int type) { return lanes_head_bytes(type) + lanes_codes_bytes(type); }
 
 /* the eight 32-byte operands of a block of eight rows: operand k pairs with activation values
  * 4k .. 4k + 3 (unsigned codes for 4-bit types; for Q8_0 the signed codes, made unsigned by the
  * caller with their signs moved onto the activations) */
-static inline void lanes_operands(int type, const uint8_t *codes, __m256i op[8]) {
+static inline void lanes_operands(int type, const uint8_t *blk, __m256i op[8]) {
+    const uint8_t *codes = blk + lanes_head_bytes(type);
     if (type == Q8_0) {
         for (int k = 0; k < 8; k++) op[k] = _mm256_loadu_si256((const __m256i *)(codes + 32 * k));
         return;
@@ -256,6 +267,12 @@ static inline void lanes_operands(int type, const uint8_t *codes, __m256i op[8])
         __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + 32 * c));
         op[c] = _mm256_and_si256(packed, low);
         op[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    }
+    if (five_bits(type)) {
+        __m256i bits = _mm256_loadu_si256((const __m256i *)(codes - 32));
+        const __m256i one = _mm256_set1_epi8(1);
+        for (int k = 0; k < 8; k++)
+            op[k] = _mm256_or_si256(op[k], _mm256_slli_epi32(_mm256_and_si256(_mm256_srli_epi32(bits, k), one), 4));
     }
 }
 
@@ -276,7 +293,6 @@ static void lanes_q8(int type, const uint8_t *w, int64_t nb, const int8_t *codes
                      const int32_t *sums, int64_t cols, int64_t nr, float *out, int64_t out_stride, int64_t g0,
                      int64_t g1) {
     int64_t gb = lanes_group_block_bytes(type);
-    int head = lanes_head_bytes(type);
     for (int64_t g = g0; g < g1; g++) {
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         const uint8_t *group = w + g * nb * gb;
@@ -284,11 +300,11 @@ static void lanes_q8(int type, const uint8_t *w, int64_t nb, const int8_t *codes
             const uint8_t *blk = group + b * gb;
             _mm_prefetch((const char *)blk + PREFETCH_BYTES, _MM_HINT_T0);
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-            /* Q4_1: + m sum(x);  Q4_0: codes offset by 8, - 8 d sum(x) */
-            __m256 offset = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
-                          : type == Q4_0 ? _mm256_mul_ps(d, _mm256_set1_ps(-8.0f)) : _mm256_setzero_ps();
+            /* Q4_1, Q5_1: + m sum(x);  Q4_0 (Q5_0): codes offset by 8 (16), - 8 d sum(x) (- 16 d sum(x)) */
+            __m256 offset = has_minimum(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                          : type == Q8_0 ? _mm256_setzero_ps() : _mm256_mul_ps(d, _mm256_set1_ps(type == Q5_0 ? -16.0f : -8.0f));
             __m256i op[8];
-            lanes_operands(type, blk + head, op);
+            lanes_operands(type, blk, op);
             for (int r = 0; r < nr; r++) {
                 float dx = scale[r * nb + b];
                 __m256 dot = _mm256_cvtepi32_ps(lanes_block_dot(type, op, codes + r * cols + b * 32));
@@ -305,32 +321,31 @@ static void lanes_q8(int type, const uint8_t *w, int64_t nb, const int8_t *codes
 static void lanes_exact(int type, const uint8_t *w, int64_t nb, const float *x, const float *xsums, int64_t cols,
                         int64_t nr, float *out, int64_t out_stride, int64_t g0, int64_t g1) {
     int64_t gb = lanes_group_block_bytes(type);
-    int head = lanes_head_bytes(type);
     const __m256i byte = _mm256_set1_epi32(0xFF);
+    const __m256 code_offset = _mm256_set1_ps(type == Q4_0 ? 8.0f : type == Q5_0 ? 16.0f : 0.0f);
     for (int64_t g = g0; g < g1; g++) {
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         const uint8_t *group = w + g * nb * gb;
         for (int64_t b = 0; b < nb; b++) {
             const uint8_t *blk = group + b * gb;
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-            __m256 m = type == Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : _mm256_setzero_ps();
+            __m256 m = has_minimum(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16))) : _mm256_setzero_ps();
             __m256i op[8];
-            lanes_operands(type, blk + head, op);
+            lanes_operands(type, blk, op);
             __m256 block_acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
             for (int k = 0; k < 8; k++) {
                 for (int i = 0; i < 4; i++) {
                     __m256i q = _mm256_srli_epi32(op[k], 8 * i);
-                    /* Q8_0: sign-extend the byte; 4-bit: the code less 8 for Q4_0 */
+                    /* Q8_0: sign-extend the byte; 4- and 5-bit: the code less 8 for Q4_0, 16 for Q5_0 */
                     __m256 wq = type == Q8_0 ? _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(op[k], 24 - 8 * i), 24))
-                              : _mm256_cvtepi32_ps(_mm256_and_si256(q, byte));
-                    if (type == Q4_0) wq = _mm256_sub_ps(wq, _mm256_set1_ps(8.0f));
+                              : _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, byte)), code_offset);
                     for (int r = 0; r < nr; r++)
                         block_acc[r] = _mm256_fmadd_ps(wq, _mm256_set1_ps(x[r * cols + b * 32 + 4 * k + i]), block_acc[r]);
                 }
             }
             for (int r = 0; r < nr; r++) {
                 acc[r] = _mm256_fmadd_ps(d, block_acc[r], acc[r]);
-                if (type == Q4_1) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsums[r * nb + b]), acc[r]);
+                if (has_minimum(type)) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xsums[r * nb + b]), acc[r]);
             }
         }
         for (int r = 0; r < nr; r++) _mm256_storeu_ps(out + r * out_stride + g * 8, acc[r]);
@@ -386,9 +401,9 @@ int64_t gguf_q8_scratch_bytes(int64_t cols, int64_t num_x) {
  * (gguf_q8_scratch_bytes of it) */
 int gguf_linear_q8(int type, const uint8_t *w, int layout, int64_t rows, int64_t cols, const float *x, int64_t num_x,
                    float *out, int num_threads, uint8_t *scratch) {
-    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || cols % 32) return -1;
+    if (!lanes_type(type) || cols % 32) return -1;
     if (layout == 8) return lanes_linear(type, w, rows, cols, x, num_x, out, num_threads, scratch, 0);
-    if (layout != 1) return -1;
+    if (layout != 1 || !file_layout_type(type)) return -1;
     int64_t row_bytes = cols / 32 * block_bytes(type), nb = cols / 32;
     int8_t *codes = (int8_t *)scratch;
     float *scale = (float *)(scratch + ((num_x * cols + 15) & ~(int64_t)15));
@@ -419,7 +434,7 @@ int gguf_linear_q8(int type, const uint8_t *w, int layout, int64_t rows, int64_t
  * rows per expert still keep every thread busy. */
 int gguf_linear_q8_experts(int type, const uint8_t *const *w, int n, const int64_t *starts, int64_t rows, int64_t cols,
                            const float *x, float *out, int num_threads, uint8_t *scratch) {
-    if ((type != Q4_0 && type != Q4_1 && type != Q8_0) || cols % 32 || rows % 8) return -1;
+    if (!lanes_type(type) || cols % 32 || rows % 8) return -1;
     int64_t nb = cols / 32, groups = rows / 8, num_x = starts[n];
     int8_t *codes = (int8_t *)scratch;
     float *scale = (float *)(scratch + ((num_x * cols + 15) & ~(int64_t)15));

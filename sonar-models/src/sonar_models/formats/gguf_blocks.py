@@ -4,7 +4,7 @@ A quantized GGUF matrix ``[rows, cols]`` is stored row by row, each row a run of
 blocks along ``cols``. ``GGUFBlocks`` holds those bytes as ``uint8 [rows, row_bytes]``, so rows
 can be sliced, permuted and stacked without decoding. ``dequantize_blocks`` turns them into
 floats; ``int4_groups`` re-expresses the formats whose groups of 32 are affine in a 4-bit code
-(Q4_0, Q4_1, Q4_K; Q8_0 and Q5_K split into two nibbles) as ``w = scale * (q - 8) + zero``, the form
+(Q4_0, Q4_1, Q4_K; Q8_0, Q5_0, Q5_1 and Q5_K split into two nibbles) as ``w = scale * (q - 8) + zero``, the form
 torch's int4 weight-packed matmuls take.
 """
 
@@ -14,15 +14,21 @@ from dataclasses import dataclass
 
 import torch
 
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
 FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 #: ggml type -> (values per block, bytes per block)
-BLOCK_SIZES = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
-TYPE_NAMES = {F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+BLOCK_SIZES = {
+    Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
+    Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+}
+TYPE_NAMES = {
+    F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
+    Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
+}
 #: formats ``int4_groups`` maps onto 4-bit codes in groups of 32
-INT4_GROUP_TYPES = (Q4_0, Q4_1, Q4_K, Q8_0, Q5_K)
+INT4_GROUP_TYPES = (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K)
 #: formats whose codes are wider than 4 bits: two nibbles, the row twice as wide
-SPLIT_TYPES = (Q8_0, Q5_K)
+SPLIT_TYPES = (Q8_0, Q5_0, Q5_1, Q5_K)
 GROUP_SIZE = 32
 
 
@@ -104,6 +110,15 @@ def _decode(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         return _nibbles(b[..., 4:]).float(), _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
     if kind == Q8_0:
         return b[..., 2:].contiguous().view(torch.int8).float(), _f16(b[..., 0:2])[..., None], None
+    if kind in (Q5_0, Q5_1):  # [d][m (Q5_1)][qh: bit v of the 32-bit word is value v's fifth bit][qs]
+        minimum = 2 if kind == Q5_1 else 0
+        qh = b[..., 2 + minimum : 6 + minimum].to(torch.int32)
+        shifts = torch.arange(8, dtype=torch.int32, device=b.device)
+        fifth = ((qh[..., None] >> shifts) & 1).reshape(*qh.shape[:-1], 32)
+        codes = (_nibbles(b[..., 6 + minimum :]).to(torch.int32) | (fifth << 4)).float()
+        if kind == Q5_0:
+            return codes - 16, _f16(b[..., 0:2])[..., None], None
+        return codes, _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
     if kind in (Q4_K, Q5_K):
         d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
         sc, m = _k_scales(b[..., 4:16])

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sonar_models.formats.gguf_blocks import BLOCK_SIZES, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0
+from sonar_models.formats.gguf_blocks import BLOCK_SIZES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).view(np.uint8).reshape(*values.shape[:-1], -1)
@@ -80,13 +80,13 @@ def quantize_k(x: np.ndarray, ggml_type: int) -> np.ndarray:
 
 
 def quantize(x: np.ndarray, ggml_type: int) -> np.ndarray:
-    """``x [rows, cols]`` as blocks of ``ggml_type`` (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K)."""
+    """``x [rows, cols]`` as blocks of ``ggml_type`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)."""
     if ggml_type in (Q4_K, Q5_K, Q6_K):
         return quantize_k(x, ggml_type)
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
-    if ggml_type not in (Q4_0, Q4_1, Q8_0):
+    if ggml_type not in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0):
         raise ValueError(f"no quantizer for GGUF type {ggml_type}")
     return gguf_quantize(x.astype(np.float32), GGMLQuantizationType(ggml_type))
 
@@ -109,6 +109,8 @@ def permute_rotary_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 #: the layers ``more_bits_layer`` picks, attention's value projection and the feed-forward's
 #: down projection (experts too) in the second
 MIXTURES = {"Q4_K_M": (Q4_K, Q6_K), "Q5_K_M": (Q5_K, Q6_K)}
+#: the type llama.cpp writes instead of a K-quant where a tensor's width is not a multiple of 256
+FALLBACKS = {Q4_K: Q5_0, Q5_K: Q5_1, Q6_K: Q8_0}
 
 
 def more_bits_layer(layer: int, num_layers: int) -> bool:
@@ -181,8 +183,8 @@ def write_gguf(
         if not isinstance(ggml_type, str):
             return ggml_type
         kind = mixture_type(ggml_type, gguf_name, config.num_hidden_layers)
-        # a width K-quants cannot take: llama.cpp falls back to a 32-value type (Q8_0 here)
-        return kind if cols % BLOCK_SIZES[kind][0] == 0 else Q8_0
+        # a width K-quants cannot take: llama.cpp's fallback, a type of 32-value blocks
+        return kind if cols % BLOCK_SIZES[kind][0] == 0 else FALLBACKS[kind]
 
     def add(gguf_name: str, hf: str, kind: int | None, rotary_heads: int | None = None) -> None:
         value = tensors[hf].float().numpy()
