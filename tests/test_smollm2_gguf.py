@@ -74,3 +74,33 @@ def test_the_first_token_does_not_depend_on_how_the_prompt_is_cut(smollm2: LLM, 
         assert other.keys() == whole.keys()
         for token, logprob in whole.items():
             assert other[token] == pytest.approx(logprob, abs=1e-3)
+
+
+@pytest.fixture(scope="module")
+def smollm2_q4_k_m(tmp_path_factory: pytest.TempPathFactory):
+    """The embedded model's weights written again in llama.cpp's Q4_K_M recipe: its 576-wide
+    inputs take no super-block of 256, so most tensors fall back to Q5_0, as llama.cpp writes
+    them; the 1,536-wide down projections are Q4_K, or Q6_K on the layers given more bits."""
+    from sonar_models.testing import rewrite_gguf, smollm2_gguf_path
+
+    return rewrite_gguf(smollm2_gguf_path(), tmp_path_factory.mktemp("smollm2-q4_k_m"), "Q4_K_M")
+
+
+def test_a_q4_k_m_file_of_real_weights_generates_what_transformers_does(smollm2_q4_k_m) -> None:
+    from sonar_models.formats.gguf_blocks import Q4_K, Q5_0, Q6_K
+    from sonar_models.formats.gguf_metadata import open_gguf
+
+    kinds = {int(t.tensor_type) for t in open_gguf(smollm2_q4_k_m).tensors}
+    assert {Q5_0, Q4_K, Q6_K} <= kinds
+    llm = LLM(str(smollm2_q4_k_m), dtype="float32", max_model_len=1024)
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    oracle = HFOracle(smollm2_q4_k_m.parent, gguf_file=smollm2_q4_k_m.name)
+    for prompt, output in zip(prompts, outputs):
+        expected, rows = oracle.greedy(prompt, 24)
+        got = output.outputs[0].token_ids
+        diverged = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+        if diverged is not None:  # natively quantized: only where the oracle's top two are a near tie
+            top2 = rows[diverged].topk(2).values
+            assert float(top2[0] - top2[1]) < NEAR_TIE, (diverged, got, expected)

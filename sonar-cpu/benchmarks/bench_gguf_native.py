@@ -16,7 +16,8 @@ their blocks, against llama.cpp on the same file.
 ``--k-quant q4_k_m|q5_k_m|q4_k|q5_k|q6_k`` runs it on a Llama-shaped model with random weights
 (``K_QUANT_SHAPE``: about 280M parameters, widths multiples of 256) in K-quant super-blocks, the
 ``_m`` names in llama.cpp's mixed recipes (Q6_K for the head and some value and down
-projections).
+projections); ``--k-quant smollm2-q4_k_m`` on the embedded model's own weights written again in
+Q4_K_M (its 576-wide inputs fall back to Q5_0, as llama.cpp writes them).
 """
 
 from __future__ import annotations
@@ -43,12 +44,16 @@ K_QUANT_SHAPE = dict(
 
 
 def write_k_quant_gguf(folder: str, kind: str) -> str:
-    """A Llama-shaped GGUF (``K_QUANT_SHAPE``, random weights) in ``kind`` under ``folder``."""
+    """A Llama-shaped GGUF (``K_QUANT_SHAPE``, random weights) in ``kind`` under ``folder``, or
+    for ``smollm2-q4_k_m`` the embedded model in Q4_K_M."""
     from pathlib import Path
 
     from sonar_models.formats.gguf_blocks import Q4_K, Q5_K, Q6_K
     from sonar_models.formats.gguf_quantize import write_gguf
-    from sonar_models.testing import build_tiny_model, smollm2_gguf_path
+    from sonar_models.testing import build_tiny_model, rewrite_gguf, smollm2_gguf_path
+
+    if kind == "smollm2-q4_k_m":
+        return str(rewrite_gguf(smollm2_gguf_path(), folder, "Q4_K_M"))
 
     hf = build_tiny_model("llama", Path(folder) / "hf", **K_QUANT_SHAPE)
     path = Path(folder) / f"llama-{kind}.gguf"
@@ -161,7 +166,7 @@ def main() -> None:
     )
     parser.add_argument("--moe", choices=["q8_0", "q4_0"], help="a Qwen3-MoE-shaped model with random weights in these blocks instead")
     parser.add_argument(
-        "--k-quant", choices=["q4_k_m", "q5_k_m", "q4_k", "q5_k", "q6_k"],
+        "--k-quant", choices=["q4_k_m", "q5_k_m", "q4_k", "q5_k", "q6_k", "smollm2-q4_k_m"],
         help="a Llama-shaped model with random weights in these K-quant blocks (or llama.cpp's mixed recipe) instead",
     )
     args = parser.parse_args()
@@ -200,6 +205,8 @@ def main() -> None:
             results["sonar_native"]["mixed_tok_s"] / results["transformers_batched"]["mixed_tok_s"], 2
         )
     model = f"qwen3-moe-shaped {args.moe}" if args.moe else f"llama-shaped {args.k_quant}" if args.k_quant else "SmolLM2-135M-Instruct"
+    if args.k_quant == "smollm2-q4_k_m":
+        model = "SmolLM2-135M-Instruct, written again in Q4_K_M"
     print(json.dumps({"model": model, "threads": threads, "requests": len(requests), "load_average_before_after": load, **results, **ratios}))
 
 

@@ -128,6 +128,28 @@ def smollm2_tokenizer() -> Any:
     return load_gguf_tokenizer(smollm2_gguf_path())
 
 
+def rewrite_gguf(source: str | Path, folder: str | Path, recipe: int | str) -> Path:
+    """The weights of the Llama-architecture GGUF file ``source`` (as transformers decodes them)
+    written again by Sonar's writer in ``recipe`` (a block type, or one of llama.cpp's mixed
+    recipes such as ``"Q4_K_M"``), the embedding quantized too and the tokenizer kept, as
+    ``folder/model.gguf``: a real model in a format its publisher did not ship."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from sonar_models.formats.gguf_quantize import write_gguf
+
+    source, folder = Path(source), Path(folder)
+    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(folder / "hf")
+    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
+    weights = {name: value.contiguous().clone() for name, value in model.state_dict().items() if name not in tied}
+    save_file(weights, str(folder / "hf" / "model.safetensors"))
+    path = folder / "model.gguf"
+    write_gguf(folder / "hf", path, recipe, quantize_embedding=True, tokenizer_from=source)
+    return path
+
+
 def build_tiny_model(arch: str, path: str | Path, **config_overrides: Any) -> Path:
     """Write a tiny random ``arch`` model (one of ``TINY_CONFIGS``) as a Hugging Face folder.
 
