@@ -80,7 +80,7 @@ def test_experts_stay_fp8_on_the_cpu_and_the_gpu_path_dequantizes_them_alike(tmp
     topk_ids = torch.tensor([[0, 3], [1, 2], [7, 0], [5, 6], [3, 3], [4, 1]])
     topk_weights = torch.rand(6, 2, generator=torch.Generator().manual_seed(1))
     on_the_cpu = experts(x, topk_weights, topk_ids)
-    experts.method._dequantize(experts)  # what a GPU does once every expert has arrived
+    experts.method._dequantize(experts)  # what a platform without an FP8 experts kernel does once every expert has arrived
     assert experts.fp8_experts is None and experts.w13.dtype == torch.float32
     torch.testing.assert_close(experts(x, topk_weights, topk_ids), on_the_cpu, atol=1e-5, rtol=1e-5)
 

@@ -251,3 +251,78 @@ def test_an_fp8_checkpoint_s_experts_run_in_the_kernel_as_on_the_cpu(device: tor
         setattr(layer, name, getattr(layer, name).to(device))
     out = method.apply(layer, x.to(device), weights.to(device), ids.to(device))
     torch.testing.assert_close(out.cpu(), on_the_cpu, atol=1e-4, rtol=1e-4)
+
+
+def _block_quantize(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``weight [N, K]`` as FP8 with a scale per ``block`` (the last ones partial), as HF's
+    ``fp8`` checkpoints hold it: ``(weight, weight_scale_inv [ceil(N / bn), ceil(K / bk)])``."""
+    from sonar.quantization.fp8 import to_fp8
+
+    (n, k), (bn, bk) = weight.shape, block
+    padded = torch.nn.functional.pad(weight, (0, -k % bk, 0, -n % bn))
+    blocks = padded.reshape(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-10) / 448.0
+    return to_fp8(blocks, scale[:, None, :, None]).reshape(padded.shape)[:n, :k], scale
+
+
+def _block_case(case: tuple, block: tuple[int, int]):
+    """FP8 experts with block scales, stacked as ``fused_moe_fp8`` takes them, and their
+    dequantized float32 weights; the per-expert parts too."""
+    from sonar.quantization.fp8 import dequantize_blocks
+
+    x, w13, w2, weights, ids = make_case(*case, torch.float32, torch.device("cpu"))
+    parts = [[_block_quantize(w, block) for w in (*w13[e].chunk(2), w2[e])] for e in range(w13.shape[0])]
+    q13 = torch.stack([torch.cat([gate[0], up[0]]) for gate, up, _ in parts])
+    s13 = torch.stack([torch.cat([gate[1], up[1]]) for gate, up, _ in parts])
+    q2, s2 = torch.stack([down[0] for *_, down in parts]), torch.stack([down[1] for *_, down in parts])
+    d13 = torch.stack([torch.cat([dequantize_blocks(*gate, block), dequantize_blocks(*up, block)]) for gate, up, _ in parts])
+    d2 = torch.stack([dequantize_blocks(*down, block) for *_, down in parts])
+    return x, q13, q2, s13, s2, d13, d2, weights, ids, parts
+
+
+@pytest.mark.parametrize(
+    "case, block", [*((case, (16, 16)) for case in SMALL_CASES), ((3, 4, 2, 256, 192), (128, 128))]
+)
+def test_fp8_experts_with_block_scales(case: tuple, block: tuple[int, int], device: torch.device) -> None:
+    """Blocks over widths that leave partial blocks (40 = 2.5 blocks of 16, 192 = 1.5 of 128),
+    with tiles of inputs smaller than a block (64 of 128 in the interpreter): each weight tile
+    times its block's scale as it is read."""
+    from sonar_cuda.kernels.fused_moe import fused_moe_fp8
+
+    x, q13, q2, s13, s2, d13, d2, weights, ids, _ = _block_case(case, block)
+    args = [t.to(device) for t in (q13, q2, s13, s2, weights, ids)]
+    for dtype in dtypes_for(device):
+        out = fused_moe_fp8(x.to(dtype).to(device), *args[:4], args[4], args[5], block=block)
+        assert out.shape == x.shape and out.dtype == dtype
+        expected = torch_fused_moe(x.to(dtype).float(), d13, d2, weights, ids)
+        tol = TOLERANCE[dtype]
+        torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe_fp8(x.to(device), *args[:2], args[2][:, :-1], args[3], args[4], args[5], block=block)
+
+
+def test_a_block_scaled_fp8_checkpoint_s_experts_run_in_the_kernel_as_on_the_cpu(device: torch.device) -> None:
+    """``Fp8ExpertsMethod`` with block scales stacks the experts' blocks for the kernel and
+    gives what its CPU path (each expert dequantized per call) gives."""
+    from types import SimpleNamespace
+
+    from sonar.quantization.fp8 import Fp8ExpertsMethod
+    from sonar_cuda.kernels.fused_moe import fused_moe_fp8
+
+    case, block = SMALL_CASES[1], (16, 16)
+    num_tokens, num_experts, top_k, hidden, intermediate = case
+    x, *_, weights, ids, parts = _block_case(case, block)
+    method = Fp8ExpertsMethod(block=block)
+    layer = SimpleNamespace(split_intermediate=False, expert_map=None)
+    method.create_weights(layer, num_experts, hidden, intermediate)
+    for e, expert in enumerate(parts):
+        for name, (q, scale) in zip(("gate", "up", "down"), expert):
+            method.load_checkpoint_part(layer, "w13", q, (e, name, "weight"))
+            method.load_checkpoint_part(layer, "w13", scale, (e, name, "weight_scale_inv"))
+    on_the_cpu = method.apply(layer, x, weights, ids)
+    method._stack(layer, fused_moe_fp8)
+    assert layer.w13.dtype == torch.float8_e4m3fn and layer.w13_scale.shape == (num_experts, 2 * -(-intermediate // 16), -(-hidden // 16))
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):
+        setattr(layer, name, getattr(layer, name).to(device))
+    out = method.apply(layer, x.to(device), weights.to(device), ids.to(device))
+    torch.testing.assert_close(out.cpu(), on_the_cpu, atol=1e-4, rtol=1e-4)

@@ -13,10 +13,13 @@ of products per expert that has tokens. Kernels must not read ``topk_ids`` on th
 graphs capture them).
 
 A platform may also register ``"fused_moe_fp8"``, taking ``(x, w13, w2, w13_scale, w2_scale,
-topk_weights, topk_ids, expert_map=None)``: the same sum over FP8 experts (``w13``, ``w2`` in
-float8_e4m3fn) whose output rows are multiplied by float32 scales ``w13_scale [E, 2I]`` and
-``w2_scale [E, H]``, the activations left in ``x``'s dtype (W8A16). FP8 checkpoints' experts
-use it where it is registered (``sonar.quantization.fp8``).
+topk_weights, topk_ids, expert_map=None, block=None)``: the same sum over FP8 experts (``w13``,
+``w2`` in float8_e4m3fn) whose output rows are multiplied by float32 scales ``w13_scale [E, 2I]``
+and ``w2_scale [E, H]``, the activations left in ``x``'s dtype (W8A16). With ``block``
+``(bn, bk)`` the scales are per block of a weight instead: ``w13_scale [E, 2 ceil(I / bn),
+ceil(H / bk)]`` (each expert's gate block rows, then its up block rows) and ``w2_scale
+[E, ceil(H / bn), ceil(I / bk)]``. FP8 checkpoints' experts use it where it is registered
+(``sonar.quantization.fp8``).
 
 Under expert parallelism a rank holds only some of the experts: ``w13`` and ``w2`` stack its
 ``E_local`` experts, and ``expert_map [E]`` (int32) gives each global expert id its local

@@ -309,10 +309,11 @@ class Fp8ExpertsMethod(ExpertsMethod):
     experts run with unquantized activations (W8A16).
 
     On the CPU the weights stay FP8 in memory and each expert's are dequantized per call, over
-    the tokens routed to it. On a platform with a ``fused_moe_fp8`` kernel (CUDA) per-tensor and
-    per-channel experts stay FP8, stacked with a scale per output row, once the last expert has
-    arrived; block-scaled ones, and any on a platform without that kernel, are dequantized then
-    into the stacked floating weights of ``fused_moe``."""
+    the tokens routed to it. On a platform with a ``fused_moe_fp8`` kernel (CUDA) the experts
+    stay FP8, stacked once the last expert has arrived: per-tensor and per-channel ones with a
+    scale per output row, block-scaled ones with their blocks' scales (blocks of inputs a
+    multiple of 16, the kernel's smallest tile). Any other, and any on a platform without that
+    kernel, are dequantized then into the stacked floating weights of ``fused_moe``."""
 
     def __init__(self, block: tuple[int, int] | None = None, static_activations: bool = False) -> None:
         self.block = block
@@ -351,16 +352,19 @@ class Fp8ExpertsMethod(ExpertsMethod):
         device = layer.w13.device
         layer.fp8_experts[expert] = [(w.to(device), s.to(device)) for w, s in weights]
         if device.type != "cpu" and all(e is not None for e in layer.fp8_experts):
-            kernel = ops.platform_op(torch.empty(0, device=device), "fused_moe_fp8") if self.block is None else None
-            if kernel is not None:
+            kernel = ops.platform_op(torch.empty(0, device=device), "fused_moe_fp8")
+            if kernel is not None and (self.block is None or self.block[1] % 16 == 0):
                 self._stack(layer, kernel)
             else:
                 self._dequantize(layer)
 
     def _stack(self, layer: nn.Module, kernel: Any) -> None:
         """Every expert's FP8 weights stacked as the platform's ``fused_moe_fp8`` takes them,
-        with one float32 scale per output row (a per-tensor scale repeated)."""
+        with one float32 scale per output row (a per-tensor scale repeated), or their blocks'
+        scales (the gate's block rows, then the up's)."""
         def rows(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+            if self.block is not None:
+                return scale.float()
             return scale.float().reshape(-1).expand(weight.shape[0]) if scale.numel() == 1 else scale.float().reshape(-1)
 
         experts = layer.fp8_experts
@@ -385,7 +389,8 @@ class Fp8ExpertsMethod(ExpertsMethod):
         if layer.fp8_experts is None:
             kernel = getattr(layer, "fp8_kernel", None)
             if kernel is not None:
-                return kernel(x, layer.w13, layer.w2, layer.w13_scale, layer.w2_scale, topk_weights, topk_ids, expert_map=layer.expert_map)
+                blocks = {} if self.block is None else {"block": self.block}
+                return kernel(x, layer.w13, layer.w2, layer.w13_scale, layer.w2_scale, topk_weights, topk_ids, expert_map=layer.expert_map, **blocks)
             return fused_moe(x, layer.w13, layer.w2, topk_weights, topk_ids, layer.expert_map)
 
         def expert_mlp(expert: int, rows: torch.Tensor) -> torch.Tensor:
@@ -460,7 +465,7 @@ class Fp8Method(QuantizationMethod):
         "cpu": "FP8 in memory, dequantized per call; activations quantized as on the GPU; a mixture-of-experts layer's "
         "experts FP8 in memory, each dequantized per call over its tokens (activations unquantized)",
         "cuda": "per channel: fused Triton GEMV for one row, torch._scaled_mm row-wise otherwise; blocks: dequantized per call; "
-        "a mixture-of-experts layer's experts: per tensor or channel, FP8 in the fused Triton MoE kernel (W8A16); blocks dequantized at load",
+        "a mixture-of-experts layer's experts FP8 in the fused Triton MoE kernel (W8A16): per tensor or channel, a scale per output row; blocks, each weight tile times its block's scale as it is read",
     }
     tested_by = {"cpu": "tests/test_quant_fp8.py"}  # cuda: kernels by sonar-cuda/tests/test_cuda_fp8.py; end to end not yet
 

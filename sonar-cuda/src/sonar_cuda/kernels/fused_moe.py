@@ -28,7 +28,8 @@ expert) a step reads the weights of the experts it touches, about once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -161,12 +162,14 @@ def _align_kernel(
 def _moe_gemm_kernel(
     a_ptr, w_ptr, out_ptr, weights_ptr, sorted_pairs_ptr, block_experts_ptr, scale_ptr,
     num_pairs, N, K,
-    stride_am, stride_we, stride_wn, stride_om, stride_se,
+    stride_am, stride_we, stride_wn, stride_om, stride_se, stride_sn, stride_sk, up_scales,
     A_ROWS_PER_PAIR: tl.constexpr,  # k: a row of x per token; 1: a row of the intermediate per pair
     NUM_EXPERTS: tl.constexpr,
     GATED: tl.constexpr,  # gate rows [0, N) and up rows [N, 2N): write silu(gate) * up
     WEIGHTED: tl.constexpr,  # multiply each pair's row by its routing weight
     SCALED: tl.constexpr,  # FP8 weights: each tile widened to the activations' dtype, each output column times its row's scale
+    SCALE_BLOCK_N: tl.constexpr,  # with SCALED: 0, a scale per row; else one per block of (rows, inputs),
+    SCALE_BLOCK_K: tl.constexpr,  # applied to each weight tile (BLOCK_K divides SCALE_BLOCK_K)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -189,23 +192,32 @@ def _moe_gemm_kernel(
     if GATED:
         up_ptrs = w_ptrs + N * stride_wn
         acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    scale_row = scale_ptr + expert.to(tl.int64) * stride_se
     for k0 in range(0, K, BLOCK_K):
         k_mask = ks < K - k0
         a = tl.load(a_ptrs, mask=pair_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
         if SCALED:
-            w = w.to(a.dtype)
+            if SCALE_BLOCK_N > 0:  # the tile's columns each in their block of rows, one block of inputs
+                block_scales = scale_row + (k0 // SCALE_BLOCK_K) * stride_sk
+                s = tl.load(block_scales + (cols // SCALE_BLOCK_N) * stride_sn, mask=col_mask, other=0.0)
+                w = (w.to(tl.float32) * s[None, :]).to(a.dtype)
+            else:
+                w = w.to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
         if GATED:
             w_up = tl.load(up_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             if SCALED:
-                w_up = w_up.to(a.dtype)
+                if SCALE_BLOCK_N > 0:
+                    s_up = tl.load(block_scales + (up_scales + cols // SCALE_BLOCK_N) * stride_sn, mask=col_mask, other=0.0)
+                    w_up = (w_up.to(tl.float32) * s_up[None, :]).to(a.dtype)
+                else:
+                    w_up = w_up.to(a.dtype)
             acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PRECISION)
             up_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if SCALED:
-        scale_row = scale_ptr + expert.to(tl.int64) * stride_se
+    if SCALED and SCALE_BLOCK_N == 0:
         acc = acc * tl.load(scale_row + cols, mask=col_mask, other=0.0)[None, :]
         if GATED:
             acc_up = acc_up * tl.load(scale_row + N + cols, mask=col_mask, other=0.0)[None, :]
@@ -220,19 +232,26 @@ def _moe_gemm_kernel(
 def _grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, weights: torch.Tensor, sorted_pairs: torch.Tensor,
     block_experts: torch.Tensor, top_k: int, gated: bool, launch: MoELaunch, scale: torch.Tensor | None = None,
+    block: tuple[int, int] | None = None,
 ) -> None:  # fmt: skip
     num_pairs, n = out.shape
     k = a.shape[1]
     grid = (block_experts.shape[0], triton.cdiv(n, launch.block_n))
+    blocked = scale is not None and block is not None
+    # where the up rows' scales start: row n of a scale per row, block row ceil(n / bn) of blocks
+    up_scales = -(-n // block[0]) if blocked else n
     _moe_gemm_kernel[grid](
         a, w, out, weights, sorted_pairs, block_experts, scale if scale is not None else weights,
         num_pairs, n, k,
         a.stride(0), w.stride(0), w.stride(1), out.stride(0), scale.stride(0) if scale is not None else 0,
+        scale.stride(1) if blocked else 0, scale.stride(2) if blocked else 0, up_scales,
         A_ROWS_PER_PAIR=top_k if gated else 1,
         NUM_EXPERTS=w.shape[0],
         GATED=gated,
         WEIGHTED=not gated,
         SCALED=scale is not None,
+        SCALE_BLOCK_N=block[0] if blocked else 0,
+        SCALE_BLOCK_K=block[1] if blocked else 0,
         BLOCK_M=launch.block_m,
         BLOCK_N=launch.block_n,
         BLOCK_K=launch.block_k,
@@ -256,16 +275,31 @@ def fused_moe(
 def fused_moe_fp8(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, expert_map: torch.Tensor | None = None, launch: MoELaunch | None = None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """``sonar.moe.fused_moe_fp8``: :func:`fused_moe` over FP8 weights, each output row of an
-    expert's projection times its scale (``w13_scale [E, 2I]``, ``w2_scale [E, H]``, float32);
-    the activations stay in ``x``'s dtype (W8A16)."""
-    return _fused_moe(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, launch, expert_map)
+    expert's projection times its scale (``w13_scale [E, 2I]``, ``w2_scale [E, H]``, float32),
+    or with ``block`` ``(bn, bk)`` each block of its weight times its scale (``w13_scale
+    [E, 2 ceil(I / bn), ceil(H / bk)]``: the gate's block rows, then the up's; ``w2_scale
+    [E, ceil(H / bn), ceil(I / bk)]``), each weight tile scaled as it is read; the activations
+    stay in ``x``'s dtype (W8A16)."""
+    if block is not None:
+        hidden, intermediate = x.shape[1], w2.shape[2]
+        expected = ((-(-intermediate // block[0]) * 2, -(-hidden // block[1])), (-(-hidden // block[0]), -(-intermediate // block[1])))
+        if (tuple(w13_scale.shape[1:]), tuple(w2_scale.shape[1:])) != expected:
+            raise ValueError(f"block scales {tuple(w13_scale.shape)} and {tuple(w2_scale.shape)} do not fit {block} blocks of these experts")
+        launch = launch or launch_for(topk_ids.numel(), w13.shape[0], x.device)
+        block_k = math.gcd(launch.block_k, block[1])  # a weight tile within one block of inputs
+        if block_k < 16:
+            raise ValueError(f"blocks of {block[1]} inputs leave tiles of {block_k}; the kernel's dot needs 16")
+        launch = replace(launch, block_k=block_k)
+    return _fused_moe(x, w13, w2, w13_scale, w2_scale, topk_weights, topk_ids, launch, expert_map, block)
 
 
 def _fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, launch: MoELaunch | None, expert_map: torch.Tensor | None,
+    block: tuple[int, int] | None = None,
 ) -> torch.Tensor:  # fmt: skip
     check_moe_shapes(x, w13, w2, topk_weights, topk_ids, expert_map)
     num_tokens, top_k = topk_ids.shape
@@ -280,10 +314,10 @@ def _fused_moe(
     sorted_pairs, block_experts = align_by_expert(local_expert_ids(topk_ids, expert_map, num_experts), num_experts, launch.block_m)
     weights = topk_weights.reshape(-1).contiguous()
     intermediate = x.new_empty((num_pairs, two_i // 2))
-    _grouped_gemm(x, w13, intermediate, weights, sorted_pairs, block_experts, top_k, True, launch, w13_scale)
+    _grouped_gemm(x, w13, intermediate, weights, sorted_pairs, block_experts, top_k, True, launch, w13_scale, block)
     # pairs of experts held elsewhere are written by no block: their rows must be zero
     per_pair = x.new_empty((num_pairs, hidden)) if expert_map is None else x.new_zeros((num_pairs, hidden))
-    _grouped_gemm(intermediate, w2, per_pair, weights, sorted_pairs, block_experts, top_k, False, launch, w2_scale)
+    _grouped_gemm(intermediate, w2, per_pair, weights, sorted_pairs, block_experts, top_k, False, launch, w2_scale, block)
     if top_k == 1:
         return per_pair
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1)  # float32 accumulation, one launch
