@@ -49,9 +49,11 @@ GGUF_BLOCK_KERNEL = "gguf_block_kernel"
 for _name in (INT4_GROUP_PACK, INT4_GROUP_LINEAR, GGUF_BLOCK_KERNEL):
     ops.declare_op(_name)
 #: Products of fewer rows than this run the platform's block kernel (where it has one) instead
-#: of dequantizing (measured on 2 AVX2 cores with the first, exact-only kernel: 3,072 x 576 at 16
-#: rows 2.1 ms against 4.8, at 32 rows 4.4 against 5.3).
-BLOCK_KERNEL_MAX_ROWS = 48
+#: of dequantizing a tile at a time into a float32 GEMM. Measured with the CPU's C kernels (eight
+#: rows to a vector) on 2 AVX-512 cores, exact products of 2,816 x 1,024 and 1,024 x 2,816: the
+#: kernel is as fast as dequantizing at 384 rows for the blocks of 32 and at 192-384 for the
+#: K-quants, and 3-10x faster at 48 (Q5_0, Q5_1 and Q6_K decode slowest in torch).
+BLOCK_KERNEL_MAX_ROWS = 256
 TIED_HEAD_PARAM = "tied_weight"
 DEQUANTIZE_TILE_ROWS = 4096  # rows dequantized at once by the blocks path
 #: From this many rows of activations on (a prefill, a large decode batch), a packed layer
@@ -367,8 +369,8 @@ class GGUFMethod(QuantizationMethod):
              "are dequantized at load")
     execution = {
         "cpu": "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K: Sonar's C kernels on the blocks (in huge pages, eight rows to a vector): "
-        "decode batches under 48 rows with the activations rounded to int8 blocks of 32 (integer dot products, as "
-        "llama.cpp), steps with prompt tokens under 48 rows exact in float32, larger ones dequantized per tile into a "
+        "decode batches under 256 rows with the activations rounded to int8 blocks of 32 (integer dot products, as "
+        "llama.cpp), steps with prompt tokens under 256 rows exact in float32, larger ones dequantized per tile into a "
         "float32 GEMM; where the C kernels cannot be built (or with SONAR_CPU_GGUF_KERNEL=0): torch's int4 weight-packed "
         "matmul (bf16) for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K decode steps under 16 rows, the float32 product otherwise, Q6_K "
         "dequantized per tile; a mixture-of-experts layer's experts: each expert's blocks as above, over the tokens routed to it",
