@@ -20,6 +20,23 @@ PROMPTS = [
 ]
 
 
+def assert_greedy_equals_transformers(llm: LLM, gguf) -> None:
+    """Greedy tokens of ``PROMPTS`` (24 each) equal transformers' on the same file, up to the
+    first step where transformers' top two tokens are a near tie."""
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    oracle = HFOracle(gguf.parent, gguf_file=gguf.name)
+    for prompt, output in zip(prompts, outputs):
+        expected, rows = oracle.greedy(prompt, 24)
+        got = output.outputs[0].token_ids
+        diverged = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+        if diverged is not None:  # natively quantized: only where the oracle's top two are a near tie
+            top2 = rows[diverged].topk(2).values
+            assert float(top2[0] - top2[1]) < NEAR_TIE, (diverged, got, expected)
+
+
 @pytest.fixture(scope="module")
 def smollm2() -> LLM:
     return LLM(dtype="float32", max_model_len=1024)
@@ -34,19 +51,7 @@ def test_chat_answers_paris(smollm2: LLM) -> None:
 def test_greedy_equals_transformers_on_the_same_gguf(smollm2: LLM) -> None:
     from sonar_models.testing import smollm2_gguf_path
 
-    tokenizer = smollm2.get_tokenizer()
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)  # 8 prompts x 24 tokens against the oracle
-    outputs = smollm2.generate([{"prompt_token_ids": p} for p in prompts], params)
-    gguf = smollm2_gguf_path()
-    oracle = HFOracle(gguf.parent, gguf_file=gguf.name)
-    for prompt, output in zip(prompts, outputs):
-        expected, rows = oracle.greedy(prompt, 24)
-        got = output.outputs[0].token_ids
-        diverged = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
-        if diverged is not None:  # natively quantized: only where the oracle's top two are a near tie
-            top2 = rows[diverged].topk(2).values
-            assert float(top2[0] - top2[1]) < NEAR_TIE, (diverged, got, expected)
+    assert_greedy_equals_transformers(smollm2, smollm2_gguf_path())
 
 
 def first_token_logprobs(llm: LLM, messages: list[dict]) -> dict[int, float]:
@@ -92,15 +97,4 @@ def test_a_q4_k_m_file_of_real_weights_generates_what_transformers_does(smollm2_
 
     kinds = {int(t.tensor_type) for t in open_gguf(smollm2_q4_k_m).tensors}
     assert {Q5_0, Q4_K, Q6_K} <= kinds
-    llm = LLM(str(smollm2_q4_k_m), dtype="float32", max_model_len=1024)
-    tokenizer = llm.get_tokenizer()
-    prompts = [tokenizer.encode(p) for p in PROMPTS]
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
-    oracle = HFOracle(smollm2_q4_k_m.parent, gguf_file=smollm2_q4_k_m.name)
-    for prompt, output in zip(prompts, outputs):
-        expected, rows = oracle.greedy(prompt, 24)
-        got = output.outputs[0].token_ids
-        diverged = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
-        if diverged is not None:  # natively quantized: only where the oracle's top two are a near tie
-            top2 = rows[diverged].topk(2).values
-            assert float(top2[0] - top2[1]) < NEAR_TIE, (diverged, got, expected)
+    assert_greedy_equals_transformers(LLM(str(smollm2_q4_k_m), dtype="float32", max_model_len=1024), smollm2_q4_k_m)

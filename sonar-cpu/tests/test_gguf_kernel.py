@@ -34,6 +34,26 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
 BLOCKS_OF_32 = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0]
 
 
+def check_against_the_dequantized_product(kernel: gguf_kernel.GGUFBlockKernel, blocks: GGUFBlocks, data: torch.Tensor,
+                                          row_counts: list[int], generator: torch.Generator) -> None:
+    """The exact product equal to the float one up to summation order; the int8 product equal
+    to the float one of the activations as it rounds them."""
+    rows, cols = blocks.shape
+    weight = dequantize_blocks(blocks).double()
+    for num_x in row_counts:
+        x = torch.randn(num_x, cols, generator=generator)
+        scale = (x.double().abs() @ weight.abs().T).max()
+        out = kernel(x, data, rows, cols, exact=True)
+        assert out.dtype == torch.float32 and out.shape == (num_x, rows)
+        # float32 summation order only: a few ulps of the row's magnitude
+        assert ((out.double() - x.double() @ weight.T).abs().max() / scale).item() < 1e-6
+        # the int8 product: exact but for the activations' rounding to int8 blocks
+        fast = kernel(x, data, rows, cols, exact=False)
+        assert fast.shape == (num_x, rows)
+        assert ((fast.double() - int8_blocks(x) @ weight.T).abs().max() / scale).item() < 1e-6
+        assert ((fast.double() - x.double() @ weight.T).abs().max() / scale).item() < 1e-2
+
+
 @pytest.mark.parametrize("ggml_type", BLOCKS_OF_32)
 @pytest.mark.parametrize("prepared", [False, True])
 def test_matches_the_dequantized_product(ggml_type: int, prepared: bool) -> None:
@@ -43,21 +63,10 @@ def test_matches_the_dequantized_product(ggml_type: int, prepared: bool) -> None
     generator = torch.Generator().manual_seed(ggml_type)
     for rows, cols in [(40, 96), (208, 160), (8, 32), (37, 64)]:
         blocks = random_blocks(ggml_type, rows, cols, generator)
-        weight = dequantize_blocks(blocks).double()
         kernel = gguf_kernel.GGUFBlockKernel(ggml_type)
         data = kernel.prepare(blocks.data) if prepared else blocks.data
         assert kernel.layout == (gguf_kernel.LANES if prepared and (rows % 8 == 0 or lanes_only) else 1)
-        for num_x in [*range(1, 12), 17, 20]:
-            x = torch.randn(num_x, cols, generator=generator)
-            scale = (x.double().abs() @ weight.abs().T).max()
-            out = kernel(x, data, rows, cols, exact=True)
-            assert out.dtype == torch.float32 and out.shape == (num_x, rows)
-            # float32 summation order only: a few ulps of the row's magnitude
-            assert ((out.double() - x.double() @ weight.T).abs().max() / scale).item() < 1e-6
-            # the int8 product: exact but for the activations' rounding to int8 blocks
-            fast = kernel(x, data, rows, cols, exact=False)
-            assert ((fast.double() - int8_blocks(x) @ weight.T).abs().max() / scale).item() < 1e-6
-            assert ((fast.double() - x.double() @ weight.T).abs().max() / scale).item() < 1e-2
+        check_against_the_dequantized_product(kernel, blocks, data, [*range(1, 12), 17, 20], generator)
 
 
 def test_the_int8_product_of_zeros_and_of_blocks_with_one_large_value() -> None:
@@ -132,20 +141,10 @@ def test_k_quants_match_the_dequantized_product(ggml_type: int) -> None:
     generator = torch.Generator().manual_seed(ggml_type)
     for rows, cols in [(16, 256), (40, 768), (13, 512)]:  # 13 rows: the last group filled with zero rows
         blocks = random_k_blocks(ggml_type, rows, cols, generator)
-        weight = dequantize_blocks(blocks).double()
         kernel = gguf_kernel.GGUFBlockKernel(ggml_type)
         data = kernel.prepare(blocks.data)
         assert kernel.layout == gguf_kernel.LANES and data.shape[0] == -(-rows // 8) * 8
-        for num_x in [1, 2, 3, 4, 5, 9]:
-            x = torch.randn(num_x, cols, generator=generator)
-            scale = (x.double().abs() @ weight.abs().T).max()
-            out = kernel(x, data, rows, cols, exact=True)
-            assert out.dtype == torch.float32 and out.shape == (num_x, rows)
-            assert ((out.double() - x.double() @ weight.T).abs().max() / scale).item() < 1e-6
-            fast = kernel(x, data, rows, cols, exact=False)
-            assert fast.shape == (num_x, rows)
-            assert ((fast.double() - int8_blocks(x) @ weight.T).abs().max() / scale).item() < 1e-6
-            assert ((fast.double() - x.double() @ weight.T).abs().max() / scale).item() < 1e-2
+        check_against_the_dequantized_product(kernel, blocks, data, [1, 2, 3, 4, 5, 9], generator)
 
 
 @pytest.mark.parametrize("ggml_type", [Q4_K, Q5_K, Q6_K])
