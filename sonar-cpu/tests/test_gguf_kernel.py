@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from sonar_cpu import gguf_kernel
-from sonar_models.formats.gguf_blocks import BLOCK_SIZES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGUFBlocks, dequantize_blocks
+from sonar_models.formats.gguf_blocks import (
+    BLOCK_SIZES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGUFBlocks, dequantize_blocks,
+)
 
 pytestmark = pytest.mark.skipif(gguf_kernel.load() is None, reason="no C compiler or no AVX2/FMA/F16C here")
 
@@ -32,6 +34,7 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
 
 
 BLOCKS_OF_32 = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0]
+K_QUANTS = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K]
 
 
 def check_against_the_dequantized_product(kernel: gguf_kernel.GGUFBlockKernel, blocks: GGUFBlocks, data: torch.Tensor,
@@ -94,12 +97,12 @@ def test_refuses_a_width_not_a_multiple_of_32() -> None:
         gguf_kernel.gguf_linear(torch.zeros(1, 40), Q8_0, torch.zeros(1, 34, dtype=torch.uint8), 1, 40)
 
 
-@pytest.mark.parametrize("ggml_type", [*BLOCKS_OF_32, Q4_K, Q5_K, Q6_K])
+@pytest.mark.parametrize("ggml_type", [*BLOCKS_OF_32, *K_QUANTS])
 def test_several_matrices_in_one_call_equal_one_call_each(ggml_type: int) -> None:
     """A mixture-of-experts layer's chosen experts, each over its own rows, in one call
     (``gguf_linear_experts``): as many ``exact=False`` calls, one per matrix, give the same."""
     generator = torch.Generator().manual_seed(ggml_type + 10)
-    k_quant = ggml_type in (Q4_K, Q5_K, Q6_K)
+    k_quant = ggml_type in K_QUANTS
     rows, cols = (24, 512) if k_quant else (48, 96)
     kernels, prepared = [], []
     for _ in range(4):
@@ -128,15 +131,13 @@ def random_k_blocks(ggml_type: int, rows: int, cols: int, generator: torch.Gener
     nsb = cols // values
     data = torch.randint(0, 256, (rows, nsb, nbytes), dtype=torch.uint8, generator=generator)
     half = lambda t: t.half().view(torch.uint8).view(rows, nsb, 2)  # noqa: E731
-    if ggml_type == Q6_K:
-        data[..., 208:210] = half(torch.rand(rows, nsb, generator=generator) * 1e-3)
-    else:
-        data[..., 0:2] = half(torch.rand(rows, nsb, generator=generator) * 1e-3)
-        data[..., 2:4] = half(torch.rand(rows, nsb, generator=generator) * 1e-3)
+    factors = {Q2_K: (80, 82), Q3_K: (108,), Q6_K: (208,)}.get(ggml_type, (0, 2))  # where d (and dmin) sit
+    for at in factors:
+        data[..., at : at + 2] = half(torch.rand(rows, nsb, generator=generator) * 1e-3)
     return GGUFBlocks(ggml_type, rows, cols, data.reshape(rows, -1))
 
 
-@pytest.mark.parametrize("ggml_type", [Q4_K, Q5_K, Q6_K])
+@pytest.mark.parametrize("ggml_type", K_QUANTS)
 def test_k_quants_match_the_dequantized_product(ggml_type: int) -> None:
     generator = torch.Generator().manual_seed(ggml_type)
     for rows, cols in [(16, 256), (40, 768), (13, 512)]:  # 13 rows: the last group filled with zero rows
@@ -147,7 +148,7 @@ def test_k_quants_match_the_dequantized_product(ggml_type: int) -> None:
         check_against_the_dequantized_product(kernel, blocks, data, [1, 2, 3, 4, 5, 9], generator)
 
 
-@pytest.mark.parametrize("ggml_type", [Q4_K, Q5_K, Q6_K])
+@pytest.mark.parametrize("ggml_type", K_QUANTS)
 def test_k_quant_rows_come_back_in_the_files_layout(ggml_type: int) -> None:
     blocks = random_k_blocks(ggml_type, 21, 512, torch.Generator().manual_seed(3))
     kernel = gguf_kernel.GGUFBlockKernel(ggml_type)

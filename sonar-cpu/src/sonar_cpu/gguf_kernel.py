@@ -1,6 +1,6 @@
 """Sonar's C kernels for GGUF block products: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 in
-``csrc/gguf_gemm.c``, the K-quants Q4_K / Q5_K / Q6_K in ``csrc/gguf_kquants.c`` (built and
-loaded by ``sonar_cpu.native``).
+``csrc/gguf_gemm.c``, the K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K in ``csrc/gguf_kquants.c``
+(built and loaded by ``sonar_cpu.native``).
 
 It holds two products (:func:`gguf_linear`):
 
@@ -32,10 +32,11 @@ from sonar_cpu.huge_pages import copy_to_huge_pages
 from sonar_cpu.native import load
 
 SWITCH_ENV = "SONAR_CPU_GGUF_KERNEL"  # "0": GGUF layers run their torch paths
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 12, 13, 14  # GGUF type ids
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14  # GGUF type ids
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}  # bytes per block of 32 values
-K_BLOCK_BYTES = {Q4_K: 144, Q5_K: 176, Q6_K: 210}  # bytes per super-block of 256 values, in the file
-K_LANES_BYTES = {Q4_K: 148, Q5_K: 180, Q6_K: 210}  # the same in layout 8, per row (scales unpacked)
+#: bytes per super-block of 256 values in the file, and per row in layout 8 (scales unpacked)
+K_BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
+K_LANES_BYTES = {Q2_K: 84, Q3_K: 114, Q4_K: 148, Q5_K: 180, Q6_K: 210}
 TYPES = (*BLOCK_BYTES, *K_BLOCK_BYTES)
 LANES_ONLY = (Q5_0, Q5_1, *K_BLOCK_BYTES)  # types the kernels take in layout 8 only (rows filled up to eight)
 LANES = 8  # rows per group of the kernel's layout 8 (one row per 32-bit lane of a 256-bit vector)
@@ -152,13 +153,36 @@ def rows_from_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
     return torch.cat(fields, dim=-1).transpose(1, 2).reshape(rows, row_bytes)
 
 
+def _unpack_q3_k_scales(packed: torch.Tensor) -> torch.Tensor:
+    """Q3_K: 12 bytes -> 16 six-bit scales, less 32, as int8 bytes."""
+    low, mid, high = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    parts = [
+        (low & 0x0F) | ((high & 3) << 4), (mid & 0x0F) | (((high >> 2) & 3) << 4),
+        (low >> 4) | (((high >> 4) & 3) << 4), (mid >> 4) | (((high >> 6) & 3) << 4),
+    ]
+    return (torch.cat(parts, -1).to(torch.int16) - 32).to(torch.int8).view(torch.uint8)
+
+
+def _pack_q3_k_scales(unpacked: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_unpack_q3_k_scales`."""
+    s = (unpacked.view(torch.int8).to(torch.int16) + 32).to(torch.uint8)
+    s0, s1, s2, s3 = s[..., 0:4], s[..., 4:8], s[..., 8:12], s[..., 12:16]
+    high = (s0 >> 4) | ((s1 >> 4) << 2) | ((s2 >> 4) << 4) | ((s3 >> 4) << 6)
+    return torch.cat([(s0 & 0x0F) | ((s2 & 0x0F) << 4), (s1 & 0x0F) | ((s3 & 0x0F) << 4), high], -1)
+
+
 def k_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """Q4_K / Q5_K / Q6_K super-blocks ``[rows, row_bytes]`` (``rows`` a multiple of 8) in the
     K-quant kernel's layout 8 (``csrc/gguf_kquants.c`` says how): ``[rows, K_LANES_BYTES * nsb]``."""
     rows, row_bytes = data.shape
     nsb = row_bytes // K_BLOCK_BYTES[ggml_type]
     b = data.reshape(rows // LANES, LANES, nsb, K_BLOCK_BYTES[ggml_type]).transpose(1, 2)  # [G, nsb, 8, block]
-    if ggml_type == Q6_K:
+    flat = lambda field: field.reshape(*b.shape[:2], -1)  # noqa: E731  (the eight rows' fields one after another)
+    if ggml_type == Q2_K:  # file: scales 0:16, qs 16:80, d 80:82, dmin 82:84
+        parts = [flat(b[..., 80:82]), flat(b[..., 82:84]), _across_rows(b[..., 0:16]), _chunks(b[..., 16:80])]
+    elif ggml_type == Q3_K:  # file: hmask 0:32, qs 32:96, scales 96:108, d 108:110
+        parts = [flat(b[..., 108:110]), _across_rows(_unpack_q3_k_scales(b[..., 96:108])), _chunks(b[..., 0:32]), _chunks(b[..., 32:96])]
+    elif ggml_type == Q6_K:
         ql, qh, sc, d = b[..., 0:128], b[..., 128:192], b[..., 192:208], b[..., 208:210]
         parts = [d.reshape(*b.shape[:2], -1), _across_rows(sc)]
         for half in range(2):
@@ -177,7 +201,14 @@ def rows_from_k_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor
     rows = data.shape[0]
     nsb = data.shape[1] // K_LANES_BYTES[ggml_type]
     g = data.reshape(rows // LANES, nsb, LANES * K_LANES_BYTES[ggml_type])
-    if ggml_type == Q6_K:
+    if ggml_type == Q2_K:
+        d, dmin = g[..., 0:16].reshape(*g.shape[:2], LANES, 2), g[..., 16:32].reshape(*g.shape[:2], LANES, 2)
+        blocks = torch.cat([_per_row(g[..., 32:160], 16), _unchunk(g[..., 160:672], 64), d, dmin], -1)
+    elif ggml_type == Q3_K:
+        d = g[..., 0:16].reshape(*g.shape[:2], LANES, 2)
+        scales = _pack_q3_k_scales(_per_row(g[..., 16:144], 16))
+        blocks = torch.cat([_unchunk(g[..., 144:400], 32), _unchunk(g[..., 400:912], 64), scales, d], -1)
+    elif ggml_type == Q6_K:
         d = g[..., 0:16].reshape(*g.shape[:2], LANES, 2)
         sc = _per_row(g[..., 16:144], 16)
         halves = [g[..., 144 + 768 * half : 144 + 768 * (half + 1)] for half in range(2)]

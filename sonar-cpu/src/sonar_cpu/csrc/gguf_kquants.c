@@ -1,19 +1,25 @@
 /* GGUF K-quant products: out[r, n] = sum_k x[r, k] * w[n, k] for weights stored as llama.cpp's
- * Q4_K / Q5_K / Q6_K super-blocks of 256 values, eight weight rows to a vector (layout 8).
+ * Q2_K / Q3_K / Q4_K / Q5_K / Q6_K super-blocks of 256 values, eight weight rows to a vector
+ * (layout 8).
  *
  * A super-block of one row holds eight groups of 32 values (Q4_K, Q5_K: w = d sc q - dmin m,
  * q in 0..15 or 0..31, a 6-bit scale sc and minimum m per group) or sixteen of 16 (Q6_K:
- * w = d sc (q - 32), q in 0..63, an int8 scale per group). sonar_cpu.gguf_kernel lays a layer's
- * rows out at load, per group of eight rows and per super-block, as
+ * w = d sc (q - 32), q in 0..63, an int8 scale per group; Q3_K: w = d sc (q - 4), q in 0..7, a
+ * 6-bit signed scale; Q2_K: w = d sc q - dmin m, q in 0..3, a 4-bit scale and minimum).
+ * sonar_cpu.gguf_kernel lays a layer's rows out at load, per group of eight rows and per
+ * super-block, as
  *   Q4_K: [8 fp16 d][8 fp16 dmin][sc: 8 groups x 8 rows, u8][m: 8 x 8, u8][qs]
  *   Q5_K: the same, with [qh] before [qs]
  *   Q6_K: [8 fp16 d][sc: 16 groups x 8 rows, i8][half 0: ql 0..31, ql 32..63, qh][half 1: ...]
+ *   Q3_K: [8 fp16 d][sc - 32: 16 x 8, i8][hmask][qs]
+ *   Q2_K: [8 fp16 d][8 fp16 dmin][sc | m << 4: 16 x 8, u8][qs]
  * where every run of codes is a vector of 32 bytes per chunk c, holding in 32-bit lane j the
  * four bytes 4c .. 4c + 3 of row j's run (Q4_K's and Q5_K's qs in four runs of 32 bytes, one per
  * pair of groups: low nibbles the first group, high nibbles the second; Q5_K's qh one run of 32,
  * bit v the fifth bit of group v; Q6_K's ql runs low nibbles then high ones, its qh two bits per
- * group). The 6-bit scales and minimums are unpacked at load; everything else is the file's
- * bytes in another order.
+ * group; Q3_K's hmask one run of 32, bit v the third bit of group v; Q2_K's and Q3_K's qs two
+ * runs of 32, one per half, two bits per group). The 6-bit scales and minimums are unpacked at
+ * load; everything else is the file's bytes in another order.
  *
  * Two products, as for the 32-value formats (gguf_gemm.c):
  * - exact: float32 activations, the codes decoded to floats in registers; equal to the float
@@ -25,16 +31,35 @@
 
 #include "simd.h"
 
-enum { Q4_K = 12, Q5_K = 13, Q6_K = 14, QK = 256, K_ROWS = 4 };
+enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, QK = 256, K_ROWS = 4 };
 
 static inline int64_t k_group_bytes(int type) {
-    return type == Q4_K ? 1184 : type == Q5_K ? 1440 : type == Q6_K ? 1680 : 0;
+    return type == Q2_K ? 672 : type == Q3_K ? 912 : type == Q4_K ? 1184 : type == Q5_K ? 1440 : type == Q6_K ? 1680 : 0;
 }
+
+/* the types whose groups of 16 values carry their own scale */
+static inline int sixteens(int type) { return type == Q2_K || type == Q3_K || type == Q6_K; }
+/* what the codes of a signed type are offset by: w = d sc (q - offset) */
+static inline int code_offset(int type) { return type == Q6_K ? 32 : type == Q3_K ? 4 : 0; }
 
 /* the eight operands of group of 32 values v (0..7) of a super-block of eight rows: operand c
  * holds, in lane j, the unsigned codes of values 32 v + 4 c .. 32 v + 4 c + 3 of row j */
 static inline void k_operands(int type, const uint8_t *sb, int v, __m256i op[8]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
+    if (type == Q2_K || type == Q3_K) {  /* two bits per value, at bit 2 (v % 4) of the half's qs */
+        const uint8_t *qs = sb + (type == Q2_K ? 160 : 400) + (v / 4) * 256;
+        const __m256i two = _mm256_set1_epi8(0x03);
+        for (int c = 0; c < 8; c++)
+            op[c] = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)), 2 * (v % 4)), two);
+        if (type == Q3_K) {  /* the third bit: bit v of hmask */
+            const __m256i bit = _mm256_set1_epi8((char)(1 << v)), third = _mm256_set1_epi8(0x04);
+            for (int c = 0; c < 8; c++) {
+                __m256i hm = _mm256_loadu_si256((const __m256i *)(sb + 144 + 32 * c));
+                op[c] = _mm256_or_si256(op[c], _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hm, bit), bit), third));
+            }
+        }
+        return;
+    }
     if (type == Q6_K) {
         const uint8_t *half = sb + 144 + (v / 4) * 768;
         int k = v % 4;  /* ql 0..31 (k 0, 2) or 32..63 (k 1, 3); low nibbles (k < 2) or high */
@@ -93,17 +118,32 @@ static void k_lanes_q8(int type, const uint8_t *w, int64_t nsb, const int8_t *co
             _mm_prefetch((const char *)sb + gb, _MM_HINT_T0);
             _mm_prefetch((const char *)sb + gb + 512, _MM_HINT_T0);
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
-            __m256 dmin = type == Q6_K ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
+            __m256 dmin = type == Q6_K || type == Q3_K ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
             for (int v = 0; v < 8; v++) {
                 __m256i op[8];
                 k_operands(type, sb, v, op);
-                if (type == Q6_K) {  /* sc (q - 32) x: the 32 comes off as 32 sum(x) per 16 values */
-                    __m256i s0 = scales_i8(sb + 16 + 16 * v), s1 = scales_i8(sb + 24 + 16 * v);
+                if (type == Q2_K) {  /* d sc q - dmin m per 16 values: sc and m are a byte's two nibbles */
+                    __m256i p0 = scales_u8(sb + 32 + 16 * v), p1 = scales_u8(sb + 40 + 16 * v);
+                    const __m256i nibble = _mm256_set1_epi32(0x0F);
+                    __m256i s0 = _mm256_and_si256(p0, nibble), s1 = _mm256_and_si256(p1, nibble);
+                    __m256i m0 = _mm256_srli_epi32(p0, 4), m1 = _mm256_srli_epi32(p1, 4);
                     for (int r = 0; r < nr; r++) {
                         const int8_t *xq = codes + r * cols + b * QK + 32 * v;
                         const int32_t *xs = sums + r * n16 + b * 16 + 2 * v;
-                        __m256i lo = _mm256_sub_epi32(k_dot(op, xq, 0, 4), _mm256_set1_epi32(32 * xs[0]));
-                        __m256i hi = _mm256_sub_epi32(k_dot(op, xq, 4, 4), _mm256_set1_epi32(32 * xs[1]));
+                        __m256i total = _mm256_add_epi32(_mm256_mullo_epi32(k_dot(op, xq, 0, 4), s0), _mm256_mullo_epi32(k_dot(op, xq, 4, 4), s1));
+                        __m256i mins = _mm256_add_epi32(_mm256_mullo_epi32(m0, _mm256_set1_epi32(xs[0])), _mm256_mullo_epi32(m1, _mm256_set1_epi32(xs[1])));
+                        __m256 dx = _mm256_set1_ps(scale[r * n32 + b * 8 + v]);
+                        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(total), acc[r]);
+                        acc[r] = _mm256_fnmadd_ps(_mm256_mul_ps(dmin, dx), _mm256_cvtepi32_ps(mins), acc[r]);
+                    }
+                } else if (sixteens(type)) {  /* sc (q - offset) x: the offset comes off as offset sum(x) per 16 values */
+                    __m256i s0 = scales_i8(sb + 16 + 16 * v), s1 = scales_i8(sb + 24 + 16 * v);
+                    int offset = code_offset(type);
+                    for (int r = 0; r < nr; r++) {
+                        const int8_t *xq = codes + r * cols + b * QK + 32 * v;
+                        const int32_t *xs = sums + r * n16 + b * 16 + 2 * v;
+                        __m256i lo = _mm256_sub_epi32(k_dot(op, xq, 0, 4), _mm256_set1_epi32(offset * xs[0]));
+                        __m256i hi = _mm256_sub_epi32(k_dot(op, xq, 4, 4), _mm256_set1_epi32(offset * xs[1]));
                         __m256i total = _mm256_add_epi32(_mm256_mullo_epi32(lo, s0), _mm256_mullo_epi32(hi, s1));
                         __m256 dx = _mm256_set1_ps(scale[r * n32 + b * 8 + v]);
                         acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(total), acc[r]);
@@ -132,7 +172,7 @@ static void k_lanes_exact(int type, const uint8_t *w, int64_t nsb, const float *
                           int64_t nr, float *out, int64_t out_stride, int64_t g0, int64_t g1) {
     int64_t gb = k_group_bytes(type), n16 = cols / 16;
     const __m256i byte = _mm256_set1_epi32(0xFF);
-    const __m256 offset = _mm256_set1_ps(type == Q6_K ? 32.0f : 0.0f);
+    const __m256 offset = _mm256_set1_ps((float)code_offset(type));
     for (int64_t g = g0; g < g1; g++) {
         __m256 acc[K_ROWS];
         for (int r = 0; r < nr; r++) acc[r] = _mm256_setzero_ps();
@@ -140,7 +180,7 @@ static void k_lanes_exact(int type, const uint8_t *w, int64_t nsb, const float *
         for (int64_t b = 0; b < nsb; b++) {
             const uint8_t *sb = group + b * gb;
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
-            __m256 dmin = type == Q6_K ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
+            __m256 dmin = type == Q6_K || type == Q3_K ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
             for (int v = 0; v < 8; v++) {
                 __m256i op[8];
                 k_operands(type, sb, v, op);
@@ -153,7 +193,21 @@ static void k_lanes_exact(int type, const uint8_t *w, int64_t nsb, const float *
                             part[r][c / 4] = _mm256_fmadd_ps(wq, _mm256_set1_ps(x[r * cols + b * QK + 32 * v + 4 * c + i]), part[r][c / 4]);
                     }
                 }
-                if (type == Q6_K) {
+                if (type == Q2_K) {
+                    __m256i p0 = scales_u8(sb + 32 + 16 * v), p1 = scales_u8(sb + 40 + 16 * v);
+                    const __m256i nibble = _mm256_set1_epi32(0x0F);
+                    __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(p0, nibble)));
+                    __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(p1, nibble)));
+                    __m256 m0 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(p0, 4)));
+                    __m256 m1 = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_srli_epi32(p1, 4)));
+                    for (int r = 0; r < nr; r++) {
+                        const float *xs = xsums + r * n16 + b * 16 + 2 * v;
+                        acc[r] = _mm256_fmadd_ps(s0, part[r][0], acc[r]);
+                        acc[r] = _mm256_fmadd_ps(s1, part[r][1], acc[r]);
+                        acc[r] = _mm256_fnmadd_ps(m0, _mm256_set1_ps(xs[0]), acc[r]);
+                        acc[r] = _mm256_fnmadd_ps(m1, _mm256_set1_ps(xs[1]), acc[r]);
+                    }
+                } else if (sixteens(type)) {
                     __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(scales_i8(sb + 16 + 16 * v)));
                     __m256 s1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(scales_i8(sb + 24 + 16 * v)));
                     for (int r = 0; r < nr; r++) {

@@ -14,16 +14,16 @@ from dataclasses import dataclass
 
 import torch
 
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30
 FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 #: ggml type -> (values per block, bytes per block)
 BLOCK_SIZES = {
     Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
-    Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+    Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
 }
 TYPE_NAMES = {
     F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
-    Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
+    Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
 }
 #: formats ``int4_groups`` maps onto 4-bit codes in groups of 32
 INT4_GROUP_TYPES = (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K)
@@ -119,6 +119,22 @@ def _decode(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         if kind == Q5_0:
             return codes - 16, _f16(b[..., 0:2])[..., None], None
         return codes, _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+    if kind in (Q2_K, Q3_K):  # two bits a value: bits 2j of byte l of half n are value 128 n + 32 j + l
+        qs = b[..., 16:80] if kind == Q2_K else b[..., 32:96]
+        shifts = 2 * torch.arange(4, dtype=torch.uint8, device=b.device)
+        codes = ((qs.reshape(*qs.shape[:-1], 2, 1, 32) >> shifts[:, None]) & 3).reshape(*qs.shape[:-1], 256).to(torch.int32)
+        if kind == Q2_K:  # [scales: scale | min << 4 per 16 values][qs][d][dmin]
+            scales = b[..., 0:16].to(torch.int32)
+            d, dmin = _f16(b[..., 80:82])[..., None], _f16(b[..., 82:84])[..., None]
+            return codes.float(), d * (scales & 0x0F).float(), -dmin * (scales >> 4).float()
+        # Q3_K [hmask: bit 4 n + j of byte l][qs][12 bytes of 6-bit scales][d]: w = d (s - 32) (q - 4)
+        hmask = b[..., 0:32].to(torch.int32)
+        high = torch.stack([(hmask >> bit) & 1 for bit in range(8)], dim=-2).reshape(*hmask.shape[:-1], 256)
+        raw = b[..., 96:108].to(torch.int32)
+        low, mid, top = raw[..., 0:4], raw[..., 4:8], raw[..., 8:12]
+        six = torch.cat([(low & 15) | ((top & 3) << 4), (mid & 15) | (((top >> 2) & 3) << 4),
+                         (low >> 4) | (((top >> 4) & 3) << 4), (mid >> 4) | (((top >> 6) & 3) << 4)], -1)
+        return (codes | (high << 2)).float() - 4, _f16(b[..., 108:110])[..., None] * (six - 32).float(), None
     if kind in (Q4_K, Q5_K):
         d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
         sc, m = _k_scales(b[..., 4:16])

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sonar_models.formats.gguf_blocks import BLOCK_SIZES, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from sonar_models.formats.gguf_blocks import BLOCK_SIZES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).view(np.uint8).reshape(*values.shape[:-1], -1)
@@ -53,11 +53,39 @@ def _nibble_pack(codes: np.ndarray) -> np.ndarray:
     return (chunks[:, :, 0] | (chunks[:, :, 1] << 4)).reshape(-1, 128)
 
 
+def _two_bit_pack(codes: np.ndarray) -> np.ndarray:
+    # [n, 256] codes 0..3 -> [n, 64]: byte l of half h holds value 128 h + 32 j + l at bits 2j
+    halves = codes.reshape(-1, 2, 4, 32)
+    return sum(halves[:, :, j] << (2 * j) for j in range(4)).astype(np.uint8).reshape(-1, 64)
+
+
 def quantize_k(x: np.ndarray, ggml_type: int) -> np.ndarray:
-    """``x [rows, cols]`` (cols a multiple of 256) as Q4_K, Q5_K or Q6_K blocks ``uint8 [rows, row_bytes]``."""
+    """``x [rows, cols]`` (cols a multiple of 256) as Q2_K, Q3_K, Q4_K, Q5_K or Q6_K blocks
+    ``uint8 [rows, row_bytes]``."""
     rows = x.shape[0]
     blocks = x.reshape(-1, 256).astype(np.float32)
-    if ggml_type in (Q4_K, Q5_K):
+    if ggml_type == Q2_K:  # per 16 values: w = d sc q - dmin m, q 0..3, sc and m 4 bits
+        sub = blocks.reshape(-1, 16, 16)
+        low = np.minimum(sub.min(-1), 0)
+        scale = (sub.max(-1) - low) / 3
+        d = (np.maximum(scale.max(-1, keepdims=True), 1e-12) / 15).astype(np.float16).astype(np.float32)
+        dmin = (np.maximum(-low.min(-1, keepdims=True), 1e-12) / 15).astype(np.float16).astype(np.float32)
+        sc, m = np.clip(np.round(scale / d), 1, 15), np.clip(np.round(-low / dmin), 0, 15)
+        codes = np.clip(np.round((sub + (dmin * m)[..., None]) / (d * sc)[..., None]), 0, 3).astype(np.uint8)
+        parts = [(sc.astype(np.uint8) | (m.astype(np.uint8) << 4)), _two_bit_pack(codes.reshape(-1, 256)), _f16_bytes(d), _f16_bytes(dmin)]
+    elif ggml_type == Q3_K:  # per 16 values: w = d (s - 32) (q - 4), q 0..7, s 6 bits
+        sub = blocks.reshape(-1, 16, 16)
+        scale = np.abs(sub).max(-1) / 4
+        d = (np.maximum(scale.max(-1, keepdims=True), 1e-12) / 31).astype(np.float16).astype(np.float32)
+        s6 = np.clip(np.round(scale / d), 1, 31).astype(np.int32)  # the scale's code less 32
+        codes = (np.clip(np.round(sub / (d * s6)[..., None]), -4, 3) + 4).astype(np.uint8).reshape(-1, 256)
+        hmask = sum((codes.reshape(-1, 8, 32)[:, bit] >> 2) << bit for bit in range(8)).astype(np.uint8)
+        u = (s6 + 32).astype(np.uint8)  # 16 six-bit values -> 12 bytes (llama.cpp's kmask layout)
+        u0, u1, u2, u3 = u[:, 0:4], u[:, 4:8], u[:, 8:12], u[:, 12:16]
+        high = (u0 >> 4) | ((u1 >> 4) << 2) | ((u2 >> 4) << 4) | ((u3 >> 4) << 6)
+        scales = np.concatenate([(u0 & 15) | ((u2 & 15) << 4), (u1 & 15) | ((u3 & 15) << 4), high], -1)
+        parts = [hmask, _two_bit_pack(codes & 3), scales, _f16_bytes(d)]
+    elif ggml_type in (Q4_K, Q5_K):
         codes, d, dmin, sc, m = _q45_k(blocks.reshape(-1, 8, 32), 15 if ggml_type == Q4_K else 31)
         codes = codes.reshape(-1, 256)
         parts = [_f16_bytes(d), _f16_bytes(dmin), _k_scale_bytes(sc, m)]
@@ -75,13 +103,13 @@ def quantize_k(x: np.ndarray, ggml_type: int) -> np.ndarray:
         qh = (codes[:, :, 0] >> 4) | (codes[:, :, 1] >> 4) << 2 | (codes[:, :, 2] >> 4) << 4 | (codes[:, :, 3] >> 4) << 6
         parts = [ql.reshape(-1, 128), qh.reshape(-1, 64), sc.astype(np.int8).view(np.uint8), _f16_bytes(d)]
     else:
-        raise ValueError(f"quantize_k encodes Q4_K, Q5_K and Q6_K, not type {ggml_type}")
+        raise ValueError(f"quantize_k encodes Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, not type {ggml_type}")
     return np.concatenate(parts, axis=-1).astype(np.uint8).reshape(rows, -1)
 
 
 def quantize(x: np.ndarray, ggml_type: int) -> np.ndarray:
-    """``x [rows, cols]`` as blocks of ``ggml_type`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)."""
-    if ggml_type in (Q4_K, Q5_K, Q6_K):
+    """``x [rows, cols]`` as blocks of ``ggml_type`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K)."""
+    if ggml_type in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K):
         return quantize_k(x, ggml_type)
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
