@@ -13,7 +13,7 @@ average before and after (the figures are only comparable at a low load).
 lays the file out, with SmolLM2's tokenizer): a mixture-of-experts layer's experts kept in
 their blocks, against llama.cpp on the same file.
 
-``--k-quant q4_k_m|q5_k_m|q4_k|q5_k|q6_k`` runs it on a Llama-shaped model with random weights
+``--k-quant q4_k_m|q5_k_m|q2_k|q3_k|q4_k|q5_k|q6_k`` runs it on a Llama-shaped model with random weights
 (``K_QUANT_SHAPE``: about 280M parameters, widths multiples of 256) in K-quant super-blocks, the
 ``_m`` names in llama.cpp's mixed recipes (Q6_K for the head and some value and down
 projections); ``--k-quant smollm2-q4_k_m`` on the embedded model's own weights written again in
@@ -48,7 +48,7 @@ def write_k_quant_gguf(folder: str, kind: str) -> str:
     for ``smollm2-q4_k_m`` the embedded model in Q4_K_M."""
     from pathlib import Path
 
-    from sonar_models.formats.gguf_blocks import Q4_K, Q5_K, Q6_K
+    from sonar_models.formats.gguf_blocks import Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
     from sonar_models.formats.gguf_quantize import write_gguf
     from sonar_models.testing import build_tiny_model, rewrite_gguf, smollm2_gguf_path
 
@@ -57,7 +57,7 @@ def write_k_quant_gguf(folder: str, kind: str) -> str:
 
     hf = build_tiny_model("llama", Path(folder) / "hf", **K_QUANT_SHAPE)
     path = Path(folder) / f"llama-{kind}.gguf"
-    recipe = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}[kind]
+    recipe = {"q4_k_m": "Q4_K_M", "q5_k_m": "Q5_K_M", "q2_k": Q2_K, "q3_k": Q3_K, "q4_k": Q4_K, "q5_k": Q5_K, "q6_k": Q6_K}[kind]
     write_gguf(hf, path, recipe, tokenizer_from=smollm2_gguf_path())
     return str(path)
 
@@ -166,7 +166,7 @@ def main() -> None:
     )
     parser.add_argument("--moe", choices=["q8_0", "q4_0"], help="a Qwen3-MoE-shaped model with random weights in these blocks instead")
     parser.add_argument(
-        "--k-quant", choices=["q4_k_m", "q5_k_m", "q4_k", "q5_k", "q6_k", "smollm2-q4_k_m"],
+        "--k-quant", choices=["q4_k_m", "q5_k_m", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "smollm2-q4_k_m"],
         help="a Llama-shaped model with random weights in these K-quant blocks (or llama.cpp's mixed recipe) instead",
     )
     args = parser.parse_args()
