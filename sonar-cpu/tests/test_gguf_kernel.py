@@ -7,7 +7,7 @@ import torch
 
 from sonar_cpu import gguf_kernel
 from sonar_models.formats.gguf_blocks import (
-    BLOCK_SIZES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGUFBlocks, dequantize_blocks,
+    BLOCK_SIZES, IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, GGUFBlocks, dequantize_blocks,
 )
 
 pytestmark = pytest.mark.skipif(gguf_kernel.load() is None, reason="no C compiler or no AVX2/FMA/F16C here")
@@ -33,8 +33,8 @@ def int8_blocks(x: torch.Tensor) -> torch.Tensor:
     return (codes.double() * (top / 127).double()).view_as(x)
 
 
-BLOCKS_OF_32 = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0]
-K_QUANTS = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K]
+BLOCKS_OF_32 = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL]
+K_QUANTS = [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS]
 
 
 def check_against_the_dequantized_product(kernel: gguf_kernel.GGUFBlockKernel, blocks: GGUFBlocks, data: torch.Tensor,
@@ -62,7 +62,7 @@ def check_against_the_dequantized_product(kernel: gguf_kernel.GGUFBlockKernel, b
 def test_matches_the_dequantized_product(ggml_type: int, prepared: bool) -> None:
     lanes_only = ggml_type in gguf_kernel.LANES_ONLY
     if lanes_only and not prepared:
-        pytest.skip("Q5_0 and Q5_1 run in layout 8 only")
+        pytest.skip("Q5_0, Q5_1 and IQ4_NL run in layout 8 only")
     generator = torch.Generator().manual_seed(ggml_type)
     for rows, cols in [(40, 96), (208, 160), (8, 32), (37, 64)]:
         blocks = random_blocks(ggml_type, rows, cols, generator)
@@ -131,7 +131,7 @@ def random_k_blocks(ggml_type: int, rows: int, cols: int, generator: torch.Gener
     nsb = cols // values
     data = torch.randint(0, 256, (rows, nsb, nbytes), dtype=torch.uint8, generator=generator)
     half = lambda t: t.half().view(torch.uint8).view(rows, nsb, 2)  # noqa: E731
-    factors = {Q2_K: (80, 82), Q3_K: (108,), Q6_K: (208,)}.get(ggml_type, (0, 2))  # where d (and dmin) sit
+    factors = {Q2_K: (80, 82), Q3_K: (108,), Q6_K: (208,), IQ4_XS: (0,)}.get(ggml_type, (0, 2))  # where d (and dmin) sit
     for at in factors:
         data[..., at : at + 2] = half(torch.rand(rows, nsb, generator=generator) * 1e-3)
     return GGUFBlocks(ggml_type, rows, cols, data.reshape(rows, -1))

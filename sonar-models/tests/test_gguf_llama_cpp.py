@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from sonar_models.formats.gguf_blocks import Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from sonar_models.formats.gguf_blocks import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
 from sonar_models.formats.gguf_quantize import write_gguf
 from sonar_models.testing import build_tiny_model, smollm2_gguf_path
 from test_gguf_architectures import ARCHS
@@ -60,7 +60,7 @@ def test_llama_cpp_reads_a_q8_0_file_alike(arch: str, tmp_path: Path) -> None:
     assert (expected.argmax(-1) == got.argmax(-1)).mean() >= 0.85
 
 
-@pytest.mark.parametrize("recipe", [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, "Q4_K_M", Q5_0, Q5_1])
+@pytest.mark.parametrize("recipe", [Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, "Q4_K_M", Q5_0, Q5_1, IQ4_NL, IQ4_XS])
 def test_llama_cpp_reads_k_quant_and_5_bit_files_alike(recipe: int | str, tmp_path: Path) -> None:
     """Super-blocks of 256 (Sonar's K-quant encoder, and llama.cpp's mixed Q4_K_M recipe over
     eight layers) and the 5-bit blocks of 32: llama.cpp decodes them as transformers reads the

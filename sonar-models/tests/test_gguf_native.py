@@ -14,12 +14,12 @@ from transformers import AutoModelForCausalLM
 
 from sonar import LLM, SamplingParams, ops
 from sonar_cpu import gguf_kernel
-from sonar_models.formats.gguf_blocks import Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPE_NAMES
+from sonar_models.formats.gguf_blocks import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, TYPE_NAMES
 from sonar_models.formats.gguf_quant import BLOCK_KERNEL_MAX_ROWS, DENSE_MIN_ROWS, _Blocks, _Packed
 from sonar_models.formats.gguf_quantize import write_gguf
 from sonar_models.testing import build_tiny_model, load_sonar_model
 
-TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, "Q4_K_M"]  # the last: llama.cpp's mixed recipe (Q4_K, some Q6_K)
+TYPES = [Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, "Q4_K_M"]  # the last: llama.cpp's mixed recipe (Q4_K, some Q6_K)
 
 
 def type_name(ggml_type: int | str) -> str:

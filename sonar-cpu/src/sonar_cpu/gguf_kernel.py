@@ -1,6 +1,6 @@
-"""Sonar's C kernels for GGUF block products: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 in
-``csrc/gguf_gemm.c``, the K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K in ``csrc/gguf_kquants.c``
-(built and loaded by ``sonar_cpu.native``).
+"""Sonar's C kernels for GGUF block products: Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL in
+``csrc/gguf_gemm.c``, the K-quants Q2_K / Q3_K / Q4_K / Q5_K / Q6_K and IQ4_XS in
+``csrc/gguf_kquants.c`` (built and loaded by ``sonar_cpu.native``).
 
 It holds two products (:func:`gguf_linear`):
 
@@ -16,8 +16,8 @@ out so that each 256-bit vector holds eight weight rows, one per 32-bit lane (la
 block's products for eight rows are then eight integer dot instructions, its scales apply as
 vectors, and a product streams one sequential run of memory per thread. The K-quants are laid
 out the same way per super-block of 256 values (their 6-bit scales unpacked to bytes). Q5_0,
-Q5_1 and the K-quants run in layout 8 only: a matrix whose rows do not come in groups of eight
-gets zero rows to fill its last.
+Q5_1, IQ4_NL and the K-quants run in layout 8 only: a matrix whose rows do not come in groups
+of eight gets zero rows to fill its last.
 ``SONAR_CPU_GGUF_KERNEL=0`` (or ``SONAR_CPU_KERNELS=0``) leaves GGUF layers to their torch paths.
 """
 
@@ -32,13 +32,13 @@ from sonar_cpu.huge_pages import copy_to_huge_pages
 from sonar_cpu.native import load
 
 SWITCH_ENV = "SONAR_CPU_GGUF_KERNEL"  # "0": GGUF layers run their torch paths
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14  # GGUF type ids
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34}  # bytes per block of 32 values
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23  # GGUF type ids
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, IQ4_NL: 18}  # bytes per block of 32 values
 #: bytes per super-block of 256 values in the file, and per row in layout 8 (scales unpacked)
-K_BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210}
-K_LANES_BYTES = {Q2_K: 84, Q3_K: 114, Q4_K: 148, Q5_K: 180, Q6_K: 210}
+K_BLOCK_BYTES = {Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210, IQ4_XS: 136}
+K_LANES_BYTES = {Q2_K: 84, Q3_K: 114, Q4_K: 148, Q5_K: 180, Q6_K: 210, IQ4_XS: 138}
 TYPES = (*BLOCK_BYTES, *K_BLOCK_BYTES)
-LANES_ONLY = (Q5_0, Q5_1, *K_BLOCK_BYTES)  # types the kernels take in layout 8 only (rows filled up to eight)
+LANES_ONLY = (Q5_0, Q5_1, IQ4_NL, *K_BLOCK_BYTES)  # types the kernels take in layout 8 only (rows filled up to eight)
 LANES = 8  # rows per group of the kernel's layout 8 (one row per 32-bit lane of a 256-bit vector)
 _scratch = threading.local()
 
@@ -111,7 +111,7 @@ def _fifth_bits_from_lanes(reordered: torch.Tensor) -> torch.Tensor:
 
 def _lanes_fields(ggml_type: int) -> tuple[int, int, int]:
     """``(minimum bytes, fifth-bit bytes, code bytes)`` of one block of ``ggml_type`` in the file
-    after its 2-byte scale."""
+    after its 2-byte scale (IQ4_NL's are Q4_0's: its nibbles index a table)."""
     return (2 if ggml_type in (Q4_1, Q5_1) else 0, 4 if ggml_type in (Q5_0, Q5_1) else 0, 32 if ggml_type == Q8_0 else 16)
 
 
@@ -171,6 +171,23 @@ def _pack_q3_k_scales(unpacked: torch.Tensor) -> torch.Tensor:
     return torch.cat([(s0 & 0x0F) | ((s2 & 0x0F) << 4), (s1 & 0x0F) | ((s3 & 0x0F) << 4), high], -1)
 
 
+def _unpack_iq4_xs_scales(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """IQ4_XS: ``scales_h`` (2 bytes) and ``scales_l`` (4) -> 8 six-bit scales, less 32, as int8 bytes."""
+    bits = high[..., 0].to(torch.int32) | (high[..., 1].to(torch.int32) << 8)
+    shifts = torch.arange(8, device=high.device)
+    top = (bits[..., None] >> (2 * shifts)) & 3
+    nibbles = torch.stack([low & 0x0F, low >> 4], dim=-1).reshape(*low.shape[:-1], 8).to(torch.int32)
+    return ((nibbles | (top << 4)) - 32).to(torch.int8).view(torch.uint8)
+
+
+def _pack_iq4_xs_scales(unpacked: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`_unpack_iq4_xs_scales`: ``scales_h`` then ``scales_l`` (6 bytes)."""
+    ls = unpacked.view(torch.int8).to(torch.int32) + 32
+    bits = sum(((ls[..., i] >> 4) & 3) << (2 * i) for i in range(8))
+    low = (ls[..., 0::2] & 0x0F) | ((ls[..., 1::2] & 0x0F) << 4)
+    return torch.cat([torch.stack([bits & 0xFF, bits >> 8], -1), low], -1).to(torch.uint8)
+
+
 def k_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
     """Q4_K / Q5_K / Q6_K super-blocks ``[rows, row_bytes]`` (``rows`` a multiple of 8) in the
     K-quant kernel's layout 8 (``csrc/gguf_kquants.c`` says how): ``[rows, K_LANES_BYTES * nsb]``."""
@@ -178,7 +195,9 @@ def k_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor:
     nsb = row_bytes // K_BLOCK_BYTES[ggml_type]
     b = data.reshape(rows // LANES, LANES, nsb, K_BLOCK_BYTES[ggml_type]).transpose(1, 2)  # [G, nsb, 8, block]
     flat = lambda field: field.reshape(*b.shape[:2], -1)  # noqa: E731  (the eight rows' fields one after another)
-    if ggml_type == Q2_K:  # file: scales 0:16, qs 16:80, d 80:82, dmin 82:84
+    if ggml_type == IQ4_XS:  # file: d 0:2, scales_h 2:4, scales_l 4:8, qs 8:136
+        parts = [flat(b[..., 0:2]), _across_rows(_unpack_iq4_xs_scales(b[..., 2:4], b[..., 4:8])), _chunks(b[..., 8:136])]
+    elif ggml_type == Q2_K:  # file: scales 0:16, qs 16:80, d 80:82, dmin 82:84
         parts = [flat(b[..., 80:82]), flat(b[..., 82:84]), _across_rows(b[..., 0:16]), _chunks(b[..., 16:80])]
     elif ggml_type == Q3_K:  # file: hmask 0:32, qs 32:96, scales 96:108, d 108:110
         parts = [flat(b[..., 108:110]), _across_rows(_unpack_q3_k_scales(b[..., 96:108])), _chunks(b[..., 0:32]), _chunks(b[..., 32:96])]
@@ -201,7 +220,10 @@ def rows_from_k_lanes_layout(data: torch.Tensor, ggml_type: int) -> torch.Tensor
     rows = data.shape[0]
     nsb = data.shape[1] // K_LANES_BYTES[ggml_type]
     g = data.reshape(rows // LANES, nsb, LANES * K_LANES_BYTES[ggml_type])
-    if ggml_type == Q2_K:
+    if ggml_type == IQ4_XS:
+        d = g[..., 0:16].reshape(*g.shape[:2], LANES, 2)
+        blocks = torch.cat([d, _pack_iq4_xs_scales(_per_row(g[..., 16:80], 8)), _unchunk(g[..., 80:1104], 128)], -1)
+    elif ggml_type == Q2_K:
         d, dmin = g[..., 0:16].reshape(*g.shape[:2], LANES, 2), g[..., 16:32].reshape(*g.shape[:2], LANES, 2)
         blocks = torch.cat([_per_row(g[..., 32:160], 16), _unchunk(g[..., 160:672], 64), d, dmin], -1)
     elif ggml_type == Q3_K:
@@ -288,9 +310,9 @@ class GGUFBlockKernel:
     """The ``gguf_block_kernel`` operation's answer for one layer's blocks of one type.
 
     ``prepare(data)`` places the blocks where and how the kernel reads them fastest (huge
-    pages; layout 8 where the rows come in groups of eight, and always for Q5_0, Q5_1 and the
-    K-quants, whose last group is filled with zero rows), ``kernel(x, data, rows, cols, exact)`` multiplies by
-    what ``prepare`` returned, and ``rows_in_order(data, start, stop)`` gives rows
+    pages; layout 8 where the rows come in groups of eight, and always for Q5_0, Q5_1, IQ4_NL and
+    the K-quants, whose last group is filled with zero rows), ``kernel(x, data, rows, cols,
+    exact)`` multiplies by what ``prepare`` returned, and ``rows_in_order(data, start, stop)`` gives rows
     ``[start, stop)`` back in the file's layout (for callers that dequantize them)."""
 
     def __init__(self, ggml_type: int) -> None:

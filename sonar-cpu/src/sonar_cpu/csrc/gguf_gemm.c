@@ -1,6 +1,7 @@
 /* GGUF block products: out[r, n] = sum_k x[r, k] * w[n, k] for weights stored as llama.cpp's
- * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 blocks of 32 (fp16 scale [, fp16 min] [, fifth bits], codes);
- * the 5-bit types in layout 8 only.
+ * Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL blocks of 32 (fp16 scale [, fp16 min] [, fifth bits],
+ * codes; IQ4_NL's 4-bit codes index a table of 16 signed values); Q5_0, Q5_1 and IQ4_NL in
+ * layout 8 only.
  *
  * Two products:
  * - gguf_linear: float32 activations, exact up to float32 summation order. Per block:
@@ -22,11 +23,13 @@
 
 #include "simd.h"
 
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, MAX_ROWS = 8, ROW_ALIGN = 8 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, IQ4_NL = 20, MAX_ROWS = 8, ROW_ALIGN = 8 };
 
 /* the types each layout takes */
 static inline int file_layout_type(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
-static inline int lanes_type(int type) { return file_layout_type(type) || type == Q5_0 || type == Q5_1; }
+static inline int lanes_type(int type) { return file_layout_type(type) || type == Q5_0 || type == Q5_1 || type == IQ4_NL; }
+/* the types whose operands hold signed codes (the others: unsigned, offset by a constant) */
+static inline int signed_codes(int type) { return type == Q8_0 || type == IQ4_NL; }
 static inline int five_bits(int type) { return type == Q5_0 || type == Q5_1; }
 static inline int has_minimum(int type) { return type == Q4_1 || type == Q5_1; }
 #ifndef PREFETCH_BYTES
@@ -254,7 +257,7 @@ static inline int lanes_head_bytes(int type) { return (has_minimum(type) ? 32 : 
 static inline int64_t lanes_group_block_bytes(int type) { return lanes_head_bytes(type) + lanes_codes_bytes(type); }
 
 /* the eight 32-byte operands of a block of eight rows: operand k pairs with activation values
- * 4k .. 4k + 3 (unsigned codes for 4-bit types; for Q8_0 the signed codes, made unsigned by the
+ * 4k .. 4k + 3 (unsigned codes for 4- and 5-bit types; for Q8_0, and IQ4_NL after its table, the signed codes, made unsigned by the
  * caller with their signs moved onto the activations) */
 static inline void lanes_operands(int type, const uint8_t *blk, __m256i op[8]) {
     const uint8_t *codes = blk + lanes_head_bytes(type);
@@ -267,6 +270,10 @@ static inline void lanes_operands(int type, const uint8_t *blk, __m256i op[8]) {
         __m256i packed = _mm256_loadu_si256((const __m256i *)(codes + 32 * c));
         op[c] = _mm256_and_si256(packed, low);
         op[c + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low);
+    }
+    if (type == IQ4_NL) {  /* each nibble indexes llama.cpp's non-linear table */
+        const __m256i table = iq4_table();
+        for (int k = 0; k < 8; k++) op[k] = _mm256_shuffle_epi8(table, op[k]);
     }
     if (five_bits(type)) {
         __m256i bits = _mm256_loadu_si256((const __m256i *)(codes - 32));
@@ -281,8 +288,8 @@ static inline __m256i lanes_block_dot(int type, const __m256i op[8], const int8_
     __m256i total = _mm256_setzero_si256();
     for (int k = 0; k < 8; k++) {
         __m256i x4 = _mm256_set1_epi32(*(const int32_t *)(xq + 4 * k));
-        __m256i part = type == Q8_0 ? dot_u8_s8(_mm256_sign_epi8(op[k], op[k]), _mm256_sign_epi8(x4, op[k]))
-                                    : dot_u8_s8(op[k], x4);
+        __m256i part = signed_codes(type) ? dot_u8_s8(_mm256_sign_epi8(op[k], op[k]), _mm256_sign_epi8(x4, op[k]))
+                                          : dot_u8_s8(op[k], x4);
         total = _mm256_add_epi32(total, part);
     }
     return total;
@@ -302,14 +309,14 @@ static void lanes_q8(int type, const uint8_t *w, int64_t nb, const int8_t *codes
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
             /* Q4_1, Q5_1: + m sum(x);  Q4_0 (Q5_0): codes offset by 8 (16), - 8 d sum(x) (- 16 d sum(x)) */
             __m256 offset = has_minimum(type) ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
-                          : type == Q8_0 ? _mm256_setzero_ps() : _mm256_mul_ps(d, _mm256_set1_ps(type == Q5_0 ? -16.0f : -8.0f));
+                          : signed_codes(type) ? _mm256_setzero_ps() : _mm256_mul_ps(d, _mm256_set1_ps(type == Q5_0 ? -16.0f : -8.0f));
             __m256i op[8];
             lanes_operands(type, blk, op);
             for (int r = 0; r < nr; r++) {
                 float dx = scale[r * nb + b];
                 __m256 dot = _mm256_cvtepi32_ps(lanes_block_dot(type, op, codes + r * cols + b * 32));
                 acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(dx)), dot, acc[r]);
-                if (type != Q8_0) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(dx * (float)sums[r * nb + b]), acc[r]);
+                if (!signed_codes(type)) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(dx * (float)sums[r * nb + b]), acc[r]);
             }
         }
         for (int r = 0; r < nr; r++) _mm256_storeu_ps(out + r * out_stride + g * 8, acc[r]);
@@ -336,8 +343,8 @@ static void lanes_exact(int type, const uint8_t *w, int64_t nb, const float *x, 
             for (int k = 0; k < 8; k++) {
                 for (int i = 0; i < 4; i++) {
                     __m256i q = _mm256_srli_epi32(op[k], 8 * i);
-                    /* Q8_0: sign-extend the byte; 4- and 5-bit: the code less 8 for Q4_0, 16 for Q5_0 */
-                    __m256 wq = type == Q8_0 ? _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(op[k], 24 - 8 * i), 24))
+                    /* Q8_0, IQ4_NL: sign-extend the byte; 4- and 5-bit: the code less 8 for Q4_0, 16 for Q5_0 */
+                    __m256 wq = signed_codes(type) ? _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(op[k], 24 - 8 * i), 24))
                               : _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q, byte)), code_offset);
                     for (int r = 0; r < nr; r++)
                         block_acc[r] = _mm256_fmadd_ps(wq, _mm256_set1_ps(x[r * cols + b * 32 + 4 * k + i]), block_acc[r]);

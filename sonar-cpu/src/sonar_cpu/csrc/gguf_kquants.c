@@ -13,6 +13,8 @@
  *   Q6_K: [8 fp16 d][sc: 16 groups x 8 rows, i8][half 0: ql 0..31, ql 32..63, qh][half 1: ...]
  *   Q3_K: [8 fp16 d][sc - 32: 16 x 8, i8][hmask][qs]
  *   Q2_K: [8 fp16 d][8 fp16 dmin][sc | m << 4: 16 x 8, u8][qs]
+ *   IQ4_XS: [8 fp16 d][sc - 32: 8 groups x 8 rows, i8][qs] (w = d sc t[q], t llama.cpp's table of
+ *     16 signed values; qs 16 bytes a group: low nibbles its values 0..15, high ones 16..31)
  * where every run of codes is a vector of 32 bytes per chunk c, holding in 32-bit lane j the
  * four bytes 4c .. 4c + 3 of row j's run (Q4_K's and Q5_K's qs in four runs of 32 bytes, one per
  * pair of groups: low nibbles the first group, high nibbles the second; Q5_K's qh one run of 32,
@@ -31,10 +33,11 @@
 
 #include "simd.h"
 
-enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, QK = 256, K_ROWS = 4 };
+enum { Q2_K = 10, Q3_K = 11, Q4_K = 12, Q5_K = 13, Q6_K = 14, IQ4_XS = 23, QK = 256, K_ROWS = 4 };
 
 static inline int64_t k_group_bytes(int type) {
-    return type == Q2_K ? 672 : type == Q3_K ? 912 : type == Q4_K ? 1184 : type == Q5_K ? 1440 : type == Q6_K ? 1680 : 0;
+    return type == Q2_K ? 672 : type == Q3_K ? 912 : type == Q4_K ? 1184 : type == Q5_K ? 1440 : type == Q6_K ? 1680
+         : type == IQ4_XS ? 1104 : 0;
 }
 
 /* the types whose groups of 16 values carry their own scale */
@@ -46,6 +49,16 @@ static inline int code_offset(int type) { return type == Q6_K ? 32 : type == Q3_
  * holds, in lane j, the unsigned codes of values 32 v + 4 c .. 32 v + 4 c + 3 of row j */
 static inline void k_operands(int type, const uint8_t *sb, int v, __m256i op[8]) {
     const __m256i low = _mm256_set1_epi8(0x0F);
+    if (type == IQ4_XS) {  /* signed values from the table */
+        const uint8_t *qs = sb + 80 + v * 128;
+        const __m256i table = iq4_table();
+        for (int c = 0; c < 4; c++) {
+            __m256i packed = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
+            op[c] = _mm256_shuffle_epi8(table, _mm256_and_si256(packed, low));
+            op[c + 4] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(packed, 4), low));
+        }
+        return;
+    }
     if (type == Q2_K || type == Q3_K) {  /* two bits per value, at bit 2 (v % 4) of the half's qs */
         const uint8_t *qs = sb + (type == Q2_K ? 160 : 400) + (v / 4) * 256;
         const __m256i two = _mm256_set1_epi8(0x03);
@@ -100,6 +113,16 @@ static inline __m256i k_dot(const __m256i op[8], const int8_t *xq, int c0, int n
     return total;
 }
 
+/* the same for signed operands (their signs moved onto the activations) */
+static inline __m256i k_dot_signed(const __m256i op[8], const int8_t *xq) {
+    __m256i total = _mm256_setzero_si256();
+    for (int c = 0; c < 8; c++) {
+        __m256i x4 = _mm256_set1_epi32(*(const int32_t *)(xq + 4 * c));
+        total = _mm256_add_epi32(total, dot_u8_s8(_mm256_sign_epi8(op[c], op[c]), _mm256_sign_epi8(x4, op[c])));
+    }
+    return total;
+}
+
 static inline __m256i scales_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 static inline __m256i scales_i8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
 
@@ -118,11 +141,18 @@ static void k_lanes_q8(int type, const uint8_t *w, int64_t nsb, const int8_t *co
             _mm_prefetch((const char *)sb + gb, _MM_HINT_T0);
             _mm_prefetch((const char *)sb + gb + 512, _MM_HINT_T0);
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
-            __m256 dmin = type == Q6_K || type == Q3_K ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
+            __m256 dmin = type == Q6_K || type == Q3_K || type == IQ4_XS ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
             for (int v = 0; v < 8; v++) {
                 __m256i op[8];
                 k_operands(type, sb, v, op);
-                if (type == Q2_K) {  /* d sc q - dmin m per 16 values: sc and m are a byte's two nibbles */
+                if (type == IQ4_XS) {  /* d sc t[q] per 32 values */
+                    __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(scales_i8(sb + 16 + 8 * v)));
+                    for (int r = 0; r < nr; r++) {
+                        const int8_t *xq = codes + r * cols + b * QK + 32 * v;
+                        __m256 dx = _mm256_set1_ps(scale[r * n32 + b * 8 + v]);
+                        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(dsc, dx), _mm256_cvtepi32_ps(k_dot_signed(op, xq)), acc[r]);
+                    }
+                } else if (type == Q2_K) {  /* d sc q - dmin m per 16 values: sc and m are a byte's two nibbles */
                     __m256i p0 = scales_u8(sb + 32 + 16 * v), p1 = scales_u8(sb + 40 + 16 * v);
                     const __m256i nibble = _mm256_set1_epi32(0x0F);
                     __m256i s0 = _mm256_and_si256(p0, nibble), s1 = _mm256_and_si256(p1, nibble);
@@ -180,7 +210,7 @@ static void k_lanes_exact(int type, const uint8_t *w, int64_t nsb, const float *
         for (int64_t b = 0; b < nsb; b++) {
             const uint8_t *sb = group + b * gb;
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
-            __m256 dmin = type == Q6_K || type == Q3_K ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
+            __m256 dmin = type == Q6_K || type == Q3_K || type == IQ4_XS ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
             for (int v = 0; v < 8; v++) {
                 __m256i op[8];
                 k_operands(type, sb, v, op);
@@ -188,12 +218,16 @@ static void k_lanes_exact(int type, const uint8_t *w, int64_t nsb, const float *
                 for (int r = 0; r < nr; r++) part[r][0] = part[r][1] = _mm256_setzero_ps();
                 for (int c = 0; c < 8; c++) {
                     for (int i = 0; i < 4; i++) {
-                        __m256 wq = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(op[c], 8 * i), byte)), offset);
+                        __m256 wq = type == IQ4_XS ? _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(op[c], 24 - 8 * i), 24))
+                                  : _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(op[c], 8 * i), byte)), offset);
                         for (int r = 0; r < nr; r++)
                             part[r][c / 4] = _mm256_fmadd_ps(wq, _mm256_set1_ps(x[r * cols + b * QK + 32 * v + 4 * c + i]), part[r][c / 4]);
                     }
                 }
-                if (type == Q2_K) {
+                if (type == IQ4_XS) {
+                    __m256 dsc = _mm256_mul_ps(d, _mm256_cvtepi32_ps(scales_i8(sb + 16 + 8 * v)));
+                    for (int r = 0; r < nr; r++) acc[r] = _mm256_fmadd_ps(dsc, _mm256_add_ps(part[r][0], part[r][1]), acc[r]);
+                } else if (type == Q2_K) {
                     __m256i p0 = scales_u8(sb + 32 + 16 * v), p1 = scales_u8(sb + 40 + 16 * v);
                     const __m256i nibble = _mm256_set1_epi32(0x0F);
                     __m256 s0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(p0, nibble)));

@@ -29,6 +29,13 @@ static inline __m256i dot_u8_s8(__m256i u, __m256i s) {
 #endif
 }
 
+/* llama.cpp's 16 non-linear 4-bit values (IQ4_NL, IQ4_XS) in both 128-bit lanes, for a
+ * byte shuffle from codes 0..15 */
+static inline __m256i iq4_table(void) {
+    const __m128i values = _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+    return _mm256_set_m128i(values, values);
+}
+
 /* the sum of eight int32 lanes */
 static inline int32_t hsum_i32(__m256i v) {
     __m128i t = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));

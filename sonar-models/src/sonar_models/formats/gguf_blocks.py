@@ -14,17 +14,20 @@ from dataclasses import dataclass
 
 import torch
 
-F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 30
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, BF16 = 0, 1, 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23, 30
 FLOAT_TYPES = {F32: torch.float32, F16: torch.float16, BF16: torch.bfloat16}
 #: ggml type -> (values per block, bytes per block)
 BLOCK_SIZES = {
     Q4_0: (32, 18), Q4_1: (32, 20), Q5_0: (32, 22), Q5_1: (32, 24), Q8_0: (32, 34),
     Q2_K: (256, 84), Q3_K: (256, 110), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210),
+    IQ4_NL: (32, 18), IQ4_XS: (256, 136),
 }
 TYPE_NAMES = {
     F32: "F32", F16: "F16", BF16: "BF16", Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0",
-    Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K",
+    Q2_K: "Q2_K", Q3_K: "Q3_K", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS",
 }
+#: IQ4_NL's and IQ4_XS's 16 non-linear values, indexed by a 4-bit code
+IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 #: formats ``int4_groups`` maps onto 4-bit codes in groups of 32
 INT4_GROUP_TYPES = (Q4_0, Q4_1, Q4_K, Q8_0, Q5_0, Q5_1, Q5_K)
 #: formats whose codes are wider than 4 bits: two nibbles, the row twice as wide
@@ -119,6 +122,16 @@ def _decode(blocks: GGUFBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
         if kind == Q5_0:
             return codes - 16, _f16(b[..., 0:2])[..., None], None
         return codes, _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
+    if kind in (IQ4_NL, IQ4_XS):  # 4-bit codes index IQ4_VALUES: w = d t[q] (IQ4_XS: d (s - 32) t[q] per 32 values)
+        table = torch.tensor(IQ4_VALUES, dtype=torch.float32, device=b.device)
+        if kind == IQ4_NL:
+            return table[_nibbles(b[..., 2:18]).long()], _f16(b[..., 0:2])[..., None], None
+        codes = _nibbles(b[..., 8:136].reshape(*b.shape[:-1], 8, 16)).reshape(*b.shape[:-1], 256)
+        high = b[..., 2].to(torch.int32) | (b[..., 3].to(torch.int32) << 8)
+        shifts = torch.arange(8, device=b.device)
+        low = torch.stack([b[..., 4:8] & 0x0F, b[..., 4:8] >> 4], -1).reshape(*b.shape[:-1], 8).to(torch.int32)
+        scales = (low | (((high[..., None] >> (2 * shifts)) & 3) << 4)) - 32
+        return table[codes.long()], _f16(b[..., 0:2])[..., None] * scales.float(), None
     if kind in (Q2_K, Q3_K):  # two bits a value: bits 2j of byte l of half n are value 128 n + 32 j + l
         qs = b[..., 16:80] if kind == Q2_K else b[..., 32:96]
         shifts = 2 * torch.arange(4, dtype=torch.uint8, device=b.device)

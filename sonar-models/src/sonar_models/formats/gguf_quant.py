@@ -11,14 +11,15 @@ that applies:
   ``kernel(x, data, rows, cols, exact)`` multiplies by them (``exact``: the float product, for
   steps that carry prompt tokens; otherwise it may round the activations) and whose
   ``rows_in_order(data, start, stop)`` gives rows back in the file's layout; the CPU's are
-  Sonar's C kernels for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and Q2_K / Q3_K / Q4_K / Q5_K / Q6_K;
+  Sonar's C kernels for Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 / IQ4_NL and Q2_K / Q3_K / Q4_K / Q5_K /
+  Q6_K / IQ4_XS;
 - else a platform kernel for 4-bit codes in groups of 32 (``sonar.ops`` operations
   ``int4_group_pack`` / ``int4_group_linear``; the CPU's runs torch's int4 weight-packed matmul)
   where the format maps onto it: Q4_0, Q4_1, Q4_K, and Q8_0 / Q5_0 / Q5_1 / Q5_K split into two nibbles; a
   4-bit layer keeps its blocks too and dequantizes them for products of many rows (prefill);
 - otherwise the blocks stay as they are and each product dequantizes them a tile of rows at a
-  time (Q2_K / Q3_K / Q6_K without a block kernel, and every format on a platform without a
-  kernel): correct everywhere, if slow;
+  time (Q2_K / Q3_K / Q6_K / IQ4_NL / IQ4_XS without a block kernel, and every format on a
+  platform without a kernel): correct everywhere, if slow;
 - F32 / F16 / BF16 tensors stay floating.
 
 Fused layers (q/k/v, gate/up) stack their parts' blocks when the parts share a format and run
@@ -365,14 +366,14 @@ class GGUFMethod(QuantizationMethod):
     """llama.cpp's block formats run natively (registered as ``"gguf"``; every platform)."""
 
     name = "gguf"
-    reads = ("a .gguf file's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K blocks (F32/F16/BF16 tensors stay floating); other types "
+    reads = ("a .gguf file's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS blocks (F32/F16/BF16 tensors stay floating); other types "
              "are dequantized at load")
     execution = {
-        "cpu": "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K: Sonar's C kernels on the blocks (in huge pages, eight rows to a vector): "
+        "cpu": "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q2_K/Q3_K/Q4_K/Q5_K/Q6_K/IQ4_NL/IQ4_XS: Sonar's C kernels on the blocks (in huge pages, eight rows to a vector): "
         "decode batches under 256 rows with the activations rounded to int8 blocks of 32 (integer dot products, as "
         "llama.cpp), steps with prompt tokens under 256 rows exact in float32, larger ones dequantized per tile into a "
         "float32 GEMM; where the C kernels cannot be built (or with SONAR_CPU_GGUF_KERNEL=0): torch's int4 weight-packed "
-        "matmul (bf16) for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K decode steps under 16 rows, the float32 product otherwise, Q2_K/Q3_K/Q6_K "
+        "matmul (bf16) for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K decode steps under 16 rows, the float32 product otherwise, Q2_K/Q3_K/Q6_K/IQ4_NL/IQ4_XS "
         "dequantized per tile; a mixture-of-experts layer's experts: each expert's blocks as above, over the tokens routed to it",
         "cuda": "dequantized per tile of 4,096 rows, library GEMM; a mixture-of-experts layer's experts dequantized at load "
         "into the fused kernel's stacked weights",

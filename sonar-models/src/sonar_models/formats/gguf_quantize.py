@@ -19,7 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from sonar_models.formats.gguf_blocks import BLOCK_SIZES, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from sonar_models.formats.gguf_blocks import (
+    BLOCK_SIZES, IQ4_NL, IQ4_VALUES, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+)
 
 def _f16_bytes(values: np.ndarray) -> np.ndarray:
     return values.astype(np.float16).view(np.uint8).reshape(*values.shape[:-1], -1)
@@ -107,10 +109,46 @@ def quantize_k(x: np.ndarray, ggml_type: int) -> np.ndarray:
     return np.concatenate(parts, axis=-1).astype(np.uint8).reshape(rows, -1)
 
 
+def _iq4_codes(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    # the nearest of IQ4_VALUES to x / scale, per value (scale broadcast over x's last axis)
+    table = np.array(IQ4_VALUES, dtype=np.float32)
+    target = np.divide(x, scale[..., None], out=np.zeros_like(x), where=scale[..., None] != 0)
+    return np.abs(target[..., None] - table).argmin(-1).astype(np.uint8)
+
+
+def quantize_iq4(x: np.ndarray, ggml_type: int) -> np.ndarray:
+    """``x [rows, cols]`` as IQ4_NL (blocks of 32) or IQ4_XS (super-blocks of 256) blocks: each
+    group's largest magnitude on the table's -127, the rest on the nearest table value."""
+    rows = x.shape[0]
+    groups = x.reshape(-1, 32).astype(np.float32)
+    peak = groups[np.arange(len(groups)), np.abs(groups).argmax(-1)]
+    scale = -peak / 127  # the largest magnitude on -127
+    if ggml_type == IQ4_NL:
+        d = scale.astype(np.float16).astype(np.float32)
+        codes = _iq4_codes(groups, d)
+        return np.concatenate([_f16_bytes(d[:, None]), _nibble_pack32(codes)], -1).reshape(rows, -1)
+    scale = scale.reshape(-1, 8)
+    d = (np.abs(scale).max(-1, keepdims=True) / 32).astype(np.float16).astype(np.float32)
+    ls = np.clip(np.round(np.divide(scale, d, out=np.zeros_like(scale), where=d != 0)), -32, 31).astype(np.int32)
+    codes = _iq4_codes(groups.reshape(-1, 8, 32), d * ls)
+    u = (ls + 32).astype(np.uint32)
+    high = sum(((u[:, i] >> 4) & 3) << (2 * i) for i in range(8)).astype(np.uint16)
+    low = ((u[:, 0::2] & 15) | ((u[:, 1::2] & 15) << 4)).astype(np.uint8)
+    parts = [_f16_bytes(d), high[:, None].view(np.uint8), low, _nibble_pack32(codes.reshape(-1, 32)).reshape(-1, 128)]
+    return np.concatenate(parts, -1).astype(np.uint8).reshape(rows, -1)
+
+
+def _nibble_pack32(codes: np.ndarray) -> np.ndarray:
+    # [n, 32] codes 0..15 -> [n, 16]: values 0..15 in the low nibbles, 16..31 in the high ones
+    return (codes[:, :16] | (codes[:, 16:] << 4)).astype(np.uint8)
+
+
 def quantize(x: np.ndarray, ggml_type: int) -> np.ndarray:
-    """``x [rows, cols]`` as blocks of ``ggml_type`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K)."""
+    """``x [rows, cols]`` as blocks of ``ggml_type`` (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K-Q6_K, IQ4_NL, IQ4_XS)."""
     if ggml_type in (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K):
         return quantize_k(x, ggml_type)
+    if ggml_type in (IQ4_NL, IQ4_XS):
+        return quantize_iq4(x, ggml_type)
     from gguf import GGMLQuantizationType
     from gguf.quants import quantize as gguf_quantize
 
