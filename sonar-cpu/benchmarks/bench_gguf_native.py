@@ -204,9 +204,12 @@ def main() -> None:
         ratios["mixed_vs_transformers"] = round(
             results["sonar_native"]["mixed_tok_s"] / results["transformers_batched"]["mixed_tok_s"], 2
         )
-    model = f"qwen3-moe-shaped {args.moe}" if args.moe else f"llama-shaped {args.k_quant}" if args.k_quant else "SmolLM2-135M-Instruct"
-    if args.k_quant == "smollm2-q4_k_m":
-        model = "SmolLM2-135M-Instruct, written again in Q4_K_M"
+    if args.moe:
+        model = f"qwen3-moe-shaped {args.moe}"
+    elif args.k_quant:
+        model = "SmolLM2-135M-Instruct, written again in Q4_K_M" if args.k_quant == "smollm2-q4_k_m" else f"llama-shaped {args.k_quant}"
+    else:
+        model = "SmolLM2-135M-Instruct"
     print(json.dumps({"model": model, "threads": threads, "requests": len(requests), "load_average_before_after": load, **results, **ratios}))
 
 

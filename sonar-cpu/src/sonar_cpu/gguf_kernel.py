@@ -275,7 +275,7 @@ def gguf_linear(
         code = product(ggml_type, data.data_ptr(), layout, rows, cols, flat.data_ptr(), num_x, out.data_ptr(), threads, scratch.data_ptr())
         if code:
             raise ValueError(
-                f"the GGUF C kernel takes Q4_0/Q4_1/Q8_0 (Q5_0/Q5_1 in layout {LANES} only) with columns a multiple of 32 "
+                f"the GGUF C kernel takes Q4_0/Q4_1/Q8_0 (Q5_0/Q5_1/IQ4_NL in layout {LANES} only) with columns a multiple of 32 "
                 f"(and rows a multiple of {LANES} in layout {LANES}), not type {ggml_type}, {rows} x {cols}, layout {layout}"
             )
     out = out.reshape(*x.shape[:-1], rows)
@@ -312,8 +312,8 @@ class GGUFBlockKernel:
     ``prepare(data)`` places the blocks where and how the kernel reads them fastest (huge
     pages; layout 8 where the rows come in groups of eight, and always for Q5_0, Q5_1, IQ4_NL and
     the K-quants, whose last group is filled with zero rows), ``kernel(x, data, rows, cols,
-    exact)`` multiplies by what ``prepare`` returned, and ``rows_in_order(data, start, stop)`` gives rows
-    ``[start, stop)`` back in the file's layout (for callers that dequantize them)."""
+    exact)`` multiplies by what ``prepare`` returned, and ``rows_in_order(data, start, stop)``
+    gives rows ``[start, stop)`` back in the file's layout (for callers that dequantize them)."""
 
     def __init__(self, ggml_type: int) -> None:
         self.ggml_type = ggml_type

@@ -45,6 +45,12 @@ static inline int sixteens(int type) { return type == Q2_K || type == Q3_K || ty
 /* what the codes of a signed type are offset by: w = d sc (q - offset) */
 static inline int code_offset(int type) { return type == Q6_K ? 32 : type == Q3_K ? 4 : 0; }
 
+/* the super-block's dmin for the eight rows (the types with minimums: Q2_K, Q4_K, Q5_K), else 0 */
+static inline __m256 k_dmin(int type, const uint8_t *sb) {
+    if (type == Q2_K || type == Q4_K || type == Q5_K) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
+    return _mm256_setzero_ps();
+}
+
 /* the eight operands of group of 32 values v (0..7) of a super-block of eight rows: operand c
  * holds, in lane j, the unsigned codes of values 32 v + 4 c .. 32 v + 4 c + 3 of row j */
 static inline void k_operands(int type, const uint8_t *sb, int v, __m256i op[8]) {
@@ -141,7 +147,7 @@ static void k_lanes_q8(int type, const uint8_t *w, int64_t nsb, const int8_t *co
             _mm_prefetch((const char *)sb + gb, _MM_HINT_T0);
             _mm_prefetch((const char *)sb + gb + 512, _MM_HINT_T0);
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
-            __m256 dmin = type == Q6_K || type == Q3_K || type == IQ4_XS ? d : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
+            __m256 dmin = k_dmin(type, sb);
             for (int v = 0; v < 8; v++) {
                 __m256i op[8];
                 k_operands(type, sb, v, op);
@@ -210,7 +216,7 @@ static void k_lanes_exact(int type, const uint8_t *w, int64_t nsb, const float *
         for (int64_t b = 0; b < nsb; b++) {
             const uint8_t *sb = group + b * gb;
             __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
-            __m256 dmin = type == Q6_K || type == Q3_K || type == IQ4_XS ? _mm256_setzero_ps() : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
+            __m256 dmin = k_dmin(type, sb);
             for (int v = 0; v < 8; v++) {
                 __m256i op[8];
                 k_operands(type, sb, v, op);
