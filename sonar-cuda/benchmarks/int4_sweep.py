@@ -33,16 +33,21 @@ MAX_ERROR = 0.02
 
 
 def candidates(m: int) -> dict[str, Int4Choice]:
+    planes = {  # the nibble-plane tensor-core product (16-bit planes less the zero point), at every row count
+        f"planes_n{n}_w{w}_s{s}{'_k' + str(k) if k else ''}": Int4Choice("planes", Int4Launch(block_n=n, num_warps=w, num_stages=s, split_k=k))
+        for n, w, s, k in ((64, 4, 3, 0), (128, 4, 3, 0), (128, 8, 3, 0), (256, 8, 3, 0), (256, 8, 2, 0), (512, 8, 3, 0), (256, 8, 3, 4), (256, 8, 3, 8), (128, 4, 3, 8), (128, 8, 3, 8))
+    }  # fmt: skip
     if m == 1:
         return {
             "unit_n8_c4": Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4)),
             "unit_n64_c1": Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=1)),
+            **planes,
         }
     return {
         "tiled": Int4Choice("tiled"),
         "dot_n64": Int4Choice("unit", Int4Launch(block_n=64, num_stages=3)),
         "dot_n128_w8": Int4Choice("unit", Int4Launch(block_n=128, num_warps=8, num_stages=3)),
-        "dot_n64_s1": Int4Choice("unit", Int4Launch(block_n=64, num_stages=1)),
+        **planes,
     }
 
 

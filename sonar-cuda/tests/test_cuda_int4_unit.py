@@ -1,8 +1,8 @@
-"""The unit-float int4 kernels (one row: nibble-strided GEMV; 2 to 16 rows: the transposed
-tensor-core product) against the dequantized product: split and unsplit, groups of 32/64/128
-inputs and whole rows, output counts that no tile divides, zero points 0..16, bias, the GEMV's two ways of reading
-its inputs; and through the ``int4_linear`` op (with act-order, at Llama-3.1-8B shapes, in a
-CUDA graph)."""
+"""The unit-float int4 kernels (one row: nibble-strided GEMV; 1 to 16 rows: the transposed
+tensor-core product, on nibble planes less the zero point for 16-bit activations) against
+the dequantized product: split and unsplit, groups of 32/64/128 inputs and whole rows, output
+counts that no tile divides, zero points 0..16, bias; and through the ``int4_linear`` op
+(with act-order, at Llama-3.1-8B shapes, in a CUDA graph)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from test_cuda_int4 import random_int4
 from sonar_cuda.kernels.int4_gemm import reference_int4_linear
 from sonar.quantization.int4_packing import dequantize_int4
 from sonar_cuda import ops as cuda_ops
-from sonar_cuda.kernels.int4_unit import Int4Launch, int4_dot_rows, int4_gemv_unit
+from sonar_cuda.kernels.int4_gemm import Int4Choice, run_choice
+from sonar_cuda.kernels.int4_unit import Int4Launch, int4_dot_rows, int4_gemv_unit, int4_planes
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 GEMV_CASES = [  # (N, K, group, bias, launch)
@@ -29,6 +30,12 @@ DOT_CASES = [  # (M, N, K, group, bias, launch)
     (16, 24, 256, -1, False, Int4Launch(block_n=16, split_k=1)),
     (5, 70, 384, 128, False, Int4Launch(block_n=32)),
     (1, 64, 256, 128, True, Int4Launch(block_n=64)),
+]
+PLANES_CASES = [  # (M, N, K, group, bias, launch)
+    (1, 300, 1024, 128, False, Int4Launch(block_n=256, num_warps=8, split_k=2)),  # a partial tile, split
+    (1, 64, 256, 128, True, Int4Launch(block_n=64)),
+    (7, 130, 512, -1, True, Int4Launch(block_n=128, num_warps=4)),  # one scale per output row
+    (16, 40, 384, 128, False, Int4Launch(block_n=64, split_k=3)),  # three runs in three slices
 ]
 
 
@@ -58,6 +65,18 @@ def test_transposed_dot_matches_the_dequantized_product(m: int, n: int, k: int, 
         bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
         assert_close_to_reference(int4_dot_rows(x, *operands, bias, launch), x, operands, bias)
 
+
+
+@pytest.mark.parametrize("m, n, k, group, with_bias, launch", PLANES_CASES)
+def test_nibble_planes_match_the_dequantized_product(m: int, n: int, k: int, group: int, with_bias: bool, launch: Int4Launch, device: torch.device) -> None:
+    for dtype in (d for d in dtypes_for(device) if d != torch.float32):
+        operands = random_int4(n, k, group, dtype, device)
+        gen = torch.Generator().manual_seed(m + n)
+        x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+        bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
+        assert_close_to_reference(int4_planes(x, *operands, bias, launch), x, operands, bias)
+        chosen = run_choice(Int4Choice("planes", launch), x, *operands, bias)
+        torch.testing.assert_close(chosen, int4_planes(x, *operands, bias, launch), atol=0, rtol=0)
 
 def test_the_op_takes_the_unit_kernels_with_act_order(device: torch.device) -> None:
     qweight, scales, qzeros, group = random_int4(48, 512, 128, torch.float32, device)

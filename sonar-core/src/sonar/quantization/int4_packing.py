@@ -5,7 +5,9 @@ Both formats are repacked at load into one layout, so one kernel per platform se
 - ``qweight`` int32 ``[out, in / 8]``: word ``j`` of row ``n`` holds ``q[n, 8j + i]`` in bits
   ``4i .. 4i + 3`` (unsigned 4-bit values, the input dim packed, each output row contiguous);
 - ``scales`` ``[groups, out]`` in the model's dtype;
-- ``qzeros`` ``[groups, out]`` in the model's dtype: each group's zero point as a number;
+- ``qzeros`` ``[groups, out]`` in the model's dtype: each group's zero point as a number, an
+  integer 0..16 as both formats store them (a platform kernel may rely on that: CUDA's
+  subtracts it from the nibbles in 16-bit arithmetic, exact only for integers);
 - ``W[n, k] = (q[n, k] - qzeros[k // group_size, n]) * scales[k // group_size, n]``.
 
 A GPTQ checkpoint quantized in activation order (``desc_act``) has its input dim permuted at

@@ -22,6 +22,18 @@ tile (``sonar_cuda.kernels.splitk``) where the tiles alone are too few for the G
 - :func:`int4_dot_rows` (2 to 16 rows): the transposed product ``W x^T`` per tile, so the
   dequantized weight tile is the tensor-core product's left operand as it was loaded, with
   no transposition; per nibble plane one product of depth ``RUN_W`` words.
+- :func:`int4_planes` (1 to 16 rows, 16-bit activations): the same product, its planes not
+  unit floats but ``q - z`` itself, exact in bfloat16 and
+  float16: a byte permute pairs two adjacent words' nibbles into the halves of a register, a
+  shift and a mask-and-or make two ``OFFSET + q`` (the exponent whose unit is 1) and one
+  paired subtraction takes the zero point off, three instructions per pair of weights, in the
+  register pairs the tensor-core operand reads (inline PTX on the GPU; plain operations with
+  the same values under Triton's interpreter). No sum of the activations is needed. The
+  eight planes side by side are one operand of depth 128 (input ``j * 16 + w`` of a run is
+  plane ``j``'s word ``w``), so a run is one product: its tensor-core instructions issue back
+  to back, with one wait, where a product per plane waited eight times. The activations of a
+  run are read once as ``[word, row, nibble]`` (16 contiguous bytes each) and put in the same
+  order; the next run's scales and zero points are loaded before the current run's products.
 
 Plain launches on preallocated tensors: decode graphs capture them.
 """
@@ -61,6 +73,75 @@ def _unit(packed, j: tl.constexpr):
     else:
         bits = packed >> (4 * j - 19)
     return ((bits & 0x780000) | 0x3F800000).to(tl.float32, bitcast=True)
+
+
+# Two adjacent words ``a``, ``b`` of a row (``$8``, ``$9``) and their row's ``OFFSET + zero``
+# twice (``$10``) -> for each nibble plane ``j`` one register holding the two 16-bit floats
+# ``[q_j(a) - zero, q_j(b) - zero]``: one byte permute gathers both words' low (or high) four
+# nibbles into the two halves; per plane a shift and a mask-and-or under the exponent whose
+# unit is 1 (0x4300: bfloat16 128 + q, 0x6400: float16 1024 + q), and one paired subtraction
+# (exact: small integers). Three instructions per pair of weights, against about five per
+# weight for a float32 unit and its conversion, and the pairs are the tensor-core operand's
+# registers as they stand.
+_PLANES_ASM = """
+{{
+.reg .b32 lo, hi, t;
+prmt.b32 lo, $8, $9, 0x5410;
+prmt.b32 hi, $8, $9, 0x7632;
+lop3.b32 t, lo, 0x000F000F, {e}, 0xEA;
+sub.{s} $0, t, $10;
+shr.b32 t, lo, 4;
+lop3.b32 t, t, 0x000F000F, {e}, 0xEA;
+sub.{s} $1, t, $10;
+shr.b32 t, lo, 8;
+lop3.b32 t, t, 0x000F000F, {e}, 0xEA;
+sub.{s} $2, t, $10;
+shr.b32 t, lo, 12;
+lop3.b32 t, t, 0x000F000F, {e}, 0xEA;
+sub.{s} $3, t, $10;
+lop3.b32 t, hi, 0x000F000F, {e}, 0xEA;
+sub.{s} $4, t, $10;
+shr.b32 t, hi, 4;
+lop3.b32 t, t, 0x000F000F, {e}, 0xEA;
+sub.{s} $5, t, $10;
+shr.b32 t, hi, 8;
+lop3.b32 t, t, 0x000F000F, {e}, 0xEA;
+sub.{s} $6, t, $10;
+shr.b32 t, hi, 12;
+lop3.b32 t, t, 0x000F000F, {e}, 0xEA;
+sub.{s} $7, t, $10;
+}}
+"""
+PLANES_BF16 = tl.constexpr(_PLANES_ASM.format(e="0x43004300", s="rn.bf16x2"))
+PLANES_F16 = tl.constexpr(_PLANES_ASM.format(e="0x64006400", s="rn.f16x2"))
+PLANES_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r,=r,=r,=r,=r,r,r,r")
+
+
+@triton.jit
+def _plane16(packed, zero, j: tl.constexpr, dtype: tl.constexpr):
+    """Nibble ``j`` of every word less ``zero``, in the 16-bit ``dtype`` (plain operations)."""
+    return (((packed >> (4 * j)) & 0xF).to(tl.float32) - zero).to(dtype)
+
+
+@triton.jit
+def _planes16(packed, zero, F16: tl.constexpr, ASM: tl.constexpr):
+    """The eight nibble planes of ``packed`` ``[BLOCK_N, W]`` less each row's ``zero``
+    ``[BLOCK_N, 1]`` (an integer, as GPTQ and AWQ store them), as 16-bit floats (exact): by
+    the byte-permute assembly on a GPU (``ASM``), by plain operations elsewhere (Triton's
+    interpreter); the same values either way."""
+    if ASM and F16:
+        zero_bits = (zero + 1024.0).to(tl.float16)
+        planes = tl.inline_asm_elementwise(PLANES_F16, PLANES_CONSTRAINTS, [packed, zero_bits], dtype=(tl.float16,) * 8, is_pure=True, pack=2)
+    elif ASM:
+        zero_bits = (zero + 128.0).to(tl.bfloat16)
+        planes = tl.inline_asm_elementwise(PLANES_BF16, PLANES_CONSTRAINTS, [packed, zero_bits], dtype=(tl.bfloat16,) * 8, is_pure=True, pack=2)
+    else:
+        dt: tl.constexpr = tl.float16 if F16 else tl.bfloat16
+        planes = (
+            _plane16(packed, zero, 0, dt), _plane16(packed, zero, 1, dt), _plane16(packed, zero, 2, dt), _plane16(packed, zero, 3, dt),
+            _plane16(packed, zero, 4, dt), _plane16(packed, zero, 5, dt), _plane16(packed, zero, 6, dt), _plane16(packed, zero, 7, dt),
+        )  # fmt: skip
+    return planes
 
 
 @triton.jit
@@ -166,6 +247,61 @@ def _int4_dot_rows_kernel(
         tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _int4_planes_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr,
+    M, N, stride_xm,
+    KW: tl.constexpr,
+    GROUP: tl.constexpr,
+    RUNS_PER_SPLIT: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    F16: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    RUN_W: tl.constexpr = 16
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_mask, n_mask = offs_m < M, offs_n < N
+    words = tl.arange(0, RUN_W)
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * KW + words[None, :]  # [BLOCK_N, RUN_W]
+    # a run's activations as [word, row, nibble]: input 8 w + j, 16 contiguous bytes per (word, row)
+    x_cube = x_ptr + offs_m.to(tl.int64)[None, :, None] * stride_xm + words[:, None, None] * 8 + tl.arange(0, 8)[None, None, :]
+    run_begin = pid_k * RUNS_PER_SPLIT
+    run_end = tl.minimum(run_begin + RUNS_PER_SPLIT, KW // RUN_W)
+    # each run loads the next run's scales and zero points before its products: their latency
+    # hides behind the products instead of stalling the program
+    group = (run_begin * RUN_W * 8) // GROUP
+    scale = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    zero = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for run in range(run_begin, run_end):
+        packed = tl.load(w_rows + run * RUN_W, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+        xr = tl.load(x_cube + run * RUN_W * 8, mask=m_mask[None, :, None], other=0.0)  # [RUN_W, BLOCK_M, 8]
+        next_group = (tl.minimum(run + 1, run_end - 1) * RUN_W * 8) // GROUP
+        next_scale = tl.load(s_ptr + next_group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        next_zero = tl.load(z_ptr + next_group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        p = _planes16(packed, zero[:, None], F16, ASM)
+        # one product of depth 8 * RUN_W over the planes side by side (input j * RUN_W + w of the
+        # run's order: plane j's words), its activations the cube in the same order
+        a = tl.join(tl.join(tl.join(p[0], p[4]), tl.join(p[2], p[6])), tl.join(tl.join(p[1], p[5]), tl.join(p[3], p[7])))
+        a = tl.reshape(tl.permute(a, (0, 2, 3, 4, 1)), [BLOCK_N, 8 * RUN_W])  # [n, plane bits 4 2 1, word]
+        part = tl.dot(a, tl.reshape(tl.permute(xr, (2, 0, 1)), [8 * RUN_W, BLOCK_M]))
+        acc += scale[:, None] * part
+        scale, zero = next_scale, next_zero
+    out = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M] of y [M, N]
+    mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT:
+        tl.store(part_ptr + pid_k * M * N + out, acc, mask=mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+        tl.store(y_ptr + out, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
 def run_inputs(in_features: int, group_size: int) -> int | None:
     """Inputs per run of the GEMV: the longest of 128, 64, 32 that both the row and a group
     split into evenly (None: the GEMV does not take the shape)."""
@@ -243,6 +379,39 @@ def int4_dot_rows(
         x, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, m, n, x.stride(0),
         KW=kw, GROUP=group_size, RUNS_PER_SPLIT=runs_per_split, BLOCK_M=DOT_ROWS, BLOCK_N=launch.block_n,
         SPLIT=split > 1, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+    return sum_splits(partials, bias, y) if split > 1 else y
+
+
+def int4_planes(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    launch: Int4Launch = Int4Launch(block_n=256, num_warps=8, num_stages=3),
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for bfloat16 or float16 ``x`` ``[M, K]``, ``M <= 16`` (rows of
+    stride ``x.stride(0)``, inputs contiguous; :func:`dot_takes` the shape; integer zero
+    points), by the nibble-plane tensor-core product, accumulated in float32, returned
+    ``[M, N]`` in ``x``'s dtype."""
+    m, k = x.shape
+    n, kw = qweight.shape
+    assert x.dtype in (torch.bfloat16, torch.float16), "int4_planes takes 16-bit activations"
+    assert m <= DOT_ROWS and dot_takes(k, group_size), "int4_planes takes up to 16 rows and groups of 128 inputs"
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return y
+    num_runs = kw // (DOT_RUN // PACK)
+    num_tiles = triton.cdiv(n, launch.block_n)
+    split, runs_per_split = _split_of(launch, num_tiles, num_runs, x.device)
+    partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    _int4_planes_kernel[(num_tiles, split)](
+        x, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, m, n, x.stride(0),
+        KW=kw, GROUP=group_size, RUNS_PER_SPLIT=runs_per_split, BLOCK_M=DOT_ROWS, BLOCK_N=launch.block_n,
+        SPLIT=split > 1, HAS_BIAS=bias is not None, F16=x.dtype == torch.float16, ASM=x.is_cuda,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return sum_splits(partials, bias, y) if split > 1 else y
