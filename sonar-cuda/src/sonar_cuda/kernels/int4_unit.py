@@ -365,23 +365,9 @@ def int4_dot_rows(
     """``x @ W.T (+ bias)`` for ``x`` ``[M, K]``, ``M <= 16`` (rows of stride ``x.stride(0)``,
     inputs contiguous; :func:`dot_takes` the shape), accumulated in float32, returned
     ``[M, N]`` in ``x``'s dtype."""
-    m, k = x.shape
-    n, kw = qweight.shape
-    assert m <= DOT_ROWS and dot_takes(k, group_size), "int4_dot_rows takes up to 16 rows and groups of 128 inputs"
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0 or n == 0:
-        return y
-    num_runs = kw // (DOT_RUN // PACK)
-    num_tiles = triton.cdiv(n, launch.block_n)
-    split, runs_per_split = _split_of(launch, num_tiles, num_runs, x.device)
-    partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    _int4_dot_rows_kernel[(num_tiles, split)](
-        x, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, m, n, x.stride(0),
-        KW=kw, GROUP=group_size, RUNS_PER_SPLIT=runs_per_split, BLOCK_M=DOT_ROWS, BLOCK_N=launch.block_n,
-        SPLIT=split > 1, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
-    )  # fmt: skip
-    return sum_splits(partials, bias, y) if split > 1 else y
+    return _transposed_product(
+        _int4_dot_rows_kernel, "int4_dot_rows", x, qweight, scales, qzeros, group_size, bias, launch, IEEE=x.dtype == torch.float32
+    )
 
 
 def int4_planes(
@@ -397,10 +383,22 @@ def int4_planes(
     stride ``x.stride(0)``, inputs contiguous; :func:`dot_takes` the shape; integer zero
     points), by the nibble-plane tensor-core product, accumulated in float32, returned
     ``[M, N]`` in ``x``'s dtype."""
+    assert x.dtype in (torch.bfloat16, torch.float16), "int4_planes takes 16-bit activations"
+    return _transposed_product(
+        _int4_planes_kernel, "int4_planes", x, qweight, scales, qzeros, group_size, bias, launch,
+        F16=x.dtype == torch.float16, ASM=x.is_cuda,
+    )  # fmt: skip
+
+
+def _transposed_product(
+    kernel, name: str, x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, qzeros: torch.Tensor,
+    group_size: int, bias: torch.Tensor | None, launch: Int4Launch, **flags: bool,
+) -> torch.Tensor:  # fmt: skip
+    """One launch of a transposed tensor-core kernel here (and the split sum where the inputs
+    are split); ``flags``: the kernel's own constexprs."""
     m, k = x.shape
     n, kw = qweight.shape
-    assert x.dtype in (torch.bfloat16, torch.float16), "int4_planes takes 16-bit activations"
-    assert m <= DOT_ROWS and dot_takes(k, group_size), "int4_planes takes up to 16 rows and groups of 128 inputs"
+    assert m <= DOT_ROWS and dot_takes(k, group_size), f"{name} takes up to 16 rows and groups of 128 inputs"
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return y
@@ -408,10 +406,9 @@ def int4_planes(
     num_tiles = triton.cdiv(n, launch.block_n)
     split, runs_per_split = _split_of(launch, num_tiles, num_runs, x.device)
     partials = torch.empty(split, m, n, dtype=torch.float32, device=x.device) if split > 1 else y
-    _int4_planes_kernel[(num_tiles, split)](
+    kernel[(num_tiles, split)](
         x, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, m, n, x.stride(0),
         KW=kw, GROUP=group_size, RUNS_PER_SPLIT=runs_per_split, BLOCK_M=DOT_ROWS, BLOCK_N=launch.block_n,
-        SPLIT=split > 1, HAS_BIAS=bias is not None, F16=x.dtype == torch.float16, ASM=x.is_cuda,
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        SPLIT=split > 1, HAS_BIAS=bias is not None, num_warps=launch.num_warps, num_stages=launch.num_stages, **flags,
     )  # fmt: skip
     return sum_splits(partials, bias, y) if split > 1 else y
