@@ -48,22 +48,24 @@ class Int4Choice:
 
 
 # from benchmarks/int4_sweep.py on an H100 (Llama-3.1-8B, group 128, bf16 activations; us per
-# product, unit / the split-K kernels these replaced / bf16): one row, 8 output rows per
-# program over chunks of 512 inputs: qkv 12.7 / 13.6 / 17.7, o 9.4 / 9.6 / 12.5, gate_up
-# 47.6 / 50.6 / 88.7; down 24.6 with 64 rows a program (28.2 with 8; split-K 29.3, bf16 44.9).
-# 2 to 16 rows, the tensor-core product with 128 output rows a program: at 16 rows qkv 18.5 /
-# 22.3 / 21.7, gate_up 64.4 / 101.0 / 94.5, down 34.0 / 47.2 / 48.6; o 14.6 with 64 rows and
-# one stage (bf16 15.9)
+# product). One row: the unit-float GEMV, 8 output rows per program over chunks of 512 inputs
+# (qkv 12.7, o 9.3; the nibble planes 13.8 / 10.5), the nibble planes for gate_up (45.5 with
+# 512 rows a program; the GEMV 46.2) and down (21.8 in 8 slices; the GEMV 24.8 with 64 rows a
+# program); bf16 17.7 / 12.5 / 87.8 / 44.2. 2 to 16 rows: the nibble planes with 256 output rows
+# a program, split as ``choose_split`` picks (at 16 rows qkv 14.5, o 11.3, gate_up 52.2) and
+# down in 8 slices (24.2); the transposed unit-float product 18.3 / 15.1 / 64.7 / 34.0, bf16
+# 21.0 / 15.6 / 87.5 / 44.5
 DEFAULT_CHOICES = {
     1: Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4)),
-    4: Int4Choice("unit", Int4Launch(block_n=128, num_warps=8, num_stages=3)),
-    16: Int4Choice("unit", Int4Launch(block_n=128, num_warps=8, num_stages=3)),
+    4: Int4Choice("planes", Int4Launch(block_n=256, num_warps=8, num_stages=3)),
+    16: Int4Choice("planes", Int4Launch(block_n=256, num_warps=8, num_stages=3)),
 }
 # (rows bucket, N, K) -> the choice where it differs from DEFAULT_CHOICES
 CHOICES: dict[tuple[int, int, int], Int4Choice] = {
-    (1, 4096, 14336): Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=1)),
-    (4, 4096, 4096): Int4Choice("unit", Int4Launch(block_n=64, num_stages=1)),
-    (16, 4096, 4096): Int4Choice("unit", Int4Launch(block_n=64, num_stages=1)),
+    (1, 28672, 4096): Int4Choice("planes", Int4Launch(block_n=512, num_warps=8, num_stages=3)),
+    (1, 4096, 14336): Int4Choice("planes", Int4Launch(block_n=256, num_warps=8, num_stages=3, split_k=8)),
+    (4, 4096, 14336): Int4Choice("planes", Int4Launch(block_n=256, num_warps=8, num_stages=3, split_k=8)),
+    (16, 4096, 14336): Int4Choice("planes", Int4Launch(block_n=256, num_warps=8, num_stages=3, split_k=8)),
 }
 
 
