@@ -1,4 +1,5 @@
-"""int4 products for one to 16 rows of activations with the nibbles read as unit floats.
+"""int4 products for one to 16 rows of activations, the nibbles read as unit floats or as
+16-bit planes less the zero point.
 
 The weight layout is ``sonar_cuda.kernels.int4_gemm``'s: ``qweight`` int32 ``[N, K / 8]``,
 nibble ``j`` of word ``w`` is input ``8 w + j``; ``scales`` and ``qzeros`` ``[K / group, N]``.
@@ -23,12 +24,12 @@ tile (``sonar_cuda.kernels.splitk``) where the tiles alone are too few for the G
   dequantized weight tile is the tensor-core product's left operand as it was loaded, with
   no transposition; per nibble plane one product of depth ``RUN_W`` words.
 - :func:`int4_planes` (1 to 16 rows, 16-bit activations): the same product, its planes not
-  unit floats but ``q - z`` itself, exact in bfloat16 and
-  float16: a byte permute pairs two adjacent words' nibbles into the halves of a register, a
-  shift and a mask-and-or make two ``OFFSET + q`` (the exponent whose unit is 1) and one
-  paired subtraction takes the zero point off, three instructions per pair of weights, in the
-  register pairs the tensor-core operand reads (inline PTX on the GPU; plain operations with
-  the same values under Triton's interpreter). No sum of the activations is needed. The
+  unit floats but ``q - z`` itself, exact in bfloat16 and float16. A byte permute pairs two
+  adjacent words' nibbles into the halves of a register; a shift and a mask-and-or make two
+  ``OFFSET + q`` (under the exponent whose unit is 1); one paired subtraction takes the zero
+  point off. That is three instructions per pair of weights, in the register pairs the
+  tensor-core operand reads (inline PTX on the GPU; plain operations with the same values
+  under Triton's interpreter). No sum of the activations is needed. The
   eight planes side by side are one operand of depth 128 (input ``j * 16 + w`` of a run is
   plane ``j``'s word ``w``), so a run is one product: its tensor-core instructions issue back
   to back, with one wait, where a product per plane waited eight times. The activations of a
@@ -312,7 +313,8 @@ def run_inputs(in_features: int, group_size: int) -> int | None:
 
 
 def dot_takes(in_features: int, group_size: int) -> bool:
-    """Whether :func:`int4_dot_rows` takes this shape (runs of 128 inputs)."""
+    """Whether :func:`int4_dot_rows` and :func:`int4_planes` take this shape (runs of 128
+    inputs)."""
     return in_features % DOT_RUN == 0 and group_size % DOT_RUN == 0
 
 
