@@ -23,6 +23,8 @@ of eight gets zero rows to fill its last.
 
 from __future__ import annotations
 
+import functools
+
 import os
 import threading
 
@@ -256,21 +258,21 @@ def gguf_linear(
     activations to int8 blocks first (the fast product). Needs :func:`load` to have answered a
     library."""
     library = load()
-    flat = x.reshape(-1, cols)
+    flat = x if x.dim() == 2 else x.reshape(-1, cols)  # (a reshape costs about a microsecond: decode calls this ~120 times a token)
     if flat.dtype != torch.float32 or not flat.is_contiguous():
         flat = flat.to(torch.float32).contiguous()
     num_x = flat.shape[0]
     out = torch.empty(num_x, rows, dtype=torch.float32)
     threads = torch.get_num_threads()
     if ggml_type in K_BLOCK_BYTES:
-        scratch = _scratch_buffer(library.gguf_k_scratch_bytes(cols, num_x))
+        scratch = _scratch_buffer(_scratch_bytes(True, cols, num_x))
         code = layout != LANES or library.gguf_k_linear(
             ggml_type, data.data_ptr(), rows, cols, flat.data_ptr(), num_x, out.data_ptr(), threads, scratch.data_ptr(), int(exact)
         )
         if code:
             raise ValueError(f"the GGUF C kernel takes K-quants in layout {LANES} with rows a multiple of {LANES} and columns of 256, not type {ggml_type}, {rows} x {cols}, layout {layout}")
     else:
-        scratch = _scratch_buffer(library.gguf_q8_scratch_bytes(cols, num_x))
+        scratch = _scratch_buffer(_scratch_bytes(False, cols, num_x))
         product = library.gguf_linear if exact else library.gguf_linear_q8
         code = product(ggml_type, data.data_ptr(), layout, rows, cols, flat.data_ptr(), num_x, out.data_ptr(), threads, scratch.data_ptr())
         if code:
@@ -278,8 +280,17 @@ def gguf_linear(
                 f"the GGUF C kernel takes Q4_0/Q4_1/Q8_0 (Q5_0/Q5_1/IQ4_NL in layout {LANES} only) with columns a multiple of 32 "
                 f"(and rows a multiple of {LANES} in layout {LANES}), not type {ggml_type}, {rows} x {cols}, layout {layout}"
             )
-    out = out.reshape(*x.shape[:-1], rows)
+    if x.dim() != 2:
+        out = out.reshape(*x.shape[:-1], rows)
     return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+
+@functools.lru_cache(maxsize=4096)
+def _scratch_bytes(k_quant: bool, cols: int, num_x: int) -> int:
+    """The scratch size the C kernel (the K-quants' or the 32-value types') needs for ``num_x``
+    rows of ``cols`` inputs, asked once per shape."""
+    library = load()
+    return (library.gguf_k_scratch_bytes if k_quant else library.gguf_q8_scratch_bytes)(cols, num_x)
 
 
 def gguf_linear_experts(
