@@ -24,7 +24,6 @@ of eight gets zero rows to fill its last.
 from __future__ import annotations
 
 import functools
-
 import os
 import threading
 
