@@ -338,15 +338,16 @@ def _run_peer_rows(name: str, specs: list[Spec], rows: dict[tuple[str, str], Row
             row.peer = len(prompts) * new_tokens / elapsed
             row.peer_note = f"first {len(prompts)} req, {new_tokens} out each"
         print(f"  peer {spec.key} {name}: {row.peer:.2f} {spec.unit} ({row.peer_note})", file=sys.stderr, flush=True)
-    del model
+    model = None  # the peer's weights go before the next model loads
     _release()
 
 
 # -- profile ------------------------------------------------------------------------------
 
 
-def _profile_decode(llm, name: str, batch: int = 256, steps: int = 8) -> dict[str, Any]:
-    """Wall time of decode steps at ``batch`` against the GPU's busy time, and the top kernels."""
+def _profile_decode(llm, name: str, batch: int = 256, steps: int = 8, prompt_len: int = 512) -> dict[str, Any]:
+    """Wall time of decode steps at ``batch`` (contexts of ``prompt_len`` tokens) against the
+    GPU's busy time, and the top kernels."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -354,7 +355,7 @@ def _profile_decode(llm, name: str, batch: int = 256, steps: int = 8) -> dict[st
 
     engine = llm.llm_engine
     vocab = MODELS[name]["vocab_size"]
-    workload = random_workload(batch, (512, 512), (1, 1), vocab, 5)
+    workload = random_workload(batch, (prompt_len, prompt_len), (1, 1), vocab, 5)
     params = SamplingParams(max_tokens=steps * 3 + 16, temperature=0.0, ignore_eos=True, detokenize=False)
     for i, prompt in enumerate(workload.prompts):
         engine.add_request(f"profile-{i}", {"prompt_token_ids": prompt}, params)
@@ -383,6 +384,7 @@ def _profile_decode(llm, name: str, batch: int = 256, steps: int = 8) -> dict[st
     host = sorted((e for e in events if e.device_type != torch.autograd.DeviceType.CUDA), key=lambda e: e.self_cpu_time_total, reverse=True)[:12]
     result = {
         "batch": batch,
+        "context_tokens": prompt_len,
         "wall_ms_per_step": round(wall_ms, 3),
         "host_phases_ms_per_step": phases,
         "gpu_busy_ms_per_step": round(device_us / 1000 / steps, 3),
