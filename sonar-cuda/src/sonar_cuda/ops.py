@@ -26,7 +26,9 @@ from sonar_cuda.kernels.fused_moe import fused_moe, fused_moe_fp8
 from sonar_cuda.kernels.gemv import gemv, gemv_pays, gemv_supported, gemv_with_shrink
 from sonar_cuda.kernels.int4_gemm import int4_linear
 from sonar_cuda.kernels.layernorm import fused_add_rms_norm as _fused_add_rms_norm
+from sonar_cuda.kernels.layernorm import fused_add_rms_norm_fp8 as _fused_add_rms_norm_fp8
 from sonar_cuda.kernels.layernorm import rms_norm as _rms_norm
+from sonar_cuda.kernels.layernorm import rms_norm_fp8 as _rms_norm_fp8
 from sonar_cuda.kernels.lora import lora_expand, lora_shrink, lora_shrink_begin, lora_shrink_expand
 from sonar_cuda.kernels.rotary import rotary_embedding
 
@@ -75,6 +77,23 @@ def fused_add_rms_norm(
     return x, residual
 
 
+def rms_norm_fp8_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`rms_norm` of ``[T, hidden]`` and the output quantized to FP8 per token, in one
+    launch: ``(out, q, scale)``."""
+    return _rms_norm_fp8(x if x.stride(-1) == 1 else x.contiguous(), weight, eps)
+
+
+def fused_add_rms_norm_fp8_rows(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`fused_add_rms_norm` and the normed output quantized to FP8 per token, in one
+    launch: ``(x, residual, q, scale)``."""
+    if not (x.is_contiguous() and residual.is_contiguous()):
+        x, residual = x.contiguous(), residual.contiguous()
+    q, scale = _fused_add_rms_norm_fp8(x, residual, weight, eps)
+    return x, residual, q, scale
+
+
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` in one launch, computed in float32."""
     flat = gate_up if gate_up.dim() == 2 and gate_up.stride(-1) == 1 else gate_up.reshape(-1, gate_up.shape[-1])
@@ -106,6 +125,8 @@ OPS: dict[str, Callable[..., Any]] = {
     "apply_rotary": apply_rotary,
     "int4_linear": int4_linear,
     "fp8_linear": fp8_linear,  # declared by sonar.quantization.fp8
+    "rms_norm_fp8_rows": rms_norm_fp8_rows,  # declared by sonar.quantization.fp8: the norm and its FP8 rows
+    "fused_add_rms_norm_fp8_rows": fused_add_rms_norm_fp8_rows,
     "fused_moe": fused_moe,  # the experts of a mixture-of-experts layer, two grouped GEMMs
     "fused_moe_fp8": fused_moe_fp8,  # the same over FP8 experts with per-row scales (W8A16)
     "lora_shrink": lora_shrink,

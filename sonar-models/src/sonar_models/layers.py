@@ -9,7 +9,7 @@ from torch import nn
 
 from sonar import ops
 from sonar.distributed import ParallelGroup, current_group
-from sonar.quantization import linear_method_for
+from sonar.quantization import fp8, linear_method_for
 
 PARALLEL_MODES = ("replicated", "column", "row")
 
@@ -18,19 +18,49 @@ class RMSNorm(nn.Module):
     """Root-mean-square norm, computed in float32 and cast back (as Hugging Face does).
 
     Runs through ``sonar.ops``, so a platform's fused kernel replaces it where registered.
+
+    ``feeds`` names the one linear layer that alone reads the norm's output, where the model
+    knows it (a decoder layer's q/k/v and gate/up projections). When that layer's method takes
+    its input prepared in a form the norm's kernel can also emit (FP8 rows: the output
+    quantized per token, ``LinearMethod.takes_prepared_input``) and the platform has that
+    kernel, the norm emits it and hands it to the layer, which then skips its own pass.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.feeds: tuple[Linear, ...] = ()  # a tuple, so the layer is not registered as a child
+        self._consumers: tuple[Linear, ...] | None = None  # those of ``feeds`` that take FP8 rows; None: not looked up yet
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        consumer = self._fp8_consumer()
+        if consumer is not None:
+            fused = fp8.rms_norm_fp8_rows(x, self.weight, self.eps)
+            if fused is not None:
+                consumer.hand_prepared_input(*fused)
+                return fused[0]
         return ops.rms_norm(x, self.weight, self.eps)
 
     def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual = x + residual``; returns ``(norm(residual), residual)`` (may reuse the inputs' memory)."""
+        consumer = self._fp8_consumer()
+        if consumer is not None:
+            fused = fp8.fused_add_rms_norm_fp8_rows(x, residual, self.weight, self.eps)
+            if fused is not None:
+                normed, residual, rows = fused
+                consumer.hand_prepared_input(normed, rows)
+                return normed, residual
         return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+    def _fp8_consumer(self) -> Linear | None:
+        """The fed layer that takes FP8 rows, looked up at the first call (the model is built
+        and its adapters attached by then)."""
+        if self._consumers is None:
+            self._consumers = tuple(
+                layer for layer in self.feeds if layer.lora is None and layer.linear_method.takes_prepared_input(layer) == "fp8_rows"
+            )
+        return self._consumers[0] if self._consumers else None
 
 
 class Linear(nn.Module):
@@ -54,6 +84,7 @@ class Linear(nn.Module):
 
     lora = None  # a sonar.lora.layers.LoRALinear once adapters are attached
     reduce_output = True  # row-parallel: all-reduce in forward (False: the caller sums the partial outputs)
+    _prepared: tuple[torch.Tensor, Any] | None = None  # (the input it was made from, the prepared form)
 
     def __init__(
         self, in_features: int, out_features: int, bias: bool = True, prefix: str = "", parallel: str = "replicated",
@@ -102,7 +133,18 @@ class Linear(nn.Module):
             return tensor
         return self.linear_method.shard_checkpoint_tensor(self, param_name, tensor, part)
 
+    def hand_prepared_input(self, x: torch.Tensor, prepared: Any) -> None:
+        """``x`` in the form the method's ``takes_prepared_input`` names, made by the producer
+        of ``x`` (the norm before the layer); the next call on that very tensor uses it."""
+        self._prepared = (x, prepared)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._prepared is not None:
+            made_from, prepared = self._prepared
+            self._prepared = None
+            if made_from is x and self.lora is None:
+                out = self.linear_method.apply(self, x, prepared)
+                return self.group.communicator.all_reduce(out) if self.parallel == "row" and self.reduce_output else out
         out = self.linear_method.apply(self, x) if self.lora is None else self.lora.apply(self, x)
         if self.parallel == "row" and self.reduce_output:
             out = self.group.communicator.all_reduce(out)

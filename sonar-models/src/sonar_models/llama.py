@@ -163,6 +163,10 @@ class DecoderLayer(nn.Module):
         self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # each norm's output is read by one projection alone (a mixture of experts reads it otherwise)
+        self.input_layernorm.feeds = (attn.qkv_proj,)
+        gate_up = getattr(mlp, "gate_up_proj", None)
+        self.post_attention_layernorm.feeds = (gate_up,) if isinstance(gate_up, Linear) else ()
 
     def forward(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, rope: Any, ctx: ForwardContext

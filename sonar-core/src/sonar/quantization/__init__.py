@@ -72,8 +72,16 @@ class LinearMethod:
         """
         raise NotImplementedError(f"{type(self).__name__} does not shard for tensor parallelism")
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """``layer``'s output for input ``x`` ``[..., in_features]``."""
+    def takes_prepared_input(self, layer: nn.Module) -> str | None:
+        """The form in which ``layer`` can take its input already prepared by the norm that
+        feeds it (computed in the norm's own kernel, so no separate pass prepares it here), or
+        None (the default): ``"fp8_rows"``, the input quantized to FP8 per token
+        (``sonar.quantization.fp8.Fp8Rows``). ``apply`` then receives it as ``prepared``."""
+        return None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, prepared: Any = None) -> torch.Tensor:
+        """``layer``'s output for input ``x`` ``[..., in_features]``; ``prepared``: ``x`` in
+        the form ``takes_prepared_input`` named, where the norm before the layer made it."""
         raise NotImplementedError
 
 
@@ -98,7 +106,7 @@ class UnquantizedLinearMethod(LinearMethod):
 
         return dense_shard(layer, param_name, tensor, part)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def apply(self, layer: nn.Module, x: torch.Tensor, prepared: Any = None) -> torch.Tensor:
         return ops.linear(x, layer.weight, layer.bias)
 
 

@@ -40,6 +40,8 @@ MIN_AMAX = 1e-10  # an all-zero row still gets a positive scale
 
 ops.declare_op("fp8_linear")
 ops.declare_op("fp8_block_linear")
+ops.declare_op("rms_norm_fp8_rows")
+ops.declare_op("fused_add_rms_norm_fp8_rows")
 
 
 # -- the math ----------------------------------------------------------------------------
@@ -88,12 +90,15 @@ def reference_fp8_linear(
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None,
+    quantized: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``fp8_linear`` in torch: ``x`` quantized per token (``input_scale`` None) or with the
-    static ``input_scale``, the FP8 product summed in float32, then both scales applied."""
+    static ``input_scale`` (or given as ``quantized`` with it), the FP8 product summed in
+    float32, then both scales applied."""
     x2 = x.reshape(-1, x.shape[-1])
     x_scale = per_token_scale(x2) if input_scale is None else input_scale.float().reshape(-1, 1)
-    y = (to_fp8(x2, x_scale).float() @ weight.float().t()) * (x_scale * weight_scale.float()[None, :])
+    q = to_fp8(x2, x_scale) if quantized is None else quantized.reshape(x2.shape)
+    y = (q.float() @ weight.float().t()) * (x_scale * weight_scale.float()[None, :])
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -117,16 +122,54 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None = None,
+    quantized: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for an FP8 ``weight`` ``[N, K]`` with ``weight_scale`` ``[N]``
     float32 per output row; ``x`` ``[..., K]`` quantized to FP8 per token, or with the static
     scalar ``input_scale``, or with given per-token scales ``input_scale`` ``[M, 1]`` (a
-    row-parallel rank's, taken over the whole row; a platform kernel takes them too). Returns
-    ``x``'s dtype. A platform kernel runs it where registered."""
+    row-parallel rank's, taken over the whole row; a platform kernel takes them too).
+    ``quantized``: ``x`` already quantized with the per-token ``input_scale`` (FP8, ``x``'s
+    shape; :class:`Fp8Rows`), which the product may read instead of quantizing ``x`` again.
+    Returns ``x``'s dtype. A platform kernel runs it where registered."""
     impl = ops.platform_op(x, "fp8_linear")
     if impl is not None:
-        return impl(x, weight, weight_scale, input_scale, bias)
-    return reference_fp8_linear(x, weight, weight_scale, input_scale, bias)
+        if quantized is None:
+            return impl(x, weight, weight_scale, input_scale, bias)
+        return impl(x, weight, weight_scale, input_scale, bias, quantized)
+    return reference_fp8_linear(x, weight, weight_scale, input_scale, bias, quantized)
+
+
+class Fp8Rows(NamedTuple):
+    """Activations already quantized per token, as ``fp8_linear`` would quantize them: ``q``
+    ``[M, K]`` FP8 and ``scale`` ``[M, 1]`` float32, ``x ~ q * scale``. A norm's kernel makes
+    them beside its output for the FP8 product it feeds (``LinearMethod.takes_prepared_input``)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def rms_norm_fp8_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, Fp8Rows] | None:
+    """``sonar.ops.rms_norm`` of ``x`` ``[M, K]`` with its output also quantized per token, in
+    the platform's one kernel: ``(out, rows)``; None where the platform has no such kernel
+    (run the norm alone, and the product quantizes)."""
+    impl = ops.platform_op(x, "rms_norm_fp8_rows")
+    if impl is None or x.dim() != 2:
+        return None
+    out, q, scale = impl(x, weight, eps)
+    return out, Fp8Rows(q, scale)
+
+
+def fused_add_rms_norm_fp8_rows(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, Fp8Rows] | None:
+    """``sonar.ops.fused_add_rms_norm`` (same contract: the inputs may be reused in place) with
+    the normed output also quantized per token: ``(normed, residual, rows)``; None where the
+    platform has no such kernel."""
+    impl = ops.platform_op(x, "fused_add_rms_norm_fp8_rows")
+    if impl is None or x.dim() != 2:
+        return None
+    normed, residual, q, scale = impl(x, residual, weight, eps)
+    return normed, residual, Fp8Rows(q, scale)
 
 
 def fp8_block_linear(
@@ -197,7 +240,16 @@ class Fp8LinearMethod(LinearMethod):
             return output_shard(layer, tensor, part)
         return tensor
 
-    def apply(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    def takes_prepared_input(self, layer: nn.Module) -> str | None:
+        """FP8 rows where activations are quantized per token over the layer's whole input
+        (dynamic scales; not a row-parallel rank's slice, whose scale spans the ranks)."""
+        if layer.input_scale is None and getattr(layer, "parallel", "replicated") != "row":
+            return "fp8_rows"
+        return None
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, prepared: Any = None) -> torch.Tensor:
+        if isinstance(prepared, Fp8Rows):
+            return fp8_linear(x, layer.weight, layer.weight_scale, prepared.scale, layer.bias, prepared.q)
         input_scale = layer.input_scale
         if input_scale is None and getattr(layer, "parallel", "replicated") == "row":
             # each token's scale over its whole row, as on one device: the largest of the ranks' slices

@@ -51,8 +51,11 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     input_scale: torch.Tensor | None,
     bias: torch.Tensor | None = None,
+    quantized: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``sonar.quantization.fp8.fp8_linear`` on CUDA tensors: same arguments, same math."""
+    """``sonar.quantization.fp8.fp8_linear`` on CUDA tensors: same arguments, same math. One
+    row with a given scale (``quantized`` or not) takes the GEMV, which quantizes the row with
+    that scale as it reads it: no amax pass."""
     n, k = weight.shape
     if fp8_gemv_supported(x, weight) and (input_scale is None or input_scale.numel() == 1):
         return fp8_gemv(x, weight, weight_scale, input_scale, bias, *GEMV_TILES.get((n, k), (0, 0, -1)))
@@ -60,7 +63,9 @@ def fp8_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    if input_scale is not None and input_scale.numel() > 1:  # given per-token scales (a row-parallel rank's)
+    if quantized is not None:  # the rows the norm's kernel made, with their per-token scales
+        q, x_scale = quantized.reshape(m, k), input_scale.float().reshape(m, 1)
+    elif input_scale is not None and input_scale.numel() > 1:  # given per-token scales (a row-parallel rank's)
         x_scale = input_scale.float().reshape(m, 1).contiguous()
         q = to_fp8(x2, x_scale)
     else:
