@@ -45,7 +45,7 @@ def run_both(step: PagedStep, num_heads: int, num_kv_heads: int, head_dim: int) 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 @pytest.mark.parametrize("block_size", [16, 4])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (9, 3), (8, 2)])
-@pytest.mark.parametrize("head_dim", [64, 32])
+@pytest.mark.parametrize("head_dim", [64, 32, 128, 96, 36])  # the C decode kernel: 64-column register blocks, 8-column, scalar
 def test_matches_reference_fp32(layout: str, block_size: int, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
     context_lens, query_lens = LAYOUTS[layout]
     step = make_step(
