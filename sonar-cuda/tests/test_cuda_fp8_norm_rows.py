@@ -1,8 +1,11 @@
 """FP8 rows from the norm: in an FP8 model the norms before the q/k/v and gate/up projections
-quantize their output per token in their own launch and hand it to the projection, which then
-skips its quantization pass. The engine gives the same tokens and log-probabilities, bit for
-bit, with the hand-over and without it (the norm's rows are the ones the product would make);
-on the CPU through Triton's interpreter, on the GPU in bfloat16 with ``torch._scaled_mm``."""
+quantize their output per token in their own launch (steps of two tokens and more) and hand it
+to the projection, which then skips its quantization launch. The engine gives the same tokens
+and log-probabilities, bit for bit, with the hand-over and without it (the norm's rows are the
+ones the product would make), on the CPU through Triton's interpreter. On a GPU the norm's two
+specializations may sum the squares in another order, a last-bit difference that FP8 rounding
+can amplify, so there the fused path is held to transformers instead
+(``tests/test_quant_cuda.py``, which runs it)."""
 
 from __future__ import annotations
 
@@ -64,7 +67,7 @@ def run(path: Path, prompts: list[list[int]], fused: bool, monkeypatch: pytest.M
                 platform=platform(),
             )
             params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=3)
-            alone = run_to_end(engine, prompts[:1], [params])  # one row: the GEMV with the norm's scale
+            alone = run_to_end(engine, prompts[:1], [params])  # one row: the GEMV takes its own amax
             together = run_to_end(engine, prompts, [params] * len(prompts))  # the product reads the rows
             outputs = [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in d.items()} for d in o.outputs[0].logprobs]) for o in alone + together]
     finally:
@@ -72,6 +75,7 @@ def run(path: Path, prompts: list[list[int]], fused: bool, monkeypatch: pytest.M
     return outputs, handed
 
 
+@pytest.mark.skipif(HAS_CUDA, reason="bit-for-bit only under the interpreter; tests/test_quant_cuda.py covers the GPU")
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_norm_rows_give_the_same_outputs_as_the_product_quantizing(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = build_tiny_model(arch, tmp_path / arch)

@@ -49,8 +49,9 @@ def test_rms_norm_large(case: tuple, dtype: torch.dtype, device: torch.device) -
 
 
 def check_fp8_rows(num_tokens: int, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
-    """The norm's FP8 rows are its own output quantized per token, bit for bit, and the output
-    itself is the plain kernel's."""
+    """The norm's FP8 rows are its own output quantized per token, bit for bit; the output is
+    the plain kernel's (to the last bit under the interpreter; on the GPU the two
+    specializations may sum the squares in another order)."""
     gen = torch.Generator().manual_seed(7 * num_tokens + hidden)
     x = torch.randn(num_tokens, hidden, generator=gen).mul(3).to(dtype).to(device)
     x[0, : hidden // 2] = 0.0  # a row half zeros, and (below) one all zeros: the scale's floor
@@ -61,7 +62,7 @@ def check_fp8_rows(num_tokens: int, hidden: int, dtype: torch.dtype, device: tor
     eps = 1e-6
 
     out, q, scale = rms_norm_fp8(x, weight, eps)
-    assert torch.equal(out, rms_norm(x, weight, eps))
+    assert_close(out, rms_norm(x, weight, eps), dtype)
     expected_q, expected_scale = quantize_rows(out)
     assert torch.equal(scale, expected_scale)
     assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))
@@ -69,7 +70,8 @@ def check_fp8_rows(num_tokens: int, hidden: int, dtype: torch.dtype, device: tor
     plain_x, plain_residual = x.clone(), residual.clone()
     fused_add_rms_norm(plain_x, plain_residual, weight, eps)
     q, scale = fused_add_rms_norm_fp8(x, residual, weight, eps)
-    assert torch.equal(x, plain_x) and torch.equal(residual, plain_residual)
+    assert torch.equal(residual, plain_residual)
+    assert_close(x, plain_x, dtype)
     expected_q, expected_scale = quantize_rows(x)
     assert torch.equal(scale, expected_scale)
     assert torch.equal(q.view(torch.uint8), expected_q.view(torch.uint8))

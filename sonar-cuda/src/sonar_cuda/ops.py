@@ -77,17 +77,26 @@ def fused_add_rms_norm(
     return x, residual
 
 
-def rms_norm_fp8_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+#: one row is left to the FP8 GEMV, whose own amax pass was faster than reading a given scale
+#: (H100, Llama-3.1-8B: GPU time of a batch-1 step 3.52 ms without the norm's rows, 3.58-3.60 with)
+FP8_ROWS_MIN_TOKENS = 2
+
+
+def rms_norm_fp8_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`rms_norm` of ``[T, hidden]`` and the output quantized to FP8 per token, in one
-    launch: ``(out, q, scale)``."""
+    launch: ``(out, q, scale)``; None below ``FP8_ROWS_MIN_TOKENS`` tokens."""
+    if x.shape[0] < FP8_ROWS_MIN_TOKENS:
+        return None
     return _rms_norm_fp8(x if x.stride(-1) == 1 else x.contiguous(), weight, eps)
 
 
 def fused_add_rms_norm_fp8_rows(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """:func:`fused_add_rms_norm` and the normed output quantized to FP8 per token, in one
-    launch: ``(x, residual, q, scale)``."""
+    launch: ``(x, residual, q, scale)``; None (nothing done) below ``FP8_ROWS_MIN_TOKENS``."""
+    if x.shape[0] < FP8_ROWS_MIN_TOKENS:
+        return None
     if not (x.is_contiguous() and residual.is_contiguous()):
         x, residual = x.contiguous(), residual.contiguous()
     q, scale = _fused_add_rms_norm_fp8(x, residual, weight, eps)

@@ -150,12 +150,13 @@ class Fp8Rows(NamedTuple):
 
 def rms_norm_fp8_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, Fp8Rows] | None:
     """``sonar.ops.rms_norm`` of ``x`` ``[M, K]`` with its output also quantized per token, in
-    the platform's one kernel: ``(out, rows)``; None where the platform has no such kernel
-    (run the norm alone, and the product quantizes)."""
+    the platform's one kernel: ``(out, rows)``; None where the platform has no such kernel or
+    its kernel declines the shape (run the norm alone, and the product quantizes)."""
     impl = ops.platform_op(x, "rms_norm_fp8_rows")
-    if impl is None or x.dim() != 2:
+    made = None if impl is None or x.dim() != 2 else impl(x, weight, eps)
+    if made is None:
         return None
-    out, q, scale = impl(x, weight, eps)
+    out, q, scale = made
     return out, Fp8Rows(q, scale)
 
 
@@ -163,12 +164,13 @@ def fused_add_rms_norm_fp8_rows(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, Fp8Rows] | None:
     """``sonar.ops.fused_add_rms_norm`` (same contract: the inputs may be reused in place) with
-    the normed output also quantized per token: ``(normed, residual, rows)``; None where the
-    platform has no such kernel."""
+    the normed output also quantized per token: ``(normed, residual, rows)``; None (the inputs
+    untouched) where the platform has no such kernel or its kernel declines the shape."""
     impl = ops.platform_op(x, "fused_add_rms_norm_fp8_rows")
-    if impl is None or x.dim() != 2:
+    made = None if impl is None or x.dim() != 2 else impl(x, residual, weight, eps)
+    if made is None:
         return None
-    normed, residual, q, scale = impl(x, residual, weight, eps)
+    normed, residual, q, scale = made
     return normed, residual, Fp8Rows(q, scale)
 
 
