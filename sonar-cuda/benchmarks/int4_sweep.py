@@ -41,12 +41,6 @@ def candidates(m: int) -> dict[str, Int4Choice]:
         return {
             "unit_n8_c4": Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4)),
             "unit_n64_c1": Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=1)),
-            # a program's whole weight tile loaded before any arithmetic (c4 issues one 16-byte
-            # load a thread per chunk, after the last chunk's arithmetic: one load in flight)
-            "unit_n8_c8": Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=8)),
-            "unit_n4_c32": Int4Choice("unit", Int4Launch(block_n=4, runs_per_chunk=32)),
-            "unit_n8_c32_w8": Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=32, num_warps=8)),
-            "unit_n16_c32_w8": Int4Choice("unit", Int4Launch(block_n=16, runs_per_chunk=32, num_warps=8)),
             **planes,
         }
     return {

@@ -72,7 +72,7 @@ class CompressedTensorsMethod(QuantizationMethod):
         "cuda": "fused Triton GEMV for one row, torch._scaled_mm row-wise otherwise; a mixture-of-experts layer's experts "
         "FP8 in the fused Triton MoE kernel (W8A16)",
     }
-    tested_by = {"cpu": "tests/test_quant_fp8.py"}  # cuda: kernels by sonar-cuda/tests/test_cuda_fp8.py; end to end not yet
+    tested_by = {"cpu": "tests/test_quant_fp8.py", "cuda": "tests/test_quant_cuda.py"}
 
     def __init__(self, scheme: Fp8Scheme, ignore: list[str]) -> None:
         self.scheme = scheme

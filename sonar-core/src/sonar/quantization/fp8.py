@@ -521,7 +521,7 @@ class Fp8Method(QuantizationMethod):
         "cuda": "per channel: fused Triton GEMV for one row, torch._scaled_mm row-wise otherwise; blocks: dequantized per call; "
         "a mixture-of-experts layer's experts FP8 in the fused Triton MoE kernel (W8A16): per tensor or channel, a scale per output row; blocks, each weight tile times its block's scale as it is read",
     }
-    tested_by = {"cpu": "tests/test_quant_fp8.py"}  # cuda: kernels by sonar-cuda/tests/test_cuda_fp8.py; end to end not yet
+    tested_by = {"cpu": "tests/test_quant_fp8.py", "cuda": "tests/test_quant_cuda.py"}
 
     def __init__(self, serialized: bool, block: tuple[int, int] | None, static_activations: bool, ignore: list[str]) -> None:
         self.serialized = serialized
