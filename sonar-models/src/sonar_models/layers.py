@@ -139,13 +139,16 @@ class Linear(nn.Module):
         self._prepared = (x, prepared)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._prepared is not None:
+        prepared = None
+        if self._prepared is not None:  # taken once, and only for the very tensor it was made from
             made_from, prepared = self._prepared
             self._prepared = None
-            if made_from is x and self.lora is None:
-                out = self.linear_method.apply(self, x, prepared)
-                return self.group.communicator.all_reduce(out) if self.parallel == "row" and self.reduce_output else out
-        out = self.linear_method.apply(self, x) if self.lora is None else self.lora.apply(self, x)
+            if made_from is not x or self.lora is not None:
+                prepared = None
+        if prepared is not None:
+            out = self.linear_method.apply(self, x, prepared)
+        else:
+            out = self.linear_method.apply(self, x) if self.lora is None else self.lora.apply(self, x)
         if self.parallel == "row" and self.reduce_output:
             out = self.group.communicator.all_reduce(out)
         return out

@@ -115,32 +115,30 @@ static void weighted_values(const float *weights, const float *vals, const int32
                             int64_t token_stride, int head_dim, int start, int span, float inverse, float *o) {
     int d0 = 0;
     for (; d0 + 64 <= head_dim; d0 += 64) {
-        {
-            __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
-            __m256 c4 = _mm256_setzero_ps(), c5 = _mm256_setzero_ps(), c6 = _mm256_setzero_ps(), c7 = _mm256_setzero_ps();
-            cursor_t c = cursor_at(table, block_size, token_stride, start);
-            for (int t = 0; t < span; t++, cursor_next(&c)) {
-                const float *v = vals + cursor_row(&c) + d0;
-                __m256 w = _mm256_set1_ps(weights[t]);
-                c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), c0);
-                c1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), c1);
-                c2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), c2);
-                c3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), c3);
-                c4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), c4);
-                c5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), c5);
-                c6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), c6);
-                c7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), c7);
-            }
-            __m256 inv = _mm256_set1_ps(inverse);
-            _mm256_storeu_ps(o + d0, _mm256_mul_ps(c0, inv));
-            _mm256_storeu_ps(o + d0 + 8, _mm256_mul_ps(c1, inv));
-            _mm256_storeu_ps(o + d0 + 16, _mm256_mul_ps(c2, inv));
-            _mm256_storeu_ps(o + d0 + 24, _mm256_mul_ps(c3, inv));
-            _mm256_storeu_ps(o + d0 + 32, _mm256_mul_ps(c4, inv));
-            _mm256_storeu_ps(o + d0 + 40, _mm256_mul_ps(c5, inv));
-            _mm256_storeu_ps(o + d0 + 48, _mm256_mul_ps(c6, inv));
-            _mm256_storeu_ps(o + d0 + 56, _mm256_mul_ps(c7, inv));
+        __m256 c0 = _mm256_setzero_ps(), c1 = _mm256_setzero_ps(), c2 = _mm256_setzero_ps(), c3 = _mm256_setzero_ps();
+        __m256 c4 = _mm256_setzero_ps(), c5 = _mm256_setzero_ps(), c6 = _mm256_setzero_ps(), c7 = _mm256_setzero_ps();
+        cursor_t c = cursor_at(table, block_size, token_stride, start);
+        for (int t = 0; t < span; t++, cursor_next(&c)) {
+            const float *v = vals + cursor_row(&c) + d0;
+            __m256 w = _mm256_set1_ps(weights[t]);
+            c0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), c0);
+            c1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), c1);
+            c2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), c2);
+            c3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), c3);
+            c4 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 32), c4);
+            c5 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 40), c5);
+            c6 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 48), c6);
+            c7 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 56), c7);
         }
+        __m256 inv = _mm256_set1_ps(inverse);
+        _mm256_storeu_ps(o + d0, _mm256_mul_ps(c0, inv));
+        _mm256_storeu_ps(o + d0 + 8, _mm256_mul_ps(c1, inv));
+        _mm256_storeu_ps(o + d0 + 16, _mm256_mul_ps(c2, inv));
+        _mm256_storeu_ps(o + d0 + 24, _mm256_mul_ps(c3, inv));
+        _mm256_storeu_ps(o + d0 + 32, _mm256_mul_ps(c4, inv));
+        _mm256_storeu_ps(o + d0 + 40, _mm256_mul_ps(c5, inv));
+        _mm256_storeu_ps(o + d0 + 48, _mm256_mul_ps(c6, inv));
+        _mm256_storeu_ps(o + d0 + 56, _mm256_mul_ps(c7, inv));
     }
     for (; d0 + 8 <= head_dim; d0 += 8) {  /* what is left of the columns, eight at a time */
         __m256 acc = _mm256_setzero_ps();
