@@ -34,12 +34,19 @@ MAX_ERROR = 0.02
 
 def candidates(m: int) -> dict[str, Int4Choice]:
     planes = {  # the nibble-plane tensor-core product (16-bit planes less the zero point), at every row count
-        f"planes_n{n}_w{w}_s{s}{'_k' + str(k) if k else ''}": Int4Choice("planes", Int4Launch(block_n=n, num_warps=w, num_stages=s, split_k=k))
-        for n, w, s, k in ((64, 4, 3, 0), (128, 4, 3, 0), (128, 8, 3, 0), (256, 8, 3, 0), (256, 8, 2, 0), (512, 8, 3, 0), (256, 8, 3, 4), (256, 8, 3, 8), (128, 4, 3, 8), (128, 8, 3, 8))
+        f"planes_n{n}_w{w}_s{s}{'_k' + str(k) if k else ''}{'_p' + str(p) if p else ''}": Int4Choice("planes", Int4Launch(block_n=n, num_warps=w, num_stages=s, split_k=k, prefetch=p))
+        for n, w, s, k, p in (
+            (64, 4, 3, 0, 0), (128, 4, 3, 0, 0), (128, 8, 3, 0, 0), (256, 8, 3, 0, 0), (256, 8, 2, 0, 0), (512, 8, 3, 0, 0),
+            (256, 8, 3, 4, 0), (256, 8, 3, 8, 0), (128, 4, 3, 8, 0), (128, 8, 3, 8, 0), (256, 8, 1, 0, 1), (256, 8, 1, 0, 2), (128, 4, 1, 0, 2),
+        )
     }  # fmt: skip
     if m == 1:
         return {
             "unit_n8_c4": Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4)),
+            "unit_n8_c4_p1": Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4, prefetch=1)),
+            "unit_n8_c2_p1": Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=2, prefetch=1)),
+            "unit_n16_c2_p1": Int4Choice("unit", Int4Launch(block_n=16, runs_per_chunk=2, prefetch=1)),
+            "unit_n4_c8_p1": Int4Choice("unit", Int4Launch(block_n=4, runs_per_chunk=8, prefetch=1)),
             "unit_n64_c1": Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=1)),
             **planes,
         }

@@ -24,6 +24,8 @@ GEMV_CASES = [  # (N, K, group, bias, launch)
     (24, 256, 64, True, Int4Launch(block_n=8, runs_per_chunk=2, split_k=2)),
     (8, 384, 32, False, Int4Launch(block_n=2, runs_per_chunk=2, split_k=3)),  # 12 runs in 3 slices
     (16, 256, -1, True, Int4Launch(block_n=32, runs_per_chunk=4)),  # split chosen from the shape
+    (40, 1024, 128, True, Int4Launch(block_n=8, runs_per_chunk=1, split_k=3, prefetch=1)),  # 8 runs: slices of 3, 3, 2 chunks
+    (24, 512, 64, False, Int4Launch(block_n=16, runs_per_chunk=2, split_k=1, prefetch=1)),
 ]
 DOT_CASES = [  # (M, N, K, group, bias, launch)
     (2, 40, 512, 128, True, Int4Launch(block_n=16, split_k=2)),
@@ -36,6 +38,10 @@ PLANES_CASES = [  # (M, N, K, group, bias, launch)
     (1, 64, 256, 128, True, Int4Launch(block_n=64)),
     (7, 130, 512, -1, True, Int4Launch(block_n=128, num_warps=4)),  # one scale per output row
     (16, 40, 384, 128, False, Int4Launch(block_n=64, split_k=3)),  # three runs in three slices
+    (1, 300, 1024, 128, True, Int4Launch(block_n=128, split_k=3, prefetch=1)),  # 8 runs: slices of 3, 3, 2
+    (4, 70, 640, 128, False, Int4Launch(block_n=64, split_k=2, prefetch=2)),  # 5 runs: slices of 3 and 2
+    (16, 40, 256, -1, True, Int4Launch(block_n=32, split_k=1, prefetch=2)),  # two runs, one scale per row
+    (1, 64, 128, 128, False, Int4Launch(block_n=64, prefetch=2)),  # one run: the second prefetch loads nothing
 ]
 
 

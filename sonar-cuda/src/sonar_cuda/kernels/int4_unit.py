@@ -57,13 +57,16 @@ DOT_ROWS = 16  # activation rows one tensor-core program covers
 @dataclass(frozen=True, slots=True)
 class Int4Launch:
     """How a kernel here covers a product: output rows per program, runs of inputs per
-    unrolled chunk (GEMV), split-K factor (0: chosen from the shape), warps and stages."""
+    unrolled chunk (GEMV), split-K factor (0: chosen from the shape), warps and stages, and
+    ``prefetch``: how many chunks (GEMV) or runs (nibble planes) of weights are loaded ahead of
+    the one being summed, held in registers (0, 1 or 2; the GEMV takes 0 or 1)."""
 
     block_n: int
     runs_per_chunk: int = 1
     split_k: int = 0
     num_warps: int = 4
     num_stages: int = 1
+    prefetch: int = 0
 
 
 @triton.jit
@@ -157,6 +160,7 @@ def _int4_gemv_unit_kernel(
     BLOCK_N: tl.constexpr,
     SPLIT: tl.constexpr,
     HAS_BIAS: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
     rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -168,12 +172,22 @@ def _int4_gemv_unit_kernel(
     run_end = tl.minimum(run_begin + RUNS_PER_SPLIT, KW // RUN_W)
     acc = tl.zeros([BLOCK_N, NUM_SUB, RUN_W], tl.float32)
     zero_acc = tl.zeros([BLOCK_N, NUM_SUB], tl.float32)
+    if PREFETCH:
+        first_kw = run_begin * RUN_W + words
+        next_packed = tl.load(w_rows + first_kw, mask=row_mask[:, None, None] & (first_kw < run_end * RUN_W), other=0, eviction_policy="evict_first")
     for c in tl.static_range(0, RUNS_PER_SPLIT, NUM_SUB):
         runs = run_begin + c + subs  # [NUM_SUB]
         run_mask = runs < run_end
         kw = (run_begin + c) * RUN_W + words
         word_mask = kw < run_end * RUN_W
-        packed = tl.load(w_rows + kw, mask=row_mask[:, None, None] & word_mask, other=0, eviction_policy="evict_first")
+        if PREFETCH:  # this chunk's words were loaded before the previous chunk's sums
+            packed = next_packed
+            if c + NUM_SUB < RUNS_PER_SPLIT:
+                next_kw = kw + NUM_SUB * RUN_W
+                next_mask = row_mask[:, None, None] & (next_kw < run_end * RUN_W)
+                next_packed = tl.load(w_rows + next_kw, mask=next_mask, other=0, eviction_policy="evict_first")
+        else:
+            packed = tl.load(w_rows + kw, mask=row_mask[:, None, None] & word_mask, other=0, eviction_policy="evict_first")
         sz_offsets = ((runs * RUN_W * 8) // GROUP)[None, :] * N + rows[:, None]
         sz_mask = row_mask[:, None] & run_mask[None, :]
         scale = tl.load(s_ptr + sz_offsets, mask=sz_mask, other=0.0).to(tl.float32)  # [BLOCK_N, NUM_SUB]
@@ -261,6 +275,7 @@ def _int4_planes_kernel(
     HAS_BIAS: tl.constexpr,
     F16: tl.constexpr,
     ASM: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):  # fmt: skip
     RUN_W: tl.constexpr = 16
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -279,8 +294,26 @@ def _int4_planes_kernel(
     scale = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     zero = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    # PREFETCH runs of weights in flight ahead of the run being summed, held in registers (a run
+    # past the slice loads nothing); the activations load in the loop, where the pipeliner
+    # stages them through shared memory, as the tensor-core operand wants them
+    if PREFETCH >= 1:
+        packed_1 = tl.load(w_rows + run_begin * RUN_W, mask=n_mask[:, None] & (run_begin < run_end), other=0, eviction_policy="evict_first")
+    if PREFETCH >= 2:
+        second = run_begin + 1
+        packed_2 = tl.load(w_rows + second * RUN_W, mask=n_mask[:, None] & (second < run_end), other=0, eviction_policy="evict_first")
     for run in range(run_begin, run_end):
-        packed = tl.load(w_rows + run * RUN_W, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+        if PREFETCH == 0:
+            packed = tl.load(w_rows + run * RUN_W, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
+        else:
+            ahead = run + PREFETCH
+            packed = packed_1
+            next_packed = tl.load(w_rows + ahead * RUN_W, mask=n_mask[:, None] & (ahead < run_end), other=0, eviction_policy="evict_first")
+            if PREFETCH == 1:
+                packed_1 = next_packed
+            else:
+                packed_1 = packed_2
+                packed_2 = next_packed
         xr = tl.load(x_cube + run * RUN_W * 8, mask=m_mask[None, :, None], other=0.0)  # [RUN_W, BLOCK_M, 8]
         next_group = (tl.minimum(run + 1, run_end - 1) * RUN_W * 8) // GROUP
         next_scale = tl.load(s_ptr + next_group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
@@ -349,7 +382,7 @@ def int4_gemv_unit(
     _int4_gemv_unit_kernel[(num_tiles, split)](
         x, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, n,
         KW=kw, GROUP=group_size, RUN_W=run_w, RUNS_PER_SPLIT=runs_per_split, NUM_SUB=num_sub,
-        BLOCK_N=launch.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None,
+        BLOCK_N=launch.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None, PREFETCH=min(launch.prefetch, 1),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return sum_splits(partials, bias, y) if split > 1 else y
@@ -388,7 +421,7 @@ def int4_planes(
     assert x.dtype in (torch.bfloat16, torch.float16), "int4_planes takes 16-bit activations"
     return _transposed_product(
         _int4_planes_kernel, "int4_planes", x, qweight, scales, qzeros, group_size, bias, launch,
-        F16=x.dtype == torch.float16, ASM=x.is_cuda,
+        F16=x.dtype == torch.float16, ASM=x.is_cuda, PREFETCH=min(launch.prefetch, 2),
     )  # fmt: skip
 
 
