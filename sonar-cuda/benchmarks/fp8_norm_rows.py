@@ -1,7 +1,8 @@
 """FP8 rows from the norm, measured: Llama-3.1-8B dummy weights with FP8 W8A8 and the FP8 KV cache
 (workload c's engine), decode steps profiled with the norms emitting FP8 rows for the q/k/v and
-gate/up projections, without (the products quantize their inputs themselves), and with again, one
-engine each in one run: wall and GPU-busy time per step and the top kernels, at batch 256 with
+gate/up projections, without (the products quantize their inputs themselves), and with again
+(``--engines``; ``norm_rows_from_one`` also at one token, where the products take the prepared
+GEMV), one engine each in one run: wall and GPU-busy time per step and the top kernels, at batch 256 with
 1,024-token contexts and at batch 1.
 
     python sonar-cuda/benchmarks/fp8_norm_rows.py --output-json norm_rows.json
@@ -33,14 +34,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--context", type=int, default=1024, help="context tokens of the batch-256 steps")
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--engines", default="norm_rows,no_norm_rows,norm_rows_again", help="engines in order, of norm_rows, no_norm_rows, norm_rows_again, norm_rows_from_one")
     args = parser.parse_args()
+    default_min_tokens = cuda_ops.FP8_ROWS_MIN_TOKENS
     kernels = {name: cuda_ops.OPS[name] for name in FUSED}
     spec = next(s for s in SPECS if s.key == "c" and s.model == MODEL)
     results = {}
     with tempfile.TemporaryDirectory() as root:
         folder = _write_config(Path(root), MODEL)
-        for label in ("norm_rows", "no_norm_rows", "norm_rows_again"):
+        for label in args.engines.split(","):
             ops.unregister_ops("cuda")  # the engine's worker registers the platform's kernels as they are now
+            # from_one: the norm's rows at one token too, where the product is the prepared GEMV
+            cuda_ops.FP8_ROWS_MIN_TOKENS = 1 if label.endswith("from_one") else default_min_tokens
             for name in FUSED:
                 if label == "no_norm_rows":
                     cuda_ops.OPS.pop(name, None)

@@ -9,7 +9,7 @@ import torch
 
 from sonar.quantization.fp8 import FP8_DTYPE, per_token_scale, quantize_per_row, reference_fp8_linear, to_fp8
 from sonar_cuda.kernels.fp8_gemm import fp8_gemm
-from sonar_cuda.kernels.fp8_gemv import fp8_gemv, fp8_gemv_supported
+from sonar_cuda.kernels.fp8_gemv import fp8_gemv, fp8_gemv_prepared, fp8_gemv_supported
 from sonar_cuda.kernels.fp8_linear import fp8_linear
 from sonar_cuda.kernels.fp8_quant import quantize_rows
 
@@ -63,6 +63,18 @@ def test_fp8_gemv_tiles_and_waves_match_the_reference(n: int, k: int, tile: tupl
     x = torch.randn(1, k).to(device)
     input_scale = torch.tensor(0.01, device=device) if static else None
     assert_matches_reference(fp8_gemv(x, weight, scale, input_scale, b, *tile), x, weight, scale, input_scale, b)
+
+
+@pytest.mark.parametrize("n, k, rows, bias", [(40, 64, 1, False), (9, 300, 2, True), (33, 5000, 1, True), (17, 8192 + 32, 4, False)])
+def test_the_prepared_gemv_matches_the_reference(n: int, k: int, rows: int, bias: bool, device: torch.device) -> None:
+    # one row the norm already quantized: rows past 4,096 inputs in masked chunks, tiles no row count divides
+    weight, scale, b = operands(n, k, device, bias)
+    x = torch.randn(1, k).to(device)
+    q, x_scale = quantize_rows(x)
+    out = fp8_gemv_prepared(q, x_scale, weight, scale, b, torch.float32, rows)
+    assert_matches_reference(out, x, weight, scale, None, b)
+    through_op = fp8_linear(x, weight, scale, x_scale, b, quantized=q)
+    torch.testing.assert_close(through_op, fp8_gemv_prepared(q, x_scale, weight, scale, b, torch.float32), atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("m, n, k, bias", [(5, 40, 96, False), (17, 24, 160, True)])

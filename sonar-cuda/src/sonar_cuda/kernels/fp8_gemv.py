@@ -69,6 +69,27 @@ def _fp8_gemv_kernel(
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
+@triton.jit
+def _fp8_gemv_prepared_kernel(
+    q_ptr, q_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, y_ptr, N, stride_w,
+    K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_mask = rows < N
+    cols = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * stride_w
+    acc = tl.zeros([ROWS, BLOCK_K], tl.float32)
+    for start in tl.static_range(0, K, BLOCK_K):  # unrolled: every chunk's loads issue first
+        col_mask = start + cols < K
+        w = tl.load(w_rows + start + cols[None, :], mask=row_mask[:, None] & col_mask[None, :], other=0.0, eviction_policy="evict_first")
+        q = tl.load(q_ptr + start + cols, mask=col_mask, other=0.0)
+        acc += w.to(tl.float32) * q.to(tl.float32)[None, :]  # products of FP8 values: exact in float32
+    y = tl.sum(acc, 1) * (tl.load(q_scale_ptr) * tl.load(w_scale_ptr + rows, mask=row_mask, other=0.0))
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
 def fp8_gemv_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether :func:`fp8_gemv` computes this product: one contiguous row of ``x`` and an FP8
     row-major ``weight`` on its device, rows no longer than ``MAX_UNROLLED_K``."""
@@ -123,3 +144,30 @@ def fp8_gemv(
     )  # fmt: skip
     return y
 
+
+
+def fp8_gemv_prepared(
+    q: torch.Tensor,
+    q_scale: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_dtype: torch.dtype,
+    rows: int = 1,
+) -> torch.Tensor:
+    """``(q . W_q) * q_scale * s_w[row] (+ b)`` for one row ``q`` already in FP8 (``[..., K]``,
+    contiguous) with its float32 scale (one element): the producer of the row (the norm)
+    quantized it, so the product only streams its weights. ``rows`` output rows a program; the
+    activation row comes from L2 in every program, the weight in chunks of up to 4,096 bytes
+    whose loads all issue before any is summed. Returns ``[..., N]`` in ``out_dtype``."""
+    assert fp8_gemv_supported(q, weight) and q.dtype == FP8_DTYPE and q_scale.numel() == 1
+    n, k = weight.shape
+    y = torch.empty(*q.shape[:-1], n, dtype=out_dtype, device=q.device)
+    if n == 0:
+        return y
+    block_k = min(4096, triton.next_power_of_2(k))
+    _fp8_gemv_prepared_kernel[(triton.cdiv(n, rows),)](
+        q, q_scale, weight, weight_scale, bias if bias is not None else weight_scale, y, n, weight.stride(0),
+        K=k, BLOCK_K=block_k, ROWS=rows, HAS_BIAS=bias is not None, num_warps=max(1, min(8, block_k // 512)),
+    )  # fmt: skip
+    return y

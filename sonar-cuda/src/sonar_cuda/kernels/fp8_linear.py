@@ -19,7 +19,7 @@ import torch
 
 from sonar.quantization.fp8 import to_fp8
 from sonar_cuda.kernels.fp8_gemm import fp8_gemm
-from sonar_cuda.kernels.fp8_gemv import fp8_gemv, fp8_gemv_supported
+from sonar_cuda.kernels.fp8_gemv import fp8_gemv, fp8_gemv_prepared, fp8_gemv_supported
 from sonar_cuda.kernels.fp8_quant import quantize_rows
 
 SCALED_MM_MIN_ROWS = 17
@@ -54,9 +54,12 @@ def fp8_linear(
     quantized: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sonar.quantization.fp8.fp8_linear`` on CUDA tensors: same arguments, same math. One
-    row with a given scale (``quantized`` or not) takes the GEMV, which quantizes the row with
-    that scale as it reads it: no amax pass."""
+    row already quantized (``quantized``, the norm's) takes the prepared GEMV, which only
+    streams the weights; one row with a given scale takes the GEMV that quantizes the row with
+    that scale as it reads it (no amax pass)."""
     n, k = weight.shape
+    if quantized is not None and fp8_gemv_supported(quantized, weight) and input_scale.numel() == 1:
+        return fp8_gemv_prepared(quantized, input_scale, weight, weight_scale, bias, x.dtype).view(*x.shape[:-1], n)
     if fp8_gemv_supported(x, weight) and (input_scale is None or input_scale.numel() == 1):
         return fp8_gemv(x, weight, weight_scale, input_scale, bias, *GEMV_TILES.get((n, k), (0, 0, -1)))
     x2 = x.reshape(-1, k)
