@@ -23,7 +23,7 @@ import triton.language as tl
 from sonar_cuda.graph_timing import graph_us
 from sonar_cuda.kernels.int4_unit import Int4Launch, int4_planes
 
-RUN_W = 16
+RUN_W = tl.constexpr(16)
 COPY_BYTES = 300e6
 SHAPES = {"gate_up": (28672, 4096), "qkv": (6144, 4096), "down": (4096, 14336)}
 
