@@ -48,13 +48,14 @@ class Int4Choice:
 
 
 # from benchmarks/int4_sweep.py on an H100 (Llama-3.1-8B, group 128, bf16 activations; us per
-# product). One row: the unit-float GEMV, 8 output rows per program over chunks of 512 inputs
-# (qkv 12.7, o 9.3; the nibble planes 13.8 / 10.5), the nibble planes for gate_up (45.5 with
-# 512 rows a program; the GEMV 46.2) and down (21.8 in 8 slices; the GEMV 24.8 with 64 rows a
-# program); bf16 17.7 / 12.5 / 87.8 / 44.2. 2 to 16 rows: the nibble planes with 256 output rows
-# a program, split as ``choose_split`` picks (at 16 rows qkv 14.5, o 11.3, gate_up 52.2) and
-# down in 8 slices (24.2); the transposed unit-float product 18.3 / 15.1 / 64.7 / 34.0, bf16
-# 21.0 / 15.6 / 87.5 / 44.5
+# product). One row: the unit-float GEMV, 8 output rows per program over chunks of 512 inputs,
+# for qkv (12.6; the nibble planes 13.8) and o (9.2 with the next chunk's words prefetched, 9.4
+# without; the planes 10.5), the nibble planes for gate_up (37.8 with 512 rows a program in 2
+# slices; 45.8 split as ``choose_split`` picks, 8 slices) and down (21.8 in 8 slices); bf16 17.7
+# / 12.5 / 88.2 / 45.2. 2 to 16 rows: the nibble planes with 256 output rows a program, split as
+# ``choose_split`` picks (at 16 rows o 11.3), qkv in 4 slices (14.6), gate_up with 512 rows in
+# 2 slices (40.4; 52.2 split as picked) and down in 8 slices (24.2); bf16 21.5 / 15.7 / 95.0 /
+# 48.6
 DEFAULT_CHOICES = {
     1: Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4)),
     4: Int4Choice("planes", Int4Launch(block_n=256, num_warps=8, num_stages=3)),
@@ -62,9 +63,12 @@ DEFAULT_CHOICES = {
 }
 # (rows bucket, N, K) -> the choice where it differs from DEFAULT_CHOICES
 CHOICES: dict[tuple[int, int, int], Int4Choice] = {
-    (1, 28672, 4096): Int4Choice("planes", Int4Launch(block_n=512, num_warps=8, num_stages=3)),
+    (1, 4096, 4096): Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4, prefetch=1)),
+    (1, 28672, 4096): Int4Choice("planes", Int4Launch(block_n=512, num_warps=8, num_stages=3, split_k=2)),
     (1, 4096, 14336): Int4Choice("planes", Int4Launch(block_n=256, num_warps=8, num_stages=3, split_k=8)),
     (4, 4096, 14336): Int4Choice("planes", Int4Launch(block_n=256, num_warps=8, num_stages=3, split_k=8)),
+    (16, 6144, 4096): Int4Choice("planes", Int4Launch(block_n=256, num_warps=8, num_stages=3, split_k=4)),
+    (16, 28672, 4096): Int4Choice("planes", Int4Launch(block_n=512, num_warps=8, num_stages=3, split_k=2)),
     (16, 4096, 14336): Int4Choice("planes", Int4Launch(block_n=256, num_warps=8, num_stages=3, split_k=8)),
 }
 
