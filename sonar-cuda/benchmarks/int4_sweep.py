@@ -34,10 +34,11 @@ MAX_ERROR = 0.02
 
 def candidates(m: int) -> dict[str, Int4Choice]:
     planes = {  # the nibble-plane tensor-core product (16-bit planes less the zero point), at every row count
-        f"planes_n{n}_w{w}_s{s}{'_k' + str(k) if k else ''}{'_p' + str(p) if p else ''}": Int4Choice("planes", Int4Launch(block_n=n, num_warps=w, num_stages=s, split_k=k, prefetch=p))
-        for n, w, s, k, p in (
-            *((n, w, 3, k, 0) for n, w in ((64, 4), (128, 4), (256, 8), (512, 8)) for k in (0, 1, 2, 4, 8)),
-            (128, 8, 3, 0, 0), (256, 8, 2, 0, 0), (256, 8, 1, 1, 1), (256, 8, 1, 1, 2), (128, 4, 1, 1, 2),
+        f"planes_n{n}_w{w}_s{s}{'_k' + str(k) if k else ''}{'_r' + str(r) if r > 1 else ''}": Int4Choice("planes", Int4Launch(block_n=n, num_warps=w, num_stages=s, split_k=k, runs_per_chunk=r))
+        for n, w, s, k, r in (
+            *((n, w, 3, k, 1) for n, w in ((64, 4), (128, 4), (256, 8), (512, 8)) for k in (0, 1, 2, 4, 8)),
+            (128, 8, 3, 0, 1), (256, 8, 2, 0, 1),
+            *((n, w, 3, k, r) for n, w in ((128, 4), (256, 8)) for k in (0, 1, 2) for r in (2, 4)),
         )
     }  # fmt: skip
     if m == 1:

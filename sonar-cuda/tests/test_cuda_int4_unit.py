@@ -38,10 +38,10 @@ PLANES_CASES = [  # (M, N, K, group, bias, launch)
     (1, 64, 256, 128, True, Int4Launch(block_n=64)),
     (7, 130, 512, -1, True, Int4Launch(block_n=128, num_warps=4)),  # one scale per output row
     (16, 40, 384, 128, False, Int4Launch(block_n=64, split_k=3)),  # three runs in three slices
-    (1, 300, 1024, 128, True, Int4Launch(block_n=128, split_k=3, prefetch=1)),  # 8 runs: slices of 3, 3, 2
-    (4, 70, 640, 128, False, Int4Launch(block_n=64, split_k=2, prefetch=2)),  # 5 runs: slices of 3 and 2
-    (16, 40, 256, -1, True, Int4Launch(block_n=32, split_k=1, prefetch=2)),  # two runs, one scale per row
-    (1, 64, 128, 128, False, Int4Launch(block_n=64, prefetch=2)),  # one run: the second prefetch loads nothing
+    (1, 300, 1024, 128, True, Int4Launch(block_n=128, split_k=3, runs_per_chunk=2)),  # 8 runs: slices of 3, 3, 2
+    (4, 70, 640, 128, False, Int4Launch(block_n=64, split_k=2, runs_per_chunk=4)),  # 5 runs: slices of 3 and 2
+    (16, 40, 256, -1, True, Int4Launch(block_n=32, split_k=1, runs_per_chunk=2)),  # two runs, one scale per row
+    (1, 64, 128, 128, False, Int4Launch(block_n=64, runs_per_chunk=2)),  # one run: the loop's second adds nothing
 ]
 
 

@@ -57,9 +57,9 @@ DOT_ROWS = 16  # activation rows one tensor-core program covers
 @dataclass(frozen=True, slots=True)
 class Int4Launch:
     """How a kernel here covers a product: output rows per program, runs of inputs per
-    unrolled chunk (GEMV), split-K factor (0: chosen from the shape), warps and stages, and
-    ``prefetch``: how many chunks (GEMV) or runs (nibble planes) of weights are loaded ahead of
-    the one being summed, held in registers (0, 1 or 2; the GEMV takes 0 or 1)."""
+    unrolled chunk (GEMV) or per step of the loop (nibble planes), split-K factor (0: chosen
+    from the shape), warps and stages, and ``prefetch`` (GEMV, 0 or 1): whether the next
+    chunk's words are loaded before the current chunk is summed, held in registers."""
 
     block_n: int
     runs_per_chunk: int = 1
@@ -146,6 +146,18 @@ def _planes16(packed, zero, F16: tl.constexpr, ASM: tl.constexpr):
             _plane16(packed, zero, 4, dt), _plane16(packed, zero, 5, dt), _plane16(packed, zero, 6, dt), _plane16(packed, zero, 7, dt),
         )  # fmt: skip
     return planes
+
+
+@triton.jit
+def _planes_product(packed, zero, xr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, RUN_W: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr):
+    """One run's product ``[BLOCK_N, BLOCK_M]`` (float32, before the group's scale): the words
+    ``packed`` ``[BLOCK_N, RUN_W]`` as nibble planes less each row's ``zero``, side by side as
+    one operand of depth ``8 * RUN_W`` (input ``j * RUN_W + w``: plane ``j``'s word ``w``),
+    against the run's activations ``xr`` ``[RUN_W, BLOCK_M, 8]`` put in the same order."""
+    p = _planes16(packed, zero[:, None], F16, ASM)
+    a = tl.join(tl.join(tl.join(p[0], p[4]), tl.join(p[2], p[6])), tl.join(tl.join(p[1], p[5]), tl.join(p[3], p[7])))
+    a = tl.reshape(tl.permute(a, (0, 2, 3, 4, 1)), [BLOCK_N, 8 * RUN_W])  # [n, plane bits 4 2 1, word]
+    return tl.dot(a, tl.reshape(tl.permute(xr, (2, 0, 1)), [8 * RUN_W, BLOCK_M]))
 
 
 @triton.jit
@@ -275,7 +287,7 @@ def _int4_planes_kernel(
     HAS_BIAS: tl.constexpr,
     F16: tl.constexpr,
     ASM: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    RUNS_PER_ITER: tl.constexpr,
 ):  # fmt: skip
     RUN_W: tl.constexpr = 16
     pid_n, pid_k = tl.program_id(0), tl.program_id(1)
@@ -288,44 +300,32 @@ def _int4_planes_kernel(
     x_cube = x_ptr + offs_m.to(tl.int64)[None, :, None] * stride_xm + words[:, None, None] * 8 + tl.arange(0, 8)[None, None, :]
     run_begin = pid_k * RUNS_PER_SPLIT
     run_end = tl.minimum(run_begin + RUNS_PER_SPLIT, KW // RUN_W)
-    # each run loads the next run's scales and zero points before its products: their latency
-    # hides behind the products instead of stalling the program
-    group = (run_begin * RUN_W * 8) // GROUP
-    scale = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-    zero = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    # PREFETCH runs of weights in flight ahead of the run being summed, held in registers (a run
-    # past the slice loads nothing); the activations load in the loop, where the pipeliner
-    # stages them through shared memory, as the tensor-core operand wants them
-    if PREFETCH >= 1:
-        packed_1 = tl.load(w_rows + run_begin * RUN_W, mask=n_mask[:, None] & (run_begin < run_end), other=0, eviction_policy="evict_first")
-    if PREFETCH >= 2:
-        second = run_begin + 1
-        packed_2 = tl.load(w_rows + second * RUN_W, mask=n_mask[:, None] & (second < run_end), other=0, eviction_policy="evict_first")
-    for run in range(run_begin, run_end):
-        if PREFETCH == 0:
+    if RUNS_PER_ITER == 1:
+        # each run loads the next run's scales and zero points before its products: their
+        # latency hides behind the products instead of stalling the program
+        group = (run_begin * RUN_W * 8) // GROUP
+        scale = tl.load(s_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        for run in range(run_begin, run_end):
             packed = tl.load(w_rows + run * RUN_W, mask=n_mask[:, None], other=0, eviction_policy="evict_first")
-        else:
-            ahead = run + PREFETCH
-            packed = packed_1
-            next_packed = tl.load(w_rows + ahead * RUN_W, mask=n_mask[:, None] & (ahead < run_end), other=0, eviction_policy="evict_first")
-            if PREFETCH == 1:
-                packed_1 = next_packed
-            else:
-                packed_1 = packed_2
-                packed_2 = next_packed
-        xr = tl.load(x_cube + run * RUN_W * 8, mask=m_mask[None, :, None], other=0.0)  # [RUN_W, BLOCK_M, 8]
-        next_group = (tl.minimum(run + 1, run_end - 1) * RUN_W * 8) // GROUP
-        next_scale = tl.load(s_ptr + next_group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        next_zero = tl.load(z_ptr + next_group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
-        p = _planes16(packed, zero[:, None], F16, ASM)
-        # one product of depth 8 * RUN_W over the planes side by side (input j * RUN_W + w of the
-        # run's order: plane j's words), its activations the cube in the same order
-        a = tl.join(tl.join(tl.join(p[0], p[4]), tl.join(p[2], p[6])), tl.join(tl.join(p[1], p[5]), tl.join(p[3], p[7])))
-        a = tl.reshape(tl.permute(a, (0, 2, 3, 4, 1)), [BLOCK_N, 8 * RUN_W])  # [n, plane bits 4 2 1, word]
-        part = tl.dot(a, tl.reshape(tl.permute(xr, (2, 0, 1)), [8 * RUN_W, BLOCK_M]))
-        acc += scale[:, None] * part
-        scale, zero = next_scale, next_zero
+            xr = tl.load(x_cube + run * RUN_W * 8, mask=m_mask[None, :, None], other=0.0)  # [RUN_W, BLOCK_M, 8]
+            next_group = (tl.minimum(run + 1, run_end - 1) * RUN_W * 8) // GROUP
+            next_scale = tl.load(s_ptr + next_group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            next_zero = tl.load(z_ptr + next_group * N + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+            acc += scale[:, None] * _planes_product(packed, zero, xr, BLOCK_N, BLOCK_M, RUN_W, F16, ASM)
+            scale, zero = next_scale, next_zero
+    else:  # RUNS_PER_ITER runs a step of the loop, each with its own group's scales (a run past the slice adds zero)
+        for first in range(run_begin, run_end, RUNS_PER_ITER):
+            for i in tl.static_range(RUNS_PER_ITER):
+                run = first + i
+                live = run < run_end
+                packed = tl.load(w_rows + run * RUN_W, mask=n_mask[:, None] & live, other=0, eviction_policy="evict_first")
+                xr = tl.load(x_cube + run * RUN_W * 8, mask=m_mask[None, :, None] & live, other=0.0)
+                run_group = (run * RUN_W * 8) // GROUP
+                run_scale = tl.load(s_ptr + run_group * N + offs_n, mask=n_mask & live, other=0.0).to(tl.float32)
+                run_zero = tl.load(z_ptr + run_group * N + offs_n, mask=n_mask & live, other=0.0).to(tl.float32)
+                acc += run_scale[:, None] * _planes_product(packed, run_zero, xr, BLOCK_N, BLOCK_M, RUN_W, F16, ASM)
     out = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]  # [BLOCK_N, BLOCK_M] of y [M, N]
     mask = n_mask[:, None] & m_mask[None, :]
     if SPLIT:
@@ -382,7 +382,7 @@ def int4_gemv_unit(
     _int4_gemv_unit_kernel[(num_tiles, split)](
         x, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, n,
         KW=kw, GROUP=group_size, RUN_W=run_w, RUNS_PER_SPLIT=runs_per_split, NUM_SUB=num_sub,
-        BLOCK_N=launch.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None, PREFETCH=min(launch.prefetch, 1),
+        BLOCK_N=launch.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None, PREFETCH=launch.prefetch > 0,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return sum_splits(partials, bias, y) if split > 1 else y
@@ -421,7 +421,7 @@ def int4_planes(
     assert x.dtype in (torch.bfloat16, torch.float16), "int4_planes takes 16-bit activations"
     return _transposed_product(
         _int4_planes_kernel, "int4_planes", x, qweight, scales, qzeros, group_size, bias, launch,
-        F16=x.dtype == torch.float16, ASM=x.is_cuda, PREFETCH=min(launch.prefetch, 2),
+        F16=x.dtype == torch.float16, ASM=x.is_cuda, RUNS_PER_ITER=launch.runs_per_chunk,
     )  # fmt: skip
 
 
