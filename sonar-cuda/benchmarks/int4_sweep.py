@@ -1,6 +1,6 @@
 """int4 kernels and launches per Llama-3.1-8B projection at 1, 4 and 16 rows, against bf16.
 
-    python sonar-cuda/benchmarks/int4_sweep.py [--rows 1,4,16] [--out sweep.json] [--choices choices.json] [--budget-s 240]
+    python sonar-cuda/benchmarks/int4_sweep.py [--rows 1,4,16] [--out sweep.json] [--choices choices.json] [--budget-s 240] [--only REGEX]
 
 For qkv 6144x4096, o 4096x4096, gate_up 28672x4096 and down 4096x14336 (GPTQ group 128, bf16
 activations): microseconds per product of each candidate (``sonar_cuda.kernels.int4_gemm``'s
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import time
 from pathlib import Path
 
@@ -32,7 +33,15 @@ BYTES_PER_CASE = 300e6  # the copies of one weight, together: beyond the 50 MB L
 MAX_ERROR = 0.02
 
 
+ONLY: re.Pattern | None = None  # --only: the candidates whose labels match
+
+
 def candidates(m: int) -> dict[str, Int4Choice]:
+    every = _candidates(m)
+    return every if ONLY is None else {label: choice for label, choice in every.items() if ONLY.fullmatch(label)}
+
+
+def _candidates(m: int) -> dict[str, Int4Choice]:
     planes = {  # the nibble-plane tensor-core product (16-bit planes less the zero point), at every row count
         f"planes_n{n}_w{w}_s{s}{'_k' + str(k) if k else ''}{'_r' + str(r) if r > 1 else ''}": Int4Choice("planes", Int4Launch(block_n=n, num_warps=w, num_stages=s, split_k=k, runs_per_chunk=r))
         for n, w, s, k, r in (
@@ -128,7 +137,10 @@ def main() -> None:
     parser.add_argument("--choices", type=Path, default=None, help="write the fastest candidate per shape here")
     parser.add_argument("--budget-s", type=float, default=240.0)
     parser.add_argument("--rows", default="1,4,16", help="activation rows to time (of 1, 4, 16)")
+    parser.add_argument("--only", default=None, help="a regular expression: time only the candidates whose labels match it")
     args = parser.parse_args()
+    global ONLY
+    ONLY = re.compile(args.only) if args.only else None
     rows = tuple(int(m) for m in args.rows.split(","))
     started = time.monotonic()
     summary: dict = {"device": torch.cuda.get_device_name(), "us": {}}
