@@ -86,7 +86,7 @@ def main() -> None:
                 for stages in (1, 3):
                     timed(f"tiles n{block_n} w{warps} k{split} s{stages}", lambda w, b=block_n, sp=split, wa=warps, st=stages: stream_tiles(w, out, b, sp, wa, st))
         total = n * kw
-        for programs in (sms, 4 * sms, 16 * sms, 64 * sms):
+        for programs in (128, 256, 512):  # powers of two: every shape's words split into whole spans of whole chunks
             for chunk, warps in ((2048, 8),):
                 if total % programs or (total // programs) % chunk:
                     continue

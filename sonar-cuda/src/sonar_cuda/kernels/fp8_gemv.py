@@ -145,7 +145,6 @@ def fp8_gemv(
     return y
 
 
-
 def fp8_gemv_prepared(
     q: torch.Tensor,
     q_scale: torch.Tensor,

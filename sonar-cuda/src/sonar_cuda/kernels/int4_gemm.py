@@ -51,11 +51,11 @@ class Int4Choice:
 # product). One row: the unit-float GEMV, 8 output rows per program over chunks of 512 inputs,
 # for qkv (12.6; the nibble planes 13.8) and o (9.2 with the next chunk's words prefetched, 9.4
 # without; the planes 10.5), the nibble planes for gate_up (37.8 with 512 rows a program in 2
-# slices; 45.4 split as ``choose_split`` picks) and down (21.8 in 8 slices); bf16 17.7
-# / 12.5 / 88.2 / 45.2. 2 to 16 rows: the nibble planes with 256 output rows a program, split as
+# slices; 45.4 split as ``choose_split`` picks) and down (21.8 in 8 slices); bf16 17.7 / 12.5 /
+# 88.2 / 45.2. 2 to 16 rows: the nibble planes with 256 output rows a program, split as
 # ``choose_split`` picks (at 16 rows o 11.3), qkv in 4 slices (14.6; 17.7 split as picked),
-# gate_up with 512 rows in 2 slices (40.4; 52.1 split as picked) and down in 8 slices (24.2); bf16 21.5 / 15.7 / 95.0 /
-# 48.6
+# gate_up with 512 rows in 2 slices (40.4; 52.1 split as picked) and down in 8 slices (24.2);
+# bf16 21.5 / 15.7 / 95.0 / 48.6
 DEFAULT_CHOICES = {
     1: Int4Choice("unit", Int4Launch(block_n=8, runs_per_chunk=4)),
     4: Int4Choice("planes", Int4Launch(block_n=256, num_warps=8, num_stages=3)),
