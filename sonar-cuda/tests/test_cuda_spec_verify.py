@@ -168,3 +168,45 @@ def test_a_drafter_reading_the_targets_states_drafts_for_every_request_of_a_grap
     # both requests verified their drafts in every verify step (3 each until max_tokens leaves less room)
     assert layouts[:4] == [8] * 4 and all(n >= 4 for n in layouts)
     assert engine.get_stats().spec_num_drafts == 2 * len(layouts)
+
+
+class PassingScriptedProposer(ScriptedProposer):
+    drafts_between_passes = True
+
+
+class _PassesPlugin:
+    @hookimpl
+    def sonar_register_speculative_proposers(self, register) -> None:
+        register("scripted-passes", PassingScriptedProposer)
+
+
+def test_several_verify_passes_a_step_in_the_graph_layout_keep_greedy_output(tmp_path, monkeypatch) -> None:
+    """``verify_passes``: a lone greedy request runs three verify passes a step through the
+    graph layout (each drafted from the tokens the one before kept); the same tokens as plain
+    decoding on the CPU platform, in fewer engine steps than verify passes, no block leaked."""
+    from sonar_cpu.platform import CpuPlatform
+
+    use_tokenizer_folder_if_needed()
+    path = build_tiny_model("llama", tmp_path / "llama")
+    prompts = [[(i * 13 + j * 7) % 97 + 100 for j in range(PROMPT_LEN)] for i in range(2)]
+    kwargs = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=1 << 20, skip_tokenizer_init=True)
+    manager = get_plugin_manager()
+    manager.register(_PassesPlugin(), name="test-scripted-passes")
+    registry.clear_caches()
+    try:
+        for max_tokens in (13, 21):
+            params = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)]
+            for prompt in prompts:
+                expected, _ = generate(CpuPlatform, path, [prompt], params, **kwargs)
+                PassingScriptedProposer.continuations = {tuple(prompt): list(expected[0].outputs[0].token_ids)}
+                config = {"method": "scripted-passes", "num_speculative_tokens": 3, "verify_passes": 3}
+                engine = LLMEngine(EngineArgs(model=str(path), speculative_config=config, **kwargs), platform=_platform())
+                done, layouts = _run_recording_verify_layouts(engine, [prompt], params)
+                assert done[0].token_ids == expected[0].outputs[0].token_ids
+                stats = engine.get_stats()
+                assert len(layouts) >= engine.core.num_steps_launched  # more verify passes than steps that verify (the prefill has none)
+                assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+                assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        manager.unregister(name="test-scripted-passes")
+        registry.clear_caches()

@@ -257,12 +257,22 @@ class EngineConfig:
         return kv_cache_torch_dtype(self.kv_cache_dtype, self.torch_dtype)
 
     @property
+    def _spec_pass_rows(self) -> int:
+        """Rows a lone request may verify in a step's further passes (``verify_passes``): one
+        worker runs them, so not with tensor or pipeline parallelism or a KV connector."""
+        spec = self.speculative_config
+        if spec is None or self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1 or self.kv_transfer_config:
+            return 0
+        return (spec.verify_passes - 1) * (spec.num_speculative_tokens + 1)
+
+    @property
     def scheduler_config(self) -> SchedulerConfig:
         spec = self.speculative_config
         return SchedulerConfig(
             self.max_num_seqs, self.max_num_batched_tokens, self.max_model_len, self.scheduling_policy,
             enable_chunked_prefill=self.enable_chunked_prefill,
             spec_max_batch_size=0 if spec is None else spec.max_batch_size,
+            spec_pass_rows=self._spec_pass_rows,
             max_loras=self.max_loras if self.enable_lora else 0,
             pipeline_parallel_size=self.pipeline_parallel_size,
         )
@@ -309,6 +319,7 @@ class SchedulerConfig:
     policy: str = "fcfs"
     enable_chunked_prefill: bool = True
     spec_max_batch_size: int = 0  # drafts are verified while at most this many requests run (0: no speculation)
+    spec_pass_rows: int = 0  # rows a lone request may verify in a step's passes after its first (verify_passes)
     max_loras: int = 0  # distinct adapters the running requests may use (0: LoRA off)
     pipeline_parallel_size: int = 1  # steps that may be in flight at once (a request in one at most)
 

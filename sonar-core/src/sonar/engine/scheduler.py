@@ -226,9 +226,11 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             drafts = request.spec_token_ids
+            pass_rows = 0
             if drafts:  # speculative decoding: the drafts ride along with the decode
                 drafts = self._drafts_to_verify(request, num_new, budget, plan)
-                num_new += len(drafts)
+                pass_rows = self._pass_rows(request, len(drafts), budget, in_flight)
+                num_new += len(drafts) + pass_rows
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.policy.select_victim(self.running)
                 position = self.running.index(victim)
@@ -251,7 +253,9 @@ class Scheduler:
                 )
                 if drafts:
                     out.scheduled_spec_decode_tokens[request.request_id] = drafts
-                scheduled[request.request_id] = self._advance(request, num_new, out, len(drafts))
+                if pass_rows:
+                    out.spec_pass_rows[request.request_id] = pass_rows
+                scheduled[request.request_id] = self._advance(request, num_new, out, len(drafts) + pass_rows)
                 budget -= num_new
                 index += 1
             # else the request preempted itself; the next one (now at index) goes on
@@ -362,6 +366,26 @@ class Scheduler:
             room = min(room, plan.get(request.request_id, 0))
         return request.spec_token_ids[:room] if room > 0 else []
 
+    def _pass_rows(self, request: Request, num_drafts: int, budget: int, in_flight: set[str] | None) -> int:
+        """Rows for the further verify passes of this step (``verify_passes``; 0: one pass):
+        only for a request with drafts that runs alone, nothing waiting to be admitted, whose
+        sampling the worker can verify pass after pass (greedy; no logprobs, no penalties or
+        other reads of its earlier tokens, no grammar), within the budget, ``max_tokens``
+        and the model's length."""
+        rows = self.config.spec_pass_rows
+        if not rows or not num_drafts or in_flight is not None or len(self.running) != 1 or self.waiting or self._loaded:
+            return 0
+        params = request.sampling_params
+        if not params.greedy or params.logprobs is not None or request.reads_output_tokens:
+            return 0
+        emitted = num_drafts + 1  # the most this step's first pass emits
+        room = min(
+            budget - emitted,
+            request.max_tokens - request.num_output_tokens - emitted,
+            self.config.max_model_len - request.num_computed_tokens - emitted,
+        )
+        return max(0, min(rows, room))
+
     def _plan_verification(self, budget: int) -> tuple[dict[str, int], int, int]:
         """Confidence-scheduled verification: the drafts each running request may verify this
         step, chosen by the policy; also the step's decodes and its tokens besides drafts
@@ -432,6 +456,7 @@ class Scheduler:
         request = entry.request
         del out.num_scheduled_tokens[request.request_id]
         out.scheduled_spec_decode_tokens.pop(request.request_id, None)
+        out.spec_pass_rows.pop(request.request_id, None)
         out.cached_reqs = [c for c in out.cached_reqs if c.req_id != request.request_id]
         out.num_prompt_tokens -= entry.num_prompt_tokens
         if entry.samples:
@@ -505,7 +530,10 @@ class Scheduler:
                 continue  # gone, or a prefill chunk that sampled nothing
             request.num_pending_tokens -= 1
             if verified and req_id in verified:
-                self._append_verified(request, scheduled.scheduled_spec_decode_tokens.get(req_id, []), verified[req_id])
+                self._append_verified(
+                    request, scheduled.scheduled_spec_decode_tokens.get(req_id, []), verified[req_id],
+                    scheduled.spec_pass_rows.get(req_id, 0), output.verified_passes.get(req_id, ()),
+                )
                 if request.is_finished:
                     self._finish(request)
                     continue
@@ -520,12 +548,19 @@ class Scheduler:
                 request.spec_confidence = output.draft_confidence.get(req_id) if drafts else None
                 self.spec_stats.num_proposed_tokens += len(drafts)
 
-    def _append_verified(self, request: Request, drafts: list[int], token_ids: list[int]) -> None:
+    def _append_verified(
+        self, request: Request, drafts: list[int], token_ids: list[int], pass_rows: int = 0, later_passes=()
+    ) -> None:
         """Append a verify step's tokens up to the first that stops the request, and take the
-        rejected drafts' positions back (their KV is overwritten by the next step)."""
-        num_accepted = len(token_ids) - 1
-        request.num_computed_tokens -= len(drafts) - num_accepted
-        self.spec_stats.observe(len(drafts), num_accepted)
+        rejected drafts' positions back (their KV is overwritten by the next step); with
+        further passes (``pass_rows`` scheduled for them), the rows they did not keep too.
+        ``later_passes``: each further pass's ``[drafts, kept]``, for the acceptance counts."""
+        request.num_computed_tokens -= len(drafts) + pass_rows - (len(token_ids) - 1)
+        first_kept = len(token_ids) - 1 - sum(kept + 1 for _, kept in later_passes)
+        self.spec_stats.observe(len(drafts), first_kept)
+        for num_drafts, kept in later_passes:
+            if num_drafts:
+                self.spec_stats.observe(num_drafts, kept)
         for token_id in token_ids:
             request.output_token_ids.append(token_id)
             if request.check_stop():

@@ -53,6 +53,9 @@ class SchedulerOutput:
     # and whether the proposer drafts after this step (confidence-scheduled verification skips
     # drafting when the next step would verify none)
     scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # rows scheduled past a request's drafts for further verify passes in the same step
+    # (``verify_passes``): the worker drafts them from the tokens each pass keeps
+    spec_pass_rows: dict[str, int] = field(default_factory=dict)
     propose_drafts: bool = True
     draft_limit: int | None = None  # where it drafts: for at most this many requests (a probe's few; None: all)
     # KV connector: the step's loads and saves for the worker half (its KVConnectorMetadata)
@@ -87,6 +90,8 @@ class ModelRunnerOutput:
     # proposed for each request's next step, and the survival estimates of those drafts
     # (plain floats, one per draft, non-increasing) where the proposer gives them
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # a step of several verify passes: per request, each later pass's drafts and kept drafts
+    verified_passes: dict[str, list[list[int]]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_confidence: dict[str, list[float]] = field(default_factory=dict)
     draft_seconds: float = 0.0  # how long proposing them took (0: no proposal after this step)

@@ -41,6 +41,13 @@ class SpeculativeConfig:
         methods whose proposer estimates survival (``CONFIDENCE_BY_DEFAULT``: DSpark),
         ``"fixed"`` for the others. vLLM's ``enable_adaptive_verification`` (a bool) is
         taken as a second name for it.
+    :param verify_passes: how many verify passes one engine step may run for a request that
+        runs alone (Sonar's option; proposers that ``drafts_between_passes`` only, such as
+        n-gram). Each pass after the first drafts from the tokens the pass before kept, on
+        the host and without leaving the worker, so the engine's own work between steps
+        (scheduling, results, detokenizing) is paid once for several passes; the request
+        must be greedy, without logprobs, penalties or a grammar, and nothing may wait to be
+        admitted. 1 (the default): one pass a step, as in vLLM.
     :param extra: method-specific options, passed through untouched.
     """
 
@@ -51,6 +58,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None
     verification: str | None = None
+    verify_passes: int = 1
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -58,6 +66,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be >= 1, got {self.num_speculative_tokens}")
         if self.disable_by_batch_size is not None and self.disable_by_batch_size < 1:
             raise ValueError(f"disable_by_batch_size must be >= 1, got {self.disable_by_batch_size}")
+        if self.verify_passes < 1:
+            raise ValueError(f"speculative_config['verify_passes'] must be >= 1, got {self.verify_passes}")
         if self.verification is None:  # frozen: the resolved default is set once, here
             object.__setattr__(self, "verification", "confidence" if self.method in CONFIDENCE_BY_DEFAULT else "fixed")
         elif self.verification not in VERIFICATION_POLICIES:
@@ -95,7 +105,7 @@ class SpeculativeConfig:
         if not isinstance(fields.get("method"), str):
             raise ValueError('speculative_config needs a "method" (a string: "ngram", or a plugin\'s method)')
         fields.setdefault("num_speculative_tokens", DEFAULT_NUM_SPECULATIVE_TOKENS)
-        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size"):
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "disable_by_batch_size", "verify_passes"):
             item = fields.get(name)
             if item is not None and (not isinstance(item, int) or isinstance(item, bool)):
                 raise ValueError(f"speculative_config[{name!r}] must be an integer, got {item!r}")
@@ -228,6 +238,10 @@ class Proposer:
     :cvar chains: whether the proposer can draft from a verify step's device results
         (``propose_chained``): the runner then queues the drafter right behind the
         verification, and the host reads the step's tokens and the next drafts at once.
+    :cvar drafts_between_passes: whether ``propose`` reads the requests' tokens alone (no
+        hidden states, no cache of its own) and costs little host time, so that one step may
+        run several verify passes, each drafting from the tokens the pass before kept
+        (``SpeculativeConfig.verify_passes``).
     :param config: the speculative configuration.
     :param device: the worker's device.
     """
@@ -235,6 +249,7 @@ class Proposer:
     needs_hidden_states: bool = False
     keeps_context: bool = False
     chains: bool = False
+    drafts_between_passes: bool = False
 
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
         self.config = config

@@ -61,6 +61,8 @@ class NgramProposer(Proposer):
     """Prompt-lookup drafts (``speculative_config={"method": "ngram", "num_speculative_tokens": k,
     "prompt_lookup_min": 1, "prompt_lookup_max": 3}``); host work only, no device memory."""
 
+    drafts_between_passes = True
+
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
         super().__init__(config, device)
         self.check_config(config)

@@ -24,5 +24,11 @@ def resolve_speculative_config(value: SpeculativeConfig | dict[str, Any] | None)
             f"speculative_config method {config.method!r} is not registered; registered: "
             f"{', '.join(sorted(registered)) or 'none'} (install the plugin that provides it)"
         )
-    load_registered("speculative proposer", config.method, registered).check_config(config)
+    proposer_cls = load_registered("speculative proposer", config.method, registered)
+    proposer_cls.check_config(config)
+    if config.verify_passes > 1 and not proposer_cls.drafts_between_passes:
+        raise ValueError(
+            f"speculative_config['verify_passes'] > 1 needs a proposer that drafts between passes from the tokens alone "
+            f"(such as \"ngram\"); {config.method!r} does not"
+        )
     return config

@@ -29,7 +29,7 @@ from sonar.spec_decode.hidden_states import StepHiddenStates
 from sonar.spec_decode.draft_graphs import GraphCapturer
 from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.spec_decode.verifier import first_logits_rows
-from sonar.spec_decode.worker_side import ChainedProposal, SpeculativeDecoder, VerifiedStep
+from sonar.spec_decode.worker_side import ChainedProposal, RequestSequences, SpeculativeDecoder, VerifiedStep
 from sonar.structured_output.bitmask import apply_grammar_bitmask
 from sonar.tensors import to_device
 from sonar.worker.block_table import BlockTable
@@ -66,6 +66,10 @@ class LaunchedStep:
     propose: bool = True  # the proposer drafts once its tokens are known (the scheduler's say)
     draft_limit: int | None = None  # for at most this many requests (None: every one)
     chained: ChainedProposal | None = None  # the next drafts, queued behind verification
+    # a step of several verify passes (its one request): the tokens the passes before the last
+    # emitted, and each later pass's [drafts, kept] but the last's (known once it is read back)
+    early_tokens: list[int] | None = None
+    passes: list[list[int]] = field(default_factory=list)
 
 
 def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: int) -> RequestLogprobs:
@@ -343,7 +347,7 @@ class ModelRunner:
         preempted request recomputes), not just its next token and its drafts."""
         for req_id, count in so.num_scheduled_tokens.items():
             state = self.requests[req_id]
-            drafts = len(so.scheduled_spec_decode_tokens.get(req_id, ()))
+            drafts = len(so.scheduled_spec_decode_tokens.get(req_id, ())) + so.spec_pass_rows.get(req_id, 0)
             if count - drafts > 1 or state.num_computed_tokens < len(state.prompt_token_ids):
                 return True
         return False
@@ -359,7 +363,8 @@ class ModelRunner:
         last = self._last_sampling
         if last is not None and last.output is None and any(s.sampling.reads_output_tokens for s in states):
             self._resolve(last)
-        batch = self.build_batch(states, [so.num_scheduled_tokens[r] for r in req_ids])
+        pass_rows = so.spec_pass_rows  # rows for further verify passes: not in the first
+        batch = self.build_batch(states, [so.num_scheduled_tokens[r] - pass_rows.get(r, 0) for r in req_ids])
         for req_id in so.scheduled_spec_decode_tokens:  # laid out in the batch: used once
             self.requests[req_id].draft_token_ids = []
         self._feed_pending_tokens(batch)
@@ -404,6 +409,8 @@ class ModelRunner:
             step.logprob_ks = [s.params.logprobs for s in sampling_states]
             if drafts is not None:
                 self._launch_verify(step, logits, sampling_states, drafts, len(batch.states))
+                if pass_rows and self._may_run_passes(step, batch):
+                    batch = self._further_passes(step, batch, pass_rows.get(batch.states[0].req_id, 0))
             else:
                 meta = SamplingMetadata.build(sampling_states, logits.shape[-1], self.device)
                 result = self.sampler(logits, meta)
@@ -471,6 +478,69 @@ class ModelRunner:
         if verified.logprobs is not None:
             step.logprobs = _to_host(verified.logprobs)
 
+    def _may_run_passes(self, step: LaunchedStep, batch: StepBatch) -> bool:
+        """Whether a launched verify step may go on with further passes (the scheduler gave
+        it rows for them): one greedy request, verified without logprobs, nothing chained,
+        on one worker holding the whole model, no KV connector."""
+        return (
+            len(batch.states) == 1
+            and step.chained is None
+            and step.logprobs is None
+            and step.verified.result.num_accepted is None  # an all-greedy verification
+            and self.stage.is_single
+            and self.kv_connector is None
+            and self.spec.proposer.drafts_between_passes
+        )
+
+    def _further_passes(self, step: LaunchedStep, batch: StepBatch, rows: int) -> StepBatch:
+        """Run up to ``verify_passes`` verify passes of a lone request within this step.
+
+        Before each further pass the host reads back the pass before's tokens, drafts from
+        them and verifies those drafts from the position after the tokens it kept, within the
+        ``rows`` the scheduler gave beyond the first pass. The last pass stays queued as the
+        step's verification, read back by ``fetch``; the tokens of the ones before go into
+        ``step.early_tokens``. A pass that emits a stop token, reaches ``max_tokens`` or
+        leaves no rows is the last (it was read already: its tokens go back out of the
+        output, so ``fetch`` takes them as any last pass's). Returns the last pass's batch."""
+        state = batch.states[0]
+        sampling = state.sampling
+        outputs, params = sampling.output_token_ids, sampling.params
+        stops = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stops.update(sampling.eos_token_ids or ())
+        position = state.num_computed_tokens  # the first row of the pass in flight
+        end = position + batch.num_scheduled[0] + rows  # past the positions reserved for the step
+        drafts, early = batch.sample_drafts[0], []
+        for _ in range(self.spec.config.verify_passes - 1):
+            token_ids = step.verified.result.token_ids.tolist()  # waits for the pass in flight
+            kept = step.verified.layout.leading_matches(token_ids)[0]
+            emitted = token_ids[: kept + 1]
+            outputs.extend(emitted)
+            room = end - (position + kept + 1)  # rows left for a next pass (its known token, its drafts)
+            if room < 1 or stops.intersection(emitted) or (params.max_tokens is not None and len(outputs) >= params.max_tokens):
+                del outputs[len(outputs) - len(emitted) :]  # this pass is the last: fetch reads it
+                break
+            if early or step.passes:
+                step.passes.append([len(drafts), kept])
+            early += emitted
+            position += kept + 1
+            proposed, _ = self.spec.propose([state.req_id], RequestSequences([state]), [kept + 1])
+            drafts = proposed.get(state.req_id, [])[: room - 1]
+            state.num_computed_tokens, state.draft_token_ids = position, drafts
+            batch = self.build_batch([state], [1 + len(drafts)])
+            state.draft_token_ids = []
+            if self.lora is not None:
+                self.lora.prepare_step([state.lora_int_id], batch.num_scheduled)
+            if self.backend_cls is not None:
+                self.backend_cls.prepare_metadata(batch.attn_metadata)
+            hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn_metadata, self.kv_caches))
+            logits = self.model.compute_logits(hidden[batch.logits_indices])
+            step.verified = self.spec.verify(self.sampler, logits, [sampling], [drafts])
+            step.sampled = step.verified.result.token_ids.to("cpu", non_blocking=True)
+        if early:
+            step.early_tokens = early
+        return batch
+
     def fetch(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step and return its results."""
         self._resolve(step)
@@ -506,21 +576,26 @@ class ModelRunner:
         sampled: list[int | None] = [None] * len(step.req_ids)
         logprobs: list[RequestLogprobs | None] = [None] * len(step.req_ids)
         verified: dict[str, list[int]] = {}
+        passes: dict[str, list[list[int]]] = {}
         for i, row in enumerate(step.sample_rows):
             start, accepted = layout.starts[i], num_accepted[i]
             tokens = token_ids[start : start + accepted + 1]
             outputs, index = step.placeholders[i]
             outputs[index : index + 1] = tokens
-            sampled[row] = tokens[0]
             if layout.num_drafts[i]:
-                verified[step.req_ids[row]] = tokens
                 step.sample_states[i].num_computed_tokens -= layout.num_drafts[i] - accepted
+            if step.early_tokens is not None:  # several passes (a lone request): all their tokens
+                passes[step.req_ids[row]] = [*step.passes, [layout.num_drafts[i], accepted]]
+                tokens = step.early_tokens + tokens
+            sampled[row] = tokens[0]
+            if layout.num_drafts[i] or step.early_tokens is not None:
+                verified[step.req_ids[row]] = tokens
             k = step.logprob_ks[i]
             if k is not None and step.logprobs is not None:
                 logprobs[row] = _to_request_logprobs(step.logprobs, list(range(start, start + accepted + 1)), k)
         step.output = ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs,
-            verified_token_ids=verified,
+            verified_token_ids=verified, verified_passes=passes,
         )
 
     def _resolve_sampled(self, step: LaunchedStep) -> None:
