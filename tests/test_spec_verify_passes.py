@@ -1,7 +1,8 @@
 """Several verify passes in one engine step (``speculative_config["verify_passes"]``, n-gram):
 greedy output token for token as without speculation, cut at stop tokens, eos and
 ``max_tokens`` inside any pass, in batches (where the passes stay off), under preemption and
-through an engine-core process; fewer engine steps for the same tokens; the option checked."""
+at the end of the context, on a tiny random model and on the real embedded one; fewer engine
+steps for the same tokens; the option checked."""
 
 from __future__ import annotations
 
@@ -13,12 +14,9 @@ from sonar.plugins import get_plugin_manager
 from sonar.spec_decode import DraftTokens, Proposer
 from sonar.spec_decode.resolve import resolve_speculative_config
 
+from test_spec_decode import KV_BYTES, repetitive_prompts
+
 PASSES = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "verify_passes": 3}
-KV_BYTES = 2**23
-
-
-def repetitive_prompts(count: int) -> list[list[int]]:
-    return [[(i * 13 + j * 7) % 97 + 200 for j in range(24)] * 2 for i in range(count)]
 
 
 @pytest.fixture(scope="module")
@@ -168,13 +166,13 @@ def test_the_embedded_model_copying_code_fills_every_pass_and_decodes_as_without
     so passes end where the step's rows run out; every cut of ``max_tokens`` as plainly."""
     common = dict(dtype="float32", max_model_len=1024, quantization="unquantized")
     ngram = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
-    plain, one, three = LLM(**common), LLM(**common, speculative_config=ngram), LLM(**common, speculative_config={**ngram, "verify_passes": 3})
+    engines = LLM(**common), LLM(**common, speculative_config=ngram), LLM(**common, speculative_config={**ngram, "verify_passes": 3})
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
     messages = [{"role": "user", "content": "Repeat this code exactly, then stop:\n" + code}]
     for max_tokens in (23, 60, 61, 62, 63, 64):
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         outputs, counts = [], []
-        for llm in (plain, one, three):
+        for llm in engines:
             before = steps(llm)
             outputs.append(llm.chat(messages, params, use_tqdm=False)[0].outputs[0])
             counts.append(steps(llm) - before)
