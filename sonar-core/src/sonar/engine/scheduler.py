@@ -558,9 +558,9 @@ class Scheduler:
         request.num_computed_tokens -= len(drafts) + pass_rows - (len(token_ids) - 1)
         first_kept = len(token_ids) - 1 - sum(kept + 1 for _, kept in later_passes)
         self.spec_stats.observe(len(drafts), first_kept)
-        for num_drafts, kept in later_passes:
-            if num_drafts:
-                self.spec_stats.observe(num_drafts, kept)
+        for num_drafts, kept in later_passes:  # drafted by the worker and verified in the same step
+            self.spec_stats.num_proposed_tokens += num_drafts
+            self.spec_stats.observe(num_drafts, kept)
         for token_id in token_ids:
             request.output_token_ids.append(token_id)
             if request.check_stop():
