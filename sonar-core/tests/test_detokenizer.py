@@ -152,3 +152,34 @@ def test_stop_strings_wait_for_min_tokens(tokenizer) -> None:
     assert detok.output_text == "stop here, then more words and "
     plain = IncrementalDetokenizer(tokenizer, prompt_ids(tokenizer), SamplingParams(stop=["stop"]))
     assert feed(plain, ids)[0] == "stop" and plain.output_text == ""
+
+
+@pytest.mark.parametrize(
+    "engine_finish, cut_before_last, expected",
+    [
+        ("length", True, "stop"),  # the stop string came before the token max_tokens ended on
+        ("stop", True, "stop"),  # ... or before the eos token
+        ("length", False, "length"),  # completed by the last allowed token: as one token at a time
+        (None, True, "stop"),
+    ],
+)
+def test_a_stop_string_inside_several_tokens_of_one_step_wins_over_the_cores_finish(
+    tokenizer, engine_finish: str | None, cut_before_last: bool, expected: str
+) -> None:
+    """A verify step's tokens arrive together with the core's finish (its last token hit
+    ``max_tokens`` or eos): a stop string found before that last token ended the request first."""
+    from sonar.engine.output_processor import OutputProcessor
+    from sonar.engine.wire import EngineCoreOutput
+
+    prompt = prompt_ids(tokenizer)
+    ids = tokenizer.encode(" alpha beta gamma delta epsilon")
+    stop_word = " gamma" if cut_before_last else " epsilon"
+    params = SamplingParams(max_tokens=len(ids), stop=[stop_word])
+    processor = OutputProcessor(tokenizer)
+    processor.add("r", None, prompt, params, ["r"], [params])
+    (result,), to_stop = processor.process([EngineCoreOutput("r", ids, finish_reason=engine_finish)])
+    output = result.outputs[0]
+    assert output.finish_reason == expected
+    if cut_before_last:
+        assert output.text == " alpha beta" and output.stop_reason == stop_word
+    assert to_stop == ([("r", stop_word)] if engine_finish is None else [])

@@ -141,9 +141,14 @@ class OutputProcessor:
                     entries = self._logprob_dicts(new_logprobs)
                     child.logprobs.extend(entries)
                     child.cumulative_logprob += sum(new_logprobs.logprobs[i][0] for i in range(len(entries)))
-                if stop is not None and out.finish_reason is None:
+                # a stop string ends the request unless the core ended it with the same token
+                # (as one token at a time would: a stop string completed by the last token
+                # max_tokens allows finishes by length); one cut out of a verify step's tokens
+                # came first, whatever ended the step's last token
+                if stop is not None and (out.finish_reason is None or len(new_token_ids) < len(out.new_token_ids)):
                     child.finish_reason, child.stop_reason = "stop", stop
-                    to_stop.append((out.req_id, stop))
+                    if out.finish_reason is None:
+                        to_stop.append((out.req_id, stop))
             if out.finish_reason is not None and child.finish_reason is None:
                 child.finish_reason, child.stop_reason = out.finish_reason, out.stop_reason
             touched[parent_id] = parent

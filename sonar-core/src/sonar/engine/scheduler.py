@@ -226,11 +226,10 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens + pending - request.num_computed_tokens, budget)
             drafts = request.spec_token_ids
-            pass_rows = 0
             if drafts:  # speculative decoding: the drafts ride along with the decode
                 drafts = self._drafts_to_verify(request, num_new, budget, plan)
-                pass_rows = self._pass_rows(request, len(drafts), budget, in_flight)
-                num_new += len(drafts) + pass_rows
+            pass_rows = self._pass_rows(request, num_new, len(drafts), budget, in_flight)
+            num_new += len(drafts) + pass_rows
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.policy.select_victim(self.running)
                 position = self.running.index(victim)
@@ -366,14 +365,17 @@ class Scheduler:
             room = min(room, plan.get(request.request_id, 0))
         return request.spec_token_ids[:room] if room > 0 else []
 
-    def _pass_rows(self, request: Request, num_drafts: int, budget: int, in_flight: set[str] | None) -> int:
+    def _pass_rows(self, request: Request, num_new: int, num_drafts: int, budget: int, in_flight: set[str] | None) -> int:
         """Rows for the further verify passes of this step (``verify_passes``; 0: one pass):
-        only for a request with drafts that runs alone, nothing waiting to be admitted, whose
-        sampling the worker can verify pass after pass (greedy; no logprobs, no penalties or
-        other reads of its earlier tokens, no grammar), within the budget, ``max_tokens``
-        and the model's length."""
+        only for a request decoding its one known token (with drafts or none: a first pass
+        without drafts is a plain decode) that runs alone, nothing waiting to be admitted,
+        whose sampling the worker can verify pass after pass (greedy; no logprobs, no
+        penalties or other reads of its earlier tokens, no grammar), within the budget,
+        ``max_tokens`` and the model's length."""
         rows = self.config.spec_pass_rows
-        if not rows or not num_drafts or in_flight is not None or len(self.running) != 1 or self.waiting or self._loaded:
+        if not rows or num_new != 1 or request.num_pending_tokens or in_flight is not None:
+            return 0
+        if len(self.running) != 1 or self.waiting or self._loaded:
             return 0
         params = request.sampling_params
         if not params.greedy or params.logprobs is not None or request.reads_output_tokens:
@@ -529,10 +531,11 @@ class Scheduler:
             if request is None or request.is_finished or token_id is None:
                 continue  # gone, or a prefill chunk that sampled nothing
             request.num_pending_tokens -= 1
-            if verified and req_id in verified:
+            pass_rows = scheduled.spec_pass_rows.get(req_id, 0)
+            if (verified and req_id in verified) or pass_rows:  # a step of passes may have emitted one token
                 self._append_verified(
-                    request, scheduled.scheduled_spec_decode_tokens.get(req_id, []), verified[req_id],
-                    scheduled.spec_pass_rows.get(req_id, 0), output.verified_passes.get(req_id, ()),
+                    request, scheduled.scheduled_spec_decode_tokens.get(req_id, []), verified.get(req_id, [token_id]),
+                    pass_rows, output.verified_passes.get(req_id, ()),
                 )
                 if request.is_finished:
                     self._finish(request)

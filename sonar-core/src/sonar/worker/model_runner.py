@@ -398,6 +398,8 @@ class ModelRunner:
             sampling_states = [batch.states[row].sampling for row in batch.sample_rows]
             sample_req_ids = [batch.states[row].req_id for row in batch.sample_rows]
             drafts = batch.sample_drafts
+            if drafts is None and pass_rows and len(batch.states) == 1:  # passes after a first one without drafts
+                drafts = [[]]
             if so.grammar_req_ids:  # structured output: the engine core's bitmask
                 first_rows = range(len(sample_req_ids)) if drafts is None else first_logits_rows(drafts)
                 row_of = {req_id: first_rows[i] for i, req_id in enumerate(sample_req_ids)}
@@ -510,7 +512,7 @@ class ModelRunner:
             stops.update(sampling.eos_token_ids or ())
         position = state.num_computed_tokens  # the first row of the pass in flight
         end = position + batch.num_scheduled[0] + rows  # past the positions reserved for the step
-        drafts, early = batch.sample_drafts[0], []
+        drafts, early = step.verified.layout.drafts[0], []
         for _ in range(self.spec.config.verify_passes - 1):
             token_ids = step.verified.result.token_ids.tolist()  # waits for the pass in flight
             kept = step.verified.layout.leading_matches(token_ids)[0]
