@@ -110,6 +110,11 @@ class KVCacheManager:
         first_needed = min(spec.first_needed_position(num_computed_tokens) for spec in self.layer_specs)
         return first_needed // self.block_size
 
+    def num_tokens_fitting(self, request_id: str) -> int:
+        """Tokens the request's blocks and the free ones hold together: as many as it may
+        reach without taking blocks from another request."""
+        return (len(self.req_blocks.get(request_id, ())) + len(self.free_blocks)) * self.block_size
+
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds now (those slid out of its window not counted)."""
         return len(self.req_blocks.get(request_id, ())) - self.num_slid_out.get(request_id, 0)

@@ -371,7 +371,8 @@ class Scheduler:
         without drafts is a plain decode) that runs alone, nothing waiting to be admitted,
         whose sampling the worker can verify pass after pass (greedy; no logprobs, no
         penalties or other reads of its earlier tokens, no grammar), within the budget,
-        ``max_tokens`` and the model's length."""
+        ``max_tokens``, the model's length and the free KV blocks (rows for passes never
+        preempt)."""
         rows = self.config.spec_pass_rows
         if not rows or num_new != 1 or request.num_pending_tokens or in_flight is not None:
             return 0
@@ -385,6 +386,7 @@ class Scheduler:
             budget - emitted,
             request.max_tokens - request.num_output_tokens - emitted,
             self.config.max_model_len - request.num_computed_tokens - emitted,
+            self.kv_cache.num_tokens_fitting(request.request_id) - request.num_computed_tokens - emitted,
         )
         return max(0, min(rows, room))
 
