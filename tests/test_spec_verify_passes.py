@@ -143,6 +143,21 @@ class _Plugin:
         register("test-no-passes", _NoPasses)
 
 
+def test_prefix_cache_hits_after_passes_give_the_same_tokens(plain, passes):
+    """Only kept tokens were ever hashed into the blocks a step of passes wrote: a second run
+    that continues the first one's output hits them and decodes as plainly."""
+    prompts = repetitive_prompts(2)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [o.token_ids for o in one_by_one(plain, prompts, [params] * 2)]
+    first = [o.token_ids for o in one_by_one(passes, prompts, [params] * 2)]
+    continued = [p + t[:30] for p, t in zip(prompts, first)]
+    hits_before = passes.llm_engine.get_stats().prefix_cache_hits
+    again = [o.token_ids for o in one_by_one(passes, continued, [SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)] * 2)]
+    assert first == expected
+    assert passes.llm_engine.get_stats().prefix_cache_hits > hits_before
+    assert again == [t[30:40] for t in expected]
+
+
 def test_the_option_is_checked():
     assert resolve_speculative_config(PASSES).verify_passes == 3
     with pytest.raises(ValueError, match="verify_passes"):
