@@ -76,6 +76,7 @@ def test_every_proposer_keeps_greedy_output_on_every_architecture(target, tmp_pa
     expected = generate(LLM(str(target), **common))
     specs = {
         "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3},
+        "ngram-passes": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "verify_passes": 3},
         "draft_model": {"method": "draft_model", "model": str(target), "num_speculative_tokens": K},
         "eagle3": {"method": "eagle3", "model": eagle3_head(target, tmp_path / "eagle3"), "num_speculative_tokens": K},
         "dflash": {"method": "dflash", "model": block_drafter(target, tmp_path / "dflash", False), "num_speculative_tokens": K},
@@ -85,6 +86,9 @@ def test_every_proposer_keeps_greedy_output_on_every_architecture(target, tmp_pa
     for name, spec in specs.items():
         llm = LLM(str(target), speculative_config=spec, **common)
         assert generate(llm) == expected, name
+        if name == "ngram-passes":  # alone, each request runs several verify passes a step
+            alone = [llm.generate([{"prompt_token_ids": p}], q, use_tqdm=False)[0].outputs[0].token_ids for p, q in zip(repetitive_prompts(), PARAMS)]
+            assert alone == expected, name
         stats = llm.llm_engine.get_stats()
         assert stats.spec_num_draft_tokens > 0, name  # drafts were verified, not just proposed
         if name == "ngram" and stats.spec_num_draft_tokens >= 10:  # a model whose output copies its prompt (not the tiny Gemma 3)
