@@ -427,3 +427,16 @@ def test_chat_runs_its_lora_request_and_takes_vllm_arguments(llama) -> None:
     assert llm.get_tokenizer().decode(rendered) == "FLAG hi"
     with pytest.raises(ValueError, match="content parts of type 'image_url'"):
         llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], params)
+
+
+def test_several_verify_passes_a_step_keep_each_adapters_output(llama) -> None:
+    """n-gram speculation with ``verify_passes``: a lone request with an adapter runs its
+    passes through the adapter's slots and decodes as the merged model does."""
+    path, _, prompts, requests, expected, _ = llama
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "verify_passes": 3}
+    llm = LLM(str(path), dtype="float32", enable_lora=True, max_loras=2, max_model_len=256, kv_cache_memory_bytes=KV_BYTES, speculative_config=spec)
+    for name in (None, *list(requests)[:2]):
+        lora = requests.get(name) if name else None
+        for prompt, want in zip(prompts, expected[name]):
+            assert run(llm, [prompt], [lora]) == [want], name
+    assert llm.llm_engine.get_stats().spec_num_drafts > 0
