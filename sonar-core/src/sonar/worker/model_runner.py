@@ -337,6 +337,10 @@ class ModelRunner:
 
         A step that carries prompt tokens runs the exact quantized products
         (``sonar.ops.exact_products``): its last prompt positions decide first tokens.
+
+        A step the scheduler gave rows for further verify passes (``spec_pass_rows``, from
+        ``verify_passes``) runs them before it returns, all but the last waited for
+        (``_further_passes``).
         """
         self._update_states(so)
         with ops.exact_products(self._carries_prompt(so)):
