@@ -41,3 +41,21 @@ def test_cuda_greedy_with_ngram_equals_without(tiny_model_dir, arch: str) -> Non
     assert got == expected
     assert engine.get_stats().spec_num_accepted_tokens > 0
     assert engine.core.executor.worker.model_runner.graphs.graphs, "decode graphs were still captured"
+
+
+@pytest.mark.cuda
+def test_cuda_greedy_with_several_verify_passes_a_step_equals_without(tiny_model_dir) -> None:
+    """``verify_passes``: each request alone runs up to three verify passes a step through the
+    decode graphs; the same tokens as without speculation, in fewer engine steps."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs an NVIDIA GPU")
+    path = str(tiny_model_dir("llama"))
+    prompts = [[(i * 13 + j * 7) % 97 + 200 for j in range(24)] * 2 for i in range(3)]
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    for prompt in prompts:
+        expected, plain = _generate(path, [prompt], params)
+        got, engine = _generate(path, [prompt], params, speculative_config={**NGRAM, "verify_passes": 3})
+        assert got == expected
+        assert engine.core.num_steps_launched < plain.core.num_steps_launched
