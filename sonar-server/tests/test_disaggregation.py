@@ -233,7 +233,8 @@ def victims(tiny_model: str) -> Iterator[tuple[ServerProcess, ServerProcess]]:
     with ThreadPoolExecutor(2) as pool:
         started = [
             pool.submit(_server, tiny_model, VICTIM_PRODUCER, "--kv-transfer-timeout", "3"),
-            pool.submit(_server, tiny_model, CONSUMER_TCP),  # frames over TCP, which a kill can cut
+            # frames over TCP, which a kill can cut; a long context, so a decode outlasts the poll that kills it
+            pool.submit(_server, tiny_model, CONSUMER_TCP, "--max-model-len", "2048"),
         ]
     processes = [future.result() for future in started]
     yield processes[0], processes[1]
@@ -334,7 +335,7 @@ def test_a_decode_server_killed_while_pulling(victims, producer, consumer) -> No
     assert not _all_blocks_free(producer.url)
 
     def decode() -> int | None:
-        body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 150, "temperature": 0.0, "ignore_eos": True, "kv_transfer_params": params}
+        body = {"model": "tiny", "prompt": LONG_PROMPT, "max_tokens": 1500, "temperature": 0.0, "ignore_eos": True, "kv_transfer_params": params}
         try:
             return httpx.post(f"{victim.url}/v1/completions", json=body, timeout=30).status_code
         except httpx.HTTPError:
