@@ -50,10 +50,11 @@ def test_an_engine_in_this_process_freezes_its_startup_heap() -> None:
         from sonar_models.testing import build_tiny_model
         import tempfile
 
-        path = build_tiny_model("llama", tempfile.mkdtemp() + "/m")
-        before = gc.get_freeze_count()
-        LLMEngine(EngineArgs(model=str(path), kv_cache_memory_bytes=1 << 20, skip_tokenizer_init=True, max_model_len=64))
-        print(gc.get_freeze_count() > before + 10000, gc.get_threshold()[0] == SERVING_GEN0_THRESHOLD)
+        with tempfile.TemporaryDirectory() as folder:
+            path = build_tiny_model("llama", folder + "/m")
+            before = gc.get_freeze_count()
+            LLMEngine(EngineArgs(model=str(path), kv_cache_memory_bytes=1 << 20, skip_tokenizer_init=True, max_model_len=64))
+            print(gc.get_freeze_count() > before + 10000, gc.get_threshold()[0] == SERVING_GEN0_THRESHOLD)
         """
     )
     assert out.split()[-2:] == ["True", "True"]

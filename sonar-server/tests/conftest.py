@@ -62,6 +62,8 @@ class ServerProcess:
         raise RuntimeError(f"sonar serve did not become healthy in {STARTUP_TIMEOUT_S}s:\n{self.log()}")
 
     def log(self) -> str:
+        if self._log.closed:  # stopped: the file is gone, its text kept
+            return self._final_log
         self._log.flush()
         return self.log_path.read_text()
 
@@ -73,7 +75,10 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
-        self._log.close()
+        if not self._log.closed:
+            self._log.close()
+            self._final_log = self.log_path.read_text()
+            self.log_path.unlink(missing_ok=True)
         return self.process.returncode
 
 

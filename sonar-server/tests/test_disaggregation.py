@@ -76,6 +76,7 @@ def proxy_url(producer: ServerProcess, consumer: ServerProcess) -> Iterator[str]
     yield url
     process.terminate()
     process.wait(10)
+    log.unlink(missing_ok=True)
 
 
 def _complete(url: str, prompt: str = PROMPT, **fields) -> dict:
@@ -283,7 +284,6 @@ def test_a_decode_server_pulling_over_tcp_equals_one_server(victims, producer, e
 def test_on_one_host_the_cache_is_shared_read_only_with_the_same_user_only(producer, tiny_model) -> None:
     """A puller on this host is offered the prefill cache in shared memory; one that says it is
     elsewhere is not; the memory it maps is the prefill server's blocks, and read-only."""
-    import mmap
 
     import torch
 

@@ -81,6 +81,7 @@ def proxy_url(producer: ServerProcess, consumer: ServerProcess) -> Iterator[str]
     yield url
     process.terminate()
     process.wait(10)
+    log.unlink(missing_ok=True)
 
 
 def _complete(url: str, prompt: str = PROMPT, **fields) -> dict:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pickle
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -153,6 +154,7 @@ def two_api_servers(tiny_model: str):
     apps = [build_app(state) for state in states]
     yield apps, states, client
     client.shutdown()
+    shutil.rmtree(ipc_dir, ignore_errors=True)
 
 
 async def _start_peers(states) -> None:
