@@ -553,18 +553,16 @@ class Scheduler:
                 request.spec_confidence = output.draft_confidence.get(req_id) if drafts else None
                 self.spec_stats.num_proposed_tokens += len(drafts)
 
-    def _append_verified(
-        self, request: Request, drafts: list[int], token_ids: list[int], pass_rows: int = 0, later_passes=()
-    ) -> None:
+    def _append_verified(self, request: Request, drafts: list[int], token_ids: list[int], pass_rows: int = 0, passes=()) -> None:
         """Append a verify step's tokens up to the first that stops the request, and take the
         rejected drafts' positions back (their KV is overwritten by the next step); with
         further passes (``pass_rows`` scheduled for them), the rows they did not keep too.
-        ``later_passes``: each further pass's ``[drafts, kept]``, for the acceptance counts."""
+        ``passes``: a step of several passes' ``[drafts, kept]`` each, for the acceptance
+        counts (the drafts of those after the first were proposed in the worker)."""
         request.num_computed_tokens -= len(drafts) + pass_rows - (len(token_ids) - 1)
-        first_kept = len(token_ids) - 1 - sum(kept + 1 for _, kept in later_passes)
-        self.spec_stats.observe(len(drafts), first_kept)
-        for num_drafts, kept in later_passes:  # drafted by the worker and verified in the same step
-            self.spec_stats.num_proposed_tokens += num_drafts
+        for index, (num_drafts, kept) in enumerate(passes or [(len(drafts), len(token_ids) - 1)]):
+            if index:
+                self.spec_stats.num_proposed_tokens += num_drafts
             self.spec_stats.observe(num_drafts, kept)
         for token_id in token_ids:
             request.output_token_ids.append(token_id)

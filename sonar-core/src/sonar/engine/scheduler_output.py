@@ -90,7 +90,7 @@ class ModelRunnerOutput:
     # proposed for each request's next step, and the survival estimates of those drafts
     # (plain floats, one per draft, non-increasing) where the proposer gives them
     verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    # a step of several verify passes: per request, each later pass's drafts and kept drafts
+    # a step of several verify passes: per request, each pass's drafts and kept drafts, in order
     verified_passes: dict[str, list[list[int]]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)
     draft_confidence: dict[str, list[float]] = field(default_factory=dict)

@@ -67,7 +67,7 @@ class LaunchedStep:
     draft_limit: int | None = None  # for at most this many requests (None: every one)
     chained: ChainedProposal | None = None  # the next drafts, queued behind verification
     # a step of several verify passes (its one request): the tokens the passes before the last
-    # emitted, and each later pass's [drafts, kept] but the last's (known once it is read back)
+    # emitted, and each pass's [drafts, kept] but the last's (known once it is read back)
     early_tokens: list[int] | None = None
     passes: list[list[int]] = field(default_factory=list)
 
@@ -346,6 +346,14 @@ class ModelRunner:
         with ops.exact_products(self._carries_prompt(so)):
             return self._launch(so)
 
+    def _prepare_forward(self, batch: StepBatch) -> None:
+        """The step's adapters into their slots (none: the LoRA path stays off) and the
+        attention backend's per-step metadata, once for all layers."""
+        if self.lora is not None:
+            self.lora.prepare_step([s.lora_int_id for s in batch.states], batch.num_scheduled)
+        if self.backend_cls is not None:
+            self.backend_cls.prepare_metadata(batch.attn_metadata)
+
     def _carries_prompt(self, so: SchedulerOutput) -> bool:
         """Whether a request in the step computes prompt tokens (a prefill chunk, or tokens a
         preempted request recomputes), not just its next token and its drafts."""
@@ -372,10 +380,7 @@ class ModelRunner:
         for req_id in so.scheduled_spec_decode_tokens:  # laid out in the batch: used once
             self.requests[req_id].draft_token_ids = []
         self._feed_pending_tokens(batch)
-        if self.lora is not None:  # the step's adapters into slots (none: the LoRA path stays off)
-            self.lora.prepare_step([s.lora_int_id for s in batch.states], batch.num_scheduled)
-        if self.backend_cls is not None:
-            self.backend_cls.prepare_metadata(batch.attn_metadata)
+        self._prepare_forward(batch)
         hooked = connector if connector is not None and connector.needs_layer_hooks(so.kv_connector_metadata) else None
         ctx = ForwardContext(batch.attn_metadata, self.kv_caches, hooked)
         if self.stage.is_single:
@@ -526,8 +531,7 @@ class ModelRunner:
             if room < 1 or stops.intersection(emitted) or (params.max_tokens is not None and len(outputs) >= params.max_tokens):
                 del outputs[len(outputs) - len(emitted) :]  # this pass is the last: fetch reads it
                 break
-            if early or step.passes:
-                step.passes.append([len(drafts), kept])
+            step.passes.append([len(drafts), kept])
             early += emitted
             position += kept + 1
             proposed, _ = self.spec.propose([state.req_id], RequestSequences([state]), [kept + 1])
@@ -535,10 +539,7 @@ class ModelRunner:
             state.num_computed_tokens, state.draft_token_ids = position, drafts
             batch = self.build_batch([state], [1 + len(drafts)])
             state.draft_token_ids = []
-            if self.lora is not None:
-                self.lora.prepare_step([state.lora_int_id], batch.num_scheduled)
-            if self.backend_cls is not None:
-                self.backend_cls.prepare_metadata(batch.attn_metadata)
+            self._prepare_forward(batch)
             hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn_metadata, self.kv_caches))
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             step.verified = self.spec.verify(self.sampler, logits, [sampling], [drafts])
