@@ -94,3 +94,27 @@ def test_the_proposer_follows_a_growing_sequence_and_a_shorter_one_after_it():
     for length in [*range(2, 40, 3), 7, 39]:  # grows step by step, then restarts shorter
         drafts = proposer.propose(ProposerInputs(["a"], [tokens[:length]], [1])).token_ids[0]
         assert drafts == _reference(tokens[:length], 1, 3, 3)
+
+
+def test_the_device_lookup_drafts_what_the_host_lookup_drafts() -> None:
+    """``ngram_lookup_on_device`` (the drafts of passes queued on the device) against the host
+    lookup on random sequences of small vocabularies (many recurring n-grams), whatever the
+    buffer holds past the sequence's length."""
+    import random
+
+    from sonar.spec_decode.ngram import ngram_lookup_on_device
+
+    rng = random.Random(0)
+    for _ in range(1500):
+        vocab = rng.choice([2, 3, 5, 20])
+        length = rng.randint(1, 60)
+        sequence = [rng.randrange(vocab) for _ in range(length)]
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        k = rng.randint(1, 8)
+        buffer = torch.randint(0, vocab, (64,))
+        buffer[:length] = torch.tensor(sequence)
+        drafts, count = ngram_lookup_on_device(buffer, torch.tensor(length), min_n, max_n, k)
+        expected = ngram_lookup(np.array(sequence), min_n, max_n, k)
+        assert drafts[: int(count)].tolist() == expected, (sequence, min_n, max_n, k)
+        assert not drafts[int(count) :].any()

@@ -210,3 +210,60 @@ def test_several_verify_passes_a_step_in_the_graph_layout_keep_greedy_output(tmp
     finally:
         manager.unregister(name="test-scripted-passes")
         registry.clear_caches()
+
+
+def _ngram_passes_run(path, prompt, params, chained: bool):
+    """One n-gram engine with four verify passes a step (the passes queued on the device
+    where ``chained``, else the core runner's loop): the output, the engine."""
+    config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "verify_passes": 4}
+    kwargs = dict(dtype="float32", max_model_len=96, kv_cache_memory_bytes=1 << 20, skip_tokenizer_init=True)
+    engine = LLMEngine(EngineArgs(model=str(path), speculative_config=config, **kwargs), platform=_platform())
+    runner = engine.core.executor.worker.model_runner
+    queued = []
+    if chained:
+        further = runner._further_passes
+        runner._further_passes = lambda step, batch, rows: queued.append(rows) or further(step, batch, rows)
+    else:
+        runner._chain_for = lambda step, batch: None
+    done = run_to_end(engine, [prompt], [params])[0].outputs[0]
+    if chained:
+        assert queued and runner._pass_chain is not None  # the device chain ran the passes
+    return done, engine
+
+
+def test_verify_passes_queued_on_the_device_match_plain_decoding_and_the_host_loop(tmp_path) -> None:
+    """n-gram drafting on the device (``PassChain``): a lone greedy request's passes are queued
+    at once; the same tokens as plain decoding, and the same passes and acceptance counts as
+    the loop that reads each pass back, with ``max_tokens`` and stop tokens inside a step's
+    passes; no block leaked."""
+    from sonar_cpu.platform import CpuPlatform
+
+    use_tokenizer_folder_if_needed()
+    path = build_tiny_model("llama", tmp_path / "llama")
+    kwargs = dict(dtype="float32", max_model_len=96, kv_cache_memory_bytes=1 << 20, skip_tokenizer_init=True)
+    phrase = [101, 150, 133, 177, 120, 199, 140]
+    prompts = [phrase * 4, [300, 301] + phrase * 3 + [150, 133]]
+    checked_stop = False
+    for prompt in prompts:
+        base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
+        expected, _ = generate(CpuPlatform, path, [prompt], [base], **kwargs)
+        reference = list(expected[0].outputs[0].token_ids)
+        fresh = [j for j in range(6, len(reference)) if reference[j] not in reference[:j]]  # a stop token first met mid-run
+        stop = reference[fresh[0]] if fresh else None
+        variants = [base, SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, detokenize=False)]
+        if stop is not None:
+            variants.append(SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop], detokenize=False))
+            checked_stop = True
+        accepted = 0
+        for params in variants:
+            want, _ = generate(CpuPlatform, path, [prompt], [params], **kwargs)
+            chained, engine = _ngram_passes_run(path, prompt, params, chained=True)
+            looped, host_engine = _ngram_passes_run(path, prompt, params, chained=False)
+            assert chained.token_ids == looped.token_ids == want[0].outputs[0].token_ids
+            stats, host_stats = engine.get_stats(), host_engine.get_stats()
+            counts = [(s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.num_steps) for s in (stats, host_stats)]
+            assert counts[0] == counts[1]
+            assert stats.num_free_blocks == stats.num_total_blocks
+            accepted += stats.spec_num_accepted_tokens
+        assert accepted > 0
+    assert checked_stop, reference

@@ -22,10 +22,14 @@ import os
 import numpy as np
 import torch
 
+from sonar import ops
 from sonar.attention import AttentionMetadata
+from sonar.sampler.metadata import SamplingMetadata
+from sonar.spec_decode.device_passes import PassChain
 from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.worker.input_batch import CachedRequestState, StepBatch
-from sonar.worker.model_runner import PLACEHOLDER, ModelRunner
+from sonar.worker.model_runner import PLACEHOLDER, LaunchedStep, ModelRunner
+from sonar_cuda.attention import TritonStepState
 from sonar_cuda.decode_graphs import DecodeBuffers, DecodeGraphs, GraphedModel, default_capture_sizes, fill_padding
 from sonar_cuda.draft_graphs import CudaGraphCapturer
 from sonar_cuda.kernels.decode_attention import warm_up_decode_attention
@@ -78,6 +82,7 @@ class CudaModelRunner(ModelRunner):
             self.use_graphs = False  # stage hand-overs are not captured; collectives only on request
         self.max_blocks_per_seq = self.block_table.max_blocks_per_seq
         self.graphs: DecodeGraphs | None = None
+        self._pass_chain: PassChain | None = None
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -291,3 +296,62 @@ class CudaModelRunner(ModelRunner):
             sample_drafts=[list(s.draft_token_ids) for s in states],
         )
 
+
+    # -- verify passes queued at once -----------------------------------------------------
+
+    def _further_passes(self, step: LaunchedStep, batch: StepBatch, rows: int) -> StepBatch:
+        """Where the proposer drafts on the device and the passes fit a decode graph, queue
+        every further pass of the step at once (``PassChain``): each replays the graph of
+        ``k + 1`` rows on inputs the device laid out from the pass before, so no pass waits
+        for the host. Anything else takes the core runner's loop, which reads each pass back."""
+        chain = self._chain_for(step, batch)
+        if chain is None:
+            return super()._further_passes(step, batch, rows)
+        state = batch.states[0]
+        sampling = state.sampling
+        params = sampling.params
+        stops = set(params.stop_token_ids or ())
+        if not params.ignore_eos:
+            stops.update(sampling.eos_token_ids or ())
+        graphs = self.graphs
+        buffers = graphs.buffers
+        width = chain.k + 1
+        size = graphs.size_for(width)
+        end = state.num_computed_tokens + batch.num_scheduled[0] + rows
+        chain.begin(state.token_ids(0, state.num_tokens), end, len(sampling.output_token_ids), params.max_tokens, stops,
+                    buffers.block_tables[0], self.block_size)  # fmt: skip
+        chain.settle(step.verified.result.token_ids, batch.input_ids, len(step.verified.layout.drafts[0]))
+        # the graph's rows past the pass's: padding; every row reads the request's block table
+        buffers.block_tables[1:size].copy_(buffers.block_tables[0].expand(size - 1, -1))
+        buffers.tokens[:2, width:size].zero_()
+        buffers.tokens[2, width:size].fill_(-1)
+        buffers.seq_lens[width:size].fill_(1)
+        for _ in range(min(self.spec.config.verify_passes - 1, rows)):
+            inputs = chain.next_inputs(self.spec.proposer)
+            buffers.tokens[0, :width].copy_(inputs.token_ids)
+            buffers.tokens[1, :width].copy_(inputs.positions)
+            buffers.tokens[2, :width].copy_(inputs.slots)
+            buffers.seq_lens[:width].copy_(inputs.seq_lens)
+            hidden = graphs.run(size)[:width]
+            chain.settle(ops.argmax(self.model.compute_logits(hidden)), buffers.tokens[0, :width], inputs.num_drafts)
+        step.device_passes = chain.finish()
+        return batch
+
+    def _chain_for(self, step: LaunchedStep, batch: StepBatch) -> PassChain | None:
+        """The runner's ``PassChain`` where this step's passes may be queued at once: the
+        proposer drafts on the device, the first pass ran in the graphs' buffers, a pass's
+        ``k + 1`` rows fit a graph, no adapters, and greedy is a plain argmax for the request
+        (no bias, allowed or banned tokens, no bad words, ``min_tokens`` reached)."""
+        spec, graphs = self.spec, self.graphs
+        extra = batch.attn_metadata.extra if batch.attn_metadata is not None else None
+        k = spec.config.num_speculative_tokens
+        if not spec.proposer.drafts_on_device or graphs is None or self.lora is not None or k + 1 > graphs.max_size:
+            return None
+        if not isinstance(extra, TritonStepState) or not extra.graph_batch_size:
+            return None
+        sampling = batch.states[0].sampling
+        if sampling.params.bad_words_token_ids or SamplingMetadata.build([sampling], self.model_config.vocab_size, self.device).edits_logits:
+            return None
+        if self._pass_chain is None:
+            self._pass_chain = PassChain(self.model_config.max_model_len, k, spec.config.verify_passes, self.device)
+        return self._pass_chain

@@ -242,6 +242,9 @@ class Proposer:
         hidden states, no cache of its own) and costs little host time, so that one step may
         run several verify passes, each drafting from the tokens the pass before kept
         (``SpeculativeConfig.verify_passes``).
+    :cvar drafts_on_device: whether the proposer also drafts from a sequence held on the
+        device (``propose_on_device``): a runner that keeps the passes' inputs on the device
+        (the CUDA decode graphs) then queues every pass of a step without reading any back.
     :param config: the speculative configuration.
     :param device: the worker's device.
     """
@@ -250,6 +253,7 @@ class Proposer:
     keeps_context: bool = False
     chains: bool = False
     drafts_between_passes: bool = False
+    drafts_on_device: bool = False
 
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
         self.config = config
@@ -283,6 +287,15 @@ class Proposer:
 
     def propose(self, inputs: ProposerInputs) -> DraftTokens:
         """Draft up to ``config.num_speculative_tokens`` tokens per request of ``inputs``."""
+        raise NotImplementedError
+
+    def propose_on_device(self, tokens: torch.Tensor, length: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft for one request from its sequence on the device (only where
+        ``drafts_on_device``), without waiting for the device: ``tokens`` (int64 ``[C]``)
+        holds the prompt and the outputs so far in its first ``length`` entries (a 0-d int64
+        tensor, at most ``C - 1``); returns ``(drafts, count)``: int64 ``[k]`` whose first
+        ``count`` (0-d int64, at most ``k``) are the drafts, the rest zero. The same drafts as
+        ``propose`` would give for that sequence."""
         raise NotImplementedError
 
     def keep_context(self, inputs: ProposerInputs) -> None:

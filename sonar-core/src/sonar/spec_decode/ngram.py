@@ -50,6 +50,32 @@ def lookup_in_bytes(data: bytes | bytearray, length: int, min_n: int, max_n: int
     return []
 
 
+def ngram_lookup_on_device(tokens: torch.Tensor, length: torch.Tensor, min_n: int, max_n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ngram_lookup` as device operations only (no value read back): ``tokens`` (int64
+    ``[C]``) holds the sequence in its first ``length`` entries (0-d int64). Returns
+    ``(drafts [k], count)``, the drafts zero past ``count``.
+
+    Every earlier position ``e`` is scored at once by how many tokens up to it match the
+    sequence's ending (at most ``max_n``); the highest score of at least ``min_n`` wins, the
+    latest position among equals: the longest suffix that recurs, at its latest occurrence."""
+    capacity, device = tokens.shape[0], tokens.device
+    back = torch.arange(max_n, device=device)
+    ends = torch.arange(capacity, device=device)
+    suffix_at = length - 1 - back  # [max_n]: the ending, last token first
+    suffix = tokens.gather(0, suffix_at.clamp(min=0))
+    earlier = ends[None, :] - back[:, None]  # [max_n, C]: the tokens before each candidate end
+    same = (tokens[earlier.clamp(min=0)] == suffix[:, None]) & (earlier >= 0) & (suffix_at >= 0)[:, None]
+    matched = same.long().cumprod(0).sum(0)  # [C]: tokens matched backwards from each end
+    usable = (ends <= length - 2) & (matched >= min_n)  # an occurrence ends before the last token
+    score = torch.where(usable, matched * capacity + ends, -1)
+    best = score.argmax()
+    start = best + 1  # the token after the occurrence
+    count = torch.where(score.max() >= 0, (length - start).clamp(0, k), 0)
+    offsets = torch.arange(k, device=device)
+    drafts = tokens.gather(0, (start + offsets).clamp(max=capacity - 1))
+    return torch.where(offsets < count, drafts, 0), count
+
+
 def lookup_bounds(config: SpeculativeConfig) -> tuple[int, int]:
     """``(prompt_lookup_min, prompt_lookup_max)`` with the defaults filled in."""
     min_n = DEFAULT_PROMPT_LOOKUP_MIN if config.prompt_lookup_min is None else config.prompt_lookup_min
@@ -62,6 +88,7 @@ class NgramProposer(Proposer):
     "prompt_lookup_min": 1, "prompt_lookup_max": 3}``); host work only, no device memory."""
 
     drafts_between_passes = True
+    drafts_on_device = True
 
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
         super().__init__(config, device)
@@ -84,6 +111,10 @@ class NgramProposer(Proposer):
             for req_id, token_ids in zip(inputs.req_ids, inputs.token_ids)
         ]
         return DraftTokens(req_ids=list(inputs.req_ids), token_ids=drafts)
+
+    def propose_on_device(self, tokens: torch.Tensor, length: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The lookup of ``propose`` over a sequence on the device (``ngram_lookup_on_device``)."""
+        return ngram_lookup_on_device(tokens, length, self.min_n, self.max_n, k)
 
     def remove_requests(self, req_ids: set[str]) -> None:
         """Forget the sequences of finished (or preempted) requests."""

@@ -25,6 +25,7 @@ from sonar.registry import import_class, resolve_model_class, weight_formats
 from sonar.sampler.metadata import RequestSamplingState, SamplingMetadata
 from sonar.sampler.sampler import LogprobsTensors, Sampler, compute_logprobs
 from sonar.sampling_params import SamplingParams
+from sonar.spec_decode.device_passes import DevicePasses
 from sonar.spec_decode.hidden_states import StepHiddenStates
 from sonar.spec_decode.draft_graphs import GraphCapturer
 from sonar.spec_decode.interface import DraftCacheBudget
@@ -70,6 +71,7 @@ class LaunchedStep:
     # emitted, and each pass's [drafts, kept] but the last's (known once it is read back)
     early_tokens: list[int] | None = None
     passes: list[list[int]] = field(default_factory=list)
+    device_passes: DevicePasses | None = None  # the passes queued on the device at once (all of them)
 
 
 def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: int) -> RequestLogprobs:
@@ -577,6 +579,9 @@ class ModelRunner:
     def _resolve_verified(self, step: LaunchedStep) -> None:
         """A verify step's output: each request's kept drafts and the token after them, put in
         place of its placeholder; its rejected positions are taken back."""
+        if step.device_passes is not None:
+            self._resolve_device_passes(step)
+            return
         token_ids = step.sampled.tolist()
         layout = step.verified.layout
         num_accepted = layout.leading_matches(token_ids) if step.num_accepted is None else step.num_accepted.tolist()
@@ -603,6 +608,21 @@ class ModelRunner:
         step.output = ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs,
             verified_token_ids=verified, verified_passes=passes,
+        )
+
+    def _resolve_device_passes(self, step: LaunchedStep) -> None:
+        """A step whose passes were queued on the device at once (its one request): every
+        token they emitted in place of its placeholder, each pass's counts for the metrics;
+        the request has computed the positions of all but the last token."""
+        passes = step.device_passes
+        tokens, counts = passes.read()
+        outputs, index = step.placeholders[0]
+        outputs[index : index + 1] = tokens
+        step.sample_states[0].num_computed_tokens = passes.start + len(tokens)
+        req_id = step.req_ids[0]
+        step.output = ModelRunnerOutput(
+            req_ids=step.req_ids, sampled_token_ids=[tokens[0]], logprobs=[None], prompt_logprobs=step.prompt_logprobs,
+            verified_token_ids={req_id: tokens}, verified_passes={req_id: counts},
         )
 
     def _resolve_sampled(self, step: LaunchedStep) -> None:
