@@ -6,8 +6,9 @@
     python sonar-cuda/benchmarks/spec_decode.py --part loaded
     # n-gram on code edits, and an EAGLE-3 head on chat prompts, with a real target (GGUF)
     python sonar-cuda/benchmarks/spec_decode.py --part ngram --target model.gguf --prompts mbpp.jsonl --ngram-configs 5:2:4,8:1:4
-    # the same with three verify passes a step (a fourth field: speculative_config's verify_passes)
-    python sonar-cuda/benchmarks/spec_decode.py --part ngram --target model.gguf --prompts mbpp.jsonl --ngram-configs 15:1:4,15:1:4:3
+    # the same with three verify passes a step (a fourth field: speculative_config's verify_passes;
+    # a fifth, "ops": the work between passes as separate device operations, not one launch)
+    python sonar-cuda/benchmarks/spec_decode.py --part ngram --target model.gguf --prompts mbpp.jsonl --ngram-configs 15:1:4,15:1:4:3,15:1:4:3:ops
     python sonar-cuda/benchmarks/spec_decode.py --part eagle3 --target model.gguf --drafter head/ --prompts mt-bench.jsonl
     python sonar-cuda/benchmarks/spec_decode.py --part dspark --target model.gguf --drafter dspark/ --prompts mt-bench.jsonl -k 7
     # several drafters on the same prompts beside one plain run (fixed-length verification for
@@ -228,15 +229,22 @@ def _drafter_specs(drafters: str, k: int, unchained: bool = False) -> list[dict[
 
 #: a benchmark's mark on a speculative config: run it without chaining drafts behind verification
 UNCHAINED = "unchained"
+#: another: the work between verify passes queued on the device as separate operations (not one launch)
+OPS_CHAIN = "ops_chain"
 
 
 def _spec_engine(target: str, spec: dict[str, Any], **common: Any) -> LLM:
     """An engine with ``spec`` (``UNCHAINED`` read off it: the runner then drafts once each
     step's tokens are back, as before chaining)."""
-    config = {key: value for key, value in spec.items() if key != UNCHAINED}
+    config = {key: value for key, value in spec.items() if key not in (UNCHAINED, OPS_CHAIN)}
     llm = LLM(target, speculative_config=config, **common)
+    runner = llm.llm_engine.core.executor.worker.model_runner
     if spec.get(UNCHAINED):
-        llm.llm_engine.core.executor.worker.model_runner.spec.chain_drafts = False
+        runner.spec.chain_drafts = False
+    if spec.get(OPS_CHAIN):
+        from sonar.spec_decode.device_passes import PassChain
+
+        runner.pass_chain_cls = PassChain
     return llm
 
 
@@ -261,10 +269,12 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
                               {"role": "user", "content": "Write the same code again with a docstring added to the function; keep every other line exactly as it is."}]
                          for m, a in zip(firsts, answers)]
         specs = []
-        for item in args.ngram_configs.split(","):  # k:prompt_lookup_min:prompt_lookup_max[:verify_passes]
-            k, min_n, max_n, *passes = (int(v) for v in item.split(":"))
+        for item in args.ngram_configs.split(","):  # k:prompt_lookup_min:prompt_lookup_max[:verify_passes[:ops]]
+            fields = item.split(":")
+            k, min_n, max_n, *passes = (int(v) for v in fields[:4])
             spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_max": max_n}
-            specs.append({**spec, "verify_passes": passes[0]} if passes else spec)
+            spec = {**spec, "verify_passes": passes[0]} if passes else spec
+            specs.append({**spec, OPS_CHAIN: True} if fields[4:] == ["ops"] else spec)
     elif method == "drafters":
         conversations = [[{"role": "user", "content": t[0]}] for t in turns]
         specs = _drafter_specs(args.drafters, args.k, args.unchained)
@@ -397,7 +407,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("-k", type=int, default=4, help="num_speculative_tokens")
     parser.add_argument("--ngram-configs", default="5:2:4",
-                        help="ngram part: comma-separated k:prompt_lookup_min:prompt_lookup_max[:verify_passes], each measured beside the one plain run")
+                        help="ngram part: comma-separated k:prompt_lookup_min:prompt_lookup_max[:verify_passes[:ops]], each measured beside the one plain run")
     parser.add_argument("--kv-cache-gib", type=float, default=8.0, help="batched, drafters, ngram, eagle3, dflash, dspark parts: the KV cache of each of the engines living side by side")
     parser.add_argument("--unchained", action="store_true", help="drafters part: DFlash and DSpark also without drafts chained behind verification")
     parser.add_argument("--verifications", default="fixed,confidence",

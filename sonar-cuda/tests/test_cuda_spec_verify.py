@@ -212,14 +212,17 @@ def test_several_verify_passes_a_step_in_the_graph_layout_keep_greedy_output(tmp
         registry.clear_caches()
 
 
-def _ngram_passes_run(path, prompt, params, chained: bool):
+def _ngram_passes_run(path, prompt, params, chained: bool, chain_cls=None):
     """One n-gram engine with four verify passes a step (the passes queued on the device
-    where ``chained``, else the core runner's loop): the output, the engine."""
+    where ``chained``, with ``chain_cls`` doing the work between them; else the core
+    runner's loop): the output, the engine."""
     config = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3, "verify_passes": 4}
     kwargs = dict(dtype="float32", max_model_len=96, kv_cache_memory_bytes=1 << 20, skip_tokenizer_init=True)
     engine = LLMEngine(EngineArgs(model=str(path), speculative_config=config, **kwargs), platform=_platform())
     runner = engine.core.executor.worker.model_runner
     queued = []
+    if chain_cls is not None:
+        runner.pass_chain_cls = chain_cls
     if chained:
         further = runner._further_passes
         runner._further_passes = lambda step, batch, rows: queued.append(rows) or further(step, batch, rows)
@@ -227,7 +230,7 @@ def _ngram_passes_run(path, prompt, params, chained: bool):
         runner._chain_for = lambda step, batch: None
     done = run_to_end(engine, [prompt], [params])[0].outputs[0]
     if chained:
-        assert queued and runner._pass_chain is not None  # the device chain ran the passes
+        assert queued and type(runner._pass_chain) is chain_cls  # the device chain ran the passes
     return done, engine
 
 
@@ -235,8 +238,12 @@ def test_verify_passes_queued_on_the_device_match_plain_decoding_and_the_host_lo
     """n-gram drafting on the device (``PassChain``): a lone greedy request's passes are queued
     at once; the same tokens as plain decoding, and the same passes and acceptance counts as
     the loop that reads each pass back, with ``max_tokens`` and stop tokens inside a step's
-    passes; no block leaked."""
+    passes; no block leaked. Both ways of doing the work between passes: one launch
+    (``NgramPassChain``, the runner's) and separate device operations (``PassChain``)."""
     from sonar_cpu.platform import CpuPlatform
+
+    from sonar.spec_decode.device_passes import PassChain
+    from sonar_cuda.kernels.ngram_passes import NgramPassChain
 
     use_tokenizer_folder_if_needed()
     path = build_tiny_model("llama", tmp_path / "llama")
@@ -257,13 +264,16 @@ def test_verify_passes_queued_on_the_device_match_plain_decoding_and_the_host_lo
         accepted = 0
         for params in variants:
             want, _ = generate(CpuPlatform, path, [prompt], [params], **kwargs)
-            chained, engine = _ngram_passes_run(path, prompt, params, chained=True)
             looped, host_engine = _ngram_passes_run(path, prompt, params, chained=False)
-            assert chained.token_ids == looped.token_ids == want[0].outputs[0].token_ids
-            stats, host_stats = engine.get_stats(), host_engine.get_stats()
-            counts = [(s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.num_steps) for s in (stats, host_stats)]
-            assert counts[0] == counts[1]
-            assert stats.num_free_blocks == stats.num_total_blocks
+            assert looped.token_ids == want[0].outputs[0].token_ids
+            host_stats = host_engine.get_stats()
+            for chain_cls in (NgramPassChain, PassChain):
+                chained, engine = _ngram_passes_run(path, prompt, params, chained=True, chain_cls=chain_cls)
+                assert chained.token_ids == looped.token_ids
+                stats = engine.get_stats()
+                counts = [(s.spec_num_drafts, s.spec_num_draft_tokens, s.spec_num_accepted_tokens, s.num_steps) for s in (stats, host_stats)]
+                assert counts[0] == counts[1], chain_cls
+                assert stats.num_free_blocks == stats.num_total_blocks
             accepted += stats.spec_num_accepted_tokens
         assert accepted > 0
     assert checked_stop, reference

@@ -25,7 +25,7 @@ import torch
 from sonar import ops
 from sonar.attention import AttentionMetadata
 from sonar.sampler.metadata import SamplingMetadata
-from sonar.spec_decode.device_passes import PassChain
+from sonar.spec_decode.device_passes import PassChain, PassRows
 from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.worker.input_batch import CachedRequestState, StepBatch
 from sonar.worker.model_runner import PLACEHOLDER, LaunchedStep, ModelRunner
@@ -33,6 +33,7 @@ from sonar_cuda.attention import TritonStepState
 from sonar_cuda.decode_graphs import DecodeBuffers, DecodeGraphs, GraphedModel, default_capture_sizes, fill_padding
 from sonar_cuda.draft_graphs import CudaGraphCapturer
 from sonar_cuda.kernels.decode_attention import warm_up_decode_attention
+from sonar_cuda.kernels.ngram_passes import NgramPassChain
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ class CudaModelRunner(ModelRunner):
         self.max_blocks_per_seq = self.block_table.max_blocks_per_seq
         self.graphs: DecodeGraphs | None = None
         self._pass_chain: PassChain | None = None
+        self.pass_chain_cls: type[PassChain] = NgramPassChain  # PassChain: the work between passes as separate operations
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -319,21 +321,19 @@ class CudaModelRunner(ModelRunner):
         size = graphs.size_for(width)
         end = state.num_computed_tokens + batch.num_scheduled[0] + rows
         chain.begin(state.token_ids(0, state.num_tokens), end, len(sampling.output_token_ids), params.max_tokens, stops,
-                    buffers.block_tables[0], self.block_size)  # fmt: skip
-        chain.settle(step.verified.result.token_ids, batch.input_ids, len(step.verified.layout.drafts[0]))
+                    buffers.block_tables[0], self.block_size, len(step.verified.layout.drafts[0]))  # fmt: skip
         # the graph's rows past the pass's: padding; every row reads the request's block table
         buffers.block_tables[1:size].copy_(buffers.block_tables[0].expand(size - 1, -1))
         buffers.tokens[:2, width:size].zero_()
         buffers.tokens[2, width:size].fill_(-1)
         buffers.seq_lens[width:size].fill_(1)
+        rows_in = PassRows(buffers.tokens[0, :width], buffers.tokens[1, :width], buffers.tokens[2, :width], buffers.seq_lens[:width])
+        greedy, inputs = step.verified.result.token_ids, batch.input_ids
         for _ in range(min(self.spec.config.verify_passes - 1, rows)):
-            inputs = chain.next_inputs(self.spec.proposer)
-            buffers.tokens[0, :width].copy_(inputs.token_ids)
-            buffers.tokens[1, :width].copy_(inputs.positions)
-            buffers.tokens[2, :width].copy_(inputs.slots)
-            buffers.seq_lens[:width].copy_(inputs.seq_lens)
+            chain.advance(greedy, inputs, rows_in, self.spec.proposer)
             hidden = graphs.run(size)[:width]
-            chain.settle(ops.argmax(self.model.compute_logits(hidden)), buffers.tokens[0, :width], inputs.num_drafts)
+            greedy, inputs = ops.argmax(self.model.compute_logits(hidden)), rows_in.token_ids
+        chain.settle(greedy, inputs)
         step.device_passes = chain.finish()
         return batch
 
@@ -353,5 +353,5 @@ class CudaModelRunner(ModelRunner):
         if sampling.params.bad_words_token_ids or SamplingMetadata.build([sampling], self.model_config.vocab_size, self.device).edits_logits:
             return None
         if self._pass_chain is None:
-            self._pass_chain = PassChain(self.model_config.max_model_len, k, spec.config.verify_passes, self.device)
+            self._pass_chain = self.pass_chain_cls(self.model_config.max_model_len, k, spec.config.verify_passes, self.device)
         return self._pass_chain

@@ -40,15 +40,14 @@ class DevicePasses:
 
 
 @dataclass(slots=True)
-class PassInputs:
-    """One pass's ``k + 1`` rows: token ids, positions, KV-cache slots (-1: not written) and
-    attention lengths, plus how many of the rows after the first are drafts."""
+class PassRows:
+    """Where a pass's ``k + 1`` rows go: token ids, positions and KV-cache slots (-1: not
+    written), int64, and attention lengths (int32): the decode graph's input buffers."""
 
     token_ids: torch.Tensor
     positions: torch.Tensor
     slots: torch.Tensor
     seq_lens: torch.Tensor
-    num_drafts: torch.Tensor
 
 
 class PassChain:
@@ -64,7 +63,8 @@ class PassChain:
         self.emitted = torch.zeros(max_passes * (k + 1) + 1, dtype=torch.int64, device=device)  # likewise
         self.stats = torch.zeros(max_passes, 3, dtype=torch.int64, device=device)
         self.rows = torch.arange(k + 1, device=device)
-        self.state = torch.zeros(6, dtype=torch.int64, device=device)  # see _unpack
+        # length, next position, emitted, passes may run, end, outputs still allowed, drafts of the pass laid out
+        self.state = torch.zeros(7, dtype=torch.int64, device=device)
         self.stop_ids = torch.zeros(0, dtype=torch.int64, device=device)
         self.block_row: torch.Tensor | None = None
         self.block_size = 0
@@ -80,29 +80,35 @@ class PassChain:
         stop_ids: set[int],
         block_row: torch.Tensor,
         block_size: int,
+        num_drafts: int,
     ) -> None:
         """A step of one request whose first pass is queued: ``token_ids`` its sequence up to
         the pass's known token (the first row), ``end`` the position past the rows the step
         may use, ``num_outputs`` its outputs before the step, ``block_row`` its row of the
-        device block table."""
+        device block table, ``num_drafts`` the first pass's drafts."""
         length = len(token_ids)
         self.start = length - 1
         self.passes = 0
         self.sequence[:length].copy_(to_device(torch.tensor(token_ids, dtype=torch.int64), self.device))
         limit = max_tokens - num_outputs if max_tokens is not None else self.emitted.shape[0]
-        # length, next position, emitted, passes may run, end, outputs still allowed
-        values = torch.tensor([length, self.start, 0, 1, end, limit], dtype=torch.int64)
+        values = torch.tensor([length, self.start, 0, 1, end, limit, num_drafts], dtype=torch.int64)
         self.state.copy_(to_device(values, self.device))
         self.stop_ids = to_device(torch.tensor(sorted(stop_ids), dtype=torch.int64), self.device)
         self.block_row, self.block_size = block_row, block_size
 
-    def settle(self, greedy: torch.Tensor, inputs: torch.Tensor, num_drafts: torch.Tensor | int) -> None:
+    def advance(self, greedy: torch.Tensor, inputs: torch.Tensor, rows: PassRows, proposer: Proposer) -> None:
+        """``settle`` the pass just run, then lay the next one out into ``rows`` (which may
+        be the buffers ``inputs`` is a view of: they are read first)."""
+        self.settle(greedy, inputs)
+        self.lay_out(proposer, rows)
+
+    def settle(self, greedy: torch.Tensor, inputs: torch.Tensor) -> None:
         """Take a queued pass's results: ``greedy`` its target tokens (one per row, at most
-        ``k + 1``), ``inputs`` the ids it ran on (the known token, then the drafts),
-        ``num_drafts`` how many of those were drafts. Keeps the drafts up to the first the target disagrees
-        with, emits them and the target's token after them, and stops further passes at a
-        stop token, ``max_tokens`` or the end of the step's rows."""
-        length, position, emitted, live, end, limit = self.state.unbind()
+        ``k + 1``), ``inputs`` the ids it ran on (the known token, then its drafts). Keeps
+        the drafts up to the first the target disagrees with, emits them and the target's
+        token after them, and stops further passes at a stop token, ``max_tokens`` or the end
+        of the step's rows."""
+        length, position, emitted, live, end, limit, num_drafts = self.state.unbind()
         rows = greedy.shape[0]
         offsets = self.rows[:rows]
         agree = (inputs[1:rows] == greedy[: rows - 1]) & (offsets[: rows - 1] < num_drafts)
@@ -117,12 +123,12 @@ class PassChain:
         emitted = emitted + step
         position = position + step
         live = live * (~stopped).long() * (emitted < limit).long() * (position < end).long()
-        self.state.copy_(torch.stack([length + step, position, emitted, live, end, limit]))
+        self.state.copy_(torch.stack([length + step, position, emitted, live, end, limit, num_drafts]))
 
-    def next_inputs(self, proposer: Proposer) -> PassInputs:
-        """The next pass's rows: the last token emitted, then the drafts ``proposer`` finds
-        for the sequence's new ending (as many as the step's rows leave room for)."""
-        length, position, _, live, end, _ = self.state.unbind()
+    def lay_out(self, proposer: Proposer, rows: PassRows) -> None:
+        """Write the next pass's rows: the last token emitted, then the drafts ``proposer``
+        finds for the sequence's new ending (as many as the step's rows leave room for)."""
+        length, position, _, live, end, _, _ = self.state.unbind()
         k = self.k
         drafts, found = proposer.propose_on_device(self.sequence, length, k)
         room = (end - position - 1).clamp(min=0)
@@ -133,8 +139,11 @@ class PassChain:
         writes = (positions < end) & (live > 0)
         blocks = self.block_row.gather(0, (positions // self.block_size).clamp(max=self.block_row.shape[0] - 1)).long()
         slots = torch.where(writes, blocks * self.block_size + positions % self.block_size, -1)
-        seq_lens = torch.minimum(positions + 1, end).clamp(min=1)
-        return PassInputs(token_ids, positions, slots, seq_lens, num_drafts)
+        rows.token_ids.copy_(token_ids)
+        rows.positions.copy_(positions)
+        rows.slots.copy_(slots)
+        rows.seq_lens.copy_(torch.minimum(positions + 1, end).clamp(min=1))
+        self.state[6] = num_drafts
 
     def finish(self) -> DevicePasses:
         """Queue the copies of what the host reads back (before the step's event)."""
