@@ -22,7 +22,7 @@ from sonar.spec_decode.ngram import NgramProposer
 SCAN_BLOCK = 1024  # earlier positions scored at once (a score: tokens matched * 2**40 + position)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows", "pass_index", "num_stops"])  # one compile for every pass of every step
 def _ngram_advance_kernel(
     greedy_ptr, inputs_ptr, rows,
     state_ptr, seq_ptr, emitted_ptr, stats_ptr, pass_index, stop_ptr, num_stops,
