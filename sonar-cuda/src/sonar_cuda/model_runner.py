@@ -298,7 +298,6 @@ class CudaModelRunner(ModelRunner):
             sample_drafts=[list(s.draft_token_ids) for s in states],
         )
 
-
     # -- verify passes queued at once -----------------------------------------------------
 
     def _further_passes(self, step: LaunchedStep, batch: StepBatch, rows: int) -> StepBatch:
