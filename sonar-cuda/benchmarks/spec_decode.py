@@ -271,6 +271,8 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
         specs = []
         for item in args.ngram_configs.split(","):  # k:prompt_lookup_min:prompt_lookup_max[:verify_passes[:ops]]
             fields = item.split(":")
+            if len(fields) < 3 or fields[4:] not in ([], ["ops"]):
+                raise SystemExit(f"--ngram-configs: {item!r} is not k:prompt_lookup_min:prompt_lookup_max[:verify_passes[:ops]]")
             k, min_n, max_n, *passes = (int(v) for v in fields[:4])
             spec = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": min_n, "prompt_lookup_max": max_n}
             spec = {**spec, "verify_passes": passes[0]} if passes else spec

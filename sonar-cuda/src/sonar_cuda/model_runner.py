@@ -28,7 +28,7 @@ from sonar.sampler.metadata import SamplingMetadata
 from sonar.spec_decode.device_passes import PassChain, PassRows
 from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.worker.input_batch import CachedRequestState, StepBatch
-from sonar.worker.model_runner import PLACEHOLDER, LaunchedStep, ModelRunner
+from sonar.worker.model_runner import PLACEHOLDER, LaunchedStep, ModelRunner, pass_stop_ids
 from sonar_cuda.attention import TritonStepState
 from sonar_cuda.decode_graphs import DecodeBuffers, DecodeGraphs, GraphedModel, default_capture_sizes, fill_padding
 from sonar_cuda.draft_graphs import CudaGraphCapturer
@@ -311,15 +311,12 @@ class CudaModelRunner(ModelRunner):
         state = batch.states[0]
         sampling = state.sampling
         params = sampling.params
-        stops = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stops.update(sampling.eos_token_ids or ())
         graphs = self.graphs
         buffers = graphs.buffers
         width = chain.k + 1
         size = graphs.size_for(width)
         end = state.num_computed_tokens + batch.num_scheduled[0] + rows
-        chain.begin(state.token_ids(0, state.num_tokens), end, len(sampling.output_token_ids), params.max_tokens, stops,
+        chain.begin(state.token_ids(0, state.num_tokens), end, len(sampling.output_token_ids), params.max_tokens, pass_stop_ids(sampling),
                     buffers.block_tables[0], self.block_size, len(step.verified.layout.drafts[0]))  # fmt: skip
         # the graph's rows past the pass's: padding; every row reads the request's block table
         buffers.block_tables[1:size].copy_(buffers.block_tables[0].expand(size - 1, -1))

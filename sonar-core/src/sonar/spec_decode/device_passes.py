@@ -62,7 +62,7 @@ class PassChain:
         self.sequence = torch.zeros(capacity + 1, dtype=torch.int64, device=device)  # the last entry: writes masked off
         self.emitted = torch.zeros(max_passes * (k + 1) + 1, dtype=torch.int64, device=device)  # likewise
         self.stats = torch.zeros(max_passes, 3, dtype=torch.int64, device=device)
-        self.rows = torch.arange(k + 1, device=device)
+        self.offsets = torch.arange(k + 1, device=device)  # a pass's rows
         # length, next position, emitted, passes may run, end, outputs still allowed, drafts of the pass laid out
         self.state = torch.zeros(7, dtype=torch.int64, device=device)
         self.stop_ids = torch.zeros(0, dtype=torch.int64, device=device)
@@ -110,7 +110,7 @@ class PassChain:
         of the step's rows."""
         length, position, emitted, live, end, limit, num_drafts = self.state.unbind()
         rows = greedy.shape[0]
-        offsets = self.rows[:rows]
+        offsets = self.offsets[:rows]
         agree = (inputs[1:rows] == greedy[: rows - 1]) & (offsets[: rows - 1] < num_drafts)
         kept = agree.long().cumprod(0).sum() * live
         emits = (offsets <= kept) & (live > 0)
@@ -119,7 +119,7 @@ class PassChain:
         self.stats[self.passes] = torch.stack([live * num_drafts, kept, live])
         self.passes += 1
         step = (kept + 1) * live
-        stopped = (torch.isin(greedy, self.stop_ids) & emits).any() if self.stop_ids.numel() else torch.zeros((), dtype=torch.bool, device=self.device)
+        stopped = (torch.isin(greedy, self.stop_ids) & emits).any()
         emitted = emitted + step
         position = position + step
         live = live * (~stopped).long() * (emitted < limit).long() * (position < end).long()
@@ -133,7 +133,7 @@ class PassChain:
         drafts, found = proposer.propose_on_device(self.sequence, length, k)
         room = (end - position - 1).clamp(min=0)
         num_drafts = torch.minimum(found, room) * live
-        offsets = self.rows[: k + 1]
+        offsets = self.offsets
         token_ids = torch.cat([self.sequence.gather(0, (length - 1).view(1)), torch.where(offsets[1:] <= num_drafts, drafts, 0)])
         positions = position + offsets
         writes = (positions < end) & (live > 0)

@@ -74,6 +74,15 @@ class LaunchedStep:
     device_passes: DevicePasses | None = None  # the passes queued on the device at once (all of them)
 
 
+def pass_stop_ids(sampling: RequestSamplingState) -> set[int]:
+    """The tokens that end a request's verify passes: its stop token ids, and its eos ids
+    unless it ignores them."""
+    stops = set(sampling.params.stop_token_ids or ())
+    if not sampling.params.ignore_eos:
+        stops.update(sampling.eos_token_ids or ())
+    return stops
+
+
 def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: int) -> RequestLogprobs:
     return RequestLogprobs(
         token_ids=tensors.token_ids[rows, : k + 1].tolist(),
@@ -518,9 +527,7 @@ class ModelRunner:
         state = batch.states[0]
         sampling = state.sampling
         outputs, params = sampling.output_token_ids, sampling.params
-        stops = set(params.stop_token_ids or ())
-        if not params.ignore_eos:
-            stops.update(sampling.eos_token_ids or ())
+        stops = pass_stop_ids(sampling)
         position = state.num_computed_tokens  # the first row of the pass in flight
         end = position + batch.num_scheduled[0] + rows  # past the positions reserved for the step
         drafts, early = step.verified.layout.drafts[0], []

@@ -105,7 +105,7 @@ class NgramPassChain(PassChain):
     """A ``PassChain`` whose work between passes is one launch (n-gram proposers only)."""
 
     def advance(self, greedy: torch.Tensor, inputs: torch.Tensor, rows: PassRows, proposer: Proposer) -> None:
-        if not isinstance(proposer, NgramProposer) or self.block_row is None:
+        if not isinstance(proposer, NgramProposer):  # another proposer's lookup: as separate operations
             super().advance(greedy, inputs, rows, proposer)
             return
         k = self.k
