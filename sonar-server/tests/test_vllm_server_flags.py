@@ -242,9 +242,9 @@ def test_a_missing_config_file_is_named(tmp_path: Path) -> None:
 
 def test_a_request_cannot_change_how_the_server_reads_outputs(https_server: ServerProcess, certificate: tuple[str, str]) -> None:
     client = client_of(https_server, certificate)
-    whole = client.completions.create(model="tiny", prompt="one two", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    whole = client.completions.create(model="tiny", prompt="one two", max_tokens=64, temperature=0, extra_body={"ignore_eos": True})
     for kind in ("delta", "final_only"):
-        chunks = client.completions.create(model="tiny", prompt="one two", max_tokens=8, temperature=0, stream=True,
+        chunks = client.completions.create(model="tiny", prompt="one two", max_tokens=64, temperature=0, stream=True,
                                            extra_body={"ignore_eos": True, "output_kind": kind})
         pieces = [chunk.choices[0].text for chunk in chunks if chunk.choices]
         assert "".join(pieces) == whole.choices[0].text and len(pieces) > 2
