@@ -28,7 +28,8 @@ from sonar.sampler.metadata import SamplingMetadata
 from sonar.spec_decode.device_passes import PassChain, PassRows
 from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.worker.input_batch import CachedRequestState, StepBatch
-from sonar.worker.model_runner import PLACEHOLDER, LaunchedStep, ModelRunner, pass_stop_ids
+from sonar.worker.model_runner import PLACEHOLDER, LaunchedStep, ModelRunner
+from sonar.worker.verify_passes import pass_stop_ids
 from sonar_cuda.attention import TritonStepState
 from sonar_cuda.decode_graphs import DecodeBuffers, DecodeGraphs, GraphedModel, default_capture_sizes, fill_padding
 from sonar_cuda.draft_graphs import CudaGraphCapturer

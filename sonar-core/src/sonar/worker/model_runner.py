@@ -30,11 +30,12 @@ from sonar.spec_decode.hidden_states import StepHiddenStates
 from sonar.spec_decode.draft_graphs import GraphCapturer
 from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.spec_decode.verifier import first_logits_rows
-from sonar.spec_decode.worker_side import ChainedProposal, RequestSequences, SpeculativeDecoder, VerifiedStep
+from sonar.spec_decode.worker_side import ChainedProposal, SpeculativeDecoder, VerifiedStep
 from sonar.structured_output.bitmask import apply_grammar_bitmask
 from sonar.tensors import to_device
 from sonar.worker.block_table import BlockTable
 from sonar.worker.input_batch import CachedRequestState, StepBatch, build_step_batch
+from sonar.worker.verify_passes import VerifyPasses
 
 logger = logging.getLogger(__name__)
 
@@ -74,15 +75,6 @@ class LaunchedStep:
     device_passes: DevicePasses | None = None  # the passes queued on the device at once (all of them)
 
 
-def pass_stop_ids(sampling: RequestSamplingState) -> set[int]:
-    """The tokens that end a request's verify passes: its stop token ids, and its eos ids
-    unless it ignores them."""
-    stops = set(sampling.params.stop_token_ids or ())
-    if not sampling.params.ignore_eos:
-        stops.update(sampling.eos_token_ids or ())
-    return stops
-
-
 def _to_request_logprobs(tensors: LogprobsTensors, rows: slice | list[int], k: int) -> RequestLogprobs:
     return RequestLogprobs(
         token_ids=tensors.token_ids[rows, : k + 1].tolist(),
@@ -114,7 +106,7 @@ def load_weights(model: torch.nn.Module, model_config: ModelConfig) -> None:
         model.load_weights(fmt.iter_weights(Path(model_config.model), model_config.hf_config))
 
 
-class ModelRunner:
+class ModelRunner(VerifyPasses):
     """Runs steps of one model on one device. Platform runners subclass it and override
     ``build_batch`` (inputs into their own buffers), ``init_kv_cache`` (what depends on the
     cache, such as graphs) and ``profile_peak_bytes`` (memory their extras need)."""
@@ -500,63 +492,6 @@ class ModelRunner:
         if verified.logprobs is not None:
             step.logprobs = _to_host(verified.logprobs)
 
-    def _may_run_passes(self, step: LaunchedStep, batch: StepBatch) -> bool:
-        """Whether a launched verify step may go on with further passes (the scheduler gave
-        it rows for them): one greedy request, verified without logprobs, nothing chained,
-        on one worker holding the whole model, no KV connector."""
-        return (
-            len(batch.states) == 1
-            and step.chained is None
-            and step.logprobs is None
-            and step.verified.result.num_accepted is None  # an all-greedy verification
-            and self.stage.is_single
-            and self.kv_connector is None
-            and self.spec.proposer.drafts_between_passes
-        )
-
-    def _further_passes(self, step: LaunchedStep, batch: StepBatch, rows: int) -> StepBatch:
-        """Run up to ``verify_passes`` verify passes of a lone request within this step.
-
-        Before each further pass the host reads back the pass before's tokens, drafts from
-        them and verifies those drafts from the position after the tokens it kept, within the
-        ``rows`` the scheduler gave beyond the first pass. The last pass stays queued as the
-        step's verification, read back by ``fetch``; the tokens of the ones before go into
-        ``step.early_tokens``. A pass that emits a stop token, reaches ``max_tokens`` or
-        leaves no rows is the last (it was read already: its tokens go back out of the
-        output, so ``fetch`` takes them as any last pass's). Returns the last pass's batch."""
-        state = batch.states[0]
-        sampling = state.sampling
-        outputs, params = sampling.output_token_ids, sampling.params
-        stops = pass_stop_ids(sampling)
-        position = state.num_computed_tokens  # the first row of the pass in flight
-        end = position + batch.num_scheduled[0] + rows  # past the positions reserved for the step
-        drafts, early = step.verified.layout.drafts[0], []
-        for _ in range(self.spec.config.verify_passes - 1):
-            token_ids = step.verified.result.token_ids.tolist()  # waits for the pass in flight
-            kept = step.verified.layout.leading_matches(token_ids)[0]
-            emitted = token_ids[: kept + 1]
-            outputs.extend(emitted)
-            room = end - (position + kept + 1)  # rows left for a next pass (its known token, its drafts)
-            if room < 1 or stops.intersection(emitted) or (params.max_tokens is not None and len(outputs) >= params.max_tokens):
-                del outputs[len(outputs) - len(emitted) :]  # this pass is the last: fetch reads it
-                break
-            step.passes.append([len(drafts), kept])
-            early += emitted
-            position += kept + 1
-            proposed, _ = self.spec.propose([state.req_id], RequestSequences([state]), [kept + 1])
-            drafts = proposed.get(state.req_id, [])[: room - 1]
-            state.num_computed_tokens, state.draft_token_ids = position, drafts
-            batch = self.build_batch([state], [1 + len(drafts)])
-            state.draft_token_ids = []
-            self._prepare_forward(batch)
-            hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn_metadata, self.kv_caches))
-            logits = self.model.compute_logits(hidden[batch.logits_indices])
-            step.verified = self.spec.verify(self.sampler, logits, [sampling], [drafts])
-            step.sampled = step.verified.result.token_ids.to("cpu", non_blocking=True)
-        if early:
-            step.early_tokens = early
-        return batch
-
     def fetch(self, step: LaunchedStep) -> ModelRunnerOutput:
         """Wait for a launched step and return its results."""
         self._resolve(step)
@@ -615,21 +550,6 @@ class ModelRunner:
         step.output = ModelRunnerOutput(
             req_ids=step.req_ids, sampled_token_ids=sampled, logprobs=logprobs, prompt_logprobs=step.prompt_logprobs,
             verified_token_ids=verified, verified_passes=passes,
-        )
-
-    def _resolve_device_passes(self, step: LaunchedStep) -> None:
-        """A step whose passes were queued on the device at once (its one request): every
-        token they emitted in place of its placeholder, each pass's counts for the metrics;
-        the request has computed the positions of all but the last token."""
-        passes = step.device_passes
-        tokens, counts = passes.read()
-        outputs, index = step.placeholders[0]
-        outputs[index : index + 1] = tokens
-        step.sample_states[0].num_computed_tokens = passes.start + len(tokens)
-        req_id = step.req_ids[0]
-        step.output = ModelRunnerOutput(
-            req_ids=step.req_ids, sampled_token_ids=[tokens[0]], logprobs=[None], prompt_logprobs=step.prompt_logprobs,
-            verified_token_ids={req_id: tokens}, verified_passes={req_id: counts},
         )
 
     def _resolve_sampled(self, step: LaunchedStep) -> None:
