@@ -26,6 +26,14 @@ MAX_BAD_WORD_TOKENS = 64  # tokens each of those entries may hold
 # vocabulary checks before anything walks them (``check_token_id_counts``)
 TOKEN_ID_FIELDS = ("allowed_token_ids", "stop_token_ids", "dry_sequence_breaker_ids", "logit_bias")
 MAX_FREE_FORM_KEYS = 256  # keys of extra_args and of kv_transfer_params
+FLOAT32_MAX = 3.4028234663852886e38  # the sampler computes in float32: a larger number is infinite there
+
+
+def is_sampler_float(value: float) -> bool:
+    """Whether a number is finite in the float32 arithmetic the sampler runs in."""
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+
+
 _FLOAT_FIELDS = (
     "temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
     "repetition_penalty_slope", "dry_multiplier", "dry_base", "xtc_threshold", "xtc_probability",
@@ -228,7 +236,7 @@ class SamplingParams:
         for name in _FLOAT_FIELDS:
             value = getattr(self, name)
             ok = isinstance(value, float) or is_int(value)
-            check(ok and math.isfinite(value), f"{name} must be a finite number, got {_brief(value)}")
+            check(ok and is_sampler_float(value), f"{name} must be a finite number (float32: |x| <= 3.4e38), got {_brief(value)}")
         ints = ("n", "min_tokens", "top_k", "repetition_penalty_range", "dry_allowed_length", "dry_range",
                 "mirostat_mode", "no_repeat_ngram_size")  # fmt: skip
         for name in ints:
@@ -282,10 +290,10 @@ class SamplingParams:
         check(is_token_list(self.stop_token_ids), "stop_token_ids must be non-negative integers")
         check(self.logit_bias is None or isinstance(self.logit_bias, dict), "logit_bias must map token ids to numbers")
         bias = self.logit_bias or {}
-        if not (is_token_list(list(bias)) and _all_of_types(bias.values(), (float, int)) and all(map(math.isfinite, bias.values()))):
+        if not (is_token_list(list(bias)) and _all_of_types(bias.values(), (float, int)) and all(map(is_sampler_float, bias.values()))):
             for token_id, value in bias.items():  # the slow walk, only to name the entry at fault
                 ok = is_int(token_id) and token_id >= 0 and isinstance(value, (float, int)) and not isinstance(value, bool)
-                check(ok and math.isfinite(value), f"logit_bias entry {token_id}: {_brief(value)} is invalid")
+                check(ok and is_sampler_float(value), f"logit_bias entry {token_id}: {_brief(value)} is invalid (a finite float32 number)")
         check(
             isinstance(self.logits_processors, list) and all(isinstance(n, str) for n in self.logits_processors),
             "logits_processors must be a list of registered processor names",

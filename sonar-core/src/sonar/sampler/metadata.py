@@ -13,6 +13,8 @@ from sonar.sampler.token_masks import AllowedTokens, build_allowed, build_banned
 from sonar.sampling_params import SamplingParams
 from sonar.tensors import to_device
 
+LOGIT_BIAS_LIMIT = 100.0  # |logit_bias| applied at most (OpenAI's range for the field)
+
 
 @dataclass(slots=True)
 class RequestSamplingState:
@@ -43,12 +45,15 @@ class RequestSamplingState:
         return self.prompt_ids_tensor
 
     def logit_bias_tensors(self, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(ids, biases)`` of ``logit_bias`` inside the vocabulary, CPU int64 / float32."""
+        """``(ids, biases)`` of ``logit_bias`` inside the vocabulary, CPU int64 / float32, each
+        bias clamped to +-100 as OpenAI's API defines the field (a bias that large already
+        decides the token; a larger one would overflow float32 logits once divided by a low
+        temperature)."""
         key = ("logit_bias", vocab_size)
         if key not in self._constraints:
             bias = self.params.logit_bias or {}
             ids = torch.tensor(list(bias), dtype=torch.int64)
-            biases = torch.tensor(list(bias.values()), dtype=torch.float32)
+            biases = torch.tensor(list(bias.values()), dtype=torch.float32).clamp_(-LOGIT_BIAS_LIMIT, LOGIT_BIAS_LIMIT)
             inside = (ids >= 0) & (ids < vocab_size)
             self._constraints[key] = (ids[inside], biases[inside])
         return self._constraints[key]

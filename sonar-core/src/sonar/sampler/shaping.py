@@ -16,6 +16,10 @@ def apply_quadratic(logits: torch.Tensor, factor: torch.Tensor, curve: torch.Ten
     factor, curve = factor.unsqueeze(1), curve.unsqueeze(1)
     k, s = (3.0 - curve) / 2.0, (curve - 1.0) / 2.0
     transformed = max_logits - k * factor * diff**2 + s * factor * diff**3
+    # huge factors or curves overflow: a term of 0 * inf or inf - inf is NaN. The row's maximum
+    # keeps its logit, a NaN elsewhere falls to -inf and +inf to the largest float, so the row
+    # always has a finite logit and a softmax of no NaN
+    transformed = torch.where(diff == 0, max_logits, transformed).nan_to_num(nan=-torch.inf, posinf=torch.finfo(logits.dtype).max)
     return torch.where(torch.isfinite(logits), transformed, logits)
 
 

@@ -10,12 +10,13 @@ validated when the request is created, and a bad value is a ValueError naming th
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+
+from sonar.sampling_params import is_sampler_float
 
 if TYPE_CHECKING:
     from sonar.sampler.logits_processor import LogitsProcessor
@@ -62,7 +63,7 @@ class StageParam:
 
 def _has_type(value: Any, expected: type) -> bool:
     if expected is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and is_sampler_float(value)
     if expected is int:
         return isinstance(value, int) and not isinstance(value, bool)
     return isinstance(value, expected)
