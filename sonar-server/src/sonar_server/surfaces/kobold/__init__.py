@@ -24,6 +24,7 @@ from sonar_server.routing import surface_router
 from sonar_server.state import ServerState
 from sonar_server.streaming import EventStreamResponse, sse_event, unless_disconnected
 from sonar_server.strict_json import StrictJSONResponse
+from sonar_server.surfaces.kobold.context import kobold_prompt_ids
 from sonar_server.surfaces.kobold.protocol import GenerateRequest, GenkeyRequest, TokenCountRequest
 from sonar_server.surfaces.kobold.sampling import kobold_sampling_params
 
@@ -64,12 +65,12 @@ async def _start(body: GenerateRequest, state: ServerState) -> tuple[str, Genera
     lora_request = await state.resolve_model(body.model)
     max_length = body.max_length if body.max_length is not None else state.settings.kobold_default_max_length
     params = kobold_sampling_params(body, max_length, state.vocab_size)
-    prompt_ids = await encode_prompt(state, body.prompt)
+    prompt_ids, prompt_text = await kobold_prompt_ids(state, body.prompt, body.memory, body.max_context_length, max_length)
     genkey = body.genkey or f"KCPP{uuid.uuid4().hex[:8]}"
     jobs = _jobs(state)
     if genkey in jobs or (body.genkey and await state.peers.ask("kobold.running", genkey)):
         raise ApiError(400, f"genkey {genkey!r} is already generating")
-    generation = await start_generation(state, API, state.new_request_id("kobold"), prompt_ids, params, arrival, body.prompt, lora_request=lora_request)
+    generation = await start_generation(state, API, state.new_request_id("kobold"), prompt_ids, params, arrival, prompt_text, lora_request=lora_request)
     jobs[genkey] = generation
     if not body.genkey:
         _anonymous(state).add(genkey)

@@ -20,8 +20,9 @@ class GenerateRequest(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     prompt: str
+    memory: str | None = None  # KoboldCpp's: put before the prompt and kept when the prompt is cut to fit
     max_length: int | None = None
-    max_context_length: int | None = None
+    max_context_length: int | None = None  # the context the prompt is cut to fit (at most the server's)
     n: int = 1
     temperature: float | None = None
     top_p: float | None = None
