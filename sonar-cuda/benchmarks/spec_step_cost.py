@@ -1,7 +1,7 @@
 """What a speculative step costs beyond the model: a tiny random target and a random DSpark
 drafter, so the forward passes are cheap and the host's and the drafter's per-step work shows.
 
-    python sonar-cuda/benchmarks/spec_step_cost.py [--batches 1,64] [--configs none,fixed,confidence,fixed-unchained]
+    python sonar-cuda/benchmarks/spec_step_cost.py [--batches 1,64] [--configs none,fixed,confidence,fixed-unchained,fixed-passes4]
         [--output-len 64] [--step-classes] [--output-json F] [--torch-profile DIR] [--target tiny|smollm2] [--turns N]
 
 For each batch size: output tok/s and milliseconds per step with no speculation, and with
@@ -209,6 +209,8 @@ def _engines(args: argparse.Namespace, target: Path, drafter: Path, max_batch: i
         verification, _, unchained = name.partition("-")
         spec = None if name == "none" else {"method": "dspark", "model": str(drafter), "num_speculative_tokens": 7,
                                              "verification": verification, "disable_by_batch_size": NO_BATCH_LIMIT}  # fmt: skip
+        if unchained.startswith("passes"):  # fixed-passes4: up to 4 verify passes a step for a lone request
+            spec["verify_passes"] = int(unchained.removeprefix("passes"))
         if args.turns:
             options = {"kv_cache_memory_bytes": 2 << 30}
         else:
@@ -292,7 +294,8 @@ def main() -> int:
     parser.add_argument("--batches", default="1,64")
     parser.add_argument("--configs", default="none,fixed,confidence",
                         help="which engines, each measured in turn (run one per invocation for a fresh process each); "
-                             "fixed-unchained, confidence-unchained: without drafts chained behind verification")
+                             "fixed-unchained, confidence-unchained: without drafts chained behind verification; "
+                             "fixed-passesN: up to N verify passes a step at batch 1 (queued on the device)")
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="output tokens per request in the timed runs")
     parser.add_argument("--step-classes", action="store_true", help="also time each step and report them by kind (plain, drafting, probe, verifying)")
     parser.add_argument("--output-json", default=None)

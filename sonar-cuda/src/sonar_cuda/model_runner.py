@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import numpy as np
 import torch
@@ -27,6 +28,7 @@ from sonar.attention import AttentionMetadata
 from sonar.sampler.metadata import SamplingMetadata
 from sonar.spec_decode.device_passes import PassChain, PassRows
 from sonar.spec_decode.interface import DraftCacheBudget
+from sonar.spec_decode.worker_side import ChainedProposal
 from sonar.worker.input_batch import CachedRequestState, StepBatch
 from sonar.worker.model_runner import PLACEHOLDER, LaunchedStep, ModelRunner
 from sonar.worker.verify_passes import pass_stop_ids
@@ -306,7 +308,7 @@ class CudaModelRunner(ModelRunner):
         every further pass of the step at once (``PassChain``): each replays the graph of
         ``k + 1`` rows on inputs the device laid out from the pass before, so no pass waits
         for the host. Anything else takes the core runner's loop, which reads each pass back."""
-        chain = self._chain_for(step, batch)
+        chain = self._chain_for(step, batch, rows)
         if chain is None:
             return super()._further_passes(step, batch, rows)
         state = batch.states[0]
@@ -326,7 +328,11 @@ class CudaModelRunner(ModelRunner):
         buffers.seq_lens[width:size].fill_(1)
         rows_in = PassRows(buffers.tokens[0, :width], buffers.tokens[1, :width], buffers.tokens[2, :width], buffers.seq_lens[:width])
         greedy, inputs = step.verified.result.token_ids, batch.input_ids
-        for _ in range(min(self.spec.config.verify_passes - 1, rows)):
+        num_passes = min(self.spec.config.verify_passes - 1, rows)
+        if step.chained is not None:
+            self._queue_drafter_passes(step, chain, inputs, rows_in, size, num_passes)
+            return batch
+        for _ in range(num_passes):
             chain.advance(greedy, inputs, rows_in, self.spec.proposer)
             hidden = graphs.run(size)[:width]
             greedy, inputs = ops.argmax(self.model.compute_logits(hidden)), rows_in.token_ids
@@ -334,20 +340,59 @@ class CudaModelRunner(ModelRunner):
         step.device_passes = chain.finish()
         return batch
 
-    def _chain_for(self, step: LaunchedStep, batch: StepBatch) -> PassChain | None:
+    def _queue_drafter_passes(self, step: LaunchedStep, chain: PassChain, inputs: torch.Tensor, rows_in: PassRows, size: int, num_passes: int) -> None:
+        """The passes of a drafter that drafts in passes (DFlash, DSpark), all queued: the
+        first pass's drafts were chained behind it; after each later pass the drafter takes
+        its kept states and drafts after its last token (``Proposer.propose_pass``), and the
+        drafts after the last pass are the next step's, chained as usual."""
+        proposer, graphs, width = self.spec.proposer, self.graphs, chain.k + 1
+        chained = step.chained
+        req_id = chained.req_ids[0]
+        started = time.perf_counter()
+        greedy = step.verified.result.token_ids
+        drafts, survival = chained.on_device[0], None
+        positions = torch.empty_like(rows_in.positions)
+        for index in range(num_passes + 1):
+            chain.settle(greedy, inputs)
+            if index:  # the pass just settled: its kept states into the drafter, and its drafts
+                anchor, anchor_position = chain.anchor()
+                drafts, survival = proposer.propose_pass(req_id, graphs.aux.latest[:width], positions, chain.kept_rows, anchor, anchor_position)
+            if index == num_passes:
+                break
+            chain.lay_out(rows_in, drafts, chain.k)
+            positions.copy_(rows_in.positions)  # the next lay-out overwrites the buffer before the drafter reads it
+            hidden = graphs.run(size)[:width]
+            greedy, inputs = ops.argmax(self.model.compute_logits(hidden)), rows_in.token_ids
+        step.device_passes = chain.finish()
+        limit = self.spec.config.num_speculative_tokens
+        token_ids = drafts[:limit].view(1, -1)
+        confidence = None if survival is None else survival[:limit].view(1, -1).to("cpu", non_blocking=True)
+        step.chained = ChainedProposal([req_id], token_ids.to("cpu", non_blocking=True), confidence, chained.seconds + time.perf_counter() - started, token_ids)
+
+    def _chain_for(self, step: LaunchedStep, batch: StepBatch, rows: int) -> PassChain | None:
         """The runner's ``PassChain`` where this step's passes may be queued at once: the
-        proposer drafts on the device, the first pass ran in the graphs' buffers, a pass's
-        ``k + 1`` rows fit a graph, no adapters, and greedy is a plain argmax for the request
-        (no bias, allowed or banned tokens, no bad words, ``min_tokens`` reached)."""
+        proposer drafts on the device (from the sequence, or in passes from the target's
+        states, with room for ``rows`` more positions made in its context), the first pass
+        ran in the graphs' buffers, a pass's ``k + 1`` rows fit a graph, no adapters, and
+        greedy is a plain argmax for the request (no bias, allowed or banned tokens, no bad
+        words, ``min_tokens`` reached)."""
         spec, graphs = self.spec, self.graphs
         extra = batch.attn_metadata.extra if batch.attn_metadata is not None else None
         k = spec.config.num_speculative_tokens
-        if not spec.proposer.drafts_on_device or graphs is None or self.lora is not None or k + 1 > graphs.max_size:
+        proposer = spec.proposer
+        in_passes = step.chained is not None  # a drafter's next drafts chained behind the first pass
+        if not (proposer.drafts_in_passes if in_passes else proposer.drafts_on_device):
+            return None
+        if graphs is None or self.lora is not None or k + 1 > graphs.max_size:
+            return None
+        if in_passes and (graphs.aux is None or not graphs.aux.layer_ids):
             return None
         if not isinstance(extra, TritonStepState) or not extra.graph_batch_size:
             return None
         sampling = batch.states[0].sampling
         if sampling.params.bad_words_token_ids or SamplingMetadata.build([sampling], self.model_config.vocab_size, self.device).edits_logits:
+            return None
+        if in_passes and not proposer.begin_passes(step.chained.req_ids[0], rows):
             return None
         if self._pass_chain is None:
             self._pass_chain = self.pass_chain_cls(self.model_config.max_model_len, k, spec.config.verify_passes, self.device)

@@ -104,7 +104,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     )
     group.add_argument(
         "--speculative-config", type=_json_object, default=None, metavar="JSON",
-        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}\' (greedy output unchanged, sampled output distributed as without it); "verification": "fixed" verifies every draft, "confidence" (DSpark\'s default) per step the drafts worth their cost on a step-time curve profiled at start-up; "verify_passes": N (n-gram) lets a lone greedy request run up to N verify passes a step',
+        help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}\' (greedy output unchanged, sampled output distributed as without it); "verification": "fixed" verifies every draft, "confidence" (DSpark\'s default) per step the drafts worth their cost on a step-time curve profiled at start-up; "verify_passes": N (n-gram, DFlash, DSpark) lets a lone greedy request run up to N verify passes a step',
     )
     group.add_argument(
         "--kv-transfer-config", type=_json_object, default=None, metavar="JSON",

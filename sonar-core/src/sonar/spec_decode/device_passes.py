@@ -70,6 +70,7 @@ class PassChain:
         self.block_size = 0
         self.passes = 0
         self.start = 0
+        self.kept_rows = torch.zeros((), dtype=torch.int64, device=device)  # the last pass settled: its rows kept (0: it did not run)
 
     def begin(
         self,
@@ -98,9 +99,11 @@ class PassChain:
 
     def advance(self, greedy: torch.Tensor, inputs: torch.Tensor, rows: PassRows, proposer: Proposer) -> None:
         """``settle`` the pass just run, then lay the next one out into ``rows`` (which may
-        be the buffers ``inputs`` is a view of: they are read first)."""
+        be the buffers ``inputs`` is a view of: they are read first) with the drafts
+        ``proposer`` finds for the sequence's new ending (``propose_on_device``)."""
         self.settle(greedy, inputs)
-        self.lay_out(proposer, rows)
+        drafts, found = proposer.propose_on_device(self.sequence, self.state[0], self.k)
+        self.lay_out(rows, drafts, found)
 
     def settle(self, greedy: torch.Tensor, inputs: torch.Tensor) -> None:
         """Take a queued pass's results: ``greedy`` its target tokens (one per row, at most
@@ -119,20 +122,26 @@ class PassChain:
         self.stats[self.passes] = torch.stack([live * num_drafts, kept, live])
         self.passes += 1
         step = (kept + 1) * live
+        self.kept_rows = step
         stopped = (torch.isin(greedy, self.stop_ids) & emits).any()
         emitted = emitted + step
         position = position + step
         live = live * (~stopped).long() * (emitted < limit).long() * (position < end).long()
         self.state.copy_(torch.stack([length + step, position, emitted, live, end, limit, num_drafts]))
 
-    def lay_out(self, proposer: Proposer, rows: PassRows) -> None:
-        """Write the next pass's rows: the last token emitted, then the drafts ``proposer``
-        finds for the sequence's new ending (as many as the step's rows leave room for)."""
+    def anchor(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last token emitted and its position (0-d, on the device): the next pass's known
+        token, which the passes before have not computed (a block drafter drafts after it)."""
+        length, position = self.state[0], self.state[1]
+        return self.sequence.gather(0, (length - 1).view(1))[0], position.clone()
+
+    def lay_out(self, rows: PassRows, drafts: torch.Tensor, found: torch.Tensor | int) -> None:
+        """Write the next pass's rows: the last token emitted, then the first ``found`` of
+        ``drafts`` (int64 ``[k]`` on the device; ``found`` 0-d or an int), as many as the
+        step's rows leave room for."""
         length, position, _, live, end, _, _ = self.state.unbind()
-        k = self.k
-        drafts, found = proposer.propose_on_device(self.sequence, length, k)
         room = (end - position - 1).clamp(min=0)
-        num_drafts = torch.minimum(found, room) * live
+        num_drafts = (room.clamp(max=found) if isinstance(found, int) else torch.minimum(found, room)) * live
         offsets = self.offsets
         token_ids = torch.cat([self.sequence.gather(0, (length - 1).view(1)), torch.where(offsets[1:] <= num_drafts, drafts, 0)])
         positions = position + offsets

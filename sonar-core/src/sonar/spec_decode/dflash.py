@@ -78,6 +78,7 @@ class DFlashProposer(Proposer):
     needs_hidden_states = True
     keeps_context = True
     chains = True
+    drafts_in_passes = True
     method = "dflash"
 
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
@@ -91,6 +92,7 @@ class DFlashProposer(Proposer):
         self.context_pass: DraftPass | None = None
         self.bound = False  # a model runner sizes the cache (init_cache); else load_model does
         self._chained_from: dict[str, int] = {}  # per request of the last chained step: its slots before it
+        self._pass_slots = 0  # the most slots a request reads in the passes of its step (begin_passes)
 
     @classmethod
     def check_config(cls, config: SpeculativeConfig) -> DFlashConfig:
@@ -226,6 +228,41 @@ class DFlashProposer(Proposer):
         for req_id, accepted in zip(req_ids, num_accepted):
             if req_id in before:
                 self.cache.settle(req_id, before[req_id] + 1 + accepted)
+
+    def begin_passes(self, req_id: str, num_rows: int) -> bool:
+        """Blocks for ``num_rows`` more slots after the request's claimed ones (its first
+        pass's), so that every pass can write its kept states through the device table."""
+        cache = self.cache
+        length = cache.lengths.get(req_id)
+        if length is None or req_id not in self._chained_from:
+            return False
+        try:
+            cache.reserve(req_id, length + num_rows)
+        except (ValueError, RuntimeError):  # no room for the passes: the step runs one
+            return False
+        self._pass_slots = length + num_rows
+        return True
+
+    @torch.inference_mode()
+    def propose_pass(
+        self, req_id: str, states: torch.Tensor, positions: torch.Tensor, num_kept: torch.Tensor, anchor: torch.Tensor, anchor_position: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Steps 1 to 3 of one request between passes, on the device: the pass's kept states
+        written after the request's device length (the rest to the scratch slot), the length
+        moved past them, and one block drafted after ``anchor``."""
+        cache = self.cache
+        row = cache.row_of(req_id)
+        rows = torch.full((1,), row, dtype=torch.int64, device=self.device)
+        length = cache.device_lengths[row]
+        offsets = torch.arange(states.shape[0], device=self.device)
+        index = length + offsets
+        kept = offsets < num_kept
+        slots = torch.where(kept, cache.device_slots(rows.expand_as(index), torch.where(kept, index, 0)), 0)
+        self.context_pass.run({"states": states, "positions": positions, "slots": slots})
+        cache.device_lengths[row : row + 1].copy_((length + num_kept).view(1))
+        values = {"rows": rows, "anchors": anchor.view(1), "anchor_positions": anchor_position.view(1)}
+        tokens, *survival = self.block_pass.run(values, self._pass_slots)
+        return tokens[0], survival[0][0] if survival else None
 
     @torch.inference_mode()
     def keep_context(self, inputs: ProposerInputs) -> None:

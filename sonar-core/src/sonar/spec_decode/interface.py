@@ -42,9 +42,10 @@ class SpeculativeConfig:
         ``"fixed"`` for the others. vLLM's ``enable_adaptive_verification`` (a bool) is
         taken as a second name for it.
     :param verify_passes: how many verify passes one engine step may run for a request that
-        runs alone (Sonar's option; proposers that ``drafts_between_passes`` only, such as
-        n-gram). Each pass after the first drafts from the tokens the pass before kept, on
-        the host and without leaving the worker, so the engine's own work between steps
+        runs alone (Sonar's option; proposers that ``drafts_between_passes``, such as
+        n-gram, or ``drafts_in_passes``, such as DFlash and DSpark). Each pass after the
+        first drafts from what the pass before kept, without leaving the worker (on a GPU
+        without waiting for the host), so the engine's own work between steps
         (scheduling, results, detokenizing) is paid once for several passes; the request
         must be greedy, without logprobs, penalties or a grammar, and nothing may wait to be
         admitted. 1 (the default): one pass a step, as in vLLM.
@@ -245,6 +246,11 @@ class Proposer:
     :cvar drafts_on_device: whether the proposer also drafts from a sequence held on the
         device (``propose_on_device``): a runner that keeps the passes' inputs on the device
         (the CUDA decode graphs) then queues every pass of a step without reading any back.
+    :cvar drafts_in_passes: whether a proposer that ``chains`` also drafts between the verify
+        passes of one step (``SpeculativeConfig.verify_passes``) from each pass's device
+        results: the runner then reads each pass back and chains the next drafts behind it
+        (``propose_chained``, settled pass by pass), or, where it keeps the passes' inputs on
+        the device, queues every pass at once with ``begin_passes`` and ``propose_pass``.
     :param config: the speculative configuration.
     :param device: the worker's device.
     """
@@ -254,6 +260,7 @@ class Proposer:
     chains: bool = False
     drafts_between_passes: bool = False
     drafts_on_device: bool = False
+    drafts_in_passes: bool = False
 
     def __init__(self, config: SpeculativeConfig, device: torch.device) -> None:
         self.config = config
@@ -296,6 +303,27 @@ class Proposer:
         tensor, at most ``C - 1``); returns ``(drafts, count)``: int64 ``[k]`` whose first
         ``count`` (0-d int64, at most ``k``) are the drafts, the rest zero. The same drafts as
         ``propose`` would give for that sequence."""
+        raise NotImplementedError
+
+    def begin_passes(self, req_id: str, num_rows: int) -> bool:
+        """Before the further passes of a step are queued on the device (only where
+        ``drafts_in_passes``; after ``propose_chained`` for the step's first pass): make room
+        in ``req_id``'s context for up to ``num_rows`` more positions, so that ``propose_pass``
+        needs nothing from the host. False where there is none (the step then runs one pass)."""
+        return False
+
+    def propose_pass(
+        self, req_id: str, states: torch.Tensor, positions: torch.Tensor, num_kept: torch.Tensor, anchor: torch.Tensor, anchor_position: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft for a lone request between two verify passes queued on the device (only where
+        ``drafts_in_passes``), from device values alone: nothing here may wait for the device.
+        ``states`` / ``positions`` are the target's states of the pass just run, row by row
+        (``[rows, width]``, ``[rows]``), of which the first ``num_kept`` (0-d int64; 0 for a
+        pass that did not run) are kept context; ``anchor`` is the last token emitted and
+        ``anchor_position`` its position (0-d int64). Returns the ``k`` drafts (int64 ``[k]``)
+        and their survival estimates (``[k]``, or None). The host's length of the request is
+        settled once, after the step (``settle_chained`` with every token the passes emitted
+        after the first pass's last known token)."""
         raise NotImplementedError
 
     def keep_context(self, inputs: ProposerInputs) -> None:

@@ -26,9 +26,9 @@ def resolve_speculative_config(value: SpeculativeConfig | dict[str, Any] | None)
         )
     proposer_cls = load_registered("speculative proposer", config.method, registered)
     proposer_cls.check_config(config)
-    if config.verify_passes > 1 and not proposer_cls.drafts_between_passes:
+    if config.verify_passes > 1 and not (proposer_cls.drafts_between_passes or proposer_cls.drafts_in_passes):
         raise ValueError(
-            f"speculative_config['verify_passes'] > 1 needs a proposer that drafts between passes from the tokens alone "
-            f"(such as \"ngram\"); {config.method!r} does not"
+            f"speculative_config['verify_passes'] > 1 needs a proposer that drafts between passes "
+            f"(such as \"ngram\", \"dflash\" or \"dspark\"); {config.method!r} does not"
         )
     return config

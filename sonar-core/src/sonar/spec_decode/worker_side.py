@@ -80,6 +80,10 @@ class ChainedProposal:
     token_ids: torch.Tensor  # [B, k]
     confidence: torch.Tensor | None
     seconds: float
+    on_device: torch.Tensor | None = None  # token_ids where the drafter wrote them
+    # tokens the step emitted before the pass these drafts follow (verify passes read back
+    # one by one: each pass's drafts are settled on that pass's tokens alone)
+    num_earlier: int = 0
 
 
 @dataclass(slots=True)
@@ -251,7 +255,8 @@ class SpeculativeDecoder:
         drafts: ChainedDrafts = proposer.propose_chained(step)
         limit = self.config.num_speculative_tokens
         confidence = None if drafts.confidence is None else drafts.confidence[:, :limit].to("cpu", non_blocking=True)
-        return ChainedProposal(step.req_ids, drafts.token_ids[:, :limit].to("cpu", non_blocking=True), confidence, time.perf_counter() - started)
+        token_ids = drafts.token_ids[:, :limit]
+        return ChainedProposal(step.req_ids, token_ids.to("cpu", non_blocking=True), confidence, time.perf_counter() - started, token_ids)
 
     @staticmethod
     def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, meta: SamplingMetadata) -> LogprobsTensors | None:
@@ -294,7 +299,7 @@ class SpeculativeDecoder:
         """A chained step's drafts (read back with its tokens) into ``output``, the proposer's
         host state settled on its kept drafts."""
         req_ids = chained.req_ids
-        self.proposer.settle_chained(req_ids, [len(output.verified_token_ids[r]) - 1 for r in req_ids])
+        self.proposer.settle_chained(req_ids, [len(output.verified_token_ids[r]) - 1 - chained.num_earlier for r in req_ids])
         survival = chained.confidence.tolist() if chained.confidence is not None else None
         output.draft_token_ids, output.draft_confidence = proposals(req_ids, chained.token_ids.tolist(), survival)
         output.draft_seconds = chained.seconds

@@ -30,16 +30,22 @@ class VerifyPasses:
 
     def _may_run_passes(self, step: LaunchedStep, batch: StepBatch) -> bool:
         """Whether a launched verify step may go on with further passes (the scheduler gave
-        it rows for them): one greedy request, verified without logprobs, nothing chained,
-        on one worker holding the whole model, no KV connector."""
+        it rows for them): one greedy request, verified without logprobs, on one worker
+        holding the whole model, no KV connector; a proposer that drafts from the tokens
+        alone, or one that drafts in passes whose next drafts are chained behind this one."""
+        proposer = self.spec.proposer
+        if proposer.drafts_between_passes:
+            drafts = step.chained is None
+        else:
+            drafts = proposer.drafts_in_passes and step.chained is not None and step.chained.on_device is not None
         return (
-            len(batch.states) == 1
-            and step.chained is None
+            drafts
+            and len(batch.states) == 1
             and step.logprobs is None
-            and step.verified.result.num_accepted is None  # an all-greedy verification
+            and step.early_tokens is None
+            and batch.states[0].sampling.params.greedy
             and self.stage.is_single
             and self.kv_connector is None
-            and self.spec.proposer.drafts_between_passes
         )
 
     def _further_passes(self, step: LaunchedStep, batch: StepBatch, rows: int) -> StepBatch:
@@ -47,11 +53,13 @@ class VerifyPasses:
 
         Before each further pass the host reads back the pass before's tokens, drafts from
         them and verifies those drafts from the position after the tokens it kept, within the
-        ``rows`` the scheduler gave beyond the first pass. The last pass stays queued as the
-        step's verification, read back by ``fetch``; the tokens of the ones before go into
-        ``step.early_tokens``. A pass that emits a stop token, reaches ``max_tokens`` or
-        leaves no rows is the last (it was read already: its tokens go back out of the
-        output, so ``fetch`` takes them as any last pass's). Returns the last pass's batch."""
+        ``rows`` the scheduler gave beyond the first pass; a proposer that drafts in passes
+        has its drafts chained behind each pass, settled once the host read the pass. The
+        last pass stays queued as the step's verification, read back by ``fetch``; the tokens
+        of the ones before go into ``step.early_tokens``. A pass that emits a stop token,
+        reaches ``max_tokens`` or leaves no rows is the last (it was read already: its tokens
+        go back out of the output, so ``fetch`` takes them as any last pass's). Returns the
+        last pass's batch."""
         state = batch.states[0]
         sampling = state.sampling
         outputs, params = sampling.output_token_ids, sampling.params
@@ -62,6 +70,7 @@ class VerifyPasses:
         for _ in range(self.spec.config.verify_passes - 1):
             token_ids = step.verified.result.token_ids.tolist()  # waits for the pass in flight
             kept = step.verified.layout.leading_matches(token_ids)[0]
+            chained = step.chained
             emitted = token_ids[: kept + 1]
             outputs.extend(emitted)
             room = end - (position + kept + 1)  # rows left for a next pass (its known token, its drafts)
@@ -71,8 +80,12 @@ class VerifyPasses:
             step.passes.append([len(drafts), kept])
             early += emitted
             position += kept + 1
-            proposed, _ = self.spec.propose([state.req_id], RequestSequences([state]), [kept + 1])
-            drafts = proposed.get(state.req_id, [])[: room - 1]
+            if chained is not None:  # drafted behind the pass: its context settled on what it kept
+                self.spec.proposer.settle_chained(chained.req_ids, [kept])
+                drafts = chained.on_device[0].tolist()[: room - 1]
+            else:
+                proposed, _ = self.spec.propose([state.req_id], RequestSequences([state]), [kept + 1])
+                drafts = proposed.get(state.req_id, [])[: room - 1]
             state.num_computed_tokens, state.draft_token_ids = position, drafts
             batch = self.build_batch([state], [1 + len(drafts)])
             state.draft_token_ids = []
@@ -80,9 +93,16 @@ class VerifyPasses:
             hidden = self.model(batch.input_ids, batch.positions, ForwardContext(batch.attn_metadata, self.kv_caches))
             logits = self.model.compute_logits(hidden[batch.logits_indices])
             step.verified = self.spec.verify(self.sampler, logits, [sampling], [drafts])
+            if chained is not None:
+                step.hidden = self.spec.record_hidden_states(batch, hidden)
+                step.chained = self.spec.chain(step.verified, step.hidden, [state.req_id], [state], 1, None)
             step.sampled = step.verified.result.token_ids.to("cpu", non_blocking=True)
+            if chained is not None and step.chained is None:  # nothing drafted behind this pass: the last
+                break
         if early:
             step.early_tokens = early
+        if step.chained is not None:
+            step.chained.num_earlier = len(early)
         return batch
 
     def _resolve_device_passes(self, step: LaunchedStep) -> None:
