@@ -172,3 +172,4 @@ def test_cuda_passes_queued_on_the_device_give_greedy_output_and_keep_the_drafte
         assert outputs[1] == outputs[0]
         assert counts[1] < counts[0]
     assert queued, "the passes were queued on the device"
+    assert type(runner._pass_chain).__name__ == "DrafterPassChain"  # the work between passes in two launches

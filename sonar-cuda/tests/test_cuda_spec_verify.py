@@ -227,7 +227,7 @@ def _ngram_passes_run(path, prompt, params, chained: bool, chain_cls=None):
         further = runner._further_passes
         runner._further_passes = lambda step, batch, rows: queued.append(rows) or further(step, batch, rows)
     else:
-        runner._chain_for = lambda step, batch: None
+        runner._chain_for = lambda step, batch, rows: None
     done = run_to_end(engine, [prompt], [params])[0].outputs[0]
     if chained:
         assert queued and type(runner._pass_chain) is chain_cls  # the device chain ran the passes

@@ -36,6 +36,7 @@ from sonar_cuda.attention import TritonStepState
 from sonar_cuda.decode_graphs import DecodeBuffers, DecodeGraphs, GraphedModel, default_capture_sizes, fill_padding
 from sonar_cuda.draft_graphs import CudaGraphCapturer
 from sonar_cuda.kernels.decode_attention import warm_up_decode_attention
+from sonar_cuda.kernels.drafter_passes import DrafterPassChain
 from sonar_cuda.kernels.ngram_passes import NgramPassChain
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,8 @@ class CudaModelRunner(ModelRunner):
         self.max_blocks_per_seq = self.block_table.max_blocks_per_seq
         self.graphs: DecodeGraphs | None = None
         self._pass_chain: PassChain | None = None
-        self.pass_chain_cls: type[PassChain] = NgramPassChain  # PassChain: the work between passes as separate operations
+        # the work between passes queued at once: None, one launch for each proposer's (PassChain: separate operations)
+        self.pass_chain_cls: type[PassChain] | None = None
 
     # -- setup ---------------------------------------------------------------------------
 
@@ -395,5 +397,6 @@ class CudaModelRunner(ModelRunner):
         if in_passes and not proposer.begin_passes(step.chained.req_ids[0], rows):
             return None
         if self._pass_chain is None:
-            self._pass_chain = self.pass_chain_cls(self.model_config.max_model_len, k, spec.config.verify_passes, self.device)
+            chain_cls = self.pass_chain_cls or (DrafterPassChain if in_passes else NgramPassChain)
+            self._pass_chain = chain_cls(self.model_config.max_model_len, k, spec.config.verify_passes, self.device)
         return self._pass_chain
