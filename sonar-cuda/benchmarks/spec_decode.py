@@ -208,12 +208,13 @@ def _acceptance(llm: LLM) -> dict[str, float]:
             "drafts": stats.spec_num_drafts, "draft_tokens": stats.spec_num_draft_tokens, "accepted": stats.spec_num_accepted_tokens}
 
 
-def _drafter_specs(drafters: str, k: int, unchained: bool = False) -> list[dict[str, Any]]:
+def _drafter_specs(drafters: str, k: int, unchained: bool = False, verify_passes: int = 1) -> list[dict[str, Any]]:
     """``method=folder,...`` as speculative configs at ``k`` drafts, each with fixed-length
     verification (so that mean acceptance lengths compare: every step verifies all ``k``), and
     DSpark also with its default confidence-scheduled verification. ``unchained``: DFlash and
     DSpark also without their drafts chained behind verification (``UNCHAINED`` in the spec:
-    the drafter runs once the step's tokens are read back)."""
+    the drafter runs once the step's tokens are read back). ``verify_passes`` above 1: DFlash
+    and DSpark also with that many verify passes a step (both verifications for DSpark)."""
     specs = []
     for item in drafters.split(","):
         method, _, folder = item.partition("=")
@@ -222,8 +223,13 @@ def _drafter_specs(drafters: str, k: int, unchained: bool = False) -> list[dict[
         specs.append({"method": method, "model": folder, "num_speculative_tokens": k, "verification": "fixed"})
         if unchained and method != "eagle3":
             specs.append({**specs[-1], UNCHAINED: True})
+        fixed = specs[-1] if not unchained or method == "eagle3" else specs[-2]
         if method == "dspark":
             specs.append({"method": method, "model": folder, "num_speculative_tokens": k, "verification": "confidence"})
+        if verify_passes > 1 and method != "eagle3":
+            specs.append({**fixed, "verify_passes": verify_passes})
+            if method == "dspark":
+                specs.append({**fixed, "verification": "confidence", "verify_passes": verify_passes})
     return specs
 
 
@@ -279,7 +285,7 @@ def real_target(args: argparse.Namespace, method: str) -> dict[str, Any]:
             specs.append({**spec, OPS_CHAIN: True} if fields[4:] == ["ops"] else spec)
     elif method == "drafters":
         conversations = [[{"role": "user", "content": t[0]}] for t in turns]
-        specs = _drafter_specs(args.drafters, args.k, args.unchained)
+        specs = _drafter_specs(args.drafters, args.k, args.unchained, args.verify_passes)
     else:
         conversations = [[{"role": "user", "content": t[0]}] for t in turns]
         specs = [{"method": method, "model": args.drafter, "num_speculative_tokens": args.k}]
@@ -412,6 +418,7 @@ def main() -> None:
                         help="ngram part: comma-separated k:prompt_lookup_min:prompt_lookup_max[:verify_passes[:ops]], each measured beside the one plain run")
     parser.add_argument("--kv-cache-gib", type=float, default=8.0, help="batched, drafters, ngram, eagle3, dflash, dspark parts: the KV cache of each of the engines living side by side")
     parser.add_argument("--unchained", action="store_true", help="drafters part: DFlash and DSpark also without drafts chained behind verification")
+    parser.add_argument("--verify-passes", type=int, default=1, help="drafters part: DFlash and DSpark also with this many verify passes a step")
     parser.add_argument("--verifications", default="fixed,confidence",
                         help="batched part: the speculative engines beside the plain one (fixed, confidence, and either with -unchained)")
     parser.add_argument("--rounds", type=int, default=3, help="batched and batch-1 parts: rounds of turns (the median is reported)")
