@@ -12,15 +12,10 @@ import random
 import pytest
 import torch
 
-from sonar.spec_decode.device_passes import PassChain, PassRows
+from test_cuda_ngram_passes import BLOCK_SIZE, _rows, random_first_pass
+
+from sonar.spec_decode.device_passes import PassChain
 from sonar_cuda.kernels.drafter_passes import DrafterPassChain
-
-BLOCK_SIZE = 4
-
-
-def _rows(width: int, device: torch.device) -> PassRows:
-    tokens = torch.full((3, width + 3), -7, dtype=torch.int64, device=device)
-    return PassRows(tokens[0, :width], tokens[1, :width], tokens[2, :width], torch.full((width,), -7, dtype=torch.int32, device=device))
 
 
 def test_two_launches_between_passes_do_what_the_separate_operations_do(device: torch.device) -> None:
@@ -28,19 +23,7 @@ def test_two_launches_between_passes_do_what_the_separate_operations_do(device: 
     capacity = 96
     for trial in range(60):
         k = rng.choice([1, 3, 4, 7])
-        vocab = rng.choice([3, 6])
-        length = rng.randint(2, 40)
-        sequence = [rng.randrange(vocab) for _ in range(length)]
-        end = length - 1 + rng.randint(1, 3 * (k + 1))
-        max_tokens = rng.choice([None, rng.randint(1, 30)])
-        stops = set(rng.sample(range(vocab), rng.randint(0, 1)))
-        block_row = torch.randperm(64, device=device)[: capacity // BLOCK_SIZE].to(torch.int32)
-        first_drafts = rng.randint(0, k)
-        inputs = torch.tensor([sequence[-1]] + [rng.randrange(vocab) for _ in range(first_drafts)], device=device)
-        greedy = inputs.clone()
-        agree = rng.randint(0, first_drafts)  # the target agrees with the first drafts, then not
-        greedy[:agree] = inputs[1 : agree + 1]
-        greedy[agree:] = torch.randint(0, vocab, (first_drafts + 1 - agree,), device=device)
+        vocab, sequence, end, max_tokens, stops, block_row, first_drafts, inputs, greedy = random_first_pass(rng, k, capacity, device)
         outputs = []
         for cls in (PassChain, DrafterPassChain):
             chain = cls(capacity, k, 4, device)

@@ -23,6 +23,26 @@ def _rows(width: int, device: torch.device) -> PassRows:
     return PassRows(tokens[0, :width], tokens[1, :width], tokens[2, :width], torch.full((width,), -7, dtype=torch.int32, device=device))
 
 
+def random_first_pass(rng: random.Random, k: int, capacity: int, device: torch.device) -> tuple:
+    """A random request and the first pass of its step: the vocabulary's size, its sequence,
+    the step's end, ``max_tokens``, stop tokens, its block-table row, the pass's drafts and
+    its input ids and target tokens (agreeing with a random prefix of the drafts)."""
+    vocab = rng.choice([3, 6])
+    length = rng.randint(2, 40)
+    sequence = [rng.randrange(vocab) for _ in range(length)]
+    end = length - 1 + rng.randint(1, 3 * (k + 1))
+    max_tokens = rng.choice([None, rng.randint(1, 30)])
+    stops = set(rng.sample(range(vocab), rng.randint(0, 1)))
+    block_row = torch.randperm(64, device=device)[: capacity // BLOCK_SIZE].to(torch.int32)
+    first_drafts = rng.randint(0, k)
+    inputs = torch.tensor([sequence[-1]] + [rng.randrange(vocab) for _ in range(first_drafts)], device=device)
+    greedy = inputs.clone()
+    agree = rng.randint(0, first_drafts)  # the target agrees with the first drafts, then not
+    greedy[:agree] = inputs[1 : agree + 1]
+    greedy[agree:] = torch.randint(0, vocab, (first_drafts + 1 - agree,), device=device)
+    return vocab, sequence, end, max_tokens, stops, block_row, first_drafts, inputs, greedy
+
+
 def test_one_launch_between_passes_does_what_the_separate_operations_do(device: torch.device) -> None:
     rng = random.Random(0)
     capacity = 96
@@ -32,20 +52,8 @@ def test_one_launch_between_passes_does_what_the_separate_operations_do(device: 
         max_n = rng.randint(min_n, 4)
         config = SpeculativeConfig(method="ngram", num_speculative_tokens=k, prompt_lookup_min=min_n, prompt_lookup_max=max_n)
         proposer = NgramProposer(config, device)
-        vocab = rng.choice([3, 6])
-        length = rng.randint(2, 40)
-        sequence = [rng.randrange(vocab) for _ in range(length)]
-        end = length - 1 + rng.randint(1, 3 * (k + 1))
-        max_tokens = rng.choice([None, rng.randint(1, 30)])
-        stops = set(rng.sample(range(vocab), rng.randint(0, 1)))
-        block_row = torch.randperm(64, device=device)[: capacity // BLOCK_SIZE].to(torch.int32)
+        vocab, sequence, end, max_tokens, stops, block_row, first_drafts, inputs, greedy = random_first_pass(rng, k, capacity, device)
         chains = [cls(capacity, k, 4, device) for cls in (PassChain, NgramPassChain)]
-        first_drafts = rng.randint(0, k)
-        inputs = torch.tensor([sequence[-1]] + [rng.randrange(vocab) for _ in range(first_drafts)], device=device)
-        greedy = inputs.clone()
-        agree = rng.randint(0, first_drafts)  # the target agrees with the first drafts, then not
-        greedy[:agree] = inputs[1 : agree + 1]
-        greedy[agree:] = torch.randint(0, vocab, (first_drafts + 1 - agree,), device=device)
         outputs = []
         for chain in chains:
             chain.begin(sequence, end, 0, max_tokens, stops, block_row, BLOCK_SIZE, first_drafts)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from sonar.spec_decode.device_passes import PassChain, PassRows
+from sonar_cuda.kernels.pass_settle import settle_pass
 
 
 @triton.jit(do_not_specialize=["rows", "pass_index", "num_stops"])  # one compile for every pass of every step
@@ -23,42 +24,16 @@ def _settle_kernel(
     state_ptr, seq_ptr, emitted_ptr, stats_ptr, pass_index, stop_ptr, num_stops, anchor_ptr,
     BLOCK_R: tl.constexpr,
 ):  # fmt: skip
-    r = tl.arange(0, BLOCK_R)
-    length = tl.load(state_ptr + 0)
-    position = tl.load(state_ptr + 1)
-    emitted = tl.load(state_ptr + 2)
-    live = tl.load(state_ptr + 3)
-    end = tl.load(state_ptr + 4)
-    limit = tl.load(state_ptr + 5)
-    num_drafts = tl.load(state_ptr + 6)
-    last = tl.load(seq_ptr + length - 1)
-
-    greedy = tl.load(greedy_ptr + r, mask=r < rows, other=-1)
-    following = tl.load(inputs_ptr + r + 1, mask=r + 1 < rows, other=-2)
-    agree = (following == greedy) & (r < num_drafts) & (r + 1 < rows)
-    kept = tl.min(tl.where(agree, BLOCK_R, r), axis=0).to(tl.int64) * live
-    emits = (r <= kept) & (live > 0) & (r < rows)
-    tl.store(emitted_ptr + emitted + r, greedy, mask=emits)
-    tl.store(seq_ptr + length + r, greedy, mask=emits)
-    tl.store(stats_ptr + pass_index * 3 + 0, num_drafts * live)
-    tl.store(stats_ptr + pass_index * 3 + 1, kept)
-    tl.store(stats_ptr + pass_index * 3 + 2, live)
-    stopped = tl.zeros([], tl.int32)
-    for s in range(num_stops):
-        stop = tl.load(stop_ptr + s)
-        stopped += tl.sum(((greedy == stop) & emits).to(tl.int32), axis=0)
-    step = (kept + 1) * live
-    anchor = tl.where(step > 0, tl.sum(tl.where(r == kept, greedy, 0), axis=0), last)
-    emitted += step
-    position += step
-    length += step
-    live = live * (stopped == 0).to(tl.int64) * (emitted < limit).to(tl.int64) * (position < end).to(tl.int64)
+    length, position, emitted, live, _, step, anchor = settle_pass(
+        greedy_ptr, inputs_ptr, rows, state_ptr, seq_ptr, emitted_ptr, stats_ptr, pass_index, stop_ptr, num_stops, BLOCK_R
+    )
+    tl.debug_barrier()  # every thread has read the state before it is written
     tl.store(state_ptr + 0, length)
     tl.store(state_ptr + 1, position)
     tl.store(state_ptr + 2, emitted)
     tl.store(state_ptr + 3, live)
     tl.store(anchor_ptr + 0, step)
-    tl.store(anchor_ptr + 1, anchor.to(tl.int64))
+    tl.store(anchor_ptr + 1, anchor)
     tl.store(anchor_ptr + 2, position)
 
 
@@ -103,7 +78,7 @@ class DrafterPassChain(PassChain):
         _settle_kernel[(1,)](
             greedy, inputs, greedy.shape[0],
             self.state, self.sequence, self.emitted, self.stats, self.passes, self.stop_ids, self.stop_ids.numel(), self._anchor,
-            BLOCK_R=self._block_r,
+            BLOCK_R=self._block_r, num_warps=1,
         )  # fmt: skip
         self.passes += 1
         self.kept_rows = self._anchor[0]
@@ -118,5 +93,5 @@ class DrafterPassChain(PassChain):
         _lay_out_kernel[(1,)](
             self.state, self.sequence, drafts, self.block_row, self.block_size, self.block_row.shape[0],
             rows.token_ids, rows.positions, rows.slots, rows.seq_lens,
-            K=self.k, BLOCK_R=self._block_r,
+            K=self.k, BLOCK_R=self._block_r, num_warps=1,
         )  # fmt: skip

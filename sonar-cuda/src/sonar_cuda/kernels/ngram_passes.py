@@ -18,6 +18,7 @@ import triton.language as tl
 from sonar.spec_decode.device_passes import PassChain, PassRows
 from sonar.spec_decode.interface import Proposer
 from sonar.spec_decode.ngram import NgramProposer
+from sonar_cuda.kernels.pass_settle import settle_pass
 
 SCAN_BLOCK = 1024  # earlier positions scored at once (a score: tokens matched * 2**40 + position)
 
@@ -31,34 +32,10 @@ def _ngram_advance_kernel(
     MIN_N: tl.constexpr, MAX_N: tl.constexpr, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_L: tl.constexpr,
 ):  # fmt: skip
     r = tl.arange(0, BLOCK_R)
-    length = tl.load(state_ptr + 0)
-    position = tl.load(state_ptr + 1)
-    emitted = tl.load(state_ptr + 2)
-    live = tl.load(state_ptr + 3)
-    end = tl.load(state_ptr + 4)
-    limit = tl.load(state_ptr + 5)
-    num_drafts = tl.load(state_ptr + 6)
-
     # the pass just run: keep its drafts up to the first the target disagrees with
-    greedy = tl.load(greedy_ptr + r, mask=r < rows, other=-1)
-    following = tl.load(inputs_ptr + r + 1, mask=r + 1 < rows, other=-2)
-    agree = (following == greedy) & (r < num_drafts) & (r + 1 < rows)
-    kept = tl.min(tl.where(agree, BLOCK_R, r), axis=0).to(tl.int64) * live
-    emits = (r <= kept) & (live > 0) & (r < rows)
-    tl.store(emitted_ptr + emitted + r, greedy, mask=emits)
-    tl.store(seq_ptr + length + r, greedy, mask=emits)
-    tl.store(stats_ptr + pass_index * 3 + 0, num_drafts * live)
-    tl.store(stats_ptr + pass_index * 3 + 1, kept)
-    tl.store(stats_ptr + pass_index * 3 + 2, live)
-    stopped = tl.zeros([], tl.int32)
-    for s in range(num_stops):
-        stop = tl.load(stop_ptr + s)
-        stopped += tl.sum(((greedy == stop) & emits).to(tl.int32), axis=0)
-    step = (kept + 1) * live
-    emitted += step
-    position += step
-    length += step
-    live = live * (stopped == 0).to(tl.int64) * (emitted < limit).to(tl.int64) * (position < end).to(tl.int64)
+    length, position, emitted, live, end, _, _ = settle_pass(
+        greedy_ptr, inputs_ptr, rows, state_ptr, seq_ptr, emitted_ptr, stats_ptr, pass_index, stop_ptr, num_stops, BLOCK_R
+    )
     tl.debug_barrier()  # the sequence's new tokens, and the pass's inputs read, before the lookup and the writes
 
     # the lookup: every earlier position scored by the tokens matched backwards from it
