@@ -398,5 +398,6 @@ class CudaModelRunner(ModelRunner):
             return None
         if self._pass_chain is None:
             chain_cls = self.pass_chain_cls or (DrafterPassChain if in_passes else NgramPassChain)
-            self._pass_chain = chain_cls(self.model_config.max_model_len, k, spec.config.verify_passes, self.device)
+            max_passes = min(spec.config.verify_passes, self.model_config.max_model_len)  # a step's rows bound its passes
+            self._pass_chain = chain_cls(self.model_config.max_model_len, k, max_passes, self.device)
         return self._pass_chain
