@@ -340,8 +340,8 @@ def test_oversized_lists_are_refused_by_their_count_while_other_streams_go_on(se
     """Lists and maps past what the model or the server can use are a 400 naming the limit
     within a second or two, in each API's format, before anything walks them (a 2,000,000-entry
     allowed_token_ids paused every other stream 0.3 s, 20,000 tools 4.3 s, a prompt of a
-    million floats 10 s); a stream running meanwhile gets every token, and lists as long as
-    the model allows are served."""
+    million floats 10 s, a prompt of five megabytes 5 s to tokenize); a stream running meanwhile
+    gets every token, and lists as long as the model allows are served."""
     import threading
     import time
 
@@ -354,6 +354,7 @@ def test_oversized_lists_are_refused_by_their_count_while_other_streams_go_on(se
 
     many_ids, wide_map = [5] * 2_000_000, {str(i): 1.0 for i in range(100_000)}
     user = {"role": "user", "content": "a"}
+    huge = "word " * 1_000_000
     cases = [
         ("/v1/completions", {**COMPLETION, "allowed_token_ids": many_ids}, openai_error, "allowed_token_ids has 2000000 entries; the model's vocabulary has 49152 tokens"),
         ("/v1/completions", {**COMPLETION, "stop_token_ids": many_ids}, openai_error, "stop_token_ids has 2000000 entries"),
@@ -372,6 +373,10 @@ def test_oversized_lists_are_refused_by_their_count_while_other_streams_go_on(se
         ("/v1/completions", {**COMPLETION, "prompt": [1.5] * 1_000_000}, openai_error, "prompt"),
         ("/detokenize", {"tokens": many_ids}, openai_error, "2000000 token ids cannot fit in the model's context of 512 tokens"),
         ("/v1/completions", {**COMPLETION, "guided_json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(60_000)}}}, openai_error, "holds more than 100000 values"),
+        # a prompt of megabytes (five seconds of a core to tokenize) is refused once its head is past the context
+        ("/v1/completions", {**COMPLETION, "prompt": huge}, openai_error, "the prompt is more than 512 tokens"),
+        ("/v1/chat/completions", {**CHAT, "messages": [{"role": "user", "content": huge}]}, openai_error, "the prompt is more than 512 tokens"),
+        ("/v1/messages", {**MESSAGES, "messages": [{"role": "user", "content": huge}]}, anthropic_error, "the prompt is more than 512 tokens"),
     ]
     streaming = threading.Thread(target=stream)
     streaming.start()

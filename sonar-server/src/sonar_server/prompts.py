@@ -4,6 +4,7 @@ offline ``LLM`` does them so the same prompt gives the same tokens."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from sonar_server.errors import ApiError
@@ -17,9 +18,35 @@ _RENDERER_ARGUMENTS = frozenset({
 })  # fmt: skip
 
 
-async def encode_prompt(state: ServerState, text: str) -> list[int]:
-    """Token ids of a completion prompt, as ``LLM.generate`` would tokenize it."""
+#: tokens a huge prompt's head may hold past the context before the prompt counts as too long
+#: (the cut may split a token); its head is this many characters a token of the context
+HEAD_SLACK_TOKENS = 64
+HEAD_CHARS_PER_TOKEN = 16
+
+
+def encode_within_context(encode: Callable[[str], list[int]], text: str, max_model_len: int, param: str) -> list[int]:
+    """``encode(text)``, except that a text of far more characters than the context holds tokens
+    has its head tokenized first: where the head alone is past the context, the prompt cannot
+    be served and a 400 says so before the rest is tokenized (a prompt of megabytes took the
+    server seconds of a core to tokenize only to be refused)."""
+    head = HEAD_CHARS_PER_TOKEN * (max_model_len + HEAD_SLACK_TOKENS)
+    if len(text) > 2 * head:
+        count = len(encode(text[:head]))
+        if count > max_model_len + HEAD_SLACK_TOKENS:
+            raise ApiError(
+                400, f"the prompt is more than {max_model_len} tokens (its first {head} characters alone are {count}), "
+                f"the model's context is {max_model_len} tokens: no room to generate", param=param,
+            )  # fmt: skip
+    return encode(text)
+
+
+async def encode_prompt(state: ServerState, text: str, for_generation: bool = False) -> list[int]:
+    """Token ids of a completion prompt, as ``LLM.generate`` would tokenize it; ``for_generation``:
+    a prompt whose head alone is past the model's context is refused without tokenizing the rest
+    (``encode_within_context``; counting and Kobold's trimming read every token)."""
     state.require_tokenizer()
+    if for_generation:
+        return await asyncio.to_thread(encode_within_context, state.client.encode, text, state.max_model_len, "prompt")
     return await asyncio.to_thread(state.client.encode, text)
 
 
@@ -29,9 +56,11 @@ async def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    for_generation: bool = False,
 ) -> tuple[str, list[int]]:
     """The chat template applied to ``messages``: the prompt text and its token ids, as
-    ``LLM.chat`` builds them."""
+    ``LLM.chat`` builds them; ``for_generation``: a rendered prompt whose head alone is past the
+    model's context is refused without tokenizing the rest (``encode_within_context``)."""
     tokenizer = state.require_tokenizer()
     if not messages:
         raise ApiError(400, "messages must not be empty", param="messages")
@@ -62,7 +91,10 @@ async def render_chat(
             )
         except Exception as exc:  # jinja raises its own error types for bad conversations
             raise ApiError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc
-        return text, tokenizer.encode(text, add_special_tokens=False)
+        def encode(piece: str) -> list[int]:
+            return tokenizer.encode(piece, add_special_tokens=False)
+
+        return text, encode_within_context(encode, text, state.max_model_len, "messages") if for_generation else encode(text)
 
     return await asyncio.to_thread(render)
 

@@ -143,7 +143,7 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     arrival = time.monotonic()
     state: ServerState = request.app.state.sonar
     lora_request = await state.resolve_model(body.model)
-    plan, prompt_text, prompt_ids = await _render(state, body.system, body.messages, body.tools, body.tool_choice)
+    plan, prompt_text, prompt_ids = await _render(state, body.system, body.messages, body.tools, body.tool_choice, for_generation=True)
     guide = plan.constraint(body_guide(body))
     stop_sequences = list(body.stop_sequences or [])
     params = build_sampling_params(
@@ -285,18 +285,19 @@ class _BlockWriter:
 
 
 async def _render(
-    state: ServerState, system: Any, messages: list[Message], tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None
+    state: ServerState, system: Any, messages: list[Message], tools: list[dict[str, Any]] | None, tool_choice: dict[str, Any] | None,
+    for_generation: bool = False,
 ) -> tuple[ToolPlan, str, list[int]]:
     """The request's tool plan and its prompt (text and ids): the tools where the plan puts
     them, and a final assistant message continued (Anthropic's prefill: the reply goes on from
-    its text) rather than closed."""
+    its text) rather than closed (``for_generation``: see ``render_chat``)."""
     plan = anthropic_tool_plan(tools, tool_choice, state.settings)
     await asyncio.to_thread(plan.adapt_to, state.require_tokenizer())
     template_kwargs: dict[str, Any] = {}
     rendered = plan.render_inputs(chat_messages(system, messages), template_kwargs)
     final = rendered[-1] if rendered else {}
     prefill = final.get("role") == "assistant" and isinstance(final.get("content"), str) and bool(final["content"]) and not final.get("tool_calls")
-    prompt_text, prompt_ids = await render_chat(state, rendered, continue_final_message=prefill, template_kwargs=template_kwargs)
+    prompt_text, prompt_ids = await render_chat(state, rendered, continue_final_message=prefill, template_kwargs=template_kwargs, for_generation=for_generation)
     return plan, prompt_text, prompt_ids
 
 

@@ -68,7 +68,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise ApiError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     if body.stream and extra_sampling_fields(body).get("prompt_logprobs") is not None:  # as vLLM: a chat stream has no place for them
         raise ApiError(400, "prompt_logprobs are not available with stream=true; ask for them without streaming", param="prompt_logprobs")
-    plan, prompt_text, prompt_ids = await render_chat_request(state, body, body.tool_choice, body.parallel_tool_calls)
+    plan, prompt_text, prompt_ids = await render_chat_request(state, body, body.tool_choice, body.parallel_tool_calls, for_generation=True)
     guide = plan.constraint(body_guide(body, body.response_format))
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is None:
@@ -106,16 +106,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await built_response(lambda: _response(state, body, generation, plan, guide, echoed), logprob_entries([generation]))
 
 
-async def render_chat_request(state: ServerState, body: Any, tool_choice: Any, parallel_tool_calls: bool | None) -> tuple[ToolPlan, str, list[int]]:
+async def render_chat_request(
+    state: ServerState, body: Any, tool_choice: Any, parallel_tool_calls: bool | None, for_generation: bool = False
+) -> tuple[ToolPlan, str, list[int]]:
     """A chat body's tool plan and prompt (text and ids): its messages, tools, chat template
-    and template variables, as a chat completion renders them (``/tokenize`` counts the same)."""
+    and template variables, as a chat completion renders them (``/tokenize`` counts the same;
+    ``for_generation``: see ``render_chat``)."""
     plan = openai_tool_plan(body.tools, tool_choice, parallel_tool_calls, state.settings)
     await asyncio.to_thread(plan.adapt_to, state.require_tokenizer())
     template_kwargs = dict(body.chat_template_kwargs or {})
     if body.chat_template is not None:
         template_kwargs["chat_template"] = body.chat_template
     messages = plan.render_inputs(message_dicts(body.messages), template_kwargs)
-    prompt_text, prompt_ids = await render_chat(state, messages, body.add_generation_prompt, body.continue_final_message, template_kwargs)
+    prompt_text, prompt_ids = await render_chat(state, messages, body.add_generation_prompt, body.continue_final_message, template_kwargs, for_generation)
     return plan, prompt_text, prompt_ids
 
 

@@ -44,7 +44,7 @@ async def _prompts(state: ServerState, prompt: Any, n: int) -> list[tuple[str | 
     result = []
     for item in prompt:
         if isinstance(item, str):
-            result.append((item, await encode_prompt(state, item)))
+            result.append((item, await encode_prompt(state, item, for_generation=True)))
         else:
             result.append((None, list(item)))
     return result
