@@ -178,13 +178,14 @@ def test_the_option_is_checked():
 
 def test_the_embedded_model_copying_code_fills_every_pass_and_decodes_as_without_them():
     """The real SmolLM2 GGUF (float32, dequantized) asked to repeat code: long accepted runs,
-    so passes end where the step's rows run out; every cut of ``max_tokens`` as plainly."""
+    so passes end where the step's rows run out; ``max_tokens`` cut as plainly early, inside a
+    step's passes and at its end."""
     common = dict(dtype="float32", max_model_len=1024, quantization="unquantized")
     ngram = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     engines = LLM(**common), LLM(**common, speculative_config=ngram), LLM(**common, speculative_config={**ngram, "verify_passes": 3})
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
     messages = [{"role": "user", "content": "Repeat this code exactly, then stop:\n" + code}]
-    for max_tokens in (23, 60, 61, 62, 63, 64):
+    for max_tokens in (23, 61, 64):
         params = SamplingParams(temperature=0, max_tokens=max_tokens)
         outputs, counts = [], []
         for llm in engines:
@@ -193,4 +194,4 @@ def test_the_embedded_model_copying_code_fills_every_pass_and_decodes_as_without
             counts.append(steps(llm) - before)
         assert outputs[0].token_ids == outputs[1].token_ids == outputs[2].token_ids
         assert outputs[0].finish_reason == outputs[2].finish_reason
-        assert counts[2] < counts[1] < counts[0]  # 60 tokens: 60, 31 and 17 steps when written
+        assert counts[2] < counts[1] < counts[0]  # fewer steps with n-gram drafts, fewer still with three passes a step
