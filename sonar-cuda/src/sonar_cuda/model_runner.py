@@ -366,9 +366,8 @@ class CudaModelRunner(ModelRunner):
             hidden = graphs.run(size)[:width]
             greedy, inputs = ops.argmax(self.model.compute_logits(hidden)), rows_in.token_ids
         step.device_passes = chain.finish()
-        limit = self.spec.config.num_speculative_tokens
-        token_ids = drafts[:limit].view(1, -1)
-        confidence = None if survival is None else survival[:limit].view(1, -1).to("cpu", non_blocking=True)
+        token_ids = drafts.view(1, -1)  # a block's num_speculative_tokens drafts
+        confidence = None if survival is None else survival.view(1, -1).to("cpu", non_blocking=True)
         step.chained = ChainedProposal([req_id], token_ids.to("cpu", non_blocking=True), confidence, chained.seconds + time.perf_counter() - started, token_ids)
 
     def _chain_for(self, step: LaunchedStep, batch: StepBatch, rows: int) -> PassChain | None:
