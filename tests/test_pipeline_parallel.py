@@ -22,18 +22,14 @@ PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [11, 12, 13], [5, 900, 17, 3, 44, 8, 2, 19, 6,
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3)
 ENGINE = dict(kv_cache_memory_bytes=1 << 24, max_model_len=128, max_num_seqs=8)
 # (architecture, tensor_parallel_size, pipeline_parallel_size, config overrides, layer partition,
-# engine options)
+# engine options); every architecture once, each kind of split once (the MoE ones at TP=2 x PP=2,
+# where the experts' split meets the stages'), in real processes: the slowest test module on CI
 CASES = [
     ("llama", 1, 2, dict(num_hidden_layers=3), "1,2", {}),  # an uneven partition from the environment
     ("mistral", 1, 2, {}, None, {}),  # also: preemptions of requests with a step in flight (SMALL_CACHE)
     ("qwen2", 1, 2, {}, None, {}),  # tied embedding: the last stage's LM head loads it
-    ("qwen3", 1, 2, {}, None, {}),
     ("qwen3_moe", 1, 2, {}, None, {}),  # stage 0 holds the sparse layer, stage 1 the dense one
-    ("qwen2_moe", 1, 2, {}, None, {}),
-    ("mixtral", 1, 2, {}, None, {}),
     ("llama", 2, 2, dict(num_hidden_layers=3), None, {}),  # 2 + 1 layers, each stage two ranks
-    ("mistral", 2, 2, {}, None, {}),
-    ("qwen2", 2, 2, {}, None, {}),
     ("qwen2_moe", 2, 2, {}, None, {}),  # shared expert's partial sums in each stage's all-reduce
     ("qwen3_moe", 2, 2, {}, None, {}),  # each expert's intermediate size split within the sparse stage
     ("mixtral", 2, 2, {}, None, dict(enable_expert_parallel=True)),  # whole experts per rank, all-to-all in each stage

@@ -63,9 +63,10 @@ TARGETS = {  # name: (the target's Llama config fields, draft layers, target lay
 }  # fmt: skip
 
 
-def build(root: Path, shape: str = "tiny") -> tuple[Path, Path]:
+def build(root: Path, shape: str = "tiny", keep_drafts: bool = False) -> tuple[Path, Path]:
     """A random Llama of ``TARGETS[shape]``'s shape (``tiny``: 4 layers, hidden 64) and a random
-    DSpark drafter for it (7-slot blocks)."""
+    DSpark drafter for it (7-slot blocks). ``keep_drafts``: the target's LM head (shared by the
+    drafter) all zeros, so every token is token 0 and every draft is kept."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
     fields, num_draft_layers, layer_ids, markov_rank = TARGETS[shape]
@@ -73,6 +74,9 @@ def build(root: Path, shape: str = "tiny") -> tuple[Path, Path]:
     config = LlamaConfig(initializer_range=0.1, **fields)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
+    if keep_drafts:
+        with torch.no_grad():
+            model.get_output_embeddings().weight.zero_()
     if shape != "tiny":  # as a real checkpoint of that size ships
         config.torch_dtype = torch.bfloat16
         model = model.to(torch.bfloat16)
@@ -138,16 +142,17 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def profile_steps(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 4) -> None:
+def profile_steps(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 4, output_len: int = OUTPUT_LEN) -> None:
     """torch.profiler over ``num_steps`` steps in the middle of a run of ``prompts``: the host
-    and device time of each operator (self time, sorted), written to ``path``."""
+    and device time of each operator (self time, sorted), written to ``path``, and the steps'
+    timeline beside it (``.json``, for chrome://tracing or Perfetto)."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"profile-{i}", prompt, params)
-    for _ in range(8):  # past the prefills
+    for _ in range(2 if len(prompts) == 1 else 8):  # past the prefills
         engine.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
@@ -162,9 +167,10 @@ def profile_steps(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 4)
     if torch.cuda.is_available():
         sections.append(averages.table(sort_by="self_cuda_time_total", row_limit=40))
     path.write_text("\n".join(sections))
+    prof.export_chrome_trace(str(path.with_suffix(".json")))
 
 
-def sync_sites(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 48) -> None:
+def sync_sites(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 48, output_len: int = OUTPUT_LEN) -> None:
     """Where the host waits for the device: ``num_steps`` steps in the middle of a run of
     ``prompts`` under torch's CUDA sync debug mode, each synchronizing call counted by its
     Python call stack (the innermost frames of Sonar's code), written to ``path``."""
@@ -173,7 +179,7 @@ def sync_sites(llm: LLM, prompts: list[dict], path: Path, num_steps: int = 48) -
     import warnings
 
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=OUTPUT_LEN, ignore_eos=True, detokenize=False)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, detokenize=False)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"sync-{i}", prompt, params)
     for _ in range(8):
@@ -209,6 +215,8 @@ def _engines(args: argparse.Namespace, target: Path, drafter: Path, max_batch: i
         verification, _, unchained = name.partition("-")
         spec = None if name == "none" else {"method": "dspark", "model": str(drafter), "num_speculative_tokens": 7,
                                              "verification": verification, "disable_by_batch_size": NO_BATCH_LIMIT}  # fmt: skip
+        if verification == "ngram":  # prompt lookup, 15 drafts (they find something only with --keep-drafts)
+            spec = {"method": "ngram", "num_speculative_tokens": 15, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
         if unchained.startswith("passes"):  # fixed-passes4: up to 4 verify passes a step for a lone request
             spec["verify_passes"] = int(unchained.removeprefix("passes"))
         if args.turns:
@@ -253,9 +261,10 @@ def _one_after_another(args: argparse.Namespace, engines: Iterator[tuple[str, LL
             results.setdefault(name, {})[batch] = _timed_run(args, llm, prompts[:batch])
             print(name, batch, results[name][batch], file=sys.stderr, flush=True)
             if args.torch_profile:
-                profile_steps(llm, prompts[:batch], Path(args.torch_profile) / f"{name}-{batch}.txt")
+                profile_steps(llm, prompts[:batch], Path(args.torch_profile) / f"{name}-{batch}.txt", output_len=args.output_len)
                 if torch.cuda.is_available():
-                    sync_sites(llm, prompts[:batch], Path(args.torch_profile) / f"{name}-{batch}-syncs.txt")
+                    sync_sites(llm, prompts[:batch], Path(args.torch_profile) / f"{name}-{batch}-syncs.txt",
+                               num_steps=min(48, args.output_len // 8), output_len=args.output_len)
         del llm
     return results
 
@@ -295,12 +304,14 @@ def main() -> int:
     parser.add_argument("--configs", default="none,fixed,confidence",
                         help="which engines, each measured in turn (run one per invocation for a fresh process each); "
                              "fixed-unchained, confidence-unchained: without drafts chained behind verification; "
-                             "fixed-passesN: up to N verify passes a step at batch 1 (queued on the device)")
+                             "fixed-passesN: up to N verify passes a step at batch 1 (queued on the device); "
+                         "ngram, ngram-passesN: prompt lookup instead of the drafter (15 drafts)")
     parser.add_argument("--output-len", type=int, default=OUTPUT_LEN, help="output tokens per request in the timed runs")
     parser.add_argument("--step-classes", action="store_true", help="also time each step and report them by kind (plain, drafting, probe, verifying)")
     parser.add_argument("--output-json", default=None)
     parser.add_argument("--torch-profile", default=None, metavar="DIR", help="also profile a few steps at each batch size (torch.profiler tables into DIR; on a GPU also where the host waits for it)")
     parser.add_argument("--target", default="tiny", choices=sorted(TARGETS), help="the target's shape (smollm2: SmolLM2-135M's, random weights)")
+    parser.add_argument("--keep-drafts", action="store_true", help="the target's LM head all zeros: every token is 0 and every draft is kept (a pass's whole cost with full blocks)")
     parser.add_argument("--turns", type=int, default=0, help="keep the engines side by side and run them in turns, this many rounds per batch size")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
@@ -308,7 +319,7 @@ def main() -> int:
     vocab = TARGETS[args.target][0]["vocab_size"]
     prompts = [{"prompt_token_ids": [rng.randrange(vocab - 1) for _ in range(PROMPT_LEN)]} for _ in range(max(batches))]
     with tempfile.TemporaryDirectory() as tmp:
-        target, drafter = build(Path(tmp), args.target)
+        target, drafter = build(Path(tmp), args.target, args.keep_drafts)
         engines = _engines(args, target, drafter, max(batches))
         results = _in_turns(args, engines, batches, prompts) if args.turns else _one_after_another(args, engines, batches, prompts)
     line = json.dumps(results)

@@ -47,6 +47,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _prompts_eager_in_the_interpreter(request, monkeypatch) -> None:
+    """Without a GPU, prompts are prefilled eagerly: through the interpreter a prompt's rows in
+    the decode kernel cost several times the prefill kernel (``test_cuda_prompt_rows`` turns
+    them back on)."""
+    if not HAS_CUDA and "prompt_rows" not in request.node.nodeid:
+        from sonar_cuda.model_runner import CudaModelRunner
+
+        monkeypatch.setattr(CudaModelRunner, "prompt_chunk_limit", 0)
+
+
 @pytest.fixture
 def device() -> torch.device:
     """The GPU where present, else the CPU (kernels then run in Triton's interpreter)."""

@@ -68,8 +68,8 @@ def _run_recording_verify_layouts(engine: LLMEngine, prompts: list[list[int]], p
     of every verify step the runner laid out in the graphs' buffers."""
     runner = engine.core.executor.worker.model_runner
     layouts: list[int] = []
-    build = runner._build_verify_batch
-    runner._build_verify_batch = lambda states, counts, n: layouts.append(n) or build(states, counts, n)
+    build = runner._build_rows_batch
+    runner._build_rows_batch = lambda states, counts, n: layouts.append(n) or build(states, counts, n)
     return [output.outputs[0] for output in run_to_end(engine, prompts, params)], layouts
 
 
@@ -251,16 +251,18 @@ def test_verify_passes_queued_on_the_device_match_plain_decoding_and_the_host_lo
     phrase = [101, 150, 133, 177, 120, 199, 140]
     prompts = [phrase * 4, [300, 301] + phrase * 3 + [150, 133]]
     checked_stop = False
-    for prompt in prompts:
+    for index, prompt in enumerate(prompts):  # the first: max_tokens and a stop token inside a step; the second: to the end
         base = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
         expected, _ = generate(CpuPlatform, path, [prompt], [base], **kwargs)
         reference = list(expected[0].outputs[0].token_ids)
         fresh = [j for j in range(6, len(reference)) if reference[j] not in reference[:j]]  # a stop token first met mid-run
         stop = reference[fresh[0]] if fresh else None
-        variants = [base, SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, detokenize=False)]
-        if stop is not None:
-            variants.append(SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop], detokenize=False))
-            checked_stop = True
+        variants = [base]
+        if index == 0:
+            variants = [SamplingParams(temperature=0.0, max_tokens=13, ignore_eos=True, detokenize=False)]
+            if stop is not None:
+                variants.append(SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=[stop], detokenize=False))
+                checked_stop = True
         accepted = 0
         for params in variants:
             want, _ = generate(CpuPlatform, path, [prompt], [params], **kwargs)

@@ -5,9 +5,11 @@ into the graphs' static buffers: a step gathers its requests' rows of the core r
 persistent host block table, computes slots and
 positions with numpy, and queues three non-blocking copies. The step's only host
 synchronisation is reading the sampled token ids, after the next step is launched. Verify
-steps of speculative decoding run in the same graphs, one row per token. Any other step
-(prefill, chunked prefill, prompt logprobs, more rows than the largest graph) takes the core
-runner's eager path.
+steps of speculative decoding run in the same graphs, one row per token, and so do prompts
+(or chunks of them) of up to ``prompt_chunk_limit`` tokens: each row attends up to its own
+position, which is a prefill's causal attention. Any other step (longer prompts, prompt
+logprobs, proposers that read the target's hidden states, adapters, more rows than the largest
+graph) takes the core runner's eager path.
 
 With LoRA, a step's adapter slots are written into the persistent ``token_slots`` buffer the
 graphs read (by the core runner's ``launch``, after the batch is built); decode steps with
@@ -29,6 +31,7 @@ from sonar.sampler.metadata import SamplingMetadata
 from sonar.spec_decode.device_passes import PassChain, PassRows
 from sonar.spec_decode.interface import DraftCacheBudget
 from sonar.spec_decode.worker_side import ChainedProposal
+from sonar.tensors import to_device
 from sonar.worker.input_batch import CachedRequestState, StepBatch
 from sonar.worker.model_runner import PLACEHOLDER, LaunchedStep, ModelRunner
 from sonar.worker.verify_passes import pass_stop_ids
@@ -75,6 +78,8 @@ class CudaModelRunner(ModelRunner):
     """
 
     max_graph_batch_size: int = 256
+    #: the most prompt tokens a step runs in a decode graph (None: ``max_graph_batch_size``; 0: none)
+    prompt_chunk_limit: int | None = None
 
     def __init__(self, model_config, config, device: torch.device, attention_backend_cls: str) -> None:
         super().__init__(model_config, config, device, attention_backend_cls)
@@ -87,6 +92,7 @@ class CudaModelRunner(ModelRunner):
             self.use_graphs = False  # stage hand-overs are not captured; collectives only on request
         self.max_blocks_per_seq = self.block_table.max_blocks_per_seq
         self.graphs: DecodeGraphs | None = None
+        self._prompt_chunk_rows: int | None = None
         self._pass_chain: PassChain | None = None
         # the work between passes queued at once: None, one launch for each proposer's (PassChain: separate operations)
         self.pass_chain_cls: type[PassChain] | None = None
@@ -206,22 +212,41 @@ class CudaModelRunner(ModelRunner):
 
     # -- one step ------------------------------------------------------------------------
 
-    def _graph_rows(self, states: list[CachedRequestState], num_scheduled: list[int]) -> int:
-        """The rows a decode graph would run this step on (0: it cannot): every request adds
-        its one known token, plus its drafts when it verifies some, and none wants prompt
-        logprobs."""
+    @property
+    def prompt_chunk_rows(self) -> int:
+        """The most tokens of a request's prompt that a step runs in a decode graph, one row a
+        token (0: prompts run eagerly): up to ``prompt_chunk_limit``, where no proposer
+        reads the step's hidden states and no adapters are served. A short prompt's prefill
+        then costs a graph replay instead of a launch per operation."""
+        if self._prompt_chunk_rows is None:
+            spec, graphs = self.spec, self.graphs
+            reads_states = spec is not None and (spec.hidden is not None or (graphs.aux is not None and bool(graphs.aux.layer_ids)))
+            limit = self.max_graph_batch_size if self.prompt_chunk_limit is None else self.prompt_chunk_limit
+            self._prompt_chunk_rows = 0 if reads_states or self.lora is not None else min(graphs.max_size, limit)
+        return self._prompt_chunk_rows
+
+    def _graph_rows(self, states: list[CachedRequestState], num_scheduled: list[int]) -> tuple[int, bool]:
+        """The rows a decode graph would run this step on (0: it cannot), and whether the step
+        is a plain decode step (one row a request). A request adds its one known token, plus
+        its drafts when it verifies some; or a chunk of its prompt (``prompt_chunk_rows``);
+        and none wants prompt logprobs."""
         if self.graphs is None or not states:
-            return 0
-        rows = 0
+            return 0, False
+        rows, plain = 0, True
         for state, n in zip(states, num_scheduled):
-            if n != 1 + len(state.draft_token_ids) or state.num_computed_tokens + 1 != state.num_tokens:
-                return 0
-            if state.draft_token_ids and state.sampling.output_token_ids[-1:] == [PLACEHOLDER]:
-                return 0  # a verify row's known token must be on the host already
+            drafts = len(state.draft_token_ids)
+            if state.num_computed_tokens + 1 == state.num_tokens and n == 1 + drafts:
+                if drafts and state.sampling.output_token_ids[-1:] == [PLACEHOLDER]:
+                    return 0, False  # a verify row's known token must be on the host already
+                plain = plain and not drafts
+            elif drafts or n > self.prompt_chunk_rows or state.num_computed_tokens + n > state.num_tokens:
+                return 0, False
+            else:
+                plain = False
             if state.sampling.params.prompt_logprobs is not None and state.num_computed_tokens < len(state.prompt_token_ids):
-                return 0
+                return 0, False
             rows += n
-        return rows if rows <= self.graphs.max_size else 0
+        return (rows, plain) if rows <= self.graphs.max_size else (0, False)
 
     def build_batch(self, states: list[CachedRequestState], num_scheduled: list[int]) -> StepBatch:
         """Decode steps go into the graphs' static buffers; others to the core builder.
@@ -230,11 +255,11 @@ class CudaModelRunner(ModelRunner):
         drafts takes ``k + 1`` rows, one per token, each attending to the context up to its
         own position through the request's block table, which is exactly the causal attention
         of its ``k + 1`` query tokens."""
-        n = self._graph_rows(states, num_scheduled)
+        n, plain = self._graph_rows(states, num_scheduled)
         if not n:
             return super().build_batch(states, num_scheduled)
-        if n != len(states):
-            return self._build_verify_batch(states, num_scheduled, n)
+        if not plain:
+            return self._build_rows_batch(states, num_scheduled, n)
         graphs = self.graphs
         buffers = graphs.buffers
         size = graphs.size_for(n)
@@ -268,8 +293,10 @@ class CudaModelRunner(ModelRunner):
             logits_indices=buffers.logits_indices[:n],
         )
 
-    def _build_verify_batch(self, states: list[CachedRequestState], num_scheduled: list[int], n: int) -> StepBatch:
-        """A verify step laid out one row per token (see :meth:`build_batch`)."""
+    def _build_rows_batch(self, states: list[CachedRequestState], num_scheduled: list[int], n: int) -> StepBatch:
+        """A step laid out one row per token (see :meth:`build_batch`): verify steps, and
+        prompt chunks, whose rows attend as a prefill's tokens do; a request is sampled where
+        its rows reach its last token (a verify request at every row)."""
         graphs = self.graphs
         buffers = graphs.buffers
         size = graphs.size_for(n)
@@ -283,7 +310,8 @@ class CudaModelRunner(ModelRunner):
         first = np.fromiter((s.num_computed_tokens for s in states), dtype=np.int64, count=len(states))
         positions = first[request_of_row] + np.arange(n) - starts[request_of_row]
         tokens = host.tokens.numpy()
-        tokens[0, :n] = [t for s in states for t in (s.token_at(s.num_computed_tokens), *s.draft_token_ids)]
+        tokens[0, :n] = [t for s, c in zip(states, num_scheduled)
+                         for t in ((s.token_at(s.num_computed_tokens), *s.draft_token_ids) if s.draft_token_ids else s.token_ids(s.num_computed_tokens, s.num_computed_tokens + c))]  # fmt: skip
         tokens[1, :n] = positions
         block_size = self.block_size
         tokens[2, :n] = tables[np.arange(n), positions // block_size].astype(np.int64) * block_size + positions % block_size
@@ -292,15 +320,23 @@ class CudaModelRunner(ModelRunner):
         fill_padding(host, n)
         buffers.upload(host, n)
         metadata: AttentionMetadata = buffers.metadata(size, seq_lens.tolist(), graphs.states[size])
+        sample_rows = [i for i, (s, c) in enumerate(zip(states, num_scheduled)) if s.num_computed_tokens + c - len(s.draft_token_ids) == s.num_tokens]
+        has_drafts = any(s.draft_token_ids for s in states)
+        ends = starts + counts
+        indices = np.concatenate([np.arange(ends[i] - len(states[i].draft_token_ids) - 1, ends[i]) for i in sample_rows]) if sample_rows else np.zeros(0, np.int64)
+        if len(indices) == n:  # every row sampled (a verify step): the buffer of 0, 1, 2, ...
+            logits_indices = buffers.logits_indices[:n]
+        else:
+            logits_indices = to_device(indices, self.device, torch.int64)
         return StepBatch(
             states=list(states),
             num_scheduled=list(num_scheduled),
             input_ids=buffers.tokens[0, :n],
             positions=buffers.tokens[1, :n],
             attn_metadata=metadata,
-            sample_rows=list(range(len(states))),
-            logits_indices=buffers.logits_indices[:n],
-            sample_drafts=[list(s.draft_token_ids) for s in states],
+            sample_rows=sample_rows,
+            logits_indices=logits_indices,
+            sample_drafts=[list(states[i].draft_token_ids) for i in sample_rows] if has_drafts else None,
         )
 
     # -- verify passes queued at once -----------------------------------------------------

@@ -222,7 +222,8 @@ class DecoderModel(nn.Module):
         if intermediate is None:
             hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
             if self.embed_scale is not None:
-                hidden = hidden * hidden.new_tensor(self.embed_scale)
+                # rounded to the dtype on the host: a device copy would break graph capture
+                hidden = hidden * float(torch.tensor(self.embed_scale, dtype=hidden.dtype, device="cpu"))
         else:  # a later pipeline stage: the previous stage's output
             hidden, residual = intermediate.hidden, intermediate.residual
         if self.layer_rope_types is None:

@@ -150,7 +150,7 @@ def _yarn_scaled(spec: RopeSpec) -> torch.Tensor:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
     pos_freqs = base ** _exponents(spec)
     extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
     kept = 1 - ramp
@@ -158,7 +158,7 @@ def _yarn_scaled(spec: RopeSpec) -> torch.Tensor:
 
 
 def _longrope(spec: RopeSpec, which: str) -> torch.Tensor:
-    factors = torch.tensor(spec.scaling[which], dtype=torch.float32)
+    factors = torch.tensor(spec.scaling[which], dtype=torch.float32, device="cpu")
     if factors.numel() != spec.rotary_dim // 2:
         raise ValueError(f"rope_scaling.{which} has {factors.numel()} entries; the rotary dimension {spec.rotary_dim} needs {spec.rotary_dim // 2}")
     return 1.0 / (factors * spec.theta ** _exponents(spec))
@@ -211,7 +211,7 @@ class RotaryEmbedding(torch.nn.Module):
         half, sin in the second, both times the rope type's attention factor (for platform
         rotary kernels); built once per device."""
         if device not in self._cos_sin_by_device:
-            freqs = self._angles(torch.arange(self.max_position))
+            freqs = self._angles(torch.arange(self.max_position, device="cpu"))
             table = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
             self._cos_sin_by_device[device] = (table * self._scale if self._scale != 1.0 else table).to(device)
         return self._cos_sin_by_device[device]
