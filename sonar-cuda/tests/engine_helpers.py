@@ -61,30 +61,33 @@ def run_to_end(engine: LLMEngine, prompts: list[list[int]], params: list[Samplin
 
 
 class HFOracle:
-    """transformers on the same folder, float32 on the CPU."""
+    """transformers on the same folder, float32 on the CPU (``dtype``/``device``: another
+    precision or place), with its eager attention: the reference arithmetic (its SDPA path
+    leaves out Gemma 2's soft cap on the scores)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+        self.device = device
+        self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager").to(device).eval()
 
     @torch.inference_mode()
     def greedy(self, prompt: list[int], num_tokens: int) -> list[int]:
-        ids = torch.tensor([prompt])
+        ids = torch.tensor([prompt], device=self.device)
         out = self.model(input_ids=ids, use_cache=True)
         tokens: list[int] = []
         for _ in range(num_tokens):
             token = int(out.logits[0, -1].argmax())
             tokens.append(token)
-            out = self.model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+            out = self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=out.past_key_values, use_cache=True)
         return tokens
 
     @torch.inference_mode()
     def logprobs(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
         """``[len(continuation), vocab]`` log-probabilities at each continuation step (teacher-forced)."""
-        ids = torch.tensor([prompt + continuation[:-1]])
+        ids = torch.tensor([prompt + continuation[:-1]], device=self.device)
         logits = self.model(input_ids=ids).logits[0, len(prompt) - 1 :].float()
-        return torch.log_softmax(logits, -1)
+        return torch.log_softmax(logits, -1).cpu()
 
 
 def use_tokenizer_folder_if_needed() -> None:
