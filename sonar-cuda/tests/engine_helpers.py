@@ -32,6 +32,10 @@ class InterpretedCudaPlatform(CudaPlatform):
     def device(cls, index: int = 0) -> torch.device:
         return torch.device("cpu")
 
+    @classmethod
+    def synchronize(cls) -> None:
+        """Nothing queued: the CPU's work is done when its call returns."""
+
 
 def random_prompts(count: int, seed: int, min_len: int = 1, max_len: int = 60, vocab: int = 49152) -> list[list[int]]:
     rng = random.Random(seed)

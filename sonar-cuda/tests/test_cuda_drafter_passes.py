@@ -50,7 +50,7 @@ def test_two_launches_between_passes_do_what_the_separate_operations_do(device: 
         assert outputs[0] == outputs[1], (trial, sequence, k, end, max_tokens, stops)
 
 
-@pytest.mark.parametrize("method, silent_head, lengths", [("dspark", False, (11,)), ("dflash", True, (13,))])
+@pytest.mark.parametrize("method, silent_head, lengths", [("dspark", False, (11,)), ("dflash", True, (13,)), ("dspark-confidence", True, (17,))])
 def test_drafter_passes_queued_at_once_match_plain_decoding_and_the_host_loop(tmp_path, method, silent_head, lengths) -> None:
     """A drafter with three verify passes a step on the CUDA runner: a lone greedy request's
     passes are queued at once, the drafter drafting between them on the device; the same
@@ -58,7 +58,11 @@ def test_drafter_passes_queued_at_once_match_plain_decoding_and_the_host_loop(tm
     reads each pass back, with ``max_tokens`` inside a step; after every step the drafter's
     context holds each position once, in order, and no block is leaked. A random DSpark
     drafter's drafts are rejected; with an all-zero LM head (shared by target and DFlash
-    drafter) every token is token 0 and every draft is kept, so passes emit whole blocks."""
+    drafter) every token is token 0 and every draft is kept, so passes emit whole blocks; so
+    too for a DSpark drafter without its Markov bias under confidence-scheduled verification
+    (the policy's choices fixed: the first pass of a step verifies 2 of its 3 drafts), whose
+    steps of passes are collected before the next is scheduled (how many rows they keep is
+    known only then)."""
     from engine_helpers import InterpretedCudaPlatform, generate, use_tokenizer_folder_if_needed
     from safetensors.torch import load_file, save_file
     from sonar_cpu.platform import CpuPlatform
@@ -76,6 +80,7 @@ def test_drafter_passes_queued_at_once_match_plain_decoding_and_the_host_loop(tm
     use_tokenizer_folder_if_needed()
     path = build_tiny_model("llama", tmp_path / "llama")
     hf = AutoConfig.from_pretrained(path)
+    method, _, verification = method.partition("-")
     drafter_config = drafter_config_for(hf, "deepspec", 4, 1, [-1, 0], hf.vocab_size - 1, markov_rank=8, markov_head_type="vanilla", confidence_head=True)
     if method == "dflash":
         drafter_config = drafter_config_for(hf, "zlab", 4, 1, [0], hf.vocab_size - 1)
@@ -86,11 +91,13 @@ def test_drafter_passes_queued_at_once_match_plain_decoding_and_the_host_loop(tm
                 weights[name] = torch.zeros_like(weights[name])
         save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     lm_head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-    save_dflash(init_drafter(DFlashDrafter(drafter_config), std=0.1, seed=0), tmp_path / "drafter",
-                embedding=weights["model.embed_tokens.weight"], lm_head=lm_head)  # fmt: skip
+    drafter = init_drafter(DFlashDrafter(drafter_config), std=0.1, seed=0)
+    if silent_head and drafter.markov_head is not None:  # no Markov bias either: every draft is token 0
+        torch.nn.init.zeros_(drafter.markov_head.markov_w2.weight)
+    save_dflash(drafter, tmp_path / "drafter", embedding=weights["model.embed_tokens.weight"], lm_head=lm_head)
     prompt = [(j * 7) % 97 + 100 for j in range(20)]
     kwargs = dict(dtype="float32", max_model_len=64, kv_cache_memory_bytes=1 << 20, skip_tokenizer_init=True)
-    config = {"method": method, "model": str(tmp_path / "drafter"), "num_speculative_tokens": 3, "verification": "fixed", "verify_passes": 3}
+    config = {"method": method, "model": str(tmp_path / "drafter"), "num_speculative_tokens": 3, "verification": verification or "fixed", "verify_passes": 3}
     platform = CudaPlatform if torch.cuda.is_available() else InterpretedCudaPlatform
     for max_tokens in lengths:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
@@ -100,6 +107,10 @@ def test_drafter_passes_queued_at_once_match_plain_decoding_and_the_host_loop(tm
             engine = LLMEngine(EngineArgs(model=str(path), speculative_config=config, **kwargs), platform=platform)
             runner = engine.core.executor.worker.model_runner
             proposer = runner.spec.proposer
+            if verification:  # the policy's choices, fixed: every step drafts, a step's first pass verifies 2 of its 3 drafts
+                policy = engine.core.scheduler.verification
+                policy.worth_drafting = lambda num_sampling, base_tokens: True
+                policy.choose = lambda confidences, rooms, *rest: [min(room, 2) for room in rooms]
             queued = []
             if queued_at_once:
                 propose_pass = proposer.propose_pass
@@ -126,5 +137,6 @@ def test_drafter_passes_queued_at_once_match_plain_decoding_and_the_host_loop(tm
                 assert queued and type(runner._pass_chain) is DrafterPassChain
         assert runs[0] == runs[1]
         assert runs[0][0] == list(expected.outputs[0].token_ids)
-        if silent_head:  # every draft kept: a step of three passes emits up to 12 tokens
-            assert runs[0][0] == [0] * max_tokens and runs[0][4] == runs[0][3] > 0 and runs[0][1] <= 4
+        if silent_head:  # every draft kept: a step of three passes emits up to 12 tokens (fixed-length)
+            assert runs[0][0] == [0] * max_tokens and runs[0][4] == runs[0][3] > 0
+            assert verification or runs[0][1] <= 4

@@ -199,7 +199,8 @@ class EngineCore:
         returns. A step holding a request whose sampling reads its earlier tokens (penalties,
         a grammar, ...) is collected before the next one is scheduled, and so is one whose
         successor may verify drafts (speculative decoding: the drafts come from its tokens):
-        one that verified some, or any while few enough requests run to take drafts.
+        one that verified some or ran several verify passes, or any while few enough requests
+        run to take drafts.
 
         With pipeline parallelism, see ``_step_pipelined``."""
         if self._batch_queue is not None:
@@ -291,11 +292,16 @@ class EngineCore:
         return self.scheduler.has_pending_transfers or (metadata is not None and metadata.has_work)
 
     def _drafts_may_follow(self, previous: _InFlightStep) -> bool:
+        """Whether the step in flight must be collected before the next is scheduled: it
+        verifies drafts, or runs further verify passes (how many of their rows it keeps is
+        known only from its results), or the next step may draft from its tokens."""
         limit = self.scheduler.config.spec_max_batch_size
         if not limit:
             return False
         scheduled = previous.scheduled
-        return bool(scheduled.scheduled_spec_decode_tokens) or (scheduled.propose_drafts and len(self.scheduler.running) <= limit)
+        if scheduled.scheduled_spec_decode_tokens or scheduled.spec_pass_rows:
+            return True
+        return scheduled.propose_drafts and len(self.scheduler.running) <= limit
 
     def _attach_grammar_bitmask(self, scheduled: SchedulerOutput) -> None:
         """Drop the matchers of finished requests; give the step the bitmask of the

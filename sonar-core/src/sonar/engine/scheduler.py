@@ -228,7 +228,7 @@ class Scheduler:
             drafts = request.spec_token_ids
             if drafts:  # speculative decoding: the drafts ride along with the decode
                 drafts = self._drafts_to_verify(request, num_new, budget, plan)
-            pass_rows = self._pass_rows(request, num_new, len(drafts), budget, in_flight)
+            pass_rows = self._pass_rows(request, num_new, len(drafts), budget, in_flight) if out.propose_drafts else 0
             num_new += len(drafts) + pass_rows
             while not self.kv_cache.allocate_slots(request, num_new):
                 victim = self.policy.select_victim(self.running)
@@ -372,7 +372,8 @@ class Scheduler:
         whose sampling the worker can verify pass after pass (greedy; no logprobs, no
         penalties or other reads of its earlier tokens, no grammar), within the budget,
         ``max_tokens``, the model's length and the free KV blocks (rows for passes never
-        preempt)."""
+        preempt); and only in a step that drafts (the scheduler's caller checks: where the
+        verification policy finds drafting does not pay, the passes would have no drafts)."""
         rows = self.config.spec_pass_rows
         if not rows or num_new != 1 or request.num_pending_tokens or in_flight is not None:
             return 0

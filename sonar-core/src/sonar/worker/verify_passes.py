@@ -97,6 +97,8 @@ class VerifyPasses:
                 step.hidden = self.spec.record_hidden_states(batch, hidden)
                 step.chained = self.spec.chain(step.verified, step.hidden, [state.req_id], [state], 1, None)
             step.sampled = step.verified.result.token_ids.to("cpu", non_blocking=True)
+            accepted = step.verified.result.num_accepted  # this pass's (chaining counts them on the device), not the first's
+            step.num_accepted = None if accepted is None else accepted.to("cpu", non_blocking=True)
             if chained is not None and step.chained is None:  # nothing drafted behind this pass: the last
                 break
         if early:
