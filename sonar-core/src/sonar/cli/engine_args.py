@@ -123,7 +123,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, with_model: bool = Tru
     group.add_argument("--max-lora-rank", type=int, default=defaults.max_lora_rank, help="with --enable-lora: the largest adapter rank accepted (every slot is padded to it)")
     group.add_argument("--max-cpu-loras", type=int, default=None, help="with --enable-lora: adapters kept read in host memory, least recently used dropped (default: --max-loras)")
     group.add_argument("--max-logprobs", type=int, default=defaults.max_logprobs, help="largest logprobs / prompt_logprobs a request may ask for")
-    group.add_argument("--enforce-eager", action="store_true", help="capture no CUDA graphs: decode steps and drafter passes run eagerly (slower; less memory, no capture at start-up)")
+    group.add_argument("--enforce-eager", action="store_true", help="capture no CUDA graphs: decode steps, short prompts and drafter passes run eagerly (slower; less memory, no capture at start-up)")
     add_unsupported_flags(parser, server=server)
 
 
