@@ -56,10 +56,14 @@ class DFlashRotary(nn.Module):
         return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
 
 
-def rotate(x: torch.Tensor, positions: torch.Tensor, rotary: DFlashRotary) -> torch.Tensor:
-    """Rotate ``[..., heads, D]`` by ``positions [...]``."""
+RotaryTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, rotary_dim / 2] of N positions
+
+
+def rotate(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
+    """Rotate ``[..., heads, D]`` by the ``tables`` of its positions (``DFlashRotary``'s, made
+    once a forward: every layer's queries and keys share them)."""
     shape = x.shape
-    cos, sin = rotary(positions)
+    cos, sin = tables
     return apply_rotary(x.reshape(-1, shape[-2], shape[-1]), cos, sin).reshape(shape)
 
 
@@ -75,11 +79,12 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def keys_values(self, x: torch.Tensor, positions: torch.Tensor, rotary: DFlashRotary) -> LayerKV:
-        """``x [..., hidden]`` -> rotated keys and values ``[..., kv_heads, head_dim]``."""
+    def keys_values(self, x: torch.Tensor, tables: RotaryTables) -> LayerKV:
+        """``x [..., hidden]`` -> keys rotated by ``tables`` (of ``x``'s positions) and values
+        ``[..., kv_heads, head_dim]``."""
         k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
-        return rotate(k, positions, rotary), v
+        return rotate(k, tables), v
 
 
 class DFlashLayer(nn.Module):
@@ -90,15 +95,13 @@ class DFlashLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, context: LayerKV, mask: torch.Tensor, rotary: DFlashRotary
-    ) -> torch.Tensor:
-        """``x [B, Q, hidden]`` at ``positions [B, Q]``; ``context`` keys/values ``[B, L, KVH, D]``;
-        ``mask [B, 1, Q, L + Q]`` (True: attended)."""
+    def forward(self, x: torch.Tensor, tables: RotaryTables, context: LayerKV, mask: torch.Tensor) -> torch.Tensor:
+        """``x [B, Q, hidden]`` with the rotary ``tables`` of its positions (``B * Q`` rows);
+        ``context`` keys/values ``[B, L, KVH, D]``; ``mask [B, 1, Q, L + Q]`` (True: attended)."""
         attn = self.self_attn
         h = self.input_layernorm(x)
-        q = rotate(attn.q_norm(attn.q_proj(h).unflatten(-1, (attn.num_heads, attn.head_dim))), positions, rotary)
-        k, v = attn.keys_values(h, positions, rotary)
+        q = rotate(attn.q_norm(attn.q_proj(h).unflatten(-1, (attn.num_heads, attn.head_dim))), tables)
+        k, v = attn.keys_values(h, tables)
         keys = torch.cat([context[0], k], dim=1).transpose(1, 2)  # [B, KVH, L + Q, D]
         values = torch.cat([context[1], v], dim=1).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=attn.head_dim**-0.5, enable_gqa=True)
@@ -176,15 +179,17 @@ class DFlashDrafter(nn.Module):
         """Per draft layer, the keys and values ``[..., kv_heads, head_dim]`` of the target's
         states ``[..., num_target_layers * hidden]`` at ``positions [...]``."""
         x = self.hidden_norm(self.fc(target_states.to(self.fc.weight.dtype)))
-        return [layer.self_attn.keys_values(x, positions, self.rotary) for layer in self.layers]
+        tables = self.rotary(positions)
+        return [layer.self_attn.keys_values(x, tables) for layer in self.layers]
 
     def block(self, embeds: torch.Tensor, positions: torch.Tensor, context: list[LayerKV], masks: list[torch.Tensor]) -> torch.Tensor:
         """The normed hidden states ``[B, Q, hidden]`` of slots ``embeds [B, Q, hidden]`` at
         ``positions [B, Q]``, each layer attending to ``context[layer]`` and the slots under
         ``masks[layer]`` ``[B, 1, Q, L + Q]``."""
         x = embeds.to(self.fc.weight.dtype)
+        tables = self.rotary(positions)
         for layer, kv, mask in zip(self.layers, context, masks):
-            x = layer(x, positions, kv, mask, self.rotary)
+            x = layer(x, tables, kv, mask)
         return self.norm(x)
 
     def confidence_logits(self, hidden: torch.Tensor, prev_ids: torch.Tensor) -> torch.Tensor | None:
