@@ -69,6 +69,8 @@ class HFOracle:
     precision or place), with its eager attention: the reference arithmetic (its SDPA path
     leaves out Gemma 2's soft cap on the scores)."""
 
+    device = "cpu"  # also of an oracle made around a given model (``__new__``, then ``model``)
+
     def __init__(self, path: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> None:
         from transformers import AutoModelForCausalLM
 
