@@ -48,11 +48,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _prompts_eager_in_the_interpreter(request, monkeypatch) -> None:
+def _prompts_eager_in_the_interpreter(monkeypatch) -> None:
     """Without a GPU, prompts are prefilled eagerly: through the interpreter a prompt's rows in
     the decode kernel cost several times the prefill kernel (``test_cuda_prompt_rows`` turns
     them back on)."""
-    if not HAS_CUDA and "prompt_rows" not in request.node.nodeid:
+    if not HAS_CUDA:
         from sonar_cuda.model_runner import CudaModelRunner
 
         monkeypatch.setattr(CudaModelRunner, "prompt_chunk_limit", 0)

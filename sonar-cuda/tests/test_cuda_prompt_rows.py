@@ -39,13 +39,15 @@ def _recording_layouts(engine: LLMEngine) -> list[tuple[int, int, int]]:
 
 
 @pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.cuda), "gemma2"])  # the CPU: Gemma 2 (a window, capped scores)
-def test_prompts_in_the_graph_layout_prefill_as_the_eager_path_does(tmp_path, arch) -> None:
+def test_prompts_in_the_graph_layout_prefill_as_the_eager_path_does(tmp_path, arch, monkeypatch) -> None:
     """Three prompts (5, 11 and 23 tokens) under a step budget of 12 tokens, so the longest is
     prefilled in chunks, the first of them beside the others' decoding; greedy with logprobs:
     the CPU platform's tokens and logprobs. A chunk that does not reach its prompt's end is not
     sampled; a request wanting prompt logprobs is prefilled eagerly; no block leaked."""
     from sonar_cpu.platform import CpuPlatform
+    from sonar_cuda.model_runner import CudaModelRunner
 
+    monkeypatch.setattr(CudaModelRunner, "prompt_chunk_limit", None)  # the default, also in the interpreter
     use_tokenizer_folder_if_needed()
     path = build_tiny_model(arch, tmp_path / arch)
     prompts = [[(i * 13 + j * 7) % 97 + 100 for j in range(length)] for i, length in enumerate((5, 11, 23))]

@@ -8,6 +8,7 @@ layer the engine's ``AttentionFactory`` builds.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable, Iterator
 
 import torch
@@ -34,6 +35,14 @@ FUSED_PROJECTIONS = (
     FusedProjection("up_proj", "gate_up_proj", "up"),
 )
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+@functools.lru_cache(maxsize=None)
+def rounded_to(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype``, as a Python float: multiplies as a tensor of that dtype
+    would, without a tensor (a host-to-device copy would break graph capture); once per value
+    and dtype, not per step."""
+    return float(torch.tensor(value, dtype=dtype, device="cpu"))
 
 
 def head_dim_of(config: Any) -> int:
@@ -222,8 +231,7 @@ class DecoderModel(nn.Module):
         if intermediate is None:
             hidden, residual = self.embed_tokens(input_ids), None  # [T, hidden]
             if self.embed_scale is not None:
-                # rounded to the dtype on the host: a device copy would break graph capture
-                hidden = hidden * float(torch.tensor(self.embed_scale, dtype=hidden.dtype, device="cpu"))
+                hidden = hidden * rounded_to(self.embed_scale, hidden.dtype)
         else:  # a later pipeline stage: the previous stage's output
             hidden, residual = intermediate.hidden, intermediate.residual
         if self.layer_rope_types is None:
