@@ -76,7 +76,9 @@ def run(path: Path, prompts: list[list[int]], fused: bool, monkeypatch: pytest.M
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="bit-for-bit only under the interpreter; tests/test_quant_cuda.py covers the GPU")
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+# Qwen3 is Llama plus norms over each head, which must not hand rows on: the one architecture
+# covers both kinds of norm (under the interpreter each costs about half a minute)
+@pytest.mark.parametrize("arch", ["qwen3"])
 def test_norm_rows_give_the_same_outputs_as_the_product_quantizing(arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = build_tiny_model(arch, tmp_path / arch)
     prompts = random_prompts(3, seed=5, min_len=3, max_len=24, vocab=1000)

@@ -105,7 +105,7 @@ def tiny_model() -> Iterator[str]:
     shutil.rmtree(folder, ignore_errors=True)
 
 
-BODY_TIMEOUT_S = 5.0
+BODY_TIMEOUT_S = 3.0
 
 
 @pytest.fixture(scope="session")
