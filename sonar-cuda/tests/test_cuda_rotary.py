@@ -48,3 +48,58 @@ def test_rotary_small(case: tuple, device: torch.device) -> None:
 @pytest.mark.parametrize("case", LARGE_CASES)
 def test_rotary_large(case: tuple, dtype: torch.dtype, device: torch.device) -> None:
     check(*case, dtype, device)
+
+
+def test_keys_alone_rotate_with_no_query_heads(device: torch.device) -> None:
+    """A query of no heads (a drafter's context keys have no queries) leaves the keys' rotation as it is."""
+    cache = build_cos_sin_cache(64, max_position=64, base=10_000.0, device=device)
+    positions = torch.tensor([3, 17, 40], device=device)
+    key = torch.randn(3, 2, 64, device=device)
+    _, expected = reference_rotary_embedding(positions, key.new_empty((3, 1, 64)), key, cache)
+    rotary_embedding(positions, key.new_empty((3, 0, 64)), key, cache)
+    assert_close(key, expected, torch.float32)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", None])
+def test_a_drafter_rotating_through_the_kernel_drafts_as_with_its_own_rotation(kind, device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DFlash/DSpark drafting takes the platform's rotary where it rotates in float32 from a
+    table (one launch a layer): the context keys and the block's drafts are those of the
+    drafter's torch rotation."""
+    from transformers import LlamaConfig
+
+    from sonar import ops
+    from sonar.spec_decode import dflash_model
+    from sonar.spec_decode.dflash_trainer import drafter_config_for, init_drafter
+    from sonar_cuda import ops as cuda_ops
+
+    vocab, hidden = 97, 64
+    target = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    config = drafter_config_for(target, "deepspec", 5, 2, [1, 2], vocab - 1, markov_rank=8 if kind else 0, markov_head_type=kind, confidence_head=kind is not None)
+    drafter = init_drafter(dflash_model.DFlashDrafter(config), std=0.2, seed=1).to(device)
+    gen = torch.Generator().manual_seed(3)
+    states = torch.randn(2, 6, 2 * hidden, generator=gen).to(device)
+    context_positions = torch.arange(6, device=device).expand(2, 6)
+    embeds = torch.randn(2, 5, hidden, generator=gen).to(device)
+    block_positions = 6 + torch.arange(5, device=device).expand(2, 5)
+    masks = [torch.ones(2, 1, 5, 11, dtype=torch.bool, device=device)] * config.num_hidden_layers
+    head = torch.randn(vocab, hidden, generator=gen).to(device)
+
+    def draft() -> tuple[list[torch.Tensor], torch.Tensor]:
+        with torch.no_grad():
+            context = drafter.context(states, context_positions)
+            out = drafter.block(embeds, block_positions, context, masks)
+            return [k for k, _ in context], drafter.pick_greedy(out @ head.T, out, torch.tensor([1, 2], device=device))[0]
+
+    own_keys, own_drafts = draft()
+    monkeypatch.setattr(dflash_model, "FUSED_ROTARY_DEVICES", {device.type})
+    ops.register_ops(device.type, {"apply_rotary": cuda_ops.apply_rotary, "rotary_tables": cuda_ops.rotary_tables})
+    try:
+        with torch.no_grad():
+            assert drafter.rotary.tables(block_positions).platform is not None  # the kernel's path was taken
+        fused_keys, fused_drafts = draft()
+    finally:
+        if device.type == "cpu":
+            ops.unregister_ops("cpu")
+    for own, fused in zip(own_keys, fused_keys):
+        torch.testing.assert_close(fused, own, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused_drafts, own_drafts)

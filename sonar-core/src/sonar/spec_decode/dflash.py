@@ -33,7 +33,7 @@ import torch
 
 from sonar.spec_decode.dflash_checkpoint import load_dflash
 from sonar.spec_decode.dflash_config import DFlashConfig, read_dflash_config
-from sonar.spec_decode.dflash_model import DFlashDrafter
+from sonar.spec_decode.dflash_model import FUSED_ROTARY_DEVICES, DFlashDrafter
 from sonar.spec_decode.draft_graphs import DraftPass, build_context_pass, capture_sizes, slot_buckets
 from sonar.spec_decode.eagle3 import target_embedding
 from sonar.spec_decode.interface import (
@@ -146,6 +146,10 @@ class DFlashProposer(Proposer):
         ``budget.capturer`` is given."""
         config = self.drafter_config
         self.cache = build_draft_cache(budget, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.dtype, self.device)
+        rotary = self.drafter.rotary  # a block's last slot lies block_size - 1 past a request's longest context
+        rotary.max_position = max(rotary.max_position, self.cache.max_blocks_per_request * self.cache.block_size + config.block_size)
+        if torch.device(self.device).type in FUSED_ROTARY_DEVICES:
+            rotary.cos_sin_cache(self.device)  # built before any graph is captured (a host-to-device copy)
         sizes = capture_sizes(budget.max_num_seqs, self.config.max_batch_size)
         inputs = {name: torch.zeros((max(sizes),), dtype=torch.int64, device=self.device) for name in ("rows", "anchors", "anchor_positions")}
         self.block_pass = DraftPass(f"{self.method} block", self._block_pass, inputs, {"rows": self.cache.padding_row})

@@ -18,14 +18,24 @@ Module names are those of the published checkpoints (``layers.N.self_attn.q_proj
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from sonar import ops
 from sonar.spec_decode.dflash_config import DFlashConfig
 from sonar.spec_decode.eagle3_head import GatedMLP, RMSNorm, apply_rotary, rotary_dim_of
 
 LayerKV = tuple[torch.Tensor, torch.Tensor]  # keys, values [..., L, kv_heads, head_dim]
+
+
+#: device types whose platform rotary (``sonar.ops.apply_rotary``) rotates in float32 from a
+#: per-position float32 table, as the drafter's own rotation does: there drafting takes it (one
+#: launch for a layer's queries and keys instead of about ten elementwise ones). The CPU
+#: platform's tables are rounded to the model's dtype, so the CPU keeps the torch rotation.
+FUSED_ROTARY_DEVICES = {"cuda"}
 
 
 class DFlashRotary(nn.Module):
@@ -49,22 +59,64 @@ class DFlashRotary(nn.Module):
             )  # fmt: skip
             inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[kind](hf, "cpu")
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        #: positions the platform's table covers (``cos_sin_cache``); the proposer raises it to
+        #: its cache's longest request before the table is first built
+        self.max_position = config.max_position_embeddings
+        self._cos_sin_by_device: dict[torch.device, torch.Tensor] = {}
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [N]`` -> ``(cos, sin)`` ``[N, head_dim / 2]``."""
-        freqs = positions.reshape(-1).float()[:, None] * self.inv_freq[None, :]
+        freqs = positions.reshape(-1).float()[:, None] * self.inv_freq.to(positions.device)[None, :]
         return freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling
 
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        """``[max_position, rotary_dim]`` float32, cos in the first half and sin in the second
+        (a platform rotary kernel's table); built once per device, on the CPU."""
+        device = torch.device(device)
+        if device not in self._cos_sin_by_device:
+            cos, sin = self.forward(torch.arange(self.max_position))
+            self._cos_sin_by_device[device] = torch.cat([cos, sin], dim=-1).to(device)
+        return self._cos_sin_by_device[device]
 
-RotaryTables = tuple[torch.Tensor, torch.Tensor]  # cos, sin [N, rotary_dim / 2] of N positions
+    def tables(self, positions: torch.Tensor) -> RotaryTables:
+        """The rotation of ``positions [...]``: the platform's fused one when drafting on a
+        device of ``FUSED_ROTARY_DEVICES`` (no table work a forward), else ``forward``'s."""
+        if not torch.is_grad_enabled() and positions.device.type in FUSED_ROTARY_DEVICES and ops.platform_op(positions, "apply_rotary"):
+            flat = positions.reshape(-1)
+            return RotaryTables(None, None, (flat, self.cos_sin_cache(positions.device)))
+        cos, sin = self(positions)
+        return RotaryTables(cos, sin, None)
+
+
+@dataclass(frozen=True, slots=True)
+class RotaryTables:
+    """The rotation of N positions, made once a forward (every layer's queries and keys share
+    it): ``cos``/``sin`` ``[N, rotary_dim / 2]`` for the torch rotation, or the platform's
+    ``(positions, cos_sin_cache)`` for its fused one."""
+
+    cos: torch.Tensor | None
+    sin: torch.Tensor | None
+    platform: tuple[torch.Tensor, torch.Tensor] | None
 
 
 def rotate(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
-    """Rotate ``[..., heads, D]`` by the ``tables`` of its positions (``DFlashRotary``'s, made
-    once a forward: every layer's queries and keys share them)."""
-    shape = x.shape
-    cos, sin = tables
-    return apply_rotary(x.reshape(-1, shape[-2], shape[-1]), cos, sin).reshape(shape)
+    """Rotate ``[..., heads, D]`` by the ``tables`` of its positions."""
+    return rotate_pair(None, x, tables)[1]
+
+
+def rotate_pair(q: torch.Tensor | None, k: torch.Tensor, tables: RotaryTables) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """Rotate queries ``[..., H, D]`` (or none) and keys ``[..., KVH, D]`` of the same
+    positions: one platform launch for both, or the torch rotation of each."""
+    k_shape = k.shape
+    keys = k.reshape(-1, k_shape[-2], k_shape[-1])
+    if tables.platform is not None:  # in place where the platform can: use what it returns
+        queries = keys.new_empty((keys.shape[0], 0, keys.shape[-1])) if q is None else q.reshape(-1, q.shape[-2], q.shape[-1])
+        queries, keys = ops.apply_rotary(queries, keys, tables.platform)
+        return (None if q is None else queries.reshape(q.shape)), keys.reshape(k_shape)
+    keys = apply_rotary(keys, tables.cos, tables.sin).reshape(k_shape)
+    if q is None:
+        return None, keys
+    return apply_rotary(q.reshape(-1, q.shape[-2], q.shape[-1]), tables.cos, tables.sin).reshape(q.shape), keys
 
 
 class DFlashAttention(nn.Module):
@@ -82,9 +134,12 @@ class DFlashAttention(nn.Module):
     def keys_values(self, x: torch.Tensor, tables: RotaryTables) -> LayerKV:
         """``x [..., hidden]`` -> keys rotated by ``tables`` (of ``x``'s positions) and values
         ``[..., kv_heads, head_dim]``."""
-        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
-        v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
+        k, v = self.unrotated_keys_values(x)
         return rotate(k, tables), v
+
+    def unrotated_keys_values(self, x: torch.Tensor) -> LayerKV:
+        k = self.k_norm(self.k_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)))
+        return k, self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim))
 
 
 class DFlashLayer(nn.Module):
@@ -100,8 +155,8 @@ class DFlashLayer(nn.Module):
         ``context`` keys/values ``[B, L, KVH, D]``; ``mask [B, 1, Q, L + Q]`` (True: attended)."""
         attn = self.self_attn
         h = self.input_layernorm(x)
-        q = rotate(attn.q_norm(attn.q_proj(h).unflatten(-1, (attn.num_heads, attn.head_dim))), tables)
-        k, v = attn.keys_values(h, tables)
+        k, v = attn.unrotated_keys_values(h)
+        q, k = rotate_pair(attn.q_norm(attn.q_proj(h).unflatten(-1, (attn.num_heads, attn.head_dim))), k, tables)
         keys = torch.cat([context[0], k], dim=1).transpose(1, 2)  # [B, KVH, L + Q, D]
         values = torch.cat([context[1], v], dim=1).transpose(1, 2)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask, scale=attn.head_dim**-0.5, enable_gqa=True)
@@ -179,7 +234,7 @@ class DFlashDrafter(nn.Module):
         """Per draft layer, the keys and values ``[..., kv_heads, head_dim]`` of the target's
         states ``[..., num_target_layers * hidden]`` at ``positions [...]``."""
         x = self.hidden_norm(self.fc(target_states.to(self.fc.weight.dtype)))
-        tables = self.rotary(positions)
+        tables = self.rotary.tables(positions)
         return [layer.self_attn.keys_values(x, tables) for layer in self.layers]
 
     def block(self, embeds: torch.Tensor, positions: torch.Tensor, context: list[LayerKV], masks: list[torch.Tensor]) -> torch.Tensor:
@@ -187,7 +242,7 @@ class DFlashDrafter(nn.Module):
         ``positions [B, Q]``, each layer attending to ``context[layer]`` and the slots under
         ``masks[layer]`` ``[B, 1, Q, L + Q]``."""
         x = embeds.to(self.fc.weight.dtype)
-        tables = self.rotary(positions)
+        tables = self.rotary.tables(positions)
         for layer, kv, mask in zip(self.layers, context, masks):
             x = layer(x, tables, kv, mask)
         return self.norm(x)
@@ -229,13 +284,13 @@ class DFlashDrafter(nn.Module):
         """Drafting: the argmax drafts ``[R, n]`` of ``base_logits [R, n, vocab]``, left to right
         through the Markov head where there is one, and the tokens before each slot ``[R, n]``."""
         if self.markov_head is None:
-            drafts = base_logits.argmax(dim=-1)
+            drafts = ops.argmax(base_logits.reshape(-1, base_logits.shape[-1])).view(base_logits.shape[:-1])
             return drafts, torch.cat([anchor_ids[:, None], drafts[:, :-1]], dim=1)
         state = self.markov_head.initial_state(hidden[:, 0])
         prev, drafts, prevs = anchor_ids, [], []
         for j in range(base_logits.shape[1]):
             bias, state = self.markov_head.step(prev, hidden[:, j], state)
             prevs.append(prev)
-            prev = (base_logits[:, j] + bias.float()).argmax(dim=-1)
+            prev = ops.argmax(base_logits[:, j] + bias.float())
             drafts.append(prev)
         return torch.stack(drafts, dim=1), torch.stack(prevs, dim=1)

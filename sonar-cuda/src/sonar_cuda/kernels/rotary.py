@@ -90,8 +90,8 @@ def rotary_embedding(
         NUM_Q_HEADS=num_q_heads,
         NUM_K_HEADS=num_k_heads,
         HALF=rotary_dim // 2,
-        BLOCK_QH=triton.next_power_of_2(num_q_heads),
-        BLOCK_KH=triton.next_power_of_2(num_k_heads),
+        BLOCK_QH=triton.next_power_of_2(max(num_q_heads, 1)),  # no query heads: keys alone
+        BLOCK_KH=triton.next_power_of_2(max(num_k_heads, 1)),
         BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
         num_warps=4,
     )
