@@ -148,8 +148,10 @@ class DFlashProposer(Proposer):
         self.cache = build_draft_cache(budget, config.num_hidden_layers, config.num_key_value_heads, config.head_dim, self.dtype, self.device)
         rotary = self.drafter.rotary  # a block's last slot lies block_size - 1 past a request's longest context
         rotary.max_position = max(rotary.max_position, self.cache.max_blocks_per_request * self.cache.block_size + config.block_size)
-        if torch.device(self.device).type in FUSED_ROTARY_DEVICES:  # built before any graph is captured (a host-to-device
-            rotary.cos_sin_cache(torch.empty(0, device=self.device).device)  # copy), for the device as tensors name it (its index)
+        if torch.device(self.device).type in FUSED_ROTARY_DEVICES:
+            # the table is a host-to-device copy: made before any graph is captured, keyed by the
+            # device as its tensors name it (with its index)
+            rotary.cos_sin_cache(torch.empty(0, device=self.device).device)
         sizes = capture_sizes(budget.max_num_seqs, self.config.max_batch_size)
         inputs = {name: torch.zeros((max(sizes),), dtype=torch.int64, device=self.device) for name in ("rows", "anchors", "anchor_positions")}
         self.block_pass = DraftPass(f"{self.method} block", self._block_pass, inputs, {"rows": self.cache.padding_row})

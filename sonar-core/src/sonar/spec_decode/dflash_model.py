@@ -73,7 +73,8 @@ class DFlashRotary(nn.Module):
         """``[max_position, rotary_dim]`` float32, cos in the first half and sin in the second
         (a platform rotary kernel's table); built once per device, on the CPU."""
         device = torch.device(device)
-        if device not in self._cos_sin_by_device:
+        table = self._cos_sin_by_device.get(device)
+        if table is None or table.shape[0] < self.max_position:  # first use, or max_position raised since
             cos, sin = self.forward(torch.arange(self.max_position))
             self._cos_sin_by_device[device] = torch.cat([cos, sin], dim=-1).to(device)
         return self._cos_sin_by_device[device]
@@ -107,16 +108,14 @@ def rotate(x: torch.Tensor, tables: RotaryTables) -> torch.Tensor:
 def rotate_pair(q: torch.Tensor | None, k: torch.Tensor, tables: RotaryTables) -> tuple[torch.Tensor | None, torch.Tensor]:
     """Rotate queries ``[..., H, D]`` (or none) and keys ``[..., KVH, D]`` of the same
     positions: one platform launch for both, or the torch rotation of each."""
-    k_shape = k.shape
-    keys = k.reshape(-1, k_shape[-2], k_shape[-1])
+    keys = k.reshape(-1, k.shape[-2], k.shape[-1])
+    queries = None if q is None else q.reshape(-1, q.shape[-2], q.shape[-1])
     if tables.platform is not None:  # in place where the platform can: use what it returns
-        queries = keys.new_empty((keys.shape[0], 0, keys.shape[-1])) if q is None else q.reshape(-1, q.shape[-2], q.shape[-1])
-        queries, keys = ops.apply_rotary(queries, keys, tables.platform)
-        return (None if q is None else queries.reshape(q.shape)), keys.reshape(k_shape)
-    keys = apply_rotary(keys, tables.cos, tables.sin).reshape(k_shape)
-    if q is None:
-        return None, keys
-    return apply_rotary(q.reshape(-1, q.shape[-2], q.shape[-1]), tables.cos, tables.sin).reshape(q.shape), keys
+        queries, keys = ops.apply_rotary(keys.new_empty((keys.shape[0], 0, keys.shape[-1])) if q is None else queries, keys, tables.platform)
+    else:
+        keys = apply_rotary(keys, tables.cos, tables.sin)
+        queries = None if q is None else apply_rotary(queries, tables.cos, tables.sin)
+    return (None if q is None else queries.reshape(q.shape)), keys.reshape(k.shape)
 
 
 class DFlashAttention(nn.Module):
