@@ -52,6 +52,12 @@ class Platform:
     #: step (an accelerator's queue), so the host's work overlaps the device's; where the
     #: host computes the step itself it only delays every output by one step.
     async_scheduling: bool = False
+    #: Whether a process that has imported torch, and done nothing yet on this platform's
+    #: device, may start engine cores by forking itself rather than as fresh interpreters
+    #: (they skip importing torch, transformers and Sonar again: seconds of CPU each). Only
+    #: where the device's runtime and thread pools survive a fork; a process that runs more
+    #: than one thread never forks whatever this says.
+    fork_children: bool = False
 
     @classmethod
     def replica_env(cls, index: int, num_replicas: int, ranks_per_replica: int = 1) -> dict[str, str]:

@@ -52,6 +52,9 @@ class CpuPlatform(Platform):
     supported_dtypes = (torch.float32, torch.bfloat16, torch.float16)
     kv_cache_dtypes = ("auto", "fp8_e4m3", "fp8_e5m2")  # fp8_e4m3: scaled per layer; fp8_e5m2: unscaled; see the attention backend
     dist_backend = "gloo"
+    #: torch's CPU thread pools start on first use: a frontend that has not computed yet (one
+    #: thread, checked before each fork) forks its engine cores safely
+    fork_children = True
     #: ``gpu_memory_utilization`` sizes the cache from host RAM; without a bound a default run
     #: would reserve most of it. ``kv_cache_memory_bytes`` sets any size exactly.
     max_default_kv_cache_bytes = 4 * 1024**3

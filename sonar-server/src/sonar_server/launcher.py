@@ -130,7 +130,10 @@ def _serve_on(args: argparse.Namespace, engine_args: EngineArgs, listener: socke
     count = args.api_server_count
     clients = [client_addresses(ipc_dir, i) for i in range(count)]
     logger.info("loading %s in %d engine core(s)", engine_args.model or "the embedded SmolLM2-135M-Instruct", config.data_parallel_size)
-    engines = EngineProcesses(config, clients, platform.replica_env, logging.getLevelName(logging.getLogger().level))
+    engines = EngineProcesses(
+        config, clients, platform.replica_env, logging.getLevelName(logging.getLogger().level),
+        fork=platform.fork_children, close_fds=(listener.fileno(),),
+    )
     launches = [
         ApiServerLaunch(
             config=config,

@@ -10,6 +10,7 @@ through a pidfd, so an engine that dies is noticed at once.
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import itertools
 import logging
 import os
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -110,23 +111,45 @@ class EngineProcesses:
     :param clients: the sockets of every frontend that talks to them.
     :param replica_env: environment for replica ``i`` of ``n`` with ``r`` worker ranks each
         (``Platform.replica_env``: the platform's device choice).
+    :param fork: start each replica by forking this process where that is sound now (the
+        platform allows it, ``Platform.fork_children``, and this process runs one thread): it
+        then skips importing torch and Sonar again. Otherwise, and by default, a fresh
+        interpreter (``python -m sonar.engine.core_process``).
+    :param close_fds: descriptors a forked replica closes (the frontend's listening socket).
     """
 
-    def __init__(self, config: EngineConfig, clients: list[ClientAddresses], replica_env: Callable[[int, int, int], dict[str, str]], log_level: str = "WARNING") -> None:
-        self.processes: list[subprocess.Popen] = []
+    def __init__(
+        self,
+        config: EngineConfig,
+        clients: list[ClientAddresses],
+        replica_env: Callable[[int, int, int], dict[str, str]],
+        log_level: str = "WARNING",
+        fork: bool = False,
+        close_fds: Sequence[int] = (),
+    ) -> None:
+        from sonar.engine.process_util import ForkedProcess, single_threaded
+
+        self.processes: list[subprocess.Popen | ForkedProcess] = []
         ranks = config.tensor_parallel_size * config.pipeline_parallel_size  # each replica's group
+        fork = fork and single_threaded()
         for index in range(config.data_parallel_size):
             launch = wire.EngineCoreLaunch(config, index, clients, log_level)
             # the platform the configuration was resolved for, not a second detection's choice
-            env = {**os.environ, "SONAR_PLATFORM": config.platform, **replica_env(index, config.data_parallel_size, ranks)}
+            env = {"SONAR_PLATFORM": config.platform, **replica_env(index, config.data_parallel_size, ranks)}
+            if fork:
+                from sonar.engine.core_process import run_engine_core
+
+                self.processes.append(ForkedProcess(functools.partial(run_engine_core, launch), env, close_fds))
+                continue
             # its own session: a Ctrl-C in the terminal reaches the frontend, which drains first
             process = subprocess.Popen(
-                [sys.executable, "-m", "sonar.engine.core_process"], stdin=subprocess.PIPE, env=env, start_new_session=True
+                [sys.executable, "-m", "sonar.engine.core_process"], stdin=subprocess.PIPE, env={**os.environ, **env}, start_new_session=True
             )
             assert process.stdin is not None
             process.stdin.write(wire.encode_launch(launch))
             process.stdin.close()
             self.processes.append(process)
+        logger.debug("engine cores %s: %s", "forked" if fork else "started", [process.pid for process in self.processes])
 
     def check_started(self) -> None:
         """Raise if a replica has exited (while the frontend waits for it to be ready)."""

@@ -1,5 +1,6 @@
 """An engine core in its own process: ``python -m sonar.engine.core_process`` reads an
-``EngineCoreLaunch`` (JSON) from stdin, loads the model, and serves every frontend named in it.
+``EngineCoreLaunch`` (JSON) from stdin, loads the model, and serves every frontend named in it
+(a child forked from the frontend runs ``run_engine_core`` on the launch directly).
 
 Three threads: the input thread receives and decodes requests (and compiles their grammars),
 the main thread only steps, the output thread encodes and sends each step's outputs to the
@@ -287,12 +288,20 @@ class EngineCoreProc:
 
 
 def main() -> int:
+    return run_engine_core(wire.decode_launch(sys.stdin.buffer.read()))
+
+
+def run_engine_core(launch: wire.EngineCoreLaunch) -> int:
+    """The engine core's process from its launch on (a fresh interpreter's ``main``, or a
+    child forked from the frontend); returns its exit code."""
     from sonar.engine.process_util import exit_with_parent, set_process_title
 
-    launch = wire.decode_launch(sys.stdin.buffer.read())
     exit_with_parent()
     set_process_title(f"engine-core-{launch.engine_index}")
-    logging.basicConfig(level=launch.log_level, format=f"%(asctime)s %(levelname)s engine-core-{launch.engine_index} %(name)s: %(message)s")
+    # force: a forked child replaces the handlers of the frontend it was forked from
+    logging.basicConfig(
+        level=launch.log_level, format=f"%(asctime)s %(levelname)s engine-core-{launch.engine_index} %(name)s: %(message)s", force=True
+    )
     try:
         EngineCoreProc(launch).run()
     except Exception:

@@ -210,7 +210,9 @@ class _ReplicaClient:
     def __init__(self, config: EngineConfig, platform: type[Platform]) -> None:
         self._ipc_dir = new_ipc_dir()
         addresses = client_addresses(self._ipc_dir, 0)
-        self.processes = EngineProcesses(config, [addresses], platform.replica_env, logging.getLevelName(logging.getLogger().level))
+        self.processes = EngineProcesses(
+            config, [addresses], platform.replica_env, logging.getLevelName(logging.getLogger().level), fork=platform.fork_children
+        )
         self._received: queue.Queue[EngineCoreOutputs | str] = queue.Queue()
         self._engine_of: dict[str, int] = {}
         try:
