@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import socket
 import subprocess
 import threading

@@ -13,7 +13,6 @@ from pathlib import Path
 import httpx
 import jsonschema
 import openai
-import pytest
 from conftest import ServerProcess
 
 SCHEMA = {

@@ -36,9 +36,11 @@ def set_process_title(role: str) -> None:
     setproctitle.setproctitle(f"sonar::{role}")
 
 
-def exit_with_parent() -> None:
+def exit_with_parent(watchdog: bool = True) -> None:
     """Die when the parent dies: the kernel's parent-death signal where there is one (Linux),
-    and a watchdog thread that notices a new parent (re-parenting) everywhere."""
+    and a watchdog thread that notices a new parent (re-parenting) everywhere (``watchdog``:
+    not in a process that must stay single-threaded to fork, which watches its parent
+    otherwise)."""
     parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -47,6 +49,8 @@ def exit_with_parent() -> None:
         pass
     if os.getppid() != parent:  # it died before the signal was armed
         os._exit(1)
+    if not watchdog:
+        return
 
     def watch() -> None:
         while True:

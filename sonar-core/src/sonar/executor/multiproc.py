@@ -178,13 +178,9 @@ class MultiprocExecutor(Executor):
         try:
             for rank in range(num_local):
                 ours, theirs = socket.socketpair()
-                process = subprocess.Popen(
-                    [
-                        sys.executable, "-m", "sonar.executor.multiproc", str(rank), str(self.world_size), init_method,
-                        str(theirs.fileno()), logging.getLevelName(logging.getLogger().getEffectiveLevel()),
-                    ],
-                    pass_fds=(theirs.fileno(),), env={**os.environ, **platform.rank_env(rank, num_local)},
-                )
+                env = {**os.environ, **platform.rank_env(rank, num_local)}
+                args = [str(rank), str(self.world_size), init_method, logging.getLevelName(logging.getLogger().getEffectiveLevel())]
+                process = _start_rank(args, theirs, env, platform.fork_children)
                 theirs.close()
                 self.sockets.append(ours)  # kept to tell a closed peer from a pending reply
                 conn = Connection(os.dup(ours.fileno()))
@@ -407,6 +403,23 @@ class MultiprocExecutor(Executor):
             self._dead = WorkerDiedError("the executor was shut down")
 
 
+def _start_rank(args: list[str], sock: socket.socket, env: dict[str, str], fork: bool) -> subprocess.Popen | Any:
+    """A rank's process: forked by this process's fork server where the platform allows it
+    (no second import of torch and the model code), else a fresh interpreter."""
+    if fork:
+        from sonar.engine.fork_server import ForkServer, ForkServerError
+
+        try:
+            return ForkServer.shared().start("tp-rank", args, [sock.fileno()], env)
+        except ForkServerError as exc:
+            logger.info("starting rank %s as a fresh interpreter: %s", args[0], exc)
+    rank, world_size, init_method, level = args
+    return subprocess.Popen(
+        [sys.executable, "-m", "sonar.executor.multiproc", rank, world_size, init_method, str(sock.fileno()), level],
+        pass_fds=(sock.fileno(),), env=env,
+    )
+
+
 def stop_ranks(conns: list[Connection], processes: list[subprocess.Popen], ring: RingWriter | None = None) -> None:
     """Tell the ranks to stop through the ring (an idle rank reads it at once), close their
     sockets (a rank also exits when its socket closes), then kill any rank still there
@@ -547,17 +560,25 @@ def _peer_closed(sock: socket.socket) -> bool:
         return True
 
 
-if __name__ == "__main__":
+def rank_process_main(args: list[str], fds: list[int]) -> None:
+    """A rank's process from its start (a fresh interpreter's ``__main__``, or a child of the
+    fork server): ``args`` are its rank, the world size, the group's init method and the log
+    level; ``fds[0]`` its socket to the executor. Does not return."""
     from sonar.engine.process_util import exit_with_parent, set_process_title
 
-    _rank, _world_size, _init_method, _fd, _level = sys.argv[1:6]
+    rank, world_size, init_method, level = args
     exit_with_parent()  # a rank waiting in a collective does not read its socket
-    set_process_title(f"tp-worker-{_rank}")
-    logging.basicConfig(level=_level, format=f"%(asctime)s rank {_rank} %(levelname)s %(name)s: %(message)s")
-    run_worker(int(_rank), int(_world_size), _init_method, Connection(int(_fd)))
+    set_process_title(f"tp-worker-{rank}")
+    logging.basicConfig(level=level, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s", force=True)
+    run_worker(int(rank), int(world_size), init_method, Connection(fds[0]))
     # the ring, sockets and process group are closed: skip the interpreter's teardown of torch
     # (most of a second per rank at every shutdown)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+if __name__ == "__main__":
+    _rank, _world_size, _init_method, _fd, _level = sys.argv[1:6]
+    rank_process_main([_rank, _world_size, _init_method, _level], [int(_fd)])
