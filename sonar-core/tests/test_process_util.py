@@ -140,3 +140,25 @@ def test_an_offline_engine_forks_its_replicas_and_answers_as_one_process(tmp_pat
         """
     )
     assert out.strip().splitlines()[-1] == "[true, true, 2]"
+
+
+def test_sonar_worker_multiproc_method_spawn_turns_forking_off(monkeypatch) -> None:
+    import pytest
+
+    from sonar.engine.process_util import START_METHOD_ENV, forks_children
+
+    class Forking:
+        fork_children = True
+
+    class Spawning:
+        fork_children = False
+
+    monkeypatch.delenv(START_METHOD_ENV, raising=False)
+    assert forks_children(Forking) and not forks_children(Spawning)
+    monkeypatch.setenv(START_METHOD_ENV, "spawn")
+    assert not forks_children(Forking)
+    monkeypatch.setenv(START_METHOD_ENV, "Fork")
+    assert forks_children(Forking) and not forks_children(Spawning)
+    monkeypatch.setenv(START_METHOD_ENV, "forkserver")
+    with pytest.raises(ValueError, match="use 'fork' or 'spawn'"):
+        forks_children(Forking)

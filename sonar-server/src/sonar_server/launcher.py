@@ -118,7 +118,7 @@ def _serve_headless(engine_args: EngineArgs) -> int:
 
 def _serve_on(args: argparse.Namespace, engine_args: EngineArgs, listener: socket.socket) -> int:
     from sonar.engine.core_client import EngineProcesses, client_addresses, new_ipc_dir
-    from sonar.engine.process_util import set_process_title
+    from sonar.engine.process_util import forks_children, set_process_title
     from sonar.engine.resolve import resolve_engine_config
     from sonar.platform import current_platform
     from sonar_server.api_server import ApiServerLaunch, run_api_server
@@ -132,7 +132,7 @@ def _serve_on(args: argparse.Namespace, engine_args: EngineArgs, listener: socke
     logger.info("loading %s in %d engine core(s)", engine_args.model or "the embedded SmolLM2-135M-Instruct", config.data_parallel_size)
     engines = EngineProcesses(
         config, clients, platform.replica_env, logging.getLevelName(logging.getLogger().level),
-        fork=platform.fork_children, close_fds=(listener.fileno(),),
+        fork=forks_children(platform), close_fds=(listener.fileno(),),
     )
     launches = [
         ApiServerLaunch(

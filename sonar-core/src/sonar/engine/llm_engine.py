@@ -208,10 +208,12 @@ class _ReplicaClient:
     message of outputs from any replica."""
 
     def __init__(self, config: EngineConfig, platform: type[Platform]) -> None:
+        from sonar.engine.process_util import forks_children
+
         self._ipc_dir = new_ipc_dir()
         addresses = client_addresses(self._ipc_dir, 0)
         self.processes = EngineProcesses(
-            config, [addresses], platform.replica_env, logging.getLevelName(logging.getLogger().level), fork=platform.fork_children
+            config, [addresses], platform.replica_env, logging.getLevelName(logging.getLogger().level), fork=forks_children(platform)
         )
         self._received: queue.Queue[EngineCoreOutputs | str] = queue.Queue()
         self._engine_of: dict[str, int] = {}

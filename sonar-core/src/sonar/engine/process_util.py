@@ -18,6 +18,7 @@ import time
 import traceback
 import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,20 @@ def _openblas_pool_threads() -> int:
         if count is not None:
             workers += max(0, int(count()) - 1)  # the calling thread is one of its threads
     return workers
+
+
+#: ``spawn``: start every engine core and worker rank as a fresh interpreter, even where the
+#: platform allows forking (``fork``, the default, forks where ``Platform.fork_children``).
+START_METHOD_ENV = "SONAR_WORKER_MULTIPROC_METHOD"
+
+
+def forks_children(platform: Any) -> bool:
+    """Whether engine cores and worker ranks may be forked on ``platform``: it allows it
+    (``Platform.fork_children``) and ``SONAR_WORKER_MULTIPROC_METHOD`` is not ``spawn``."""
+    method = os.environ.get(START_METHOD_ENV, "fork").strip().lower()
+    if method not in ("fork", "spawn"):
+        raise ValueError(f"{START_METHOD_ENV}={method!r}: use 'fork' or 'spawn'")
+    return bool(platform.fork_children) and method == "fork"
 
 
 def single_threaded() -> bool:

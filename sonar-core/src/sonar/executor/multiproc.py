@@ -30,6 +30,7 @@ import msgspec
 from sonar.config import EngineConfig, ModelConfig
 from sonar.engine.kv_cache_spec import KVCacheSpec
 from sonar.engine.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from sonar.engine.process_util import forks_children
 from sonar.executor.base import Executor, WorkerDiedError
 from sonar.executor.shm_broadcast import RingReader, RingTimeout, RingWriter
 from sonar.platform import Platform
@@ -174,13 +175,14 @@ class MultiprocExecutor(Executor):
 
             followers, init_method = accept_followers(config, self.world_size), rendezvous_address(config)
         num_local = self.world_size // config.nnodes
+        fork = forks_children(platform)
         self.ring = RingWriter(num_local + len(followers), slot_bytes=_ring_slot_bytes())
         try:
             for rank in range(num_local):
                 ours, theirs = socket.socketpair()
                 env = {**os.environ, **platform.rank_env(rank, num_local)}
                 args = [str(rank), str(self.world_size), init_method, logging.getLevelName(logging.getLogger().getEffectiveLevel())]
-                process = _start_rank(args, theirs, env, platform.fork_children)
+                process = _start_rank(args, theirs, env, fork)
                 theirs.close()
                 self.sockets.append(ours)  # kept to tell a closed peer from a pending reply
                 conn = Connection(os.dup(ours.fileno()))
