@@ -32,6 +32,8 @@ import time
 import traceback
 from typing import Any
 
+from sonar.engine.process_util import ChildSignals
+
 logger = logging.getLogger(__name__)
 
 #: What a fork server can run: an entry point's name -> ``module:function``; the function
@@ -50,7 +52,7 @@ class ForkServerError(RuntimeError):
     """The fork server cannot start a child (it is gone, or it runs threads)."""
 
 
-class ForkServerProcess:
+class ForkServerProcess(ChildSignals):
     """A child of the fork server, with the part of ``subprocess.Popen`` the executor uses
     (``pid``, ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``);
     its exit status comes from the server."""
@@ -74,19 +76,6 @@ class ForkServerProcess:
                 raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
             self._server.wait_for_exit(remaining)
         return self.returncode  # type: ignore[return-value]
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            try:
-                os.kill(self.pid, sig)
-            except ProcessLookupError:
-                pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class ForkServer:
@@ -224,7 +213,7 @@ def _fork_child(sock: socket.socket, request: dict[str, Any], fds: list[int]) ->
         target(list(request["args"]), inherited)
         code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else 1
+        code = 0 if exc.code is None else exc.code if isinstance(exc.code, int) else 1
     except BaseException:
         traceback.print_exc()
     finally:

@@ -139,7 +139,30 @@ def _forget_parent_exit_handlers() -> None:
     weakref.finalize._registered_with_atexit = False  # type: ignore[attr-defined]
 
 
-class ForkedProcess:
+class ChildSignals:
+    """``send_signal``, ``terminate`` and ``kill`` as ``subprocess.Popen`` has them, for a
+    child handle with ``pid`` and ``poll()``: a child that has exited gets no signal."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+class ForkedProcess(ChildSignals):
     """A child forked from this process that runs ``target()`` and exits with its return
     value, with the part of ``subprocess.Popen`` Sonar's launchers use (``pid``,
     ``returncode``, ``poll``, ``wait``, ``send_signal``, ``terminate``, ``kill``).
@@ -209,13 +232,3 @@ class ForkedProcess:
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
         return self.returncode  # type: ignore[return-value]
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
