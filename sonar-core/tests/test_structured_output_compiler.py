@@ -72,7 +72,7 @@ def test_ten_thousand_distinct_schemas_stay_within_the_cache_bound(tokenizer: An
         compiler.compile(GuidedDecodingParams(json={"type": "object", "properties": {"id": {"const": i}}, "required": ["id"]}))
         assert compiler.cache.num_entries <= 256 and compiler.cache.num_bytes <= max_bytes
     assert compiler.cache.num_evictions >= 10_000 - 256
-    assert time.perf_counter() - started < 60
+    assert time.perf_counter() - started < 240  # about 25 s alone on 2 cores: a guard against superlinear work, not a timing
 
 
 def test_slow_compilation_times_out_with_a_clear_error(tokenizer: Any) -> None:

@@ -12,9 +12,12 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from sonar_models.formats.gguf_reader import GGUFHeader
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +103,15 @@ LLAMA3_ROPE_DEFAULTS = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "origin
 
 
 @functools.lru_cache(maxsize=2)
-def _open_cached(path: str, mtime_ns: int) -> Any:
-    import gguf
+def _open_cached(path: str, mtime_ns: int) -> GGUFHeader:
+    from sonar_models.formats.gguf_reader import read_gguf
 
-    return gguf.GGUFReader(path)
+    return read_gguf(path)
 
 
-def open_gguf(path: Path) -> Any:
-    """A ``gguf.GGUFReader`` for ``path``; parsing the header takes seconds, so it is cached."""
+def open_gguf(path: Path) -> GGUFHeader:
+    """``path``'s parsed header (``gguf_reader``), kept for the next caller while the file is
+    unchanged."""
     path = Path(path)
     return _open_cached(str(path.resolve()), path.stat().st_mtime_ns)
 
@@ -138,8 +142,8 @@ def config_from_gguf(reader: Any) -> Any:
     num_heads = int(meta("attention.head_count"))
     hidden_size = int(meta("embedding_length"))
     head_dim = int(meta("attention.key_length", hidden_size // num_heads))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")  # len(.data): one entry per token, not decoded
-    vocab_size = len(tokens.data) if tokens is not None else int(meta("vocab_size"))
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    vocab_size = tokens.count if tokens is not None else int(meta("vocab_size"))
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,

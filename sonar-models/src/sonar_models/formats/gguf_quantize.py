@@ -324,8 +324,8 @@ def _copy_tokenizer(writer: Any, source: Path, vocab_size: int) -> None:
 
     reader = open_gguf(source)
     tokens = reader.fields.get("tokenizer.ggml.tokens")
-    if tokens is None or len(tokens.data) != vocab_size:
-        raise ValueError(f"{source} has {0 if tokens is None else len(tokens.data)} tokens; the model's vocabulary is {vocab_size}")
+    if tokens is None or tokens.count != vocab_size:
+        raise ValueError(f"{source} has {0 if tokens is None else tokens.count} tokens; the model's vocabulary is {vocab_size}")
     for key, field in reader.fields.items():
         if key.startswith("tokenizer."):
             sub_type = field.types[1] if len(field.types) > 1 else None

@@ -3,10 +3,12 @@
 ``transformers`` rebuilds a GGUF file's tokenizer from its metadata (vocabulary, merges) every
 time it loads one: seconds for a 49k-token vocabulary, paid by every process that opens the
 file. The converted tokenizer is saved (``tokenizer.json``, its config and chat template:
-plain JSON and Jinja, nothing executable) under the cache folder, keyed by the file's resolved
-path, size and modification time and the ``transformers`` version that converted it, and
-later loads read it from there. The cache folder is ``$SONAR_CACHE_DIR``, else
-``$XDG_CACHE_HOME/sonar``, else ``~/.cache/sonar``; a cache that cannot be written is skipped.
+plain JSON and Jinja, nothing executable) under the cache folder, keyed by what the conversion
+reads: the file's stored ``tokenizer.*`` metadata, its architecture and name (``transformers``
+picks the tokenizer class from them) and the ``transformers`` version. Later loads read it
+from there, also for another file with the same tokenizer (the same model in another
+quantization). The cache folder is ``$SONAR_CACHE_DIR``, else ``$XDG_CACHE_HOME/sonar``, else
+``~/.cache/sonar``; a cache that cannot be written is skipped.
 """
 
 from __future__ import annotations
@@ -32,11 +34,18 @@ def cache_root() -> Path:
     return Path(base) / "sonar"
 
 
+#: the metadata besides ``tokenizer.*`` that ``transformers`` reads to choose the tokenizer
+CONVERSION_KEYS = ("general.architecture", "general.name")
+
+
 def _cache_folder(gguf: Path) -> Path:
     import transformers
 
-    stat = gguf.stat()
-    key = f"{gguf.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}\0{transformers.__version__}"
+    from sonar_models.formats.gguf_metadata import open_gguf
+
+    header = open_gguf(gguf)
+    keys = [*CONVERSION_KEYS, *sorted(k for k in header.fields if k.startswith("tokenizer."))]
+    key = f"{header.digest(keys)}\0{transformers.__version__}"
     return cache_root() / "gguf-tokenizers" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
