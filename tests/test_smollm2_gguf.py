@@ -28,8 +28,7 @@ def assert_greedy_equals_transformers(llm: LLM, gguf) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     oracle = HFOracle(gguf.parent, gguf_file=gguf.name)
-    for prompt, output in zip(prompts, outputs):
-        expected, rows = oracle.greedy(prompt, 24)
+    for output, (expected, rows) in zip(outputs, oracle.greedy_many(prompts, 24)):
         got = output.outputs[0].token_ids
         diverged = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
         if diverged is not None:  # natively quantized: only where the oracle's top two are a near tie

@@ -4,7 +4,13 @@ from pathlib import Path
 
 import pytest
 
-from sonar_models.testing import TINY_CONFIGS, build_tiny_model
+from sonar_models.testing import TINY_CONFIGS, build_tiny_model, reuse_gguf_name_maps
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _gguf_name_maps_reused() -> None:
+    """transformers' GGUF loader (an oracle here) builds the same name maps hundreds of times."""
+    reuse_gguf_name_maps()
 
 
 @pytest.fixture(scope="session")

@@ -128,6 +128,19 @@ def smollm2_tokenizer() -> Any:
     return load_gguf_tokenizer(smollm2_gguf_path())
 
 
+def reuse_gguf_name_maps() -> None:
+    """Make ``gguf.get_tensor_name_map`` return one map per (architecture, layer count).
+
+    transformers' GGUF loader (the oracle of the GGUF tests) asks for the map once per module
+    of the model it fills, and ``gguf`` builds it from scratch each time: about 400 builds,
+    10 s of a 2-core machine, for SmolLM2's 30 layers. The map depends only on its two
+    arguments and is only read, so a test process keeps each one."""
+    import gguf
+
+    if not hasattr(gguf.get_tensor_name_map, "cache_info"):
+        gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(gguf.get_tensor_name_map)
+
+
 def rewrite_gguf(source: str | Path, folder: str | Path, recipe: int | str) -> Path:
     """The weights of the Llama-architecture GGUF file ``source`` (as transformers decodes them)
     written again by Sonar's writer in ``recipe`` (a block type, or one of llama.cpp's mixed
@@ -139,6 +152,7 @@ def rewrite_gguf(source: str | Path, folder: str | Path, recipe: int | str) -> P
     from sonar_models.formats.gguf_quantize import write_gguf
 
     source, folder = Path(source), Path(folder)
+    reuse_gguf_name_maps()
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     model.config.architectures = ["LlamaForCausalLM"]
     model.config.save_pretrained(folder / "hf")
