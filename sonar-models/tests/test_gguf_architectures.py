@@ -240,6 +240,7 @@ def test_a_config_llama_cpp_cannot_state_is_refused(tmp_path) -> None:
 def test_a_file_with_a_tokenizer_serves_text(arch: str, tmp_path) -> None:
     """The file's own tokenizer (SmolLM2's, copied in) is what ``LLM`` tokenizes text with,
     chat template included, whatever the architecture's name in the file."""
+    from sonar_models.formats.gguf_tokenizer import load_gguf_tokenizer
     from sonar_models.testing import smollm2_gguf_path, smollm2_tokenizer
 
     folder = build_tiny_model(arch, tmp_path / "hf", **ARCHS[arch])
@@ -249,6 +250,8 @@ def test_a_file_with_a_tokenizer_serves_text(arch: str, tmp_path) -> None:
     tokenizer, reference = llm.get_tokenizer(), smollm2_tokenizer()
     text = "The capital of France is Paris. Ünïcödé, 12345 tokens!"
     assert tokenizer.encode(text) == reference.encode(text)
+    again = load_gguf_tokenizer(path)  # a second load: from the cache where the first one was kept
+    assert again.encode(text) == reference.encode(text)
     messages = [{"role": "user", "content": "Hi"}]
     assert tokenizer.apply_chat_template(messages, tokenize=False) == reference.apply_chat_template(messages, tokenize=False)
     output = llm.generate([text], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))[0].outputs[0]

@@ -44,3 +44,15 @@ def test_an_unwritable_cache_is_skipped(tmp_path):
 class _NeverSaved:
     def save_pretrained(self, folder):
         raise AssertionError("saved into an unwritable cache")
+
+
+def test_a_tokenizer_read_back_differently_is_not_kept(tmp_path, monkeypatch):
+    """transformers does not always read back what it saved; such a conversion is not cached
+    (``test_gguf_architectures``: a BPE vocabulary under Gemma's architecture is one)."""
+    from sonar_models.testing import smollm2_tokenizer
+
+    fingerprints = iter([("as converted",), ("as read back",)])
+    monkeypatch.setattr(gguf_tokenizer, "_fingerprint", lambda tokenizer: next(fingerprints))
+    folder = tmp_path / "gguf-tokenizers" / "entry"
+    gguf_tokenizer._save(smollm2_tokenizer(), folder)
+    assert not folder.exists() and list((tmp_path / "gguf-tokenizers").iterdir()) == []  # no staging folder left

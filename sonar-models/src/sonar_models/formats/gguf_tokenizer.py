@@ -66,14 +66,45 @@ def load_gguf_tokenizer(gguf: Path) -> Any:
     return tokenizer
 
 
+#: texts a cached tokenizer must tokenize as the converted one does before it is kept
+PROBES = (
+    "The capital of France is Paris. Ünïcödé, 12345 tokens!",
+    "  leading spaces,\ttabs\nand new lines\n\n  def f(x):\n      return x ** 2  # 中文 café — naïve 🙂",
+)
+
+
 def _save(tokenizer: Any, folder: Path) -> None:
+    """Keep ``tokenizer`` under ``folder`` if reading it back gives the same tokenizer:
+    ``transformers`` does not always read back what it saved (a BPE vocabulary in a file
+    that names Gemma's architecture comes back with Gemma's pre-tokenizer), and such a
+    tokenizer is converted on every load instead."""
+    from transformers import AutoTokenizer
+
     try:
         folder.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".incoming-", dir=folder.parent))
-        tokenizer.save_pretrained(staging)
+        try:
+            tokenizer.save_pretrained(staging)
+            reread = AutoTokenizer.from_pretrained(staging)
+        except (OSError, ValueError) as error:
+            shutil.rmtree(staging, ignore_errors=True)
+            logger.info("not caching the converted tokenizer (%s)", error)
+            return
+        if _fingerprint(reread) != _fingerprint(tokenizer):
+            shutil.rmtree(staging, ignore_errors=True)
+            logger.info("not caching the converted tokenizer: transformers reads it back differently")
+            return
         try:
             os.replace(staging, folder)  # atomic: a concurrent load sees all of it or none
         except OSError:  # another process saved it first
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as error:
         logger.info("not caching the converted tokenizer (%s)", error)
+
+
+def _fingerprint(tokenizer: Any) -> tuple:
+    specials = "".join(str(token) for token in tokenizer.all_special_tokens)
+    return (
+        type(tokenizer).__name__, len(tokenizer), tokenizer.bos_token, tokenizer.eos_token, tokenizer.all_special_ids,
+        getattr(tokenizer, "chat_template", None), *(tuple(tokenizer.encode(text)) for text in (*PROBES, specials + PROBES[0])),
+    )
