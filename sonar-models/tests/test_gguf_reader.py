@@ -5,6 +5,7 @@ tokenizer cache is keyed by the tokenizer a file stores, not by the file's path.
 from __future__ import annotations
 
 import importlib.util
+import random
 import shutil
 import struct
 import time
@@ -82,6 +83,7 @@ def test_damaged_files_are_refused_with_a_clear_error(tmp_path) -> None:
         "a tensor of unknown type": _header(b"", 0, 1) + _string(b"w") + struct.pack("<IQ", 1, 4) + struct.pack("<IQ", 999, 0),
         "bad alignment": _header(_string(b"general.alignment") + struct.pack("<II", 4, 3), 1),
         "not utf-8": _header(_string(b"\xff\xfe") + struct.pack("<II", 4, 1), 1),
+        "arrays nested without end": _header(_string(b"x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 5000, 1),
     }
     for name, data in cases.items():
         path = tmp_path / "bad.gguf"
@@ -122,3 +124,24 @@ def test_the_tokenizer_cache_is_shared_by_files_with_the_same_tokenizer(tmp_path
     other = build_tiny_model("qwen2", tmp_path / "qwen2", vocab_size=49152)
     write_gguf(other, tmp_path / "qwen2.gguf", Q8_0, tokenizer_from=smollm2_gguf_path())
     assert gguf_tokenizer._cache_folder(tmp_path / "qwen2.gguf") != entries[0]
+
+
+def test_a_corrupted_file_reads_or_is_refused_with_a_value_error(tmp_path) -> None:
+    """Random truncations of a real file's header and random bytes changed in it: each file
+    reads, or ``read_gguf`` raises ``ValueError`` (never another exception)."""
+    folder = build_tiny_model("llama", tmp_path / "hf", vocab_size=512, hidden_size=64, intermediate_size=128)
+    write_gguf(folder, tmp_path / "model.gguf", Q8_0)
+    data = (tmp_path / "model.gguf").read_bytes()
+    header_end = read_gguf(tmp_path / "model.gguf").data_offset
+    rng = random.Random(0)
+    refused = 0
+    for i in range(400):
+        damaged = bytearray(data[: rng.randrange(header_end + 64)] if i % 4 == 0 else data)
+        for _ in range(0 if i % 4 == 0 else rng.randint(1, 3)):
+            damaged[rng.randrange(header_end)] = rng.randrange(256)
+        (tmp_path / "damaged.gguf").write_bytes(bytes(damaged))
+        try:
+            read_gguf(tmp_path / "damaged.gguf")
+        except ValueError:
+            refused += 1
+    assert refused > 100

@@ -29,6 +29,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
 DEFAULT_ALIGNMENT = 32
+MAX_ARRAY_DEPTH = 8  # arrays of arrays: llama.cpp writes none deeper than two
 
 #: fixed-size metadata value types: (struct code, numpy type)
 _SCALARS = {
@@ -150,11 +151,13 @@ class _Cursor:
         except ValueError:
             raise ValueError(f"GGUF metadata value type {raw} at offset {self.offset - 4} is unknown") from None
 
-    def value(self, kind: GGUFValueType) -> tuple[Any, list[GGUFValueType]]:
+    def value(self, kind: GGUFValueType, depth: int = 0) -> tuple[Any, list[GGUFValueType]]:
         if kind == GGUFValueType.STRING:
             return self.string(), [kind]
         if kind in _SCALARS:
             return self.scalar(_SCALARS[kind][0]), [kind]
+        if depth >= MAX_ARRAY_DEPTH:
+            raise ValueError(f"GGUF arrays nested more than {MAX_ARRAY_DEPTH} deep at offset {self.offset}")
         element = self.value_type()
         count = self.scalar("Q")
         if element in _SCALARS:
@@ -171,7 +174,7 @@ class _Cursor:
             return [self.string() for _ in range(count)], [kind, element]
         items, types = [], [kind, element]
         for _ in range(count):  # arrays of arrays
-            item, inner = self.value(element)
+            item, inner = self.value(element, depth + 1)
             items.append(item)
             if len(types) == 2:
                 types += inner[1:]
