@@ -51,28 +51,15 @@ class HFOracle:
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}
         self.model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, **kwargs).eval()
 
-    @torch.inference_mode()
     def greedy(self, prompt: list[int], num_tokens: int) -> tuple[list[int], list[torch.Tensor]]:
         """Token ids and the log-softmax row of each step, eos never stopping it."""
-        ids = torch.tensor([prompt])
-        out = self.model(input_ids=ids, use_cache=True)
-        past, logits = out.past_key_values, out.logits[0, -1]
-        tokens, logprob_rows = [], []
-        for _ in range(num_tokens):
-            logprobs = torch.log_softmax(logits.float(), -1)
-            token = int(torch.argmax(logprobs))
-            tokens.append(token)
-            logprob_rows.append(logprobs)
-            if len(tokens) == num_tokens:
-                break
-            out = self.model(input_ids=torch.tensor([[token]]), past_key_values=past, use_cache=True)
-            past, logits = out.past_key_values, out.logits[0, -1]
-        return tokens, logprob_rows
+        return self.greedy_many([prompt], num_tokens)[0]
 
     @torch.inference_mode()
     def greedy_many(self, prompts: list[list[int]], num_tokens: int) -> list[tuple[list[int], list[torch.Tensor]]]:
         """``greedy`` of every prompt, run as one left-padded batch (a step reads the weights
-        once for all prompts: several times faster on a real model on the CPU)."""
+        once for all prompts: several times faster on a real model on the CPU than one prompt
+        at a time)."""
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
