@@ -8,6 +8,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import nox
 
 PACKAGES = ["sonar-core", "sonar-cpu", "sonar-models", "sonar-server", "sonar-cuda"]
@@ -40,8 +42,6 @@ def _install(session: nox.Session, packages: list[str], torch_spec: str | None =
 
 
 def _existing(packages: list[str]) -> list[str]:
-    from pathlib import Path
-
     return [p for p in packages if Path(p, "pyproject.toml").exists()]
 
 
@@ -60,12 +60,31 @@ def tests(session: nox.Session, package: str) -> None:
 @nox.session(name="tests-cpu", python="3.11")
 def tests_cpu(session: nox.Session) -> None:
     """Every package's tests and the cross-package tests on the CPU backend (GPU tests skip;
-    Triton kernels run through its interpreter)."""
+    Triton kernels run through its interpreter).
+
+    Two streams at once: the cross-package tests (in-process engines and oracles, about one
+    busy core) beside each package's suite in turn (servers, compilers and ranks in processes
+    of their own). The cross-package stream's output follows the packages'; it fails the
+    session as a failing package does."""
     session.install(NO_COMPILE, TRITON)
     _install(session, _existing(PACKAGES))
-    for package in _existing(PACKAGES):
-        session.run("pytest", "-m", "not cuda", "--durations=10", f"{package}/tests", *session.posargs, env=TEST_ENV)
-    session.run("pytest", "--durations=15", "tests", *session.posargs, env=TEST_ENV)
+    import os
+    import subprocess
+
+    log_path = Path(session.create_tmp()) / "tests-stream.log"
+    env = {**os.environ, "PATH": os.pathsep.join([session.bin, os.environ.get("PATH", "")]), "VIRTUAL_ENV": session.virtualenv.location, **TEST_ENV}
+    command = [str(Path(session.bin) / "pytest"), "--durations=15", "tests", *session.posargs]
+    session.log(f"{' '.join(command[1:])} (beside the packages; output below when they finish)")
+    with log_path.open("w") as log:
+        stream = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        for package in _existing(PACKAGES):
+            session.run("pytest", "-m", "not cuda", "--durations=10", f"{package}/tests", *session.posargs, env=TEST_ENV)
+    finally:
+        code = stream.wait()
+        print(log_path.read_text(), flush=True)
+    if code:
+        session.error(f"pytest tests exited with {code}")
 
 
 @nox.session(name="tests-cuda", python=False)

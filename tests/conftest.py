@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,51 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory):
         return built[arch]
 
     return get
+
+
+PLUGIN_PACKAGES = Path(__file__).parent / "plugins"
+
+
+@pytest.fixture(scope="session")
+def plugin_site(tmp_path_factory: pytest.TempPathFactory):
+    """``plugin_site(name)``: the test plugin package ``tests/plugins/<name>`` installed by pip
+    into a folder of its own (once a session), not into the environment: a fresh process sees
+    its entry points with the folder on ``PYTHONPATH`` (``with_site``), as it would see an
+    installed package, and nothing else running from this environment ever does."""
+    import subprocess
+    import sys
+
+    sites: dict[str, Path] = {}
+
+    def install(name: str) -> Path:
+        if name not in sites:
+            site = tmp_path_factory.mktemp(f"site-{name}")
+            build = tmp_path_factory.mktemp(f"build-{name}")
+            # built from a copy: a build writes its metadata beside the sources
+            source = Path(shutil.copytree(PLUGIN_PACKAGES / name, build / name))
+            subprocess.run(
+                [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-compile", "--target", str(site), str(source)],
+                check=True, capture_output=True, text=True,
+            )  # fmt: skip
+            sites[name] = site
+        return sites[name]
+
+    return install
+
+
+def with_site(env: dict[str, str] | os._Environ[str], *sites: Path) -> dict[str, str]:
+    """``env`` with ``sites`` first on ``PYTHONPATH``."""
+    paths = [*map(str, sites), *filter(None, [env.get("PYTHONPATH")])]
+    return {**env, "PYTHONPATH": os.pathsep.join(paths)}
+
+
+def site_has_entry_point(site: Path, name: str) -> bool:
+    """Whether a package installed in ``site`` declares the ``sonar.plugins`` entry point ``name``."""
+    import importlib.metadata
+
+    return any(
+        ep.group == "sonar.plugins" and ep.name == name for dist in importlib.metadata.distributions(path=[str(site)]) for ep in dist.entry_points
+    )
 
 
 def random_prompts(count: int, seed: int, min_len: int = 1, max_len: int = 90, vocab: int = 49152) -> list[list[int]]:

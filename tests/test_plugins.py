@@ -8,7 +8,6 @@ scenario runs in a fresh interpreter, so entry points are read again.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -18,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import site_has_entry_point, with_site
 
-DUMMY_PACKAGE = Path(__file__).parent / "plugins" / "sonar_dummy_platform"
 DUMMY_ENTRY_POINTS = {"dummy", "dummy_broken"}
 SONAR_VARIABLES = ("SONAR_PLATFORM", "SONAR_PLUGINS", "SONAR_DUMMY_PLATFORM", "SONAR_DUMMY_BROKEN")
 
@@ -40,44 +39,28 @@ print(json.dumps({"loaded": report.loaded, "failed": report.failed, "skipped": r
 """
 
 
-def dummy_installed() -> bool:
-    try:
-        dist = importlib.metadata.distribution("sonar-dummy-platform")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    names = {ep.name for ep in dist.entry_points if ep.group == "sonar.plugins"}
-    return DUMMY_ENTRY_POINTS <= names
+@pytest.fixture(scope="module")
+def dummy_site(plugin_site) -> Path:
+    """The dummy package installed where only this module's fresh processes see it."""
+    site = plugin_site("sonar_dummy_platform")
+    assert all(site_has_entry_point(site, name) for name in DUMMY_ENTRY_POINTS), "the installed dummy package lacks its entry points"
+    return site
 
 
-@pytest.fixture(scope="session")
-def dummy_plugin_package() -> Path:
-    """Install the dummy package into this interpreter's environment (once; kept installed)."""
-    if not dummy_installed():
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "-e", str(DUMMY_PACKAGE)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        importlib.invalidate_caches()
-        assert dummy_installed(), "pip installed sonar-dummy-platform but its entry points are not visible"
-    return DUMMY_PACKAGE
-
-
-def run_fresh(args: list[str], **variables: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if k not in SONAR_VARIABLES}
+def run_fresh(site: Path, args: list[str], **variables: str) -> subprocess.CompletedProcess[str]:
+    env = with_site({k: v for k, v in os.environ.items() if k not in SONAR_VARIABLES}, site)
     env.update(variables)
     return subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=120)
 
 
-def probe(**variables: str) -> dict[str, Any]:
-    result = run_fresh(["-c", PROBE], **variables)
+def probe(site: Path, **variables: str) -> dict[str, Any]:
+    result = run_fresh(site, ["-c", PROBE], **variables)
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def test_without_its_hardware_the_dummy_leaves_cpu_selected(dummy_plugin_package: Path) -> None:
-    seen = probe()
+def test_without_its_hardware_the_dummy_leaves_cpu_selected(dummy_site: Path) -> None:
+    seen = probe(dummy_site)
     assert {"cpu", "dummy", "dummy_broken"} <= set(seen["loaded"])
     assert seen["failed"] == {}
     assert seen["candidates"]["dummy"] is None
@@ -85,8 +68,8 @@ def test_without_its_hardware_the_dummy_leaves_cpu_selected(dummy_plugin_package
     assert seen["reason"] == "no accelerator detected; CPU fallback"
 
 
-def test_detected_accelerator_wins_over_cpu(dummy_plugin_package: Path) -> None:
-    seen = probe(SONAR_DUMMY_PLATFORM="1")
+def test_detected_accelerator_wins_over_cpu(dummy_site: Path) -> None:
+    seen = probe(dummy_site, SONAR_DUMMY_PLATFORM="1")
     assert seen["loaded"]["dummy"] == "sonar_dummy_platform.plugin"
     assert seen["candidates"]["cpu"] == "sonar_cpu.platform:CpuPlatform"
     assert seen["candidates"]["dummy"] == "sonar_dummy_platform.platform:DummyPlatform"
@@ -94,14 +77,14 @@ def test_detected_accelerator_wins_over_cpu(dummy_plugin_package: Path) -> None:
     assert seen["reason"] == "dummy hardware detected"
 
 
-def test_sonar_platform_forces_cpu_over_a_detected_accelerator(dummy_plugin_package: Path) -> None:
-    seen = probe(SONAR_DUMMY_PLATFORM="1", SONAR_PLATFORM="cpu")
+def test_sonar_platform_forces_cpu_over_a_detected_accelerator(dummy_site: Path) -> None:
+    seen = probe(dummy_site, SONAR_DUMMY_PLATFORM="1", SONAR_PLATFORM="cpu")
     assert seen["platform"] == "cpu"
     assert seen["reason"] == "forced by SONAR_PLATFORM=cpu"
 
 
-def test_broken_plugin_is_reported_and_the_others_still_load(dummy_plugin_package: Path) -> None:
-    seen = probe(SONAR_DUMMY_BROKEN="1", SONAR_DUMMY_PLATFORM="1")
+def test_broken_plugin_is_reported_and_the_others_still_load(dummy_site: Path) -> None:
+    seen = probe(dummy_site, SONAR_DUMMY_BROKEN="1", SONAR_DUMMY_PLATFORM="1")
     assert list(seen["failed"]) == ["dummy_broken"]
     assert "ImportError" in seen["failed"]["dummy_broken"] and "dummy-driver" in seen["failed"]["dummy_broken"]
     assert "dummy_broken" not in seen["loaded"]
@@ -109,23 +92,23 @@ def test_broken_plugin_is_reported_and_the_others_still_load(dummy_plugin_packag
     assert seen["platform"] == "dummy"
 
 
-def test_sonar_plugins_allowlist_loads_only_the_named_plugins(dummy_plugin_package: Path) -> None:
-    seen = probe(SONAR_PLUGINS="cpu", SONAR_DUMMY_PLATFORM="1")
+def test_sonar_plugins_allowlist_loads_only_the_named_plugins(dummy_site: Path) -> None:
+    seen = probe(dummy_site, SONAR_PLUGINS="cpu", SONAR_DUMMY_PLATFORM="1")
     assert list(seen["loaded"]) == ["cpu"]
     assert {"models", "dummy", "dummy_broken"} <= set(seen["skipped"])
     assert seen["candidates"] == {"cpu": "sonar_cpu.platform:CpuPlatform"}
     assert seen["platform"] == "cpu"
 
 
-def test_plugins_outside_the_allowlist_are_not_imported(dummy_plugin_package: Path) -> None:
-    seen = probe(SONAR_PLUGINS="cpu", SONAR_DUMMY_BROKEN="1")
+def test_plugins_outside_the_allowlist_are_not_imported(dummy_site: Path) -> None:
+    seen = probe(dummy_site, SONAR_PLUGINS="cpu", SONAR_DUMMY_BROKEN="1")
     assert seen["failed"] == {}
     assert "dummy_broken" in seen["skipped"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sonar.cli.plugins") is None, reason="sonar.cli.plugins not available")
-def test_sonar_plugins_command_shows_discovery_failures_and_selection(dummy_plugin_package: Path) -> None:
-    result = run_fresh(["-m", "sonar.cli.main", "plugins"], SONAR_DUMMY_PLATFORM="1", SONAR_DUMMY_BROKEN="1")
+def test_sonar_plugins_command_shows_discovery_failures_and_selection(dummy_site: Path) -> None:
+    result = run_fresh(dummy_site, ["-m", "sonar.cli.main", "plugins"], SONAR_DUMMY_PLATFORM="1", SONAR_DUMMY_BROKEN="1")
     assert result.returncode == 0, result.stderr
     out = result.stdout
     loaded = out.split("plugins loaded:")[1].split("plugins failed:")[0]

@@ -1,12 +1,10 @@
 """A sampler stage added by installing a package: the example plugin (tests/plugins/
 sonar_example_stage) registers ``example_boost`` through its entry point alone. Each scenario
 runs in a fresh interpreter (offline) or a real ``sonar serve`` (HTTP), so entry points are
-read again; the package is uninstalled afterwards."""
+read again; the package is installed in a folder only they see."""
 
 from __future__ import annotations
 
-import importlib
-import importlib.metadata
 import json
 import os
 import shutil
@@ -20,8 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
+from conftest import site_has_entry_point, with_site
 
-EXAMPLE_PACKAGE = Path(__file__).parent / "plugins" / "sonar_example_stage"
 PROMPT = [100, 200, 300, 400, 500]
 BOOSTED_TOKEN = 4242
 NUM_TOKENS = 8
@@ -58,32 +56,12 @@ print(json.dumps({"loaded": plugin_report().loaded, "seen": seen, "errors": erro
 """
 
 
-def example_installed() -> bool:
-    try:
-        dist = importlib.metadata.distribution("sonar-example-stage")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return any(ep.group == "sonar.plugins" and ep.name == "example_stage" for ep in dist.entry_points)
-
-
-def pip(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "pip", *args], check=True, capture_output=True, text=True)
-
-
 @pytest.fixture(scope="module")
-def example_stage() -> Iterator[Path]:
-    """The example package installed for this module's tests, uninstalled after them."""
-    was_installed = example_installed()
-    if not was_installed:
-        pip("install", "--quiet", "--no-deps", "--no-build-isolation", "-e", str(EXAMPLE_PACKAGE))
-        importlib.invalidate_caches()
-        assert example_installed(), "pip installed sonar-example-stage but its entry point is not visible"
-    try:
-        yield EXAMPLE_PACKAGE
-    finally:
-        if not was_installed:
-            pip("uninstall", "--yes", "--quiet", "sonar-example-stage")
-            importlib.invalidate_caches()
+def example_stage(plugin_site) -> Path:
+    """The example package, installed where only this module's fresh processes see it."""
+    site = plugin_site("sonar_example_stage")
+    assert site_has_entry_point(site, "example_stage"), "the installed sonar-example-stage lacks its entry point"
+    return site
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +69,7 @@ def offline(example_stage: Path, tiny_model_dir) -> dict[str, Any]:
     args = [str(tiny_model_dir("llama")), json.dumps(PROMPT), str(BOOSTED_TOKEN), str(NUM_TOKENS)]
     result = subprocess.run(
         [sys.executable, "-c", PROBE, *args], check=False, capture_output=True, text=True, timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env=with_site({**os.environ, "OMP_NUM_THREADS": "1"}, example_stage),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -144,7 +122,7 @@ def server_url(example_stage: Path, tiny_model_dir, tmp_path_factory: pytest.Tem
     args = ["serve", str(tiny_model_dir("llama")), "--port", str(port), "--kv-cache-memory-bytes", str(8 << 20), "--max-model-len", "128"]
     log = tmp_path_factory.mktemp("serve") / "serve.log"
     with log.open("w") as sink:
-        process = subprocess.Popen([*command, *args], stdout=sink, stderr=subprocess.STDOUT)
+        process = subprocess.Popen([*command, *args], stdout=sink, stderr=subprocess.STDOUT, env=with_site(os.environ, example_stage))
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

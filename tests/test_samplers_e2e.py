@@ -4,10 +4,8 @@ logits-processor plugin installed as a package applies to the requests naming it
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
-import importlib.metadata
 import subprocess
 import sys
 from pathlib import Path
@@ -15,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import site_has_entry_point, with_site
 from sonar import LLM, SamplingParams
 
-EXAMPLE_PACKAGE = Path(__file__).parent / "plugins" / "sonar_example_processor"
 LOOP_PROMPT = [100, 200, 300, 400] * 6  # a repeated pattern: greedy decoding loops after it
 
 
@@ -92,27 +90,12 @@ def test_64_mixed_sampler_requests_match_each_alone(llm: LLM) -> None:
     assert len({tuple(t) for t in batched}) == 64
 
 
-def example_installed() -> bool:
-    try:
-        dist = importlib.metadata.distribution("sonar-example-processor")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return any(ep.group == "sonar.plugins" and ep.name == "example_processor" for ep in dist.entry_points)
-
-
 @pytest.fixture(scope="module")
-def example_plugin() -> Path:
-    """Install the example plugin package into this environment (once; kept installed)."""
-    if not example_installed():
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "-e", str(EXAMPLE_PACKAGE)],
-            check=True,
-            capture_output=True,
-            text=True,
-        )
-        importlib.invalidate_caches()
-        assert example_installed(), "pip installed sonar-example-processor but its entry point is not visible"
-    return EXAMPLE_PACKAGE
+def example_plugin(plugin_site) -> Path:
+    """The example plugin package, installed where this module's fresh process sees it."""
+    site = plugin_site("sonar_example_processor")
+    assert site_has_entry_point(site, "example_processor"), "the installed sonar-example-processor lacks its entry point"
+    return site
 
 
 # a fresh process discovers the installed entry point, as a user's would
@@ -131,7 +114,7 @@ print(json.dumps({"loaded": plugin_report().loaded, "plain": outs[0].outputs[0].
 def test_installed_logits_processor_plugin_applies_to_its_requests(example_plugin: Path, tiny_model_dir) -> None:
     result = subprocess.run(
         [sys.executable, "-c", PLUGIN_PROBE, str(tiny_model_dir("llama")), json.dumps(LOOP_PROMPT)],
-        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300, env=with_site({**os.environ, "OMP_NUM_THREADS": "1"}, example_plugin),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.strip().splitlines()[-1])

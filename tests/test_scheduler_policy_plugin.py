@@ -3,15 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-PACKAGE = Path(__file__).parent / "plugins" / "sonar_example_policy"
+from conftest import site_has_entry_point, with_site
 
 RUN = """
 import json, sys
@@ -33,23 +31,12 @@ print(json.dumps({"order": finished, "policies": sorted(scheduler_policies())}))
 """
 
 
-def _installed() -> bool:
-    try:
-        importlib.metadata.distribution("sonar-example-policy")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return True
-
-
 @pytest.fixture(scope="module")
-def policy_plugin() -> None:
-    if not _installed():
-        subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "-e", str(PACKAGE)],
-            check=True, capture_output=True, text=True,
-        )
-    yield
-    subprocess.run([sys.executable, "-m", "pip", "uninstall", "--quiet", "-y", "sonar-example-policy"], capture_output=True)
+def policy_site(plugin_site) -> Path:
+    """The example policy package, installed where only this module's fresh processes see it."""
+    site = plugin_site("sonar_example_policy")
+    assert site_has_entry_point(site, "example_policy"), "the installed sonar-example-policy lacks its entry point"
+    return site
 
 
 @pytest.fixture(scope="module")
@@ -61,23 +48,23 @@ def model(tmp_path_factory) -> str:
     return str(folder)
 
 
-def _run(model: str, policy: str) -> subprocess.CompletedProcess[str]:
-    env = {"SONAR_PLATFORM": "cpu", "PATH": "/usr/bin:/bin"}
+def _run(model: str, policy: str, site: Path) -> subprocess.CompletedProcess[str]:
+    env = with_site({"SONAR_PLATFORM": "cpu", "PATH": "/usr/bin:/bin"}, site)
     return subprocess.run([sys.executable, "-c", RUN, model, policy], capture_output=True, text=True, timeout=300, env=env)
 
 
-def test_the_plugin_policy_orders_the_queue(policy_plugin: None, model: str) -> None:
-    result = _run(model, "shortest-first")
+def test_the_plugin_policy_orders_the_queue(policy_site: Path, model: str) -> None:
+    result = _run(model, "shortest-first", policy_site)
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.strip().splitlines()[-1])
     assert {"fcfs", "priority", "shortest-first"} <= set(seen["policies"])
     assert seen["order"] == ["short", "medium", "long"]
-    fcfs = json.loads(_run(model, "fcfs").stdout.strip().splitlines()[-1])
+    fcfs = json.loads(_run(model, "fcfs", policy_site).stdout.strip().splitlines()[-1])
     assert fcfs["order"] == ["long", "medium", "short"]
 
 
-def test_an_unregistered_policy_is_refused_by_name(policy_plugin: None, model: str) -> None:
-    result = _run(model, "lottery")
+def test_an_unregistered_policy_is_refused_by_name(policy_site: Path, model: str) -> None:
+    result = _run(model, "lottery", policy_site)
     assert result.returncode != 0
     assert "scheduling_policy='lottery' is not registered" in result.stderr
     assert "shortest-first" in result.stderr

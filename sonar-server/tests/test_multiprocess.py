@@ -382,3 +382,18 @@ def test_port_in_use_is_refused_before_loading(tiny_model: str) -> None:
     assert result.returncode != 0
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "loading" not in result.stderr and time.monotonic() - started < 30
+
+
+def test_test_servers_fork_from_the_preloaded_server_unless_the_environment_differs(server: ServerProcess) -> None:
+    """The suite's servers start forked (``sonar_server.testing``), so that dozens of them do
+    not each import torch again; a caller with another environment (beyond Sonar's own
+    settings) gets a fresh interpreter, as an import may have read it."""
+    from conftest import serve_forks
+    from sonar.engine.fork_server import ForkServerProcess
+
+    assert isinstance(server.process, ForkServerProcess)
+    assert Path(f"/proc/{server.process.pid}/cmdline").read_bytes().startswith(b"sonar::api-server-0")  # its title, as sonar serve sets it
+    with open(os.devnull, "w") as sink:
+        assert serve_forks().start(["serve", "--help"], {**os.environ, "PYTHONPATH": "/elsewhere"}, sink.fileno()) is None
+        child = serve_forks().start(["serve", "--help"], {**os.environ, "SONAR_IPC_DIR": "/elsewhere"}, sink.fileno())
+        assert isinstance(child, ForkServerProcess) and child.wait(60) == 0

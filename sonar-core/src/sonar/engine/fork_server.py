@@ -14,6 +14,10 @@ each child's exit status is reported when the server reaps it. The server forks 
 runs a single thread (``single_threaded``); otherwise it answers with an error and the launcher
 starts a fresh interpreter instead. It exits when the launcher's end of the socket closes, and
 its children exit with it (each rank dies with its parent).
+
+What a server can run and what it imports first come from a *table*: a module with
+``ENTRY_POINTS`` and ``PRELOAD`` as this one has, named by the launcher when it starts the
+server (this module's own table by default: worker ranks).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ ENTRY_POINTS = {"tp-rank": "sonar.executor.multiproc:rank_process_main"}
 #: ``module`` or ``module:attribute`` (transformers loads its configuration classes lazily, on
 #: first access: 1.8 s of a rank's start otherwise).
 PRELOAD = ("torch", "sonar.executor.multiproc", "sonar.worker.model_runner", "sonar_models", "transformers:AutoConfig")
+#: this module: the table of a rank-forking server
+RANKS_TABLE = "sonar.engine.fork_server"
 _MAX_MESSAGE = 1 << 20
 _MAX_FDS = 8
 
@@ -93,11 +99,15 @@ class ForkServer:
                 cls._shared = cls()
             return cls._shared
 
-    def __init__(self) -> None:
+    def __init__(self, table: str = RANKS_TABLE) -> None:
+        """Start a server whose entry points and preloaded modules are ``table``'s (a module
+        name: ``ENTRY_POINTS`` and ``PRELOAD``, as this module defines them)."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.owner = os.getpid()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "sonar.engine.fork_server", str(theirs.fileno())], pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL
+            [sys.executable, "-m", "sonar.engine.fork_server", str(theirs.fileno()), table],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
         )
         theirs.close()
         self._sock = ours
@@ -109,10 +119,13 @@ class ForkServer:
         self.alive = True
         threading.Thread(target=self._read, name="sonar-fork-server-reader", daemon=True).start()
 
-    def start(self, entry: str, args: list[str], fds: list[int], env: dict[str, str], timeout: float = 120.0) -> ForkServerProcess:
-        """Fork ``ENTRY_POINTS[entry]`` with ``args``, inheriting ``fds`` (then this process's
-        stdout and stderr), in ``env`` and this process's working directory. Raises
-        ``ForkServerError`` where it cannot (the caller then starts a fresh interpreter)."""
+    def start(
+        self, entry: str, args: list[str], fds: list[int], env: dict[str, str], timeout: float = 120.0, stdio: tuple[int, int] = (1, 2)
+    ) -> ForkServerProcess:
+        """Fork the table's ``ENTRY_POINTS[entry]`` with ``args``, inheriting ``fds`` (then
+        ``stdio``, its stdout and stderr: this process's by default), in ``env`` and this
+        process's working directory. Raises ``ForkServerError`` where it cannot (the caller
+        then starts a fresh interpreter)."""
         request = json.dumps({"entry": entry, "args": args, "env": env, "cwd": os.getcwd()}).encode()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()
@@ -120,7 +133,7 @@ class ForkServer:
             if not self.alive:
                 raise ForkServerError("the fork server is gone")
             try:
-                socket.send_fds(self._sock, [request], [*fds, 1, 2])
+                socket.send_fds(self._sock, [request], [*fds, *stdio])
             except OSError as exc:
                 raise ForkServerError(f"the fork server is gone ({exc})") from None
             deadline = time.monotonic() + timeout
@@ -191,9 +204,10 @@ def _reap(sock: socket.socket) -> None:
         sock.send(json.dumps({"exited": pid, "code": os.waitstatus_to_exitcode(status)}).encode())
 
 
-def _fork_child(sock: socket.socket, request: dict[str, Any], fds: list[int]) -> int:
-    """Fork the requested entry point; returns the child's pid (in the server)."""
-    module_name, _, function_name = ENTRY_POINTS[request["entry"]].partition(":")
+def _fork_child(sock: socket.socket, entry_point: str, request: dict[str, Any], fds: list[int]) -> int:
+    """Fork ``entry_point`` (``module:function``) for ``request``; returns the child's pid
+    (in the server)."""
+    module_name, _, function_name = entry_point.partition(":")
     target = getattr(importlib.import_module(module_name), function_name)
     pid = os.fork()
     if pid:
@@ -220,15 +234,17 @@ def _fork_child(sock: socket.socket, request: dict[str, Any], fds: list[int]) ->
         os._exit(code)
 
 
-def serve(fd: int) -> None:
-    """The server's loop: fork what is asked, report what exits, stop when the launcher's end
-    closes."""
+def serve(fd: int, table_name: str = RANKS_TABLE) -> None:
+    """The server's loop: fork what is asked (an entry point of ``table_name``'s table),
+    report what exits, stop when the launcher's end closes."""
     from sonar.engine.process_util import exit_with_parent, set_process_title, single_threaded
 
     exit_with_parent(watchdog=False)  # and the launcher's end of the socket closing
     set_process_title("fork-server")
     sock = socket.socket(fileno=fd)
-    for name in PRELOAD:
+    table = importlib.import_module(table_name)
+    entry_points: dict[str, str] = table.ENTRY_POINTS
+    for name in table.PRELOAD:
         module_name, _, attribute = name.partition(":")
         try:
             module = importlib.import_module(module_name)
@@ -252,12 +268,12 @@ def serve(fd: int) -> None:
             return
         try:
             request = json.loads(data)
-            if request.get("entry") not in ENTRY_POINTS or len(fds) < 2:
+            if request.get("entry") not in entry_points or len(fds) < 2:
                 answer: dict[str, Any] = {"error": f"unknown entry point {request.get('entry')!r}"}
             elif not single_threaded():
                 answer = {"error": "the fork server runs more than one thread"}
             else:
-                answer = {"pid": _fork_child(sock, request, fds)}
+                answer = {"pid": _fork_child(sock, entry_points[request["entry"]], request, fds)}
         except Exception as exc:  # a request it cannot serve: the launcher starts a fresh interpreter
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         for received in fds:
@@ -266,4 +282,4 @@ def serve(fd: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(int(sys.argv[1]))
+    serve(int(sys.argv[1]), *sys.argv[2:3])
