@@ -27,6 +27,11 @@ NIXL = "nixl-cu12==1.5.1"
 # server subprocess would compile torch and transformers again (about 10 s each)
 NO_COMPILE = "--no-compile"
 TEST_ENV = {"SONAR_PLATFORM": "cpu", "PYTHONDONTWRITEBYTECODE": ""}
+# two streams of tests at once on a 2-core host: one compute thread each (Sonar's CPU workers
+# and every other torch user); with a thread per core in each, their spinning threads contend and
+# each stream runs at half speed (sonar-core's suite 166 s alone, 338 s beside the other stream
+# with two threads each, 170 s with one)
+STREAM_ENV = {**TEST_ENV, "SONAR_CPU_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 nox.options.sessions = ["tests-cpu"]
 nox.options.reuse_existing_virtualenvs = True
@@ -57,34 +62,53 @@ def tests(session: nox.Session, package: str) -> None:
     session.run("pytest", "-m", "not cuda", "--durations=10", f"{package}/tests", *session.posargs, env=TEST_ENV)
 
 
+#: what runs beside the other packages' suites in ``tests-cpu`` (about half the time each)
+BESIDE = ["tests", "sonar-models"]
+
+
 @nox.session(name="tests-cpu", python="3.11")
 def tests_cpu(session: nox.Session) -> None:
     """Every package's tests and the cross-package tests on the CPU backend (GPU tests skip;
     Triton kernels run through its interpreter).
 
-    Two streams at once: the cross-package tests (in-process engines and oracles, about one
-    busy core) beside each package's suite in turn (servers, compilers and ranks in processes
-    of their own). The cross-package stream's output follows the packages'; it fails the
-    session as a failing package does."""
-    session.install(NO_COMPILE, TRITON)
-    _install(session, _existing(PACKAGES))
+    Two streams at once, one compute thread each (``STREAM_ENV``): the cross-package tests and
+    sonar-models' (``BESIDE``) beside the other packages' suites in turn. The second stream's
+    output follows the first's; a failure in either fails the session."""
     import os
     import subprocess
+    import threading
 
-    log_path = Path(session.create_tmp()) / "tests-stream.log"
-    env = {**os.environ, "PATH": os.pathsep.join([session.bin, os.environ.get("PATH", "")]), "VIRTUAL_ENV": session.virtualenv.location, **TEST_ENV}
-    command = [str(Path(session.bin) / "pytest"), "--durations=15", "tests", *session.posargs]
-    session.log(f"{' '.join(command[1:])} (beside the packages; output below when they finish)")
-    with log_path.open("w") as log:
-        stream = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    session.install(NO_COMPILE, TRITON)
+    _install(session, _existing(PACKAGES))
+
+    def pytest_args(target: str) -> list[str]:
+        if target == "tests":
+            return ["--durations=15", "tests", *session.posargs]
+        return ["-m", "not cuda", "--durations=10", f"{target}/tests", *session.posargs]
+
+    log_path = Path(session.create_tmp()) / "beside.log"
+    env = {**os.environ, "PATH": os.pathsep.join([session.bin, os.environ.get("PATH", "")]), "VIRTUAL_ENV": session.virtualenv.location, **STREAM_ENV}
+    codes: list[int] = []
+
+    def run_beside() -> None:
+        with log_path.open("w") as log:
+            for target in [t for t in BESIDE if t == "tests" or t in _existing(PACKAGES)]:
+                command = ["pytest", *pytest_args(target)]
+                log.write(f"nox > {' '.join(command)}\n")
+                log.flush()
+                codes.append(subprocess.run([str(Path(session.bin) / "pytest"), *command[1:]], stdout=log, stderr=subprocess.STDOUT, env=env).returncode)
+
+    session.log(f"{', '.join(BESIDE)}: run beside the others; their output follows")
+    beside = threading.Thread(target=run_beside)
+    beside.start()
     try:
-        for package in _existing(PACKAGES):
-            session.run("pytest", "-m", "not cuda", "--durations=10", f"{package}/tests", *session.posargs, env=TEST_ENV)
+        for package in [p for p in _existing(PACKAGES) if p not in BESIDE]:
+            session.run("pytest", *pytest_args(package), env=STREAM_ENV)
     finally:
-        code = stream.wait()
+        beside.join()
         print(log_path.read_text(), flush=True)
-    if code:
-        session.error(f"pytest tests exited with {code}")
+    if any(codes) or len(codes) < len(BESIDE):
+        session.error(f"the tests run beside failed (exit codes {codes})")
 
 
 @nox.session(name="tests-cuda", python=False)

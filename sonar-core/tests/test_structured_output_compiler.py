@@ -52,6 +52,19 @@ def nested_schema(depth: int) -> dict[str, Any]:
     return schema
 
 
+def test_the_start_of_a_compile_process_is_not_held_against_a_constraint(tokenizer: Any) -> None:
+    """The first constraint of a new compiler waits for a compile process to start (Python,
+    xgrammar and the vocabulary: seconds, more on a busy host) and then has its whole time
+    limit: a limit shorter than the start refuses nothing that compiles in it."""
+    from sonar.structured_output.compiler import GrammarCompiler
+
+    compiler = GrammarCompiler(tokenizer, 49152, [2], compile_timeout_s=1.0)
+    _made.append(compiler)
+    started = time.monotonic()
+    assert compiler.compile(GuidedDecodingParams(json={"type": "object", "properties": {"a": {"type": "integer"}}})) is not None
+    assert time.monotonic() - started > 1.0  # the process's start alone outlasted the limit
+
+
 def test_cache_is_bounded_in_entries_and_bytes() -> None:
     cache: BoundedCache[str] = BoundedCache(max_entries=3, max_bytes=100)
     for i in range(5):

@@ -12,8 +12,10 @@ it grows far faster than the grammar (70 MB for a schema of 200 optional string 
 
 The processes talk over their standard input and output in frames: a 4-byte big-endian length,
 then that many bytes of UTF-8 JSON. The first frame to a child is its vocabulary
-(``TokenizerInfo.serialize_json``); each later one a constraint, answered by ``{"ok": true}`` or
-an error message. Nothing is pickled.
+(``TokenizerInfo.serialize_json``), answered by ``{"ready": true}`` once its compiler is built;
+each later one a constraint, answered by ``{"ok": true}`` or an error message. A constraint's
+time limit runs from when it is sent to a ready process: the start of a process (seconds of
+imports on a busy host) is not the constraint's. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ _LENGTH = struct.Struct(">I")
 #: the largest frame either side accepts (a vocabulary of a few hundred thousand tokens is
 #: well within it)
 MAX_FRAME_BYTES = 1 << 30
+#: how long a compile process may take to start (import xgrammar, read the vocabulary)
+START_TIMEOUT_S = 120.0
 # xgrammar writes the characters of a length-bounded JSON string as this class, which admits
 # control characters JSON forbids; swapped for the class its unbounded strings use
 _LENGTH_BOUNDED_CHAR = r'[^\"\\\r\n]'
@@ -111,16 +115,35 @@ class CompileWorker:
             [sys.executable, "-m", "sonar.structured_output.compile_worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
         )
         self._buffer = bytearray()
+        self._started = False
         assert self.process.stdin is not None
         write_frame(self.process.stdin, {"tokenizer_info": tokenizer_info_json, "num_threads": num_threads})
 
-    def compile(self, request: dict[str, Any], timeout_s: float) -> None:
-        """Compile ``request`` in the process (the result stays there).
+    def wait_started(self, timeout_s: float = START_TIMEOUT_S) -> None:
+        """Return once the process has built its compiler (at once after the first time).
 
-        :raises CompileTimeout: not done within ``timeout_s`` (the process is killed).
-        :raises RuntimeError: the constraint does not compile (xgrammar's message), or the
-            process ended (it is killed).
+        :raises RuntimeError: it ended, or did not start within ``timeout_s`` (it is killed).
         """
+        if self._started:
+            return
+        try:
+            reply = self._read_reply(time.monotonic() + timeout_s)
+        except CompileTimeout:
+            raise RuntimeError(f"the grammar compile process did not start within {timeout_s:g} s") from None
+        if not reply.get("ready"):
+            self.kill()
+            raise RuntimeError(f"the grammar compile process answered {reply!r} to its vocabulary")
+        self._started = True
+
+    def compile(self, request: dict[str, Any], timeout_s: float) -> None:
+        """Compile ``request`` in the process (the result stays there), once it has started.
+
+        :raises CompileTimeout: not done within ``timeout_s`` of the process being ready (the
+            process is killed).
+        :raises RuntimeError: the constraint does not compile (xgrammar's message), or the
+            process ended or never started (it is killed).
+        """
+        self.wait_started()
         assert self.process.stdin is not None
         try:
             write_frame(self.process.stdin, request)
@@ -194,6 +217,7 @@ def main() -> int:
         return 0
     info = xgr.TokenizerInfo.deserialize_json(setup["tokenizer_info"])
     compiler = xgr.GrammarCompiler(info, max_threads=int(setup.get("num_threads", 1)), cache_enabled=False)
+    write_frame(sink, {"ready": True})
     while (request := read_frame(source)) is not None:
         try:
             compile_constraint(compiler, request)

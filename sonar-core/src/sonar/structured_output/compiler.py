@@ -27,6 +27,9 @@ DEFAULT_CACHE_ENTRIES = 512
 DEFAULT_CACHE_BYTES = 256 * 1024 * 1024
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
 DEFAULT_COMPILE_THREADS = 2
+#: how long a constraint may wait for its compilation to begin (a compile thread and process
+#: free, a process started), on top of its time limit
+START_WAIT_S = 120.0
 
 
 def wire_request(params: GuidedDecodingParams) -> dict[str, Any]:
@@ -47,8 +50,9 @@ class GrammarCompiler:
     ``isolate``, each new constraint is first compiled in one of ``num_threads`` compile
     processes (started with the compiler, in the background): a trial that outlasts
     ``compile_timeout_s`` is killed with its process, and a new process takes its place, so a
-    constraint that compiles for minutes holds no capacity past its time limit. One that
-    compiles in time is compiled again in a thread here (xgrammar's compiled grammars are too
+    constraint that compiles for minutes holds no capacity past its time limit (which runs from
+    when its compilation begins: waiting for a thread, or for a process to start, is not held
+    against it). One that compiles in time is compiled again in a thread here (xgrammar's compiled grammars are too
     large to pass between processes); without ``isolate`` (an engine core in its own process,
     whose frontends tried every constraint first) only that.
 
@@ -81,7 +85,8 @@ class GrammarCompiler:
         self.isolate = isolate
         self.cache: BoundedCache[xgr.CompiledGrammar] = BoundedCache(max_cache_entries, max_cache_bytes)
         self._pool = concurrent.futures.ThreadPoolExecutor(num_threads, thread_name_prefix="sonar-grammar")
-        self._in_flight: dict[Hashable, concurrent.futures.Future[xgr.CompiledGrammar]] = {}
+        # a compilation in progress, and whether it has begun (past its queue and its process's start)
+        self._in_flight: dict[Hashable, tuple[concurrent.futures.Future[xgr.CompiledGrammar], threading.Event]] = {}
         self._lock = threading.Lock()
         self._info_json = self.tokenizer_info.serialize_json()
         self._num_threads = num_threads
@@ -96,7 +101,9 @@ class GrammarCompiler:
     def compile(self, params: GuidedDecodingParams, timeout_s: float | None = None) -> xgr.CompiledGrammar:
         """The compiled grammar of ``params``, from the cache when it is there.
 
-        :param timeout_s: seconds to wait (default: the compiler's ``compile_timeout_s``).
+        :param timeout_s: seconds to wait once the compilation has begun (default: the
+            compiler's ``compile_timeout_s``); before that, up to ``START_WAIT_S`` for a free
+            compile thread and a started compile process.
         :raises ValueError: the constraint is invalid, or did not compile in time. A trial
             still running after the compiler's ``compile_timeout_s`` is killed; a compilation
             a caller stopped waiting for sooner (a shorter ``timeout_s``) goes on within that
@@ -107,12 +114,17 @@ class GrammarCompiler:
         if compiled is not None:
             return compiled
         with self._lock:
-            future = self._in_flight.get(key)
-            if future is None:
+            entry = self._in_flight.get(key)
+            if entry is None:
                 if len(self._in_flight) >= self.max_in_flight:
                     raise ValueError(f"{len(self._in_flight)} grammars are already compiling; retry later")
-                future = self._pool.submit(self._compile_into_cache, key, params)
-                self._in_flight[key] = future
+                began = threading.Event()
+                future = self._pool.submit(self._compile_into_cache, key, params, began)
+                future.add_done_callback(lambda _: began.set())  # one that failed before it began wakes its waiters too
+                entry = self._in_flight[key] = (future, began)
+        future, began = entry
+        if not began.wait(START_WAIT_S):
+            raise ValueError(f"the {params.kind} constraint's compilation did not begin within {START_WAIT_S:g} s (the compiler is busy); retry later")
         timeout = self.compile_timeout_s if timeout_s is None else timeout_s
         try:
             return future.result(timeout)
@@ -125,8 +137,8 @@ class GrammarCompiler:
             raise ValueError(f"invalid guided_{params.kind}: {clean_error(exc)}") from None
 
     def wait_ready(self) -> None:
-        """Return once every compile process is up (they start in the background with the
-        compiler; a compilation meanwhile waits for one); at once without ``isolate``."""
+        """Return once every compile process has started (they start in the background with
+        the compiler; a compilation meanwhile waits for one); at once without ``isolate``."""
         if not self.isolate:
             return
         workers = [self._idle.get() for _ in range(self._num_threads)]
@@ -134,16 +146,22 @@ class GrammarCompiler:
             for i, worker in enumerate(workers):
                 if (worker is None or not worker.alive) and not self._closed:
                     workers[i] = self._start_worker()
+                if workers[i] is not None:
+                    workers[i].wait_started()
         finally:
             for worker in workers:
                 self._idle.put(worker)
 
     def _warm_one(self) -> None:
-        """Start a compile process where one is still to start, and give it back idle."""
+        """Start a compile process where one is still to start, and give it back idle once it
+        is ready (or dead: the next trial starts another)."""
         worker = self._idle.get()
         try:
             if worker is None and not self._closed:
                 worker = self._start_worker()
+                worker.wait_started()
+        except RuntimeError as exc:
+            logger.warning("a grammar compile process failed to start: %s", exc)
         finally:
             self._idle.put(worker)
 
@@ -153,9 +171,9 @@ class GrammarCompiler:
             self._workers = [w for w in self._workers if w.alive] + [worker]  # killed ones are reaped already
         return worker
 
-    def _compile_into_cache(self, key: Hashable, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
+    def _compile_into_cache(self, key: Hashable, params: GuidedDecodingParams, began: threading.Event) -> xgr.CompiledGrammar:
         try:
-            compiled = self._compile(params)
+            compiled = self._compile(params, began)
             self._check_opens(compiled)
             self.cache.put(key, compiled, compiled.memory_size_bytes)
             return compiled
@@ -172,16 +190,19 @@ class GrammarCompiler:
         if not matcher.is_terminated() and not bool(bitmask.any()):
             raise ValueError("the constraint matches no text this model's tokens can write")
 
-    def _compile(self, params: GuidedDecodingParams) -> xgr.CompiledGrammar:
-        """``params`` compiled here, after a trial in a compile process where ``isolate``."""
+    def _compile(self, params: GuidedDecodingParams, began: threading.Event) -> xgr.CompiledGrammar:
+        """``params`` compiled here, after a trial in a compile process where ``isolate``
+        (``began`` set once the compilation itself begins)."""
         request = wire_request(params)
         if self.isolate:
-            self._trial(params, request)
+            self._trial(params, request, began)
+        began.set()
         return compile_constraint(self._xgr, request)
 
-    def _trial(self, params: GuidedDecodingParams, request: dict[str, Any]) -> None:
-        """Compile ``request`` in an idle compile process (waiting for one), which is killed,
-        and replaced, where the trial outlasts ``compile_timeout_s``.
+    def _trial(self, params: GuidedDecodingParams, request: dict[str, Any], began: threading.Event) -> None:
+        """Compile ``request`` in an idle compile process (waiting for one, and for its start),
+        which is killed, and replaced, where the trial outlasts ``compile_timeout_s``; ``began``
+        is set as the trial begins.
 
         :raises CompileTimeout: it did; RuntimeError: it does not compile."""
         worker = self._idle.get()
@@ -190,6 +211,8 @@ class GrammarCompiler:
                 raise RuntimeError("the grammar compiler is shut down")
             if worker is None or not worker.alive:
                 worker = self._start_worker()
+            worker.wait_started()
+            began.set()
             worker.compile(request, self.compile_timeout_s)
         except CompileTimeout:
             worker = None
