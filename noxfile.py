@@ -88,17 +88,17 @@ def tests_cpu(session: nox.Session) -> None:
 
     log_path = Path(session.create_tmp()) / "beside.log"
     env = {**os.environ, "PATH": os.pathsep.join([session.bin, os.environ.get("PATH", "")]), "VIRTUAL_ENV": session.virtualenv.location, **STREAM_ENV}
+    beside_targets = [t for t in BESIDE if t == "tests" or t in _existing(PACKAGES)]
     codes: list[int] = []
 
     def run_beside() -> None:
         with log_path.open("w") as log:
-            for target in [t for t in BESIDE if t == "tests" or t in _existing(PACKAGES)]:
-                command = ["pytest", *pytest_args(target)]
-                log.write(f"nox > {' '.join(command)}\n")
+            for target in beside_targets:
+                log.write(f"nox > pytest {' '.join(pytest_args(target))}\n")
                 log.flush()
-                codes.append(subprocess.run([str(Path(session.bin) / "pytest"), *command[1:]], stdout=log, stderr=subprocess.STDOUT, env=env).returncode)
+                codes.append(subprocess.run([str(Path(session.bin) / "pytest"), *pytest_args(target)], stdout=log, stderr=subprocess.STDOUT, env=env).returncode)
 
-    session.log(f"{', '.join(BESIDE)}: run beside the others; their output follows")
+    session.log(f"{', '.join(beside_targets)}: run beside the others; their output follows")
     beside = threading.Thread(target=run_beside)
     beside.start()
     try:
@@ -107,7 +107,7 @@ def tests_cpu(session: nox.Session) -> None:
     finally:
         beside.join()
         print(log_path.read_text(), flush=True)
-    if any(codes) or len(codes) < len(BESIDE):
+    if any(codes) or len(codes) < len(beside_targets):
         session.error(f"the tests run beside failed (exit codes {codes})")
 
 

@@ -50,10 +50,10 @@ def serve_forks():
 class ServerProcess:
     """``sonar serve <args>`` in a subprocess; ``url`` once it answers /health (over HTTPS
     with ``verify``: the CA file its certificate is checked against). It is forked from the
-    session's preloaded fork server where the environment allows (``ServeForks.start``) and
-    ``fresh`` is not asked for; else a fresh interpreter runs the console script."""
+    session's preloaded fork server where the environment allows (``ServeForks.start``), else
+    a fresh interpreter runs the console script."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, verify: str | None = None, fresh: bool = False) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, verify: str | None = None) -> None:
         self.port = free_port()
         self.verify: ssl.SSLContext | bool = ssl.create_default_context(cafile=verify) if verify else True
         self.url = f"{'https' if verify else 'http'}://127.0.0.1:{self.port}"
@@ -61,7 +61,7 @@ class ServerProcess:
         self._log = self.log_path.open("w")
         arguments = ["serve", *args, "--port", str(self.port)]
         environment = {**os.environ, **(env or {})}
-        self.process = None if fresh else serve_forks().start(arguments, environment, self._log.fileno())
+        self.process = serve_forks().start(arguments, environment, self._log.fileno())
         if self.process is None:
             self.process = subprocess.Popen([*sonar_command(), *arguments], stdout=self._log, stderr=subprocess.STDOUT, env=environment)
         self._wait_ready()

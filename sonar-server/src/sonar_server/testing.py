@@ -88,6 +88,3 @@ class ServeForks:
             return self._server.start("serve", args, [], env, timeout=300.0, stdio=(log_fd, log_fd))
         except ForkServerError:
             return None
-
-    def close(self) -> None:
-        self._server.close()

@@ -52,8 +52,8 @@ class GrammarCompiler:
     ``compile_timeout_s`` is killed with its process, and a new process takes its place, so a
     constraint that compiles for minutes holds no capacity past its time limit (which runs from
     when its compilation begins: waiting for a thread, or for a process to start, is not held
-    against it). One that compiles in time is compiled again in a thread here (xgrammar's compiled grammars are too
-    large to pass between processes); without ``isolate`` (an engine core in its own process,
+    against it). One that compiles in time is compiled again in a thread here (xgrammar's
+    compiled grammars are too large to pass between processes); without ``isolate`` (an engine core in its own process,
     whose frontends tried every constraint first) only that.
 
     :param tokenizer: the model's Hugging Face tokenizer.
