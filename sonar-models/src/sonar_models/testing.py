@@ -142,22 +142,23 @@ def reuse_gguf_name_maps() -> None:
 
 
 def rewrite_gguf(source: str | Path, folder: str | Path, recipe: int | str) -> Path:
-    """The weights of the Llama-architecture GGUF file ``source`` (as transformers decodes them)
-    written again by Sonar's writer in ``recipe`` (a block type, or one of llama.cpp's mixed
-    recipes such as ``"Q4_K_M"``), the embedding quantized too and the tokenizer kept, as
-    ``folder/model.gguf``: a real model in a format its publisher did not ship."""
+    """The weights of the Llama-architecture GGUF file ``source``, decoded to float32 (Sonar's
+    reader: the same values transformers' GGUF loader gives, without its minutes of parsing on
+    a small machine), written again by Sonar's writer in ``recipe`` (a block type, or one of
+    llama.cpp's mixed recipes such as ``"Q4_K_M"``), the embedding quantized too and the
+    tokenizer kept, as ``folder/model.gguf``: a real model in a format its publisher did not
+    ship. The written file, not the source, is what the tests' transformers oracle reads."""
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
+    from sonar_models.formats.gguf_file import GGUFFormat
+    from sonar_models.formats.gguf_metadata import config_from_gguf, open_gguf
     from sonar_models.formats.gguf_quantize import write_gguf
 
     source, folder = Path(source), Path(folder)
-    reuse_gguf_name_maps()
-    model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
-    model.config.architectures = ["LlamaForCausalLM"]
-    model.config.save_pretrained(folder / "hf")
-    tied = {"lm_head.weight"} if model.config.tie_word_embeddings else set()
-    weights = {name: value.contiguous().clone() for name, value in model.state_dict().items() if name not in tied}
+    config = config_from_gguf(open_gguf(source))  # no quantization_config: every tensor comes as float32
+    config.architectures = ["LlamaForCausalLM"]
+    config.save_pretrained(folder / "hf")
+    weights = {name: value.contiguous() for name, value in GGUFFormat().iter_weights(source, config)}
     save_file(weights, str(folder / "hf" / "model.safetensors"))
     path = folder / "model.gguf"
     write_gguf(folder / "hf", path, recipe, quantize_embedding=True, tokenizer_from=source)
