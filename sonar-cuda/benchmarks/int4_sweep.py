@@ -58,6 +58,10 @@ def _candidates(m: int) -> dict[str, Int4Choice]:
             "unit_n16_c2_p1": Int4Choice("unit", Int4Launch(block_n=16, runs_per_chunk=2, prefetch=1)),
             "unit_n4_c8_p1": Int4Choice("unit", Int4Launch(block_n=4, runs_per_chunk=8, prefetch=1)),
             "unit_n64_c1": Int4Choice("unit", Int4Launch(block_n=64, runs_per_chunk=1)),
+            **{  # the GEMV of several output rows a thread, the activations in plane order
+                f"rows_n{n}_w{w}_k{k}": Int4Choice("rows", Int4Launch(block_n=n, num_warps=w, split_k=k))
+                for n in (4, 8, 16) for w in (2, 4, 8) for k in (0, 1, 2, 4)
+            },
             **planes,
         }
     return {

@@ -15,7 +15,7 @@ from sonar_cuda.kernels.int4_gemm import reference_int4_linear
 from sonar.quantization.int4_packing import dequantize_int4
 from sonar_cuda import ops as cuda_ops
 from sonar_cuda.kernels.int4_gemm import Int4Choice, run_choice
-from sonar_cuda.kernels.int4_unit import Int4Launch, int4_dot_rows, int4_gemv_unit, int4_planes
+from sonar_cuda.kernels.int4_unit import Int4Launch, int4_dot_rows, int4_gemv_rows, int4_gemv_unit, int4_planes, x_planes
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 GEMV_CASES = [  # (N, K, group, bias, launch)
@@ -26,6 +26,13 @@ GEMV_CASES = [  # (N, K, group, bias, launch)
     (16, 256, -1, True, Int4Launch(block_n=32, runs_per_chunk=4)),  # split chosen from the shape
     (40, 1024, 128, True, Int4Launch(block_n=8, runs_per_chunk=1, split_k=3, prefetch=1)),  # 8 runs: slices of 3, 3, 2 chunks
     (24, 512, 64, False, Int4Launch(block_n=16, runs_per_chunk=2, split_k=1, prefetch=1)),
+]
+ROWS_CASES = [  # (N, K, group, bias, launch): words a step = 128 x warps
+    (40, 512, 128, False, Int4Launch(block_n=8, num_warps=1, split_k=1)),  # a step longer than the row
+    (33, 2048, 128, True, Int4Launch(block_n=4, num_warps=1, split_k=2)),  # two steps in two slices, a partial tile
+    (24, 768, 64, True, Int4Launch(block_n=16, num_warps=1)),  # split chosen from the shape
+    (16, 512, -1, True, Int4Launch(block_n=8, num_warps=1, split_k=1)),  # one scale per output row
+    (8, 2560, 32, False, Int4Launch(block_n=2, num_warps=2, split_k=2)),  # 2 steps of 256 words (the last partial) in 2 slices
 ]
 DOT_CASES = [  # (M, N, K, group, bias, launch)
     (2, 40, 512, 128, True, Int4Launch(block_n=16, split_k=2)),
@@ -60,6 +67,24 @@ def test_unit_gemv_matches_the_dequantized_product(n: int, k: int, group: int, w
         x = torch.randn(1, k, generator=gen).to(dtype).to(device)
         bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
         assert_close_to_reference(int4_gemv_unit(x, *operands, bias, launch), x, operands, bias)
+
+
+@pytest.mark.parametrize("n, k, group, with_bias, launch", ROWS_CASES)
+def test_rows_gemv_matches_the_dequantized_product(n: int, k: int, group: int, with_bias: bool, launch: Int4Launch, device: torch.device) -> None:
+    for dtype in dtypes_for(device):
+        operands = random_int4(n, k, group, dtype, device)
+        gen = torch.Generator().manual_seed(n)
+        x = torch.randn(1, k, generator=gen).to(dtype).to(device)
+        bias = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
+        assert_close_to_reference(int4_gemv_rows(x, *operands, bias, launch), x, operands, bias)
+
+
+def test_x_planes_puts_each_plane_of_four_words_side_by_side() -> None:
+    x = torch.arange(64, dtype=torch.bfloat16).reshape(1, 64)
+    planes = x_planes(x).reshape(2, 8, 4)  # [block of 32 inputs][plane j][word i] = input 32 b + 8 i + j
+    assert planes.dtype == torch.float32
+    assert planes[0, 0].tolist() == [0, 8, 16, 24] and planes[0, 7].tolist() == [7, 15, 23, 31]
+    assert planes[1, 3].tolist() == [35, 43, 51, 59]
 
 
 @pytest.mark.parametrize("m, n, k, group, with_bias, launch", DOT_CASES)

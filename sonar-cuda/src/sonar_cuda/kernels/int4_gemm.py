@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sonar_cuda.kernels.int4_unit import DOT_ROWS, Int4Launch, dot_takes, int4_dot_rows, int4_gemv_unit, int4_planes, run_inputs
+from sonar_cuda.kernels.int4_unit import DOT_ROWS, Int4Launch, dot_takes, int4_dot_rows, int4_gemv_rows, int4_gemv_unit, int4_planes, rows_words, run_inputs
 
 PACK = 8  # int4 values per int32 word
 # the GEMV's launch: output rows per program, inputs per unrolled chunk, warps (the best of
@@ -40,7 +40,9 @@ class Int4Choice:
     """Which kernel runs a product of 1 to 16 rows, and its launch: ``"unit"``
     (``sonar_cuda.kernels.int4_unit``: the unit-float GEMV at one row, the transposed
     tensor-core product for more), ``"planes"`` (the nibble-plane tensor-core product at every
-    row count, one row included; 16-bit activations) or ``"tiled"`` (the GEMV and tiled GEMM
+    row count, one row included; 16-bit activations), ``"rows"`` (one row: the GEMV whose
+    threads each hold several output rows, the activations in plane order; other row counts
+    as ``"planes"``) or ``"tiled"`` (the GEMV and tiled GEMM
     here; no launch)."""
 
     kernel: str
@@ -294,7 +296,9 @@ def run_choice(
             return int4_gemv_unit(x, qweight, scales, qzeros, group_size, bias, choice.launch)
         if dot_takes(k, group_size):
             return int4_dot_rows(x, qweight, scales, qzeros, group_size, bias, choice.launch)
-    if choice.kernel == "planes" and x.dtype in (torch.bfloat16, torch.float16) and dot_takes(k, group_size):
+    if choice.kernel == "rows" and m == 1 and x.is_contiguous() and rows_words(k, group_size, choice.launch.num_warps):
+        return int4_gemv_rows(x, qweight, scales, qzeros, group_size, bias, choice.launch)
+    if choice.kernel in ("planes", "rows") and x.dtype in (torch.bfloat16, torch.float16) and dot_takes(k, group_size):
         return int4_planes(x, qweight, scales, qzeros, group_size, bias, choice.launch)
     return None
 

@@ -20,6 +20,12 @@ tile (``sonar_cuda.kernels.splitk``) where the tiles alone are too few for the G
   the ``BLOCK_N`` output rows each holds. The activations of a nibble plane are read at a
   stride of 8 (loading a chunk's inputs at once and splitting them into the planes in
   registers was measured slower at every Llama-3.1-8B shape on an H200).
+- :func:`int4_gemv_rows` (one row): each thread holds one 16-byte vector of words of
+  ``BLOCK_N`` output rows, and reads the activations of those words from a copy in plane order
+  (:func:`x_planes`: float32, per block of 32 inputs plane ``j``'s four inputs side by side), so
+  one 16-byte load serves a plane of four words for all ``BLOCK_N`` rows, where the GEMV above
+  loads one 2-byte input per weight and thread. The scale and zero point apply per group after
+  the group's words are summed.
 - :func:`int4_dot_rows` (2 to 16 rows): the transposed product ``W x^T`` per tile, so the
   dequantized weight tile is the tensor-core product's left operand as it was loaded, with
   no transposition; per nibble plane one product of depth ``RUN_W`` words.
@@ -223,6 +229,72 @@ def _int4_gemv_unit_kernel(
         tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
 
 
+# (a & 0x780000) | 0x3F800000 in one instruction (the compiler emits an and, then an or)
+_UNIT_ASM = tl.constexpr("lop3.b32 $0, $1, 0x780000, 0x3F800000, 0xEA;")
+
+
+@triton.jit
+def _unit_fast(packed, j: tl.constexpr, ASM: tl.constexpr):
+    """:func:`_unit`, the mask and the exponent in one instruction on a GPU (``ASM``)."""
+    if ASM:
+        if 4 * j <= 19:
+            bits = packed << (19 - 4 * j)
+        else:
+            bits = packed >> (4 * j - 19)
+        return tl.inline_asm_elementwise(_UNIT_ASM, "=r,r", [bits], dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+    else:
+        return _unit(packed, j)
+
+
+@triton.jit
+def _int4_gemv_rows_kernel(
+    x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr,
+    N,
+    KW: tl.constexpr,
+    GROUP: tl.constexpr,
+    WORDS_PER_SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ASM: tl.constexpr,
+):  # fmt: skip
+    GW: tl.constexpr = GROUP // 8  # words per group
+    pid_n, pid_k = tl.program_id(0), tl.program_id(1)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_mask = rows < N
+    words = tl.arange(0, BLOCK_W)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * KW
+    k_begin = pid_k * WORDS_PER_SPLIT
+    y = tl.zeros([BLOCK_N], tl.float32)
+    for w0 in tl.static_range(0, WORDS_PER_SPLIT, BLOCK_W):
+        kw = k_begin + w0 + words
+        word_mask = kw < KW
+        packed = tl.load(w_rows + kw[None, :], mask=row_mask[:, None] & word_mask[None, :], other=0, eviction_policy="evict_first")
+        x_words = x_ptr + (kw // 4) * 32 + kw % 4  # plane 0 of each word in x_planes' order; plane j 4 j further
+        x = tl.load(x_words, mask=word_mask, other=0.0)
+        unit_x = _unit_fast(packed, 0, ASM) * x[None, :]
+        x_sum = x
+        for j in tl.static_range(1, 8):
+            x = tl.load(x_words + 4 * j, mask=word_mask, other=0.0)
+            unit_x += _unit_fast(packed, j, ASM) * x[None, :]
+            x_sum += x
+        groups = (k_begin + w0) // GW + tl.arange(0, BLOCK_W // GW)
+        dot = tl.sum(tl.reshape(unit_x, [BLOCK_N, BLOCK_W // GW, GW]), axis=2)
+        x_group = tl.sum(tl.reshape(x_sum, [BLOCK_W // GW, GW]), axis=1)
+        sz = groups[None, :] * N + rows[:, None]
+        sz_mask = row_mask[:, None] & (groups < KW // GW)[None, :]
+        scale = tl.load(s_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+        zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
+        y += tl.sum(scale * (16.0 * dot - (16.0 + zero) * x_group[None, :]), axis=1)
+    if SPLIT:
+        tl.store(part_ptr + pid_k * N + rows, y, mask=row_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
 @triton.jit
 def _int4_dot_rows_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr,
@@ -384,6 +456,58 @@ def int4_gemv_unit(
         KW=kw, GROUP=group_size, RUN_W=run_w, RUNS_PER_SPLIT=runs_per_split, NUM_SUB=num_sub,
         BLOCK_N=launch.block_n, SPLIT=split > 1, HAS_BIAS=bias is not None, PREFETCH=launch.prefetch > 0,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+    return sum_splits(partials, bias, y) if split > 1 else y
+
+
+def rows_words(in_features: int, group_size: int, num_warps: int) -> int | None:
+    """Words per step of :func:`int4_gemv_rows` with ``num_warps`` (a 16-byte vector a thread),
+    or None where it does not take the shape (inputs in blocks of 32, groups of whole words
+    that the step holds a whole number of)."""
+    block_w = 4 * 32 * num_warps
+    if in_features % 32 or group_size % 32 or block_w % (group_size // PACK):
+        return None
+    return block_w
+
+
+def x_planes(x: torch.Tensor) -> torch.Tensor:
+    """One row ``x`` ``[1, K]`` (``K`` a multiple of 32) as float32 in plane order: per block of
+    32 inputs (four words), ``[plane j][word i]`` holds input ``8 i + j``, so a plane of four
+    adjacent words is one 16-byte load."""
+    k = x.shape[-1]
+    out = torch.empty(k // 32, 8, 4, dtype=torch.float32, device=x.device)
+    out.copy_(x.reshape(k // 32, 4, 8).transpose(1, 2))
+    return out.view(k)
+
+
+def int4_gemv_rows(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    qzeros: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+    launch: Int4Launch = Int4Launch(block_n=8),
+    planes: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for one contiguous row ``x`` ``[1, K]`` (:func:`rows_words` takes
+    the shape), accumulated in float32, returned ``[1, N]`` in ``x``'s dtype; ``planes``: ``x``
+    already in :func:`x_planes`' order (made here otherwise)."""
+    n, kw = qweight.shape
+    block_w = rows_words(kw * PACK, group_size, launch.num_warps)
+    assert block_w is not None, f"int4_gemv_rows takes inputs in blocks of 32 and groups of whole steps (K={kw * PACK}, group {group_size})"
+    xp = x_planes(x) if planes is None else planes
+    num_tiles = triton.cdiv(n, launch.block_n)
+    steps = triton.cdiv(kw, block_w)
+    split = min(launch.split_k or choose_split(num_tiles, steps, num_sms(x.device), min_slice=1), steps)
+    steps_per_split = triton.cdiv(steps, split)
+    split = triton.cdiv(steps, steps_per_split)
+    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    partials = torch.empty(split, 1, n, dtype=torch.float32, device=x.device) if split > 1 else y
+    _int4_gemv_rows_kernel[(num_tiles, split)](
+        xp, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, n,
+        KW=kw, GROUP=group_size, WORDS_PER_SPLIT=steps_per_split * block_w, BLOCK_N=launch.block_n, BLOCK_W=block_w,
+        SPLIT=split > 1, HAS_BIAS=bias is not None, ASM=x.is_cuda, num_warps=launch.num_warps, num_stages=1,
     )  # fmt: skip
     return sum_splits(partials, bias, y) if split > 1 else y
 
