@@ -177,10 +177,11 @@ def test_the_option_is_checked():
 
 
 def test_the_embedded_model_copying_code_fills_every_pass_and_decodes_as_without_them():
-    """The real SmolLM2 GGUF (float32, dequantized) asked to repeat code: long accepted runs,
+    """The real SmolLM2 GGUF (natively quantized, as it is served; its decode and verify rows
+    both take the int8 product, row by row) asked to repeat code: long accepted runs,
     so passes end where the step's rows run out; ``max_tokens`` cut as plainly early, inside a
     step's passes and at its end."""
-    common = dict(dtype="float32", max_model_len=1024, quantization="unquantized")
+    common = dict(max_model_len=1024)
     ngram = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
     engines = LLM(**common), LLM(**common, speculative_config=ngram), LLM(**common, speculative_config={**ngram, "verify_passes": 3})
     code = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n    return a * b\n"
