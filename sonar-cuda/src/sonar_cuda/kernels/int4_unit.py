@@ -167,6 +167,18 @@ def _planes_product(packed, zero, xr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constex
 
 
 @triton.jit
+def _store_row(y, rows, row_mask, pid_k, N, bias_ptr, y_ptr, part_ptr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A one-row GEMV's float32 sums ``y`` for output ``rows``: this slice's partial row
+    (``SPLIT``), or the output rounded to its dtype, plus the bias."""
+    if SPLIT:
+        tl.store(part_ptr + pid_k * N + rows, y, mask=row_mask)
+    else:
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+
+
+@triton.jit
 def _int4_gemv_unit_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, bias_ptr, y_ptr, part_ptr,
     N,
@@ -221,12 +233,7 @@ def _int4_gemv_unit_kernel(
         acc += unit_x * scale[:, :, None]
         zero_acc += scale * (16.0 + zero) * tl.sum(x_sum, axis=2)
     y = 16.0 * tl.sum(tl.sum(acc, axis=2), axis=1) - tl.sum(zero_acc, axis=1)
-    if SPLIT:
-        tl.store(part_ptr + pid_k * N + rows, y, mask=row_mask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+    _store_row(y, rows, row_mask, pid_k, N, bias_ptr, y_ptr, part_ptr, SPLIT, HAS_BIAS)
 
 
 # (a & 0x780000) | 0x3F800000 in one instruction (the compiler emits an and, then an or)
@@ -287,12 +294,7 @@ def _int4_gemv_rows_kernel(
         scale = tl.load(s_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
         zero = tl.load(z_ptr + sz, mask=sz_mask, other=0.0).to(tl.float32)
         y += tl.sum(scale * (16.0 * dot - (16.0 + zero) * x_group[None, :]), axis=1)
-    if SPLIT:
-        tl.store(part_ptr + pid_k * N + rows, y, mask=row_mask)
-    else:
-        if HAS_BIAS:
-            y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + rows, y.to(y_ptr.dtype.element_ty), mask=row_mask)
+    _store_row(y, rows, row_mask, pid_k, N, bias_ptr, y_ptr, part_ptr, SPLIT, HAS_BIAS)
 
 
 @triton.jit
