@@ -143,8 +143,8 @@ def reuse_gguf_name_maps() -> None:
 
 def rewrite_gguf(source: str | Path, folder: str | Path, recipe: int | str) -> Path:
     """The weights of the Llama-architecture GGUF file ``source``, decoded to float32 (Sonar's
-    reader: the same values transformers' GGUF loader gives, without its minutes of parsing on
-    a small machine), written again by Sonar's writer in ``recipe`` (a block type, or one of
+    reader: the same values transformers' GGUF loader gives, without its 20 s of parsing the
+    header twice on a small machine), written again by Sonar's writer in ``recipe`` (a block type, or one of
     llama.cpp's mixed recipes such as ``"Q4_K_M"``), the embedding quantized too and the
     tokenizer kept, as ``folder/model.gguf``: a real model in a format its publisher did not
     ship. The written file, not the source, is what the tests' transformers oracle reads."""

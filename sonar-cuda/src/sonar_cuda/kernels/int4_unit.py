@@ -425,9 +425,10 @@ def dot_takes(in_features: int, group_size: int) -> bool:
     return in_features % DOT_RUN == 0 and group_size % DOT_RUN == 0
 
 
-def _split_of(launch: Int4Launch, num_tiles: int, num_runs: int, device: torch.device) -> tuple[int, int]:
-    """``(split_k, runs per split)`` with no empty split."""
-    split = launch.split_k or choose_split(num_tiles, num_runs, num_sms(device))
+def _split_of(launch: Int4Launch, num_tiles: int, num_runs: int, device: torch.device, min_slice: int = 4) -> tuple[int, int]:
+    """``(split_k, runs per split)`` with no empty split (``min_slice``: the fewest runs a
+    chosen split leaves a slice)."""
+    split = launch.split_k or choose_split(num_tiles, num_runs, num_sms(device), min_slice)
     runs_per_split = triton.cdiv(num_runs, max(1, min(split, num_runs)))
     return triton.cdiv(num_runs, runs_per_split), runs_per_split
 
@@ -490,24 +491,19 @@ def int4_gemv_rows(
     group_size: int,
     bias: torch.Tensor | None = None,
     launch: Int4Launch = Int4Launch(block_n=8),
-    planes: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for one contiguous row ``x`` ``[1, K]`` (:func:`rows_words` takes
-    the shape), accumulated in float32, returned ``[1, N]`` in ``x``'s dtype; ``planes``: ``x``
-    already in :func:`x_planes`' order (made here otherwise)."""
+    the shape), accumulated in float32, returned ``[1, N]`` in ``x``'s dtype; ``x`` is first
+    copied in :func:`x_planes`' order."""
     n, kw = qweight.shape
     block_w = rows_words(kw * PACK, group_size, launch.num_warps)
     assert block_w is not None, f"int4_gemv_rows takes inputs in blocks of 32 and groups of whole steps (K={kw * PACK}, group {group_size})"
-    xp = x_planes(x) if planes is None else planes
     num_tiles = triton.cdiv(n, launch.block_n)
-    steps = triton.cdiv(kw, block_w)
-    split = min(launch.split_k or choose_split(num_tiles, steps, num_sms(x.device), min_slice=1), steps)
-    steps_per_split = triton.cdiv(steps, split)
-    split = triton.cdiv(steps, steps_per_split)
+    split, steps_per_split = _split_of(launch, num_tiles, triton.cdiv(kw, block_w), x.device, min_slice=1)
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
     partials = torch.empty(split, 1, n, dtype=torch.float32, device=x.device) if split > 1 else y
     _int4_gemv_rows_kernel[(num_tiles, split)](
-        xp, qweight, scales, qzeros, bias if bias is not None else scales, y, partials, n,
+        x_planes(x), qweight, scales, qzeros, bias if bias is not None else scales, y, partials, n,
         KW=kw, GROUP=group_size, WORDS_PER_SPLIT=steps_per_split * block_w, BLOCK_N=launch.block_n, BLOCK_W=block_w,
         SPLIT=split > 1, HAS_BIAS=bias is not None, ASM=x.is_cuda, num_warps=launch.num_warps, num_stages=1,
     )  # fmt: skip
